@@ -1,0 +1,1 @@
+"""HTTP service of slora (OpenAI-compatible routes, adapter admin, tenants, metrics)."""

@@ -1,0 +1,7 @@
+"""Kernels of slora: Triton kernels for CUDA, each beside a torch reference with the same signature.
+
+`slora.kernels.reference` holds the torch versions used by the CPU engine and by the tests.
+"""
+from slora.kernels.layout import ALIGN, align_up, LORA_MODULES
+
+__all__ = ["ALIGN", "align_up", "LORA_MODULES"]

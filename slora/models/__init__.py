@@ -1,0 +1,1 @@
+"""Model code of slora: our own implementations over the unified paged pool."""
