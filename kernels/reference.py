@@ -27,12 +27,14 @@ def kv_page_view(kv_pool: Tensor, page_size: int, num_kv_heads: int) -> Tensor:
 
 
 def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, page_size: int) -> None:
-    """Write key/value `[tokens, num_kv_heads, head_dim]` into their slots of `kv_pool`."""
+    """Write key/value `[tokens, num_kv_heads, head_dim]` into their slots of `kv_pool`. A negative
+    slot (a padding token) is skipped."""
     pages = kv_page_view(kv_pool, page_size, key.shape[1])
-    slot_mapping = slot_mapping.long()
+    keep = slot_mapping >= 0  # without this, slot -1 would silently overwrite the last page
+    slot_mapping = slot_mapping.long()[keep]
     page_ids, offsets = slot_mapping // page_size, slot_mapping % page_size
-    pages[page_ids, 0, offsets] = key.to(kv_pool.dtype)
-    pages[page_ids, 1, offsets] = value.to(kv_pool.dtype)
+    pages[page_ids, 0, offsets] = key[keep].to(kv_pool.dtype)
+    pages[page_ids, 1, offsets] = value[keep].to(kv_pool.dtype)
 
 
 def gather_sequence_kv(kv_pool: Tensor, block_table: Tensor, length: int, page_size: int,

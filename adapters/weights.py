@@ -1,0 +1,138 @@
+"""Loading a PEFT adapter folder from safetensors, with validation against the base model (DESIGN §5)."""
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from slora.adapters.config import AdapterConfig, load_adapter_config, qualified_module_name
+from slora.adapters.errors import AdapterError
+from slora.adapters.shapes import TargetShapes
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+_TENSOR_NAME = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One targeted projection of one layer: A `[rank, in_features]` and B `[out_features, rank]`."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """A validated adapter in host memory. `version` is the content hash of its config and weights."""
+
+    config: AdapterConfig
+    weights: dict[tuple[int, str], LoraWeights]   # (layer, module) -> weights
+    version: str
+
+    @property
+    def max_rank(self) -> int:
+        return max(w.rank for w in self.weights.values())
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return self.config.target_modules
+
+
+def load_adapter(path: str | Path, shapes: TargetShapes, max_lora_rank: int) -> LoadedAdapter:
+    """Read, validate and hash the PEFT adapter in folder `path`. Raises AdapterError."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AdapterError(f"adapter path is not a folder: {folder.name}")
+    config = load_adapter_config(folder, shapes.num_layers, max_lora_rank)
+    tensors = _read_safetensors(folder)
+    weights = _validate_weights(config, tensors, shapes)
+    return LoadedAdapter(config=config, weights=weights, version=content_hash(config, tensors))
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    weights_file = folder / WEIGHTS_FILE
+    if not weights_file.is_file():
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickled:
+            raise AdapterError(f"adapter weights must be in {WEIGHTS_FILE}; pickle files are never loaded "
+                               f"(found {', '.join(pickled)})")
+        raise AdapterError(f"adapter folder has no {WEIGHTS_FILE}")
+    try:
+        return load_file(str(weights_file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterError(f"{WEIGHTS_FILE} could not be read: {exc}") from None
+
+
+def _parse_tensor_name(name: str) -> tuple[int, str, str]:
+    match = _TENSOR_NAME.match(name)
+    if match is None:
+        raise AdapterError(f"tensor {name!r}: not a LoRA A/B weight of a decoder projection "
+                           "(DoRA magnitudes, biases, embeddings and lm_head are not supported)")
+    return int(match.group(1)), match.group(2), match.group(3)
+
+
+def _validate_weights(config: AdapterConfig, tensors: dict[str, torch.Tensor],
+                      shapes: TargetShapes) -> dict[tuple[int, str], LoraWeights]:
+    pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        layer, module, which = _parse_tensor_name(name)
+        if not (0 <= layer < shapes.num_layers and module in shapes.modules):
+            raise AdapterError(f"tensor {name!r}: the base model has no such module")
+        if not config.targets(layer, module):
+            raise AdapterError(f"tensor {name!r}: module not listed in target_modules/layers_to_transform")
+        pairs.setdefault((layer, module), {})[which] = (name, tensor)
+    _check_all_targets_present(config, pairs, shapes)
+    return {key: _check_pair(config, key, pair, shapes) for key, pair in sorted(pairs.items())}
+
+
+def _check_all_targets_present(config: AdapterConfig, pairs: dict, shapes: TargetShapes) -> None:
+    for layer in range(shapes.num_layers):
+        for module in shapes.modules:
+            if config.targets(layer, module) and len(pairs.get((layer, module), {})) != 2:
+                raise AdapterError(f"{WEIGHTS_FILE}: missing lora_A or lora_B for "
+                                   f"{qualified_module_name(layer, module)}")
+
+
+def _check_pair(config: AdapterConfig, key: tuple[int, str], pair: dict[str, tuple[str, torch.Tensor]],
+                shapes: TargetShapes) -> LoraWeights:
+    layer, module = key
+    qualified = qualified_module_name(layer, module)
+    rank = config.module_rank(qualified)
+    in_features, out_features = shapes.features(module)
+    (a_name, lora_a), (b_name, lora_b) = pair["A"], pair["B"]
+    _check_tensor(a_name, lora_a, (rank, in_features))
+    _check_tensor(b_name, lora_b, (out_features, rank))
+    return LoraWeights(lora_a=lora_a, lora_b=lora_b, scaling=config.module_scaling(qualified))
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, expected: tuple[int, int]) -> None:
+    if tuple(tensor.shape) != expected:
+        raise AdapterError(f"tensor {name!r}: shape {tuple(tensor.shape)} does not match the base model "
+                           f"and rank, expected {expected}")
+    if not tensor.is_floating_point():
+        raise AdapterError(f"tensor {name!r}: dtype {tensor.dtype} is not a floating-point type")
+    if not torch.isfinite(tensor).all():
+        raise AdapterError(f"tensor {name!r}: holds non-finite values (NaN or inf)")
+
+
+def content_hash(config: AdapterConfig, tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the canonical config and every tensor's name, dtype, shape and bytes."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps(config.canonical(), sort_keys=True).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        header = f"\0{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode()
+        digest.update(header)
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()

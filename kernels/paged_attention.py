@@ -1,0 +1,230 @@
+"""Triton decode attention over the paged KV pool (DESIGN §2, §4).
+
+Same signature and semantics as `slora.kernels.reference.paged_attention`, plus optional keyword
+arguments. Design:
+
+- One program per (sequence, KV head, context split). The `group = num_heads // num_kv_heads` query
+  heads that share a KV head are processed together as the rows of one `tl.dot`, padded to at least 16
+  rows so the matrix units are used, and every K/V tile is read once for the whole group.
+- Long contexts or small batches are split over the context (flash-decoding): each split writes its
+  normalised partial output and log-sum-exp, and a second kernel merges the splits. Each sequence's
+  own length is divided among the splits inside the kernel, so the grid depends only on host ints
+  (batch, heads, number of splits): nothing reads device memory on the host, and the launch can be
+  captured in a CUDA graph.
+- Softmax is computed in base 2 with `scale * log2(e)` folded into the scores.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_LOG2E = 1.4426950408889634
+# Below this many context tokens per split, the merge costs more than the parallelism brings.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+# Programs in flight we aim for, per multiprocessor, before splitting stops paying.
+_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _split_chunk(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Tokens each split of a sequence of `ctx_len` tokens handles, a multiple of BLOCK_N (>= BLOCK_N).
+    per_split = tl.cdiv(ctx_len, NUM_SPLITS)
+    return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, kv_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2,
+    stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+    page_elems,
+    PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(ctx_ptr + seq)
+    chunk = _split_chunk(ctx_len, NUM_SPLITS, BLOCK_N)
+    start = split * chunk
+    end = tl.minimum(start + chunk, ctx_len)
+    if NUM_SPLITS > 1:
+        if start >= ctx_len:
+            return  # this sequence is too short to reach this split; the merge skips it
+
+    rows = tl.arange(0, GROUP_PAD)                      # query heads of this KV head (padded)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None], other=0.0)      # [GROUP_PAD, HEAD_DIM]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)   # running max (base-2 scores)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)                  # running sum of exp2
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+    token_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    v_shift: tl.constexpr = PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM   # V follows K in a page
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        page = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        base = page * page_elems + (pos % PAGE_SIZE) * token_stride + kv_head * HEAD_DIM   # [BLOCK_N]
+        k = tl.load(kv_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(kv_ptr + base[:, None] + v_shift + dims[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # l_i == 0 only for an empty context (a padding row): write zeros, not NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        # part_out: [batch, num_heads, NUM_SPLITS, HEAD_DIM] fp32; part_lse: [batch, num_heads, NUM_SPLITS]
+        lse_idx = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split   # [GROUP_PAD]
+        tl.store(part_lse_ptr + lse_idx, m_i + tl.log2(l_i), mask=row_mask)
+        tl.store(part_out_ptr + lse_idx[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, ctx_ptr, out_ptr,
+    stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program per (sequence, query head): weighted sum of the splits' partial outputs.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx_len = tl.load(ctx_ptr + seq)
+    active = tl.cdiv(ctx_len, _split_chunk(ctx_len, NUM_SPLITS, BLOCK_N))   # splits that wrote
+    splits = tl.arange(0, SPLITS_PAD)
+    mask = splits < active
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + row, mask=mask, other=float("-inf"))      # [SPLITS_PAD]
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(mask, tl.exp2(lse - m), 0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=mask[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)   # [HEAD_DIM]
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_inputs(query: Tensor, kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor,
+                  page_size: int, num_kv_heads: int) -> None:
+    if query.dim() != 3:
+        raise ValueError(f"query must be [batch, num_heads, head_dim], got shape {tuple(query.shape)}")
+    batch, num_heads, head_dim = query.shape
+    if kv_pool.dim() != 2:
+        raise ValueError(f"kv_pool must be [num_pages, page_elems], got shape {tuple(kv_pool.shape)}")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
+    if not _is_power_of_two(head_dim) or not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    if kv_pool.shape[1] != 2 * page_size * num_kv_heads * head_dim:
+        raise ValueError(f"kv_pool page_elems {kv_pool.shape[1]} != 2 * page_size * num_kv_heads * head_dim "
+                         f"= {2 * page_size * num_kv_heads * head_dim}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [batch={batch}, max_blocks], got shape {tuple(block_tables.shape)}")
+    if context_lens.dim() != 1 or context_lens.shape[0] != batch:
+        raise ValueError(f"context_lens must be [batch={batch}], got shape {tuple(context_lens.shape)}")
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"query must be float16, bfloat16 or float32, got {query.dtype}")
+    if not kv_pool.is_floating_point():
+        raise ValueError(f"kv_pool must be floating point, got {kv_pool.dtype}")
+    devices = {t.device for t in (query, kv_pool, block_tables, context_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"query, kv_pool, block_tables and context_lens must be on one device, got {devices}")
+    if query.stride(2) != 1:
+        raise ValueError("query must be contiguous in head_dim (stride 1)")
+    if not kv_pool.is_contiguous() or not context_lens.is_contiguous() or block_tables.stride(1) != 1:
+        raise ValueError("kv_pool and context_lens must be contiguous, block_tables contiguous in its rows")
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter runs programs one by one: splitting only adds work
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
+    """Context splits per sequence: enough programs to fill the GPU, each split >= a few hundred tokens."""
+    programs = max(batch * num_kv_heads, 1)
+    wanted = math.ceil(_PROGRAMS_PER_SM * _multiprocessors(device) / programs)
+    useful = math.ceil(max(max_context_len, 1) / _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, _MAX_SPLITS))
+
+
+def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor,
+                    page_size: int, num_kv_heads: int, scale: float, *,
+                    max_context_len: int | None = None, num_splits: int | None = None,
+                    out: Tensor | None = None) -> Tensor:
+    """Decode attention: query `[batch, num_heads, head_dim]`, one token per sequence, attending to the
+    `context_lens[b]` tokens of `block_tables[b]` (its own token included). Returns `[batch, num_heads,
+    head_dim]` (written into `out` when given). A sequence with context length 0 gets zeros.
+
+    max_context_len: an upper bound on `context_lens` used only to choose the number of splits; defaults
+        to `block_tables.shape[1] * page_size`, so the host never reads device memory.
+    num_splits: force the number of context splits (1 = no split, no merge kernel).
+    """
+    _check_inputs(query, kv_pool, block_tables, context_lens, page_size, num_kv_heads)
+    batch, num_heads, head_dim = query.shape
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(2) != 1:
+        raise ValueError("out must have the shape, dtype and device of query and stride 1 in head_dim")
+    if batch == 0:
+        return out
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * page_size
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, query.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    group = num_heads // num_kv_heads
+    block_n = 64 if head_dim <= 128 else 32
+    if num_splits == 1:
+        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    else:
+        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        query, kv_pool, block_tables, context_lens, out, part_out, part_lse,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        kv_pool.shape[1],
+        PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(batch, num_heads)](
+            part_out, part_lse, context_lens, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
+            num_warps=4,
+        )
+    return out

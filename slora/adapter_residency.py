@@ -1,0 +1,80 @@
+"""Which adapter versions are resident in the pool, which are pinned, and LRU eviction of idle ones."""
+from dataclasses import dataclass, field
+
+from slora.page_pool import OutOfPages, PageAllocator
+from slora.sequence import AdapterRef
+
+
+@dataclass
+class ResidentAdapter:
+    version: str
+    pages: list[int]
+    pins: int = 0                  # running sequences that use it; pinned while > 0
+    last_used: int = 0             # scheduler step of the last pin or unpin, for LRU
+    retired: bool = False          # unloaded by the user: freed as soon as it is idle
+
+
+@dataclass
+class AdapterResidency:
+    allocator: PageAllocator
+    resident: dict[str, ResidentAdapter] = field(default_factory=dict)
+    num_loads: int = 0
+    num_evictions: int = 0
+
+    def is_resident(self, version: str) -> bool:
+        return version in self.resident
+
+    def idle_pages(self, exclude: str | None = None) -> int:
+        """Pages of resident adapters that no running sequence uses: reclaimable."""
+        return sum(len(a.pages) for v, a in self.resident.items() if a.pins == 0 and v != exclude)
+
+    def page_tables(self) -> dict[str, list[int]]:
+        return {v: a.pages for v, a in self.resident.items()}
+
+    def make_resident(self, ref: AdapterRef, step: int) -> list[int] | None:
+        """Allocate pages for `ref` if it is not resident (evicting idle adapters, LRU first).
+        Returns the new pages that must be filled with its weights, or None if already resident."""
+        if ref.version in self.resident:
+            return None
+        while self.allocator.num_free < ref.num_pages:
+            if not self.evict_one_idle(exclude=ref.version):
+                raise OutOfPages(f"adapter {ref.version[:12]} needs {ref.num_pages} pages")
+        pages = self.allocator.allocate_adapter(ref.version, ref.num_pages)
+        self.resident[ref.version] = ResidentAdapter(ref.version, pages, last_used=step)
+        self.num_loads += 1
+        return pages
+
+    def evict_one_idle(self, exclude: str | None = None) -> bool:
+        """Free the least recently used idle adapter; False if there is none."""
+        idle = [a for v, a in self.resident.items() if a.pins == 0 and v != exclude]
+        if not idle:
+            return False
+        self._free(min(idle, key=lambda a: a.last_used))
+        self.num_evictions += 1
+        return True
+
+    def pin(self, version: str, step: int) -> None:
+        adapter = self.resident[version]
+        adapter.pins += 1
+        adapter.last_used = step
+
+    def unpin(self, version: str, step: int) -> None:
+        adapter = self.resident[version]
+        assert adapter.pins > 0, f"adapter {version[:12]} unpinned more often than pinned"
+        adapter.pins -= 1
+        adapter.last_used = step
+        if adapter.pins == 0 and adapter.retired:
+            self._free(adapter)
+
+    def retire(self, version: str) -> None:
+        """The user unloaded this version: free its pages now if idle, else when the last user ends."""
+        adapter = self.resident.get(version)
+        if adapter is None:
+            return
+        adapter.retired = True
+        if adapter.pins == 0:
+            self._free(adapter)
+
+    def _free(self, adapter: ResidentAdapter) -> None:
+        del self.resident[adapter.version]
+        self.allocator.release_adapter(adapter.pages)

@@ -1,0 +1,53 @@
+"""Engine configuration, validated once at construction."""
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None                  # Hugging Face folder; None = the embedded default model
+    device: str = "cpu"
+    dtype: str | None = None                  # default: float32 on the CPU, bfloat16 on CUDA
+    page_size: int = 16
+    pool_gib: float = 0.25                    # pool size on the CPU
+    gpu_memory_utilization: float = 0.9       # share of GPU memory slora may use in total
+    num_pages: int | None = None              # overrides the sizing rules (tests, simulations)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_lora_rank: int = 64
+    max_model_len: int | None = None          # default: what the model supports
+    watermark: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} was asked for but CUDA is not available")
+        if self.dtype is None:
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.page_size < 8 or self.page_size > 128 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two from 8 to 128, got {self.page_size}")
+        if self.pool_gib <= 0:
+            raise ValueError(f"pool_gib must be positive, got {self.pool_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

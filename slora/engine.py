@@ -1,0 +1,244 @@
+"""The engine: requests in, one scheduled forward per step, outputs out (DESIGN §3)."""
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from slora.adapter_store import AdapterStore
+from slora.adapters.errors import AdapterError
+from slora.adapters.packing import pack_adapter
+from slora.adapters.registry import AdapterEntry, AdapterRegistry
+from slora.adapters.shapes import TargetShapes
+from slora.adapters.weights import load_adapter
+from slora.config import EngineConfig
+from slora.model_runner import ModelRunner, PoolShape
+from slora.models.config import ModelConfig
+from slora.models.loader import load_model
+from slora.outputs import CompletionOutput, RequestOutput
+from slora.page_pool import PageAllocator
+from slora.sampler import Sampler
+from slora.sampling_params import SamplingParams
+from slora.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from slora.sequence import AdapterRef, Sequence, SequenceStatus
+from slora.stopping import check_stop
+from slora.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownAdapterError(ValueError):
+    """The request names an adapter that does not exist or that the caller may not use."""
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    adapter_version: str | None
+    texts: list[str] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        samples = [CompletionOutput(s.sample_index, list(s.output_token_ids), self.texts[i], s.finish_reason)
+                   for i, s in enumerate(self.seqs)]
+        return RequestOutput(self.request_id, self.prompt_token_ids, samples, self.finished)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        from slora.embedded import ensure_embedded
+        self.config = config
+        embedded = ensure_embedded() if config.model is None else None
+        folder = Path(config.model) if config.model else embedded.model_dir
+        self.model = load_model(folder, config.torch_dtype, config.torch_device)
+        self.model_config: ModelConfig = self.model.config
+        self.model_name = folder.name if config.model else "slora-tiny-llama"
+        self.tokenizer = load_tokenizer(folder)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
+                                 self.model_config.max_model_len)
+        self.eos_token_ids = self._eos_token_ids()
+        self.shapes = TargetShapes(self.model_config.num_layers, self.model_config.hidden_size,
+                                   self.model_config.q_size, self.model_config.kv_size,
+                                   self.model_config.intermediate_size)
+        pool_shape = PoolShape(self.model_config.num_layers, self._num_pages(), config.page_size,
+                               self.model_config.num_kv_heads, self.model_config.head_dim)
+        self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.page_size, config.watermark),
+                                   PageAllocator(pool_shape.num_pages, config.page_size))
+        self.sampler = Sampler(config.seed)
+        self.registry = AdapterRegistry()
+        self.store = AdapterStore()
+        self.requests: dict[str, RequestState] = {}
+        self._next_seq_id = 0
+        if embedded is not None:
+            for name, path in embedded.adapters.items():
+                self.load_adapter(name, path, public=True)
+
+    # ---- sizing -------------------------------------------------------------------------------------
+    def _page_bytes(self) -> int:
+        cfg = self.model_config
+        elem = torch.empty((), dtype=self.config.torch_dtype).element_size()
+        return cfg.num_layers * 2 * self.config.page_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _num_pages(self) -> int:
+        if self.config.num_pages is not None:
+            return self.config.num_pages
+        if self.config.device == "cpu":
+            return max(1, int(self.config.pool_gib * 2 ** 30) // self._page_bytes())
+        free, total = torch.cuda.mem_get_info(self.config.torch_device)
+        budget = total * self.config.gpu_memory_utilization - (total - free)
+        return max(1, int(budget) // self._page_bytes())
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ---- adapters -----------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str | Path, owner: str | None = None,
+                     public: bool = False) -> AdapterEntry:
+        """Validate and pack a PEFT folder and register it under `name`. Raises AdapterError."""
+        if not name or not isinstance(name, str):
+            raise AdapterError("adapter name must be a non-empty string")
+        loaded = load_adapter(path, self.shapes, self.config.max_lora_rank)
+        packed = pack_adapter(loaded, self.shapes, self.runner.shape.page_elems, self.config.torch_dtype)
+        usable = self.scheduler.allocator.num_pages - self.scheduler.watermark_pages
+        if packed.num_pages >= usable:
+            raise AdapterError(f"adapter needs {packed.num_pages} pages but the pool has only {usable} usable")
+        self.store.add(loaded, packed)
+        entry = AdapterEntry(name, loaded.version, owner, public)
+        self.registry.register(entry)
+        self._collect_adapters()
+        logger.info("adapter %s loaded as version %s (%d pages)", name, loaded.version[:12], packed.num_pages)
+        return entry
+
+    def unload_adapter(self, name: str, owner: str | None = None) -> None:
+        """Forget the name; running requests on it finish, then its pages are freed."""
+        if self.registry.unregister(name, owner) is None:
+            raise UnknownAdapterError(f"adapter {name!r} does not exist")
+        self._collect_adapters()
+
+    def _collect_adapters(self) -> None:
+        for version in self.store.collect(self.registry.versions_in_use()):
+            self.scheduler.adapters.retire(version)
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    adapter: str | None = None, owner: str | None = None) -> None:
+        """Queue a request. Raises ValueError (UnknownAdapterError for a bad adapter) on bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_prompt(prompt_token_ids)
+        version, ref = self._resolve_adapter(adapter, owner)
+        self._check_fits(len(prompt_token_ids), ref)
+        if version is not None:
+            self.store.acquire(version)
+        seqs = [self._new_seq(request_id, prompt_token_ids, params, ref, i) for i in range(params.n)]
+        self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), seqs, version,
+                                                 [""] * params.n)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _new_seq(self, request_id: str, prompt: list[int], params: SamplingParams, ref: AdapterRef | None,
+                 index: int) -> Sequence:
+        self._next_seq_id += 1
+        return Sequence(self._next_seq_id, request_id, list(prompt), params, ref, sample_index=index)
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is "
+                             f"{self.max_model_len} tokens, including at least one generated")
+
+    def _resolve_adapter(self, name: str | None, owner: str | None) -> tuple[str | None, AdapterRef | None]:
+        if name is None:
+            return None, None
+        entry = self.registry.resolve(name, owner)
+        if entry is None:
+            raise UnknownAdapterError(f"adapter {name!r} does not exist")
+        return entry.version, AdapterRef(entry.version, self.store.versions[entry.version].packed.num_pages)
+
+    def _check_fits(self, prompt_len: int, ref: AdapterRef | None) -> None:
+        pages = -(-(prompt_len + 1) // self.config.page_size) + (ref.num_pages if ref else 0)
+        usable = self.scheduler.allocator.num_pages - self.scheduler.watermark_pages
+        if pages > usable:
+            raise ValueError(f"the request needs {pages} pages but the pool has only {usable} usable")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; None if it is not running."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.finish(seq, "abort")
+        return self._finalize(state)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; outputs of the requests that changed."""
+        out = self.scheduler.schedule()
+        touched: dict[str, RequestState] = {}
+        for seq in out.rejected:
+            self.scheduler.finish(seq, "length")
+            touched[seq.request_id] = self.requests[seq.request_id]
+        for version, pages in out.adapters_to_load:
+            self.runner.load_adapter(self.store.versions[version].packed, pages)
+        if out.scheduled:
+            self._run(out, touched)
+        return [self._finalize(state) for state in touched.values()]
+
+    def _run(self, out: SchedulerOutput, touched: dict[str, RequestState]) -> None:
+        resident = self.scheduler.adapters.resident
+        versions = {i.seq.adapter.version for i in out.scheduled if i.seq.adapter}
+        adapters = {v: (self.store.versions[v].packed, resident[v].pages) for v in versions}
+        logits = self.runner.run(out.scheduled, adapters)
+        completing = [item.seq for item in out.scheduled if item.completes]
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+        for seq, token in zip(completing, self.sampler(logits, completing)):
+            self._append_token(seq, token)
+            touched[seq.request_id] = self.requests[seq.request_id]
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.output_token_ids.append(token)
+        state = self.requests[seq.request_id]
+        index = state.seqs.index(seq)
+        result = check_stop(seq, self._decode(seq.output_token_ids), self.eos_token_ids, self.max_model_len)
+        state.texts[index] = result.text
+        if result.reason is not None:
+            self.scheduler.finish(seq, result.reason)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _finalize(self, state: RequestState) -> RequestOutput:
+        output = state.output()
+        if state.finished:
+            del self.requests[state.request_id]
+            if state.adapter_version is not None:
+                self.store.release(state.adapter_version)
+                self._collect_adapters()
+        return output
+
+    # ---- introspection ------------------------------------------------------------------------------
+    def pool_stats(self) -> dict[str, int]:
+        return self.scheduler.allocator.stats().as_dict()
+
+    def check(self) -> None:
+        """Assert the pool's invariants (tests call it after every scenario)."""
+        self.scheduler.check()

@@ -1,0 +1,67 @@
+"""The flat batch of one engine step, as the model sees it, and the per-step LoRA table."""
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+
+class AttentionOps(Protocol):
+    """The attention kernels the model calls; references on the CPU, Triton on CUDA."""
+
+    def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
+                 page_size: int) -> None: ...
+
+    def attend(self, query: Tensor, kv_pool: Tensor, batch: "ForwardBatch", num_kv_heads: int,
+               scale: float) -> Tensor: ...
+
+
+class LoraOps(Protocol):
+    def lora_shrink(self, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
+                    a_offsets: Tensor, max_rank: int) -> Tensor: ...
+
+    def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
+                    ranks: Tensor, b_offsets: Tensor, scalings: Tensor) -> None: ...
+
+
+@dataclass
+class LoraBatch:
+    """The adapters of one step. Slot s is the s-th distinct adapter version of the step; tables are
+    `[num_layers, num_modules, num_slots]` and `page_tables` `[num_slots, max_adapter_pages]`."""
+
+    token_slots: Tensor     # [tokens] int32, -1 = no adapter
+    page_tables: Tensor     # int32
+    ranks: Tensor           # int32
+    a_offsets: Tensor       # int64
+    b_offsets: Tensor       # int64
+    scalings: Tensor        # float32
+    max_rank: int
+    ops: LoraOps
+    active: list[list[bool]]   # [layer][module]: whether any adapter of the step targets it (host side)
+
+    def apply(self, layer: int, module: int, x: Tensor, out: Tensor, pool: Tensor) -> None:
+        """out += LoRA(x) for module `module` of layer `layer`, each token through its own adapter."""
+        if not self.active[layer][module]:
+            return
+        ranks = self.ranks[layer, module]
+        h = self.ops.lora_shrink(x, pool, self.token_slots, self.page_tables, ranks,
+                                 self.a_offsets[layer, module], self.max_rank)  # [tokens, max_rank]
+        self.ops.lora_expand(out, h, pool, self.token_slots, self.page_tables, ranks,
+                             self.b_offsets[layer, module], self.scalings[layer, module])
+
+
+@dataclass
+class ForwardBatch:
+    """Tokens of all scheduled sequences, concatenated. Sequence s owns rows
+    `query_start_loc[s]:query_start_loc[s+1]`, the last of its `context_lens[s]` tokens."""
+
+    input_ids: Tensor           # [tokens] int64
+    positions: Tensor           # [tokens] int64
+    slot_mapping: Tensor        # [tokens] int64, page * page_size + offset
+    block_tables: Tensor        # [seqs, max_pages] int32
+    query_start_loc: Tensor     # [seqs + 1] int32
+    context_lens: Tensor        # [seqs] int32
+    sample_indices: Tensor      # [sampled] int64, rows whose logits are wanted
+    page_size: int
+    max_query_len: int
+    max_context_len: int
+    lora: LoraBatch | None = None

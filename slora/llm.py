@@ -1,0 +1,76 @@
+"""The offline API (DESIGN §6): `LLM(...).generate(prompts, params, adapters=...)`."""
+import itertools
+from collections.abc import Sequence as Seq
+
+from slora.config import EngineConfig
+from slora.engine import Engine
+from slora.outputs import RequestOutput
+from slora.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Offline batched generation over the engine. Keyword arguments are those of EngineConfig."""
+
+    def __init__(self, model: str | None = None, **kwargs: object) -> None:
+        self.engine = Engine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer or None
+        return self.engine.tokenizer
+
+    def load_adapter(self, name: str, path: str) -> str:
+        """Load a PEFT folder under `name`; returns its version (content hash)."""
+        return self.engine.load_adapter(name, path).version
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
+
+    def pool_stats(self) -> dict[str, int]:
+        return self.engine.pool_stats()
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 adapters: Seq[str | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); one output per prompt, in order."""
+        prompts = self._as_prompt_list(prompts)
+        params_list = self._broadcast(params or SamplingParams(), len(prompts), "params")
+        adapter_list = self._broadcast(adapters, len(prompts), "adapters") if adapters is not None \
+            else [None] * len(prompts)
+        ids = [self._submit(p, sp, a) for p, sp, a in zip(prompts, params_list, adapter_list)]
+        finished: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished():
+                finished.update({o.request_id: o for o in self.engine.step() if o.finished})
+        finally:
+            for request_id in ids:
+                if request_id not in finished:
+                    self.engine.abort(request_id)
+        return [finished[i] for i in ids]
+
+    def _submit(self, prompt: Prompt, params: SamplingParams, adapter: str | None) -> str:
+        request_id = f"offline-{next(self._ids)}"
+        self.engine.add_request(request_id, self.encode(prompt), params, adapter)
+        return request_id
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    @staticmethod
+    def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    @staticmethod
+    def _broadcast(value: object, count: int, name: str) -> list:
+        if isinstance(value, (list, tuple)):
+            if len(value) != count:
+                raise ValueError(f"{name}: got {len(value)} entries for {count} prompts")
+            return list(value)
+        return [value] * count

@@ -1,0 +1,60 @@
+"""Building a model from a Hugging Face folder: config.json + model.safetensors (or sharded)."""
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from slora.models.config import UnsupportedModelError, load_model_config
+from slora.models.llama import LlamaForCausalLM
+from slora.models.rope import RotaryEmbedding
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / shard for shard in shards]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise UnsupportedModelError(f"model folder {folder} has no model.safetensors or "
+                                "model.safetensors.index.json (pickled weights are never loaded)")
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(folder):
+        state.update(load_file(str(file)))
+    return state
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Our own model, with the checkpoint's weights, in `dtype` on `device`."""
+    folder = Path(folder)
+    config = load_model_config(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = read_state_dict(folder)
+    if config.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    state = {name: tensor.to(dtype) for name, tensor in state.items()}
+    _check_state_names(model, state)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.rotary = RotaryEmbedding(config.rope, config.head_dim)   # rebuilt off the meta device
+    return model.to(device).eval()
+
+
+def _check_state_names(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state))
+    if missing:
+        raise UnsupportedModelError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+    unexpected = sorted(n for n in set(state) - expected if "rotary_emb" not in n)
+    if unexpected:
+        raise UnsupportedModelError(f"checkpoint has weights this architecture does not use: "
+                                    f"{', '.join(unexpected[:5])}")
+    for name, param in model.state_dict().items():
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise UnsupportedModelError(f"weight {name}: shape {tuple(state[name].shape)} does not match "
+                                        f"config.json, expected {tuple(param.shape)}")

@@ -1,0 +1,34 @@
+"""What `LLM.generate` and `Engine.step` return."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None          # "stop" | "length" | "abort" | None while running
+
+
+@dataclass
+class RequestOutput:
+    """One request. `token_ids`, `text` and `finish_reason` are those of its first sample; all samples
+    (n > 1) are in `outputs`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

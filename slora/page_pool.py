@@ -1,0 +1,138 @@
+"""Host-side bookkeeping of the unified page pool (DESIGN §2). No torch here: the same allocator runs in
+the engine and in the simulator. The pool tensor itself lives in the model runner.
+
+Every page is exactly one of: free; KV of live sequences (refcounted); cached KV (refcount 0, kept for
+prefix reuse, evictable); adapter weights (owned by one resident adapter version).
+"""
+import enum
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+class PageOwner(enum.Enum):
+    FREE = "free"
+    KV = "kv"
+    CACHED = "cached"
+    ADAPTER = "adapter"
+
+
+class OutOfPages(RuntimeError):
+    """Raised when a page is requested and none is free; callers reclaim or preempt first."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    total_pages: int
+    free_pages: int
+    kv_pages: int
+    cached_pages: int
+    adapter_pages: int
+    page_size: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class PageAllocator:
+    """One free list and an owner and refcount per page, shared by KV and adapter weights."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"the pool needs at least one page, got num_pages={num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: deque[int] = deque(range(num_pages))
+        self._owner = [PageOwner.FREE] * num_pages
+        self._refcount = [0] * num_pages
+        self._adapter_of_page: dict[int, str] = {}
+        # Cached KV pages in least-recently-used order (oldest first); filled by the prefix cache.
+        self._cached: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def owner(self, page: int) -> PageOwner:
+        return self._owner[page]
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+    def _take_free(self, owner: PageOwner) -> int:
+        if not self._free:
+            raise OutOfPages("no free page in the pool")
+        page = self._free.popleft()
+        self._owner[page] = owner
+        return page
+
+    def _give_back(self, page: int) -> None:
+        self._owner[page] = PageOwner.FREE
+        self._refcount[page] = 0
+        self._free.append(page)
+
+    def allocate_kv(self) -> int:
+        """One page for the KV of a live sequence, with refcount 1."""
+        page = self._take_free(PageOwner.KV)
+        self._refcount[page] = 1
+        return page
+
+    def share_kv(self, page: int) -> None:
+        """One more block table references `page` (a fork or a prefix hit)."""
+        assert self._owner[page] is PageOwner.KV, f"page {page} is not live KV"
+        self._refcount[page] += 1
+
+    def release_kv(self, page: int) -> None:
+        """A block table drops `page`; the last reference frees it."""
+        assert self._owner[page] is PageOwner.KV and self._refcount[page] > 0, f"page {page} is not live KV"
+        self._refcount[page] -= 1
+        if self._refcount[page] == 0:
+            self._give_back(page)
+
+    def allocate_adapter(self, version: str, count: int) -> list[int]:
+        """`count` pages for the weights of adapter `version`; all or nothing."""
+        if count > len(self._free):
+            raise OutOfPages(f"adapter needs {count} pages, {len(self._free)} are free")
+        pages = [self._take_free(PageOwner.ADAPTER) for _ in range(count)]
+        for page in pages:
+            self._adapter_of_page[page] = version
+        return pages
+
+    def release_adapter(self, pages: list[int]) -> None:
+        for page in pages:
+            assert self._owner[page] is PageOwner.ADAPTER, f"page {page} holds no adapter"
+            del self._adapter_of_page[page]
+            self._give_back(page)
+
+    def stats(self) -> PoolStats:
+        counts = {owner: 0 for owner in PageOwner}
+        for owner in self._owner:
+            counts[owner] += 1
+        return PoolStats(self.num_pages, counts[PageOwner.FREE], counts[PageOwner.KV],
+                         counts[PageOwner.CACHED], counts[PageOwner.ADAPTER], self.page_size)
+
+    def check(self, block_tables: list[list[int]], adapter_page_tables: dict[str, list[int]]) -> None:
+        """Verify every invariant of the pool against the holders' view; raises AssertionError."""
+        expected_refs = [0] * self.num_pages
+        for table in block_tables:
+            for page in table:
+                expected_refs[page] += 1
+        adapter_of_page = {p: v for v, pages in adapter_page_tables.items() for p in pages}
+        for page in range(self.num_pages):
+            self._check_page(page, expected_refs[page], adapter_of_page.get(page))
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        assert all(self._owner[p] is PageOwner.CACHED for p in self._cached), "cached list has a non-cached page"
+        stats = self.stats()
+        assert stats.free_pages == len(self._free), "free list and owners disagree"
+        assert stats.free_pages + stats.kv_pages + stats.cached_pages + stats.adapter_pages == self.num_pages
+
+    def _check_page(self, page: int, expected_refs: int, adapter_version: str | None) -> None:
+        owner = self._owner[page]
+        assert self._refcount[page] == expected_refs, \
+            f"page {page}: refcount {self._refcount[page]} but {expected_refs} block tables hold it"
+        assert (owner is PageOwner.KV) == (expected_refs > 0), f"page {page} is {owner.value} with {expected_refs} refs"
+        assert (owner is PageOwner.ADAPTER) == (adapter_version is not None), \
+            f"page {page} is {owner.value} but adapter holder is {adapter_version}"
+        if adapter_version is not None:
+            assert self._adapter_of_page.get(page) == adapter_version, f"page {page} owned by the wrong adapter"
+        assert (owner is PageOwner.FREE) == (page in self._free), f"page {page} is {owner.value}, free-list disagrees"

@@ -1,0 +1,55 @@
+"""A sequence: one sample of one request, as the scheduler and the model runner see it."""
+import enum
+from dataclasses import dataclass, field
+
+from slora.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """The adapter version a sequence runs on, and how many pool pages its weights take."""
+
+    version: str
+    num_pages: int
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: AdapterRef | None = None
+    sample_index: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0          # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def seed(self) -> int | None:
+        return self.params.sample_seed(self.sample_index)
+
+    def pages_needed(self, num_tokens: int, page_size: int) -> int:
+        """Pages to add to the block table so that `num_tokens` tokens have slots."""
+        return max(0, -(-num_tokens // page_size) - len(self.block_table))

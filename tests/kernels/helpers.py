@@ -1,0 +1,127 @@
+"""Builders of random kernel inputs in the unified pool layout (DESIGN §2).
+
+Every pool starts filled with NaN and only the elements a kernel may read are written with random
+values, so a kernel that reads past a context length, past an adapter's rank, into the alignment
+padding of a row or through an unused block-table entry produces NaN and fails its test. Page 0 is
+never handed out and padding entries of block/page tables point at it.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from slora.kernels.layout import align_up
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: str = "cpu") -> Tensor:
+    """Random normal tensor drawn on the CPU (reproducible), then moved."""
+    return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def nan_pool(num_pages: int, page_elems: int, dtype: torch.dtype, device: str = "cpu") -> Tensor:
+    return torch.full((num_pages, page_elems), float("nan"), dtype=dtype, device=device)
+
+
+@dataclass
+class PagedKV:
+    kv_pool: Tensor        # [num_pages, 2 * page_size * num_kv_heads * head_dim]
+    block_tables: Tensor   # [batch, max_blocks] int32, padding entries = 0 (the NaN page)
+    context_lens: Tensor   # [batch] int32
+
+
+def make_paged_kv(context_lens: list[int], page_size: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, gen: torch.Generator, device: str = "cpu",
+                  extra_blocks: int = 1) -> PagedKV:
+    """A pool holding random K/V for sequences of the given lengths on randomly permuted pages.
+
+    Slots past each sequence's length stay NaN. `extra_blocks` padding columns are added to the block
+    table so kernels cannot infer lengths from its width."""
+    blocks = [-(-n // page_size) for n in context_lens]
+    num_pages = 1 + sum(blocks)
+    page_elems = 2 * page_size * num_kv_heads * head_dim
+    pool = nan_pool(num_pages, page_elems, dtype)
+    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 stays unused
+    max_blocks = max(blocks, default=0) + extra_blocks
+    tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    pages = pool.view(num_pages, 2, page_size, num_kv_heads, head_dim)
+    for b, (n, nb) in enumerate(zip(context_lens, blocks)):
+        ids, perm = perm[:nb], perm[nb:]
+        tables[b, :nb] = torch.tensor(ids, dtype=torch.int32)
+        pos = torch.arange(n)
+        page_of = torch.tensor(ids, dtype=torch.long)[pos // page_size]
+        pages[page_of, :, pos % page_size] = randn((n, 2, num_kv_heads, head_dim), dtype, gen)
+    return PagedKV(pool.to(device), tables.to(device), torch.tensor(context_lens, dtype=torch.int32, device=device))
+
+
+@dataclass
+class LoraBatch:
+    pool: Tensor          # [num_pages, page_elems], NaN outside the adapters' rows
+    page_tables: Tensor   # [slots, max_pages] int32, padding entries = 0 (the NaN page)
+    ranks: Tensor         # [slots] int32
+    a_offsets: Tensor     # [slots] int64, element offset of A's first row in the logical buffer
+    b_offsets: Tensor     # [slots] int64, element offset of Bᵀ's first row
+    scalings: Tensor      # [slots] float32
+    lora_a: list[Tensor]  # per slot, A [rank, in_features] as written
+    lora_bt: list[Tensor]  # per slot, Bᵀ [rank, out_features] as written
+
+
+def _adapter_buffer(rank: int, in_features: int, out_features: int, lead: int) -> tuple[int, int, int]:
+    """(a_offset, b_offset, total elements) of one module laid out after `lead` elements of other data."""
+    a_offset = lead
+    b_offset = a_offset + rank * align_up(in_features)
+    return a_offset, b_offset, b_offset + rank * align_up(out_features)
+
+
+def make_lora_batch(ranks: list[int], in_features: int, out_features: int, page_elems: int,
+                    dtype: torch.dtype, gen: torch.Generator, device: str = "cpu",
+                    weight_scale: float = 0.1) -> LoraBatch:
+    """Pack one random A / Bᵀ per slot (rank 0 = slot without this module) into a NaN pool.
+
+    Each adapter's logical buffer starts with a random multiple of ALIGN of other data (as if earlier
+    modules were packed first) and is split over randomly permuted, non-contiguous pages."""
+    assert page_elems % align_up(1) == 0, "page_elems must be a multiple of ALIGN"
+    layouts = []
+    for r in ranks:
+        lead = align_up(1) * int(torch.randint(0, 4, (1,), generator=gen))
+        layouts.append(_adapter_buffer(r, in_features, out_features, lead))
+    pages_per_slot = [max(1, -(-total // page_elems)) for _, _, total in layouts]
+    # Twice the needed pages, so the ones in use are scattered among unused (NaN) ones.
+    num_pages = 1 + 2 * sum(pages_per_slot)
+    pool = nan_pool(num_pages, page_elems, dtype)
+    free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(ranks), max(pages_per_slot), dtype=torch.int32)
+    lora_a, lora_bt = [], []
+    for s, (r, (a_off, b_off, _)) in enumerate(zip(ranks, layouts)):
+        ids, free = free[:pages_per_slot[s]], free[pages_per_slot[s]:]
+        tables[s, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        a = randn((r, in_features), dtype, gen) * weight_scale
+        bt = randn((r, out_features), dtype, gen) * weight_scale
+        _write_rows(pool, ids, a_off, a)
+        _write_rows(pool, ids, b_off, bt)
+        lora_a.append(a)
+        lora_bt.append(bt)
+    scalings = torch.rand(len(ranks), generator=gen) + 0.5
+    return LoraBatch(pool.to(device), tables.to(device), torch.tensor(ranks, dtype=torch.int32, device=device),
+                     torch.tensor([a for a, _, _ in layouts], dtype=torch.int64, device=device),
+                     torch.tensor([b for _, b, _ in layouts], dtype=torch.int64, device=device),
+                     scalings.to(device), lora_a, lora_bt)
+
+
+def _write_rows(pool: Tensor, page_ids: list[int], offset: int, rows: Tensor) -> None:
+    """Write rows of a matrix into a logical buffer at `offset`, each row at a multiple of ALIGN."""
+    page_elems = pool.shape[1]
+    num_rows, row_len = rows.shape
+    elems = offset + torch.arange(num_rows)[:, None] * align_up(row_len) + torch.arange(row_len)[None, :]
+    pool[torch.tensor(page_ids, dtype=torch.long)[elems // page_elems], elems % page_elems] = rows
+
+
+def random_token_slots(num_tokens: int, num_slots: int, gen: torch.Generator, no_adapter_frac: float = 0.25,
+                       device: str = "cpu") -> Tensor:
+    """int32 [num_tokens] slots in [-1, num_slots), about `no_adapter_frac` of them -1."""
+    slots = torch.randint(0, num_slots, (num_tokens,), generator=gen)
+    none = torch.rand(num_tokens, generator=gen) < no_adapter_frac
+    return slots.masked_fill(none, -1).to(torch.int32).to(device)
