@@ -125,3 +125,17 @@ def random_token_slots(num_tokens: int, num_slots: int, gen: torch.Generator, no
     slots = torch.randint(0, num_slots, (num_tokens,), generator=gen)
     none = torch.rand(num_tokens, generator=gen) < no_adapter_frac
     return slots.masked_fill(none, -1).to(torch.int32).to(device)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """atol/rtol for comparing a kernel in `dtype` with the torch reference."""
+    return {torch.float32: dict(atol=1e-4, rtol=1e-4),
+            torch.float16: dict(atol=1e-2, rtol=1e-2),
+            torch.bfloat16: dict(atol=5e-2, rtol=3e-2)}[dtype]
+
+
+def assert_close(actual: Tensor, expected: Tensor) -> None:
+    """Compare in float32 with the tolerance of `actual`'s dtype; NaN never passes."""
+    assert not torch.isnan(actual).any(), "kernel output holds NaN (read outside the valid data?)"
+    torch.testing.assert_close(actual.float(), expected.float(), **tolerance(actual.dtype))
+

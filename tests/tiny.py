@@ -1,0 +1,74 @@
+"""Tiny random-weight models and PEFT adapters for tests, and the transformers + PEFT oracle."""
+from pathlib import Path
+
+import torch
+
+from slora.embedded import build_demo_adapter, build_tiny_model
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, targets, alpha, seed, extra LoraConfig fields)
+TEST_ADAPTERS = {
+    "attn-r4": (4, ["q_proj", "k_proj", "v_proj", "o_proj"], 8, 11, {}),
+    "mlp-r8": (8, ["gate_proj", "up_proj", "down_proj"], 16, 12, {}),
+    "all-r16": (16, ALL, 32, 13, {}),
+    "rs-pattern": (8, ALL, 16, 14, {"use_rslora": True, "rank_pattern": {"q_proj": 4, "down_proj": 12},
+                                    "alpha_pattern": {"v_proj": 32}}),
+}
+ARCH_OVERRIDES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {}}
+
+
+def make_model(root: Path, architecture: str = "llama", seed: int = 0, **overrides: object) -> Path:
+    folder = root / f"model-{architecture}"
+    build_tiny_model(folder, seed=seed, architecture=architecture, num_hidden_layers=2,
+                     **{**ARCH_OVERRIDES[architecture], **overrides})
+    return folder
+
+
+def make_adapters(model_dir: Path, root: Path, names: list[str] | None = None) -> dict[str, Path]:
+    paths = {}
+    for name in names or list(TEST_ADAPTERS):
+        rank, targets, alpha, seed, extra = TEST_ADAPTERS[name]
+        paths[name] = root / name
+        build_demo_adapter(model_dir, paths[name], rank, targets, alpha, seed, **extra)
+    return paths
+
+
+def random_prompts(lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def oracle_greedy(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
+                  adapter_names: list[str | None], max_new_tokens: int) -> list[list[int]]:
+    """Greedy tokens from transformers + PEFT, all prompts in one left-padded batch with per-row
+    adapters through `adapter_names` (float32 on the CPU, no EOS stop)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    names = list(adapters)
+    if names:
+        model = PeftModel.from_pretrained(model, str(adapters[names[0]]), adapter_name=names[0])
+        for name in names[1:]:
+            model.load_adapter(str(adapters[name]), adapter_name=name)
+        model.eval()
+    rows = [list(p) for p in prompts]
+    for _ in range(max_new_tokens):
+        logits = _forward_padded(model, rows, [n or "__base__" for n in adapter_names], bool(names))
+        for row, token in zip(rows, logits.argmax(-1).tolist()):
+            row.append(token)
+    return [row[len(p):] for row, p in zip(rows, prompts)]
+
+
+def _forward_padded(model, rows: list[list[int]], adapter_names: list[str], with_peft: bool) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    kwargs = {"adapter_names": adapter_names} if with_peft else {}
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **kwargs)
+    return out.logits[:, -1, :]
