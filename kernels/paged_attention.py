@@ -169,10 +169,10 @@ def _multiprocessors(device: torch.device) -> int:
     return 1  # the interpreter runs programs one by one: splitting only adds work
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, multiprocessors: int) -> int:
     """Context splits per sequence: enough programs to fill the GPU, each split >= a few hundred tokens."""
     programs = max(batch * num_kv_heads, 1)
-    wanted = math.ceil(_PROGRAMS_PER_SM * _multiprocessors(device) / programs)
+    wanted = math.ceil(_PROGRAMS_PER_SM * multiprocessors / programs)
     useful = math.ceil(max(max_context_len, 1) / _MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, _MAX_SPLITS))
 
@@ -200,7 +200,7 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * page_size
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, query.device)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, _multiprocessors(query.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     group = num_heads // num_kv_heads

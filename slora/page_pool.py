@@ -117,16 +117,16 @@ class PageAllocator:
             for page in table:
                 expected_refs[page] += 1
         adapter_of_page = {p: v for v, pages in adapter_page_tables.items() for p in pages}
-        for page in range(self.num_pages):
-            self._check_page(page, expected_refs[page], adapter_of_page.get(page))
         free = set(self._free)
         assert len(free) == len(self._free), "a page is on the free list twice"
+        for page in range(self.num_pages):
+            self._check_page(page, expected_refs[page], adapter_of_page.get(page), page in free)
         assert all(self._owner[p] is PageOwner.CACHED for p in self._cached), "cached list has a non-cached page"
         stats = self.stats()
         assert stats.free_pages == len(self._free), "free list and owners disagree"
         assert stats.free_pages + stats.kv_pages + stats.cached_pages + stats.adapter_pages == self.num_pages
 
-    def _check_page(self, page: int, expected_refs: int, adapter_version: str | None) -> None:
+    def _check_page(self, page: int, expected_refs: int, adapter_version: str | None, on_free_list: bool) -> None:
         owner = self._owner[page]
         assert self._refcount[page] == expected_refs, \
             f"page {page}: refcount {self._refcount[page]} but {expected_refs} block tables hold it"
@@ -135,4 +135,4 @@ class PageAllocator:
             f"page {page} is {owner.value} but adapter holder is {adapter_version}"
         if adapter_version is not None:
             assert self._adapter_of_page.get(page) == adapter_version, f"page {page} owned by the wrong adapter"
-        assert (owner is PageOwner.FREE) == (page in self._free), f"page {page} is {owner.value}, free-list disagrees"
+        assert (owner is PageOwner.FREE) == on_free_list, f"page {page} is {owner.value}, free-list disagrees"

@@ -6,3 +6,24 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@dataclass
+class TinySetup:
+    model_dir: Path
+    adapters: dict[str, Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> TinySetup:
+    """A 2-layer random Llama with the four test adapters of tests/tiny.py (made once per session)."""
+    from tiny import make_adapters, make_model
+
+    root = tmp_path_factory.mktemp("tiny-llama")
+    model_dir = make_model(root, "llama", seed=5)
+    return TinySetup(model_dir, make_adapters(model_dir, root))

@@ -17,6 +17,9 @@ def family(request, tmp_path_factory):
     # every adapter, and base-only rows, mixed in one batch
     names = [None, *TEST_ADAPTERS, None, "all-r16", "attn-r4"][:len(prompts)]
     expected = oracle_greedy(model_dir, adapters, prompts, names, NEW_TOKENS)
+    base_only = oracle_greedy(model_dir, {}, prompts, [None] * len(prompts), NEW_TOKENS)
+    changed = [e != b for e, b, n in zip(expected, base_only, names) if n is not None]
+    assert sum(changed) >= len(changed) - 1, "the test adapters should change most outputs"
     return model_dir, adapters, prompts, names, expected
 
 

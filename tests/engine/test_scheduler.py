@@ -1,0 +1,114 @@
+"""The scheduler and page pool on their own, driven by a step-cost function (no model)."""
+import pytest
+
+from slora.page_pool import PageAllocator, PageOwner
+from slora.scheduler import Scheduler, SchedulerConfig
+from slora.sequence import AdapterRef, Sequence
+from slora.sampling_params import SamplingParams
+from slora.simulator import SimRequest, simulate
+
+
+def make_scheduler(num_pages: int, **config) -> Scheduler:
+    cfg = SchedulerConfig(**{"page_size": 4, "watermark": 0.0, **config})
+    return Scheduler(cfg, PageAllocator(num_pages, cfg.page_size))
+
+
+def checked_cost(out, scheduler) -> float:
+    scheduler.check()
+    return 1.0
+
+
+def seq(seq_id: int, prompt_len: int, max_tokens: int = 4, adapter: AdapterRef | None = None) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), adapter)
+
+
+def test_requests_join_and_leave_the_batch_every_step():
+    scheduler = make_scheduler(64, max_num_seqs=8)
+    requests = [SimRequest(5, out_len, arrival=float(i)) for i, out_len in enumerate([1, 6, 3, 8])]
+    result = simulate(scheduler, requests, checked_cost)
+    assert result.output_tokens == 18
+    # the second request was admitted while the first was running, and the batch shrank as they ended
+    assert max(result.batch_sizes) >= 2 and result.batch_sizes[-1] == 1
+    assert scheduler.allocator.stats().free_pages == 64
+
+
+def test_bounds_on_sequences_and_batched_tokens():
+    scheduler = make_scheduler(256, max_num_seqs=3, max_num_batched_tokens=10)
+    for i in range(6):
+        scheduler.add(seq(i, 7))
+    out = scheduler.schedule()
+    assert len(out.scheduled) <= 3 and out.num_batched_tokens <= 10
+    # the first prompt takes 7 tokens, the second is chunked into the remaining 3
+    assert [s.num_tokens for s in out.scheduled] == [7, 3]
+    assert not out.scheduled[1].completes
+
+
+def test_admission_counts_adapter_pages_and_watermark():
+    scheduler = make_scheduler(20, watermark=0.1)        # 2 watermark pages
+    adapter = AdapterRef("v1", 10)
+    scheduler.add(seq(0, 4 * 8, adapter=adapter))          # 8 KV pages + 10 adapter pages + 2 = 20: fits
+    assert len(scheduler.schedule().scheduled) == 1
+    scheduler2 = make_scheduler(20, watermark=0.1)
+    scheduler2.add(seq(0, 4 * 8 + 1, adapter=adapter))     # 9 KV pages: does not fit, and nothing runs
+    out = scheduler2.schedule()
+    assert out.scheduled == [] and len(out.rejected) == 1
+
+
+def test_pages_grow_one_at_a_time():
+    scheduler = make_scheduler(64)
+    s = seq(0, 4, max_tokens=10)
+    scheduler.add(s)
+    scheduler.schedule()
+    assert len(s.block_table) == 1
+    s.num_computed_tokens = 4
+    s.output_token_ids.append(0)
+    scheduler.schedule()                                    # token 5 needs a second page
+    assert len(s.block_table) == 2
+
+
+def test_idle_adapters_are_evicted_lru_before_preemption():
+    scheduler = make_scheduler(30)
+    old, new = AdapterRef("old", 8), AdapterRef("new", 8)
+    for version in (old, new):
+        scheduler.adapters.make_resident(version, step=0 if version is old else 1)
+    scheduler.add(seq(0, 4 * 18))                           # needs 18 pages, 14 free: evict "old" only
+    out = scheduler.schedule()
+    assert out.scheduled and not out.preempted
+    assert set(scheduler.adapters.resident) == {"new"}
+    assert scheduler.adapters.num_evictions == 1
+    scheduler.check()
+
+
+def test_newest_sequence_is_preempted_and_recomputed():
+    scheduler = make_scheduler(6, max_num_seqs=4)
+    result = simulate(scheduler, [SimRequest(8, 8), SimRequest(8, 8)], checked_cost)
+    assert scheduler.num_preemptions > 0
+    assert result.recomputed_tokens > 0
+    assert result.output_tokens == 16
+    assert scheduler.allocator.stats().free_pages == 6
+
+
+def test_step_cost_function_drives_the_clock():
+    scheduler = make_scheduler(128)
+    result = simulate(scheduler, [SimRequest(4, 3)] * 2, lambda out, s: 0.5 + 0.1 * out.num_batched_tokens)
+    assert result.steps == 3
+    assert result.elapsed == pytest.approx(3 * 0.5 + 0.1 * (8 + 2 + 2))
+
+
+def test_pool_check_catches_a_leaked_page():
+    scheduler = make_scheduler(8)
+    scheduler.allocator.allocate_kv()                       # held by no block table
+    with pytest.raises(AssertionError, match="refcount"):
+        scheduler.check()
+
+
+def test_allocator_owner_kinds():
+    allocator = PageAllocator(4, 16)
+    kv = allocator.allocate_kv()
+    pages = allocator.allocate_adapter("v", 2)
+    assert allocator.owner(kv) is PageOwner.KV and allocator.owner(pages[0]) is PageOwner.ADAPTER
+    stats = allocator.stats()
+    assert (stats.free_pages, stats.kv_pages, stats.adapter_pages) == (1, 1, 2)
+    allocator.release_adapter(pages)
+    allocator.release_kv(kv)
+    assert allocator.stats().free_pages == 4

@@ -1,0 +1,164 @@
+"""lora_shrink / lora_expand (Triton) against the torch reference."""
+import pytest
+import torch
+
+from kernel_helpers import assert_close, make_generator, make_lora_batch, randn, random_token_slots
+from slora.kernels import reference
+from slora.kernels.lora import lora_expand, lora_segments, lora_shrink
+
+
+def _decode_slots(num_slots: int, gen: torch.Generator) -> torch.Tensor:
+    # One token per slot in random order, plus two tokens without adapter.
+    slots = torch.cat([torch.randperm(num_slots, generator=gen), torch.tensor([-1, -1])])
+    return slots[torch.randperm(len(slots), generator=gen)].to(torch.int32)
+
+
+def _prefill_slots(num_slots: int, gen: torch.Generator) -> torch.Tensor:
+    # Segments of different lengths (one longer than a 16-token block), interleaved with slot -1 tokens.
+    lengths = [1, 17, 5, 3, 9, 2][:num_slots]
+    slots = [s for s, n in enumerate(lengths) for _ in range(n)] + [-1] * 4
+    return torch.tensor(slots, dtype=torch.int32)[torch.randperm(len(slots), generator=gen)]
+
+
+SLOT_PATTERNS = {"decode": _decode_slots, "prefill": _prefill_slots}
+RANKS = [1, 3, 8, 16, 0, 5]   # rank 0 = the adapter does not target this module
+
+
+def _shrink_case(dtype, pattern, in_features, seed, ranks=RANKS, max_rank=16, device="cpu"):
+    gen = make_generator(seed)
+    batch = make_lora_batch(ranks, in_features, 8, 512, dtype, gen, device)
+    slots = SLOT_PATTERNS[pattern](len(ranks), gen).to(device)
+    x = randn((len(slots), in_features), dtype, gen, device)
+    return x, batch, slots, max_rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pattern", ["decode", "prefill"])
+@pytest.mark.parametrize("in_features", [96, 200])   # not multiples of ALIGN: rows have padding
+@pytest.mark.parametrize("split_k", [None, 2])
+def test_lora_shrink_matches_reference(dtype, pattern, in_features, split_k):
+    x, b, slots, max_rank = _shrink_case(dtype, pattern, in_features, seed=in_features)
+    got = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, split_k=split_k)
+    want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank)
+    assert got.shape == (len(slots), max_rank) and got.dtype == dtype
+    assert want.abs().sum() > 0
+    assert_close(got, want)
+
+
+def _expand_case(dtype, pattern, out_features, seed, ranks=RANKS, max_rank=16, device="cpu"):
+    gen = make_generator(seed)
+    batch = make_lora_batch(ranks, 8, out_features, 512, dtype, gen, device)
+    slots = SLOT_PATTERNS[pattern](len(ranks), gen).to(device)
+    # h is random past each slot's rank too: reading it there would change the result.
+    h = randn((len(slots), max_rank), dtype, gen, device)
+    # out as a column slice of a wider fused output, like q inside qkv.
+    wide = randn((len(slots), out_features + 24), dtype, gen, device)
+    return wide[:, 8:8 + out_features], h, batch, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pattern", ["decode", "prefill"])
+@pytest.mark.parametrize("out_features", [72, 160])
+def test_lora_expand_matches_reference(dtype, pattern, out_features):
+    out, h, b, slots = _expand_case(dtype, pattern, out_features, seed=out_features)
+    want = out.clone()
+    reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    before = out.clone()
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    assert_close(out, want)
+    untouched = (slots < 0) | (b.ranks[slots.long().clamp(min=0)] == 0)
+    assert torch.equal(out[untouched], before[untouched])
+
+
+def test_lora_ranks_up_to_64_with_shared_segments():
+    ranks = [64, 1, 33, 0, 16]
+    gen = make_generator(11)
+    b = make_lora_batch(ranks, 72, 136, 1024, torch.float32, gen)
+    slots = random_token_slots(24, len(ranks), gen)
+    segments = lora_segments(slots, len(ranks))
+    x = randn((24, 72), torch.float32, gen)
+    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 64, segments=segments)
+    assert_close(h, reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 64))
+    out = randn((24, 136), torch.float32, gen)
+    want = out.clone()
+    reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, segments=segments)
+    assert_close(out, want)
+
+
+def test_lora_segments_group_tokens_by_slot():
+    slots = torch.tensor([2, -1, 0, 2, 2, -1, 0], dtype=torch.int32)
+    order, starts = lora_segments(slots, 4)
+    assert starts.tolist() == [2, 4, 4, 7, 7]
+    assert order.tolist()[:2] == [1, 5] and order.tolist()[2:4] == [2, 6] and order.tolist()[4:] == [0, 3, 4]
+
+
+def test_lora_without_adapters_is_a_no_op():
+    x, b, _, max_rank = _shrink_case(torch.float32, "decode", 64, seed=12)
+    slots = torch.full((x.shape[0],), -1, dtype=torch.int32)
+    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank)
+    assert torch.equal(h, torch.zeros_like(h))
+    out = randn((x.shape[0], 8), torch.float32, make_generator(0))
+    before = out.clone()
+    lora_expand(out, randn(tuple(h.shape), torch.float32, make_generator(1)), b.pool, slots, b.page_tables,
+                b.ranks, b.b_offsets, b.scalings)
+    assert torch.equal(out, before)
+
+
+@pytest.mark.parametrize("changes,match", [
+    (lambda a: dict(x=a["x"][0]), "x must be"),
+    (lambda a: dict(x=a["x"].t().contiguous().t()), "stride 1"),
+    (lambda a: dict(token_slots=a["token_slots"][:-1]), "token_slots must be"),
+    (lambda a: dict(page_tables=a["page_tables"].float()), "int32 or int64"),
+    (lambda a: dict(ranks=a["ranks"][:-1]), "ranks must be"),
+    (lambda a: dict(pool=a["pool"][:, :100].contiguous()), "multiple of ALIGN"),
+    (lambda a: dict(max_rank=0), "max_rank"),
+    (lambda a: dict(segments=lora_segments(a["token_slots"][:-1], 6)), "segments"),
+])
+def test_lora_shrink_rejects_bad_input(changes, match):
+    x, b, slots, max_rank = _shrink_case(torch.float32, "decode", 64, seed=13)
+    args = dict(x=x, pool=b.pool, token_slots=slots, page_tables=b.page_tables, ranks=b.ranks,
+                a_offsets=b.a_offsets, max_rank=max_rank)
+    args.update(changes(args))
+    with pytest.raises(ValueError, match=match):
+        lora_shrink(**args)
+
+
+@pytest.mark.parametrize("changes,match", [
+    (lambda a: dict(h=a["h"][:-1]), "h must be"),
+    (lambda a: dict(scalings=a["scalings"][:-1]), "scalings must be"),
+    (lambda a: dict(b_offsets=a["b_offsets"].float()), "int32 or int64"),
+    (lambda a: dict(out=a["out"].to(torch.int32)), "float16, bfloat16 or float32"),
+])
+def test_lora_expand_rejects_bad_input(changes, match):
+    out, h, b, slots = _expand_case(torch.float32, "decode", 72, seed=14)
+    args = dict(out=out, h=h, pool=b.pool, token_slots=slots, page_tables=b.page_tables, ranks=b.ranks,
+                b_offsets=b.b_offsets, scalings=b.scalings)
+    args.update(changes(args))
+    with pytest.raises(ValueError, match=match):
+        lora_expand(**args)
+
+
+GPU_RANKS = [16, 128, 1, 64, 8, 0, 32, 16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [64, 2000])
+@pytest.mark.parametrize("in_features,out_features", [(4096, 1024), (14336, 4096)])
+def test_lora_gpu(dtype, num_tokens, in_features, out_features):
+    gen = make_generator(num_tokens)
+    b = make_lora_batch(GPU_RANKS, in_features, out_features, 2 * 16 * 8 * 128, dtype, gen, "cuda",
+                        weight_scale=0.02)
+    slots = random_token_slots(num_tokens, len(GPU_RANKS), gen, device="cuda")
+    x = randn((num_tokens, in_features), dtype, gen, "cuda")
+    # Compare with the reference in float32: both accumulate in float32, the bf16 reference would not.
+    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128)
+    h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
+    assert_close(h, h_want)
+    out = randn((num_tokens, out_features), dtype, gen, "cuda")
+    want = out.float()
+    reference.lora_expand(want, h.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    assert_close(out, want)

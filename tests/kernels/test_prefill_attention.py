@@ -1,0 +1,93 @@
+"""prefill_attention (Triton) against the torch reference."""
+import pytest
+import torch
+
+from kernel_helpers import assert_close, make_generator, make_paged_kv, randn
+from slora.kernels import reference
+from slora.kernels.prefill_attention import prefill_attention
+
+
+def _cases(page_size: int) -> list[tuple[int, int]]:
+    # (cached prefix, new tokens): plain prompt, a prompt ending exactly on and one past a page boundary,
+    # a one-token chunk after a prefix, a chunk starting mid-page and crossing pages, a long-prefix chunk.
+    return [(0, 5), (0, page_size), (0, page_size + 1), (page_size, 1), (3, 2 * page_size - 1),
+            (2 * page_size + 1, 20)]
+
+
+def _run(cases, page_size, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", out=None):
+    gen = make_generator(seed)
+    lengths = [prefix + new for prefix, new in cases]
+    kv = make_paged_kv(lengths, page_size, num_kv_heads, head_dim, dtype, gen, device)
+    new = torch.tensor([n for _, n in cases])
+    start_loc = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(torch.int32).to(device)
+    query = randn((int(new.sum()), num_heads, head_dim), dtype, gen, device)
+    scale = head_dim ** -0.5
+    got = prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens, page_size,
+                            num_kv_heads, scale, out=out)
+    want = reference.prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens,
+                                       page_size, num_kv_heads, scale)
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 1)])
+def test_prefill_attention_matches_reference(dtype, page_size, num_heads, num_kv_heads):
+    got, want = _run(_cases(page_size), page_size, num_heads, num_kv_heads, 32, dtype, seed=page_size)
+    assert_close(got, want)
+
+
+def test_prefill_attention_gqa_8_and_out_argument():
+    out = torch.full((5 + 17 + 1, 8, 16), float("nan"))
+    got, want = _run([(0, 5), (9, 17), (40, 1)], 16, 8, 1, 16, torch.float32, seed=3, out=out)
+    assert got is out
+    assert_close(got, want)
+
+
+def test_prefill_attention_single_long_sequence():
+    got, want = _run([(10, 70)], 8, 2, 1, 16, torch.float16, seed=4)
+    assert_close(got, want)
+
+
+def _bad_args(q, kv, start_loc, **changes):
+    args = dict(query=q, kv_pool=kv.kv_pool, block_tables=kv.block_tables, query_start_loc=start_loc,
+                context_lens=kv.context_lens, page_size=8, num_kv_heads=1, scale=0.1)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("changes,match", [
+    (lambda q, kv, sl: dict(query=q[0]), "query must be"),
+    (lambda q, kv, sl: dict(query_start_loc=sl[:-1]), "query_start_loc must be"),
+    (lambda q, kv, sl: dict(block_tables=kv.block_tables[:1]), "block_tables must be"),
+    (lambda q, kv, sl: dict(num_kv_heads=3), "multiple of num_kv_heads"),
+    (lambda q, kv, sl: dict(page_size=4), "page_elems"),
+    (lambda q, kv, sl: dict(query=q.to(torch.int32)), "float16, bfloat16 or float32"),
+    (lambda q, kv, sl: dict(context_lens=kv.context_lens.float()), "int32 or int64"),
+])
+def test_prefill_attention_rejects_bad_input(changes, match):
+    gen = make_generator(5)
+    kv = make_paged_kv([4, 9], 8, 1, 16, torch.float32, gen)
+    start_loc = torch.tensor([0, 4, 6], dtype=torch.int32)
+    query = randn((6, 2, 16), torch.float32, gen)
+    with pytest.raises(ValueError, match=match):
+        prefill_attention(**_bad_args(query, kv, start_loc, **changes(query, kv, start_loc)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_prefill_attention_gpu(dtype, page_size):
+    cases = [(0, 1), (0, page_size), (page_size, page_size + 1), (0, 2048), (1000, 777), (3000, 1096), (17, 300)]
+    got, want = _run(cases, page_size, 32, 8, 128, dtype, seed=page_size, device="cuda")
+    assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 32, 128), (16, 2, 64)])
+def test_prefill_attention_gpu_shapes(num_heads, num_kv_heads, head_dim):
+    got, want = _run([(0, 100), (64, 64), (5, 1)], 16, num_heads, num_kv_heads, head_dim, torch.bfloat16,
+                     seed=head_dim, device="cuda")
+    assert_close(got, want)
