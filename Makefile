@@ -1,0 +1,37 @@
+# The two commands of the README: `make serve` and `make test`. Both install first, into .venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch is pinned here (CI and development machines); pyproject.toml keeps an open
+# range so that GPU users get their CUDA build.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: install test serve generate gpu-check bench-quick clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_CPU)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+test: install
+	$(PY) -m pytest -q
+
+serve: install
+	$(VENV)/bin/slora serve
+
+generate: install
+	$(VENV)/bin/slora generate --adapter demo-r16-all "Hello, how are you?"
+
+bench-quick: install
+	$(PY) benchmarks/offline.py --quick
+
+# On a machine with a GPU (through the device tool): install offline, GPU tests, GPU benchmarks.
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache

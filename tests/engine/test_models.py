@@ -1,0 +1,94 @@
+"""Loading Hugging Face folders: rope scaling, tied embeddings, shards, dtypes, unsupported models."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slora import LLM, SamplingParams
+from slora.models.config import UnsupportedModelError
+from tiny import make_adapters, make_model, oracle_greedy, random_prompts
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_llama3_rope_tied_embeddings_and_explicit_head_dim_match_peft(tmp_path):
+    model_dir = make_model(tmp_path, "llama", seed=9, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True,
+                           head_dim=64, max_position_embeddings=1024)
+    assert "lm_head.weight" not in load_file(str(model_dir / "model.safetensors"))
+    adapters = make_adapters(model_dir, tmp_path, ["all-r16"])
+    prompts = random_prompts([150, 3], seed=8)                  # past original_max_position_embeddings
+    expected = oracle_greedy(model_dir, adapters, prompts, ["all-r16", None], GREEDY.max_tokens)
+    llm = LLM(str(model_dir), num_pages=128)
+    llm.load_adapter("all-r16", str(adapters["all-r16"]))
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, adapters=["all-r16", None])] == expected
+
+
+def test_sharded_checkpoint_loads(tiny_llama, tmp_path):
+    state = load_file(str(tiny_llama.model_dir / "model.safetensors"))
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tiny_llama.model_dir / name).read_bytes())
+    names = sorted(state)
+    half = len(names) // 2
+    weight_map = {}
+    for shard, part in (("model-00001-of-00002.safetensors", names[:half]),
+                        ("model-00002-of-00002.safetensors", names[half:])):
+        save_file({n: state[n] for n in part}, str(folder / shard))
+        weight_map.update({n: shard for n in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    prompt = random_prompts([10], seed=2)
+    sharded = LLM(str(folder), num_pages=64).generate(prompt, GREEDY)[0].token_ids
+    single = LLM(str(tiny_llama.model_dir), num_pages=64).generate(prompt, GREEDY)[0].token_ids
+    assert sharded == single
+
+
+def test_unsupported_architecture_is_named(tiny_llama, tmp_path):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    config = json.loads((tiny_llama.model_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        LLM(str(folder))
+
+
+def test_pickled_checkpoint_is_refused(tiny_llama, tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((tiny_llama.model_dir / "config.json").read_bytes())
+    torch.save({}, folder / "pytorch_model.bin")
+    with pytest.raises(UnsupportedModelError, match="pickled weights are never loaded"):
+        LLM(str(folder))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_logits_track_float32(tiny_llama, dtype):
+    prompt = random_prompts([20], seed=3)[0]
+    logits = {}
+    for name in ("float32", dtype):
+        llm = LLM(str(tiny_llama.model_dir), dtype=name, num_pages=64)
+        llm.load_adapter("a", str(tiny_llama.adapters["rs-pattern"]))
+        llm.engine.add_request("r", prompt, GREEDY, "a")
+        out = llm.engine.scheduler.schedule()
+        adapters = {v: (llm.engine.store.versions[v].packed, r.pages)
+                    for v, r in llm.engine.scheduler.adapters.resident.items()}
+        for version, pages in out.adapters_to_load:
+            llm.engine.runner.load_adapter(llm.engine.store.versions[version].packed, pages)
+        logits[name] = llm.engine.runner.run(out.scheduled, adapters)[0]
+    similarity = torch.nn.functional.cosine_similarity(logits["float32"], logits[dtype], dim=0)
+    assert similarity > 0.99
+
+
+def test_prompt_longer_than_context_is_refused(tiny_llama):
+    llm = LLM(str(tiny_llama.model_dir), num_pages=64, max_model_len=32)
+    with pytest.raises(ValueError, match="context is 32 tokens"):
+        llm.generate([[5] * 40], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, 100000]], GREEDY)
+    out = llm.generate([[5] * 30], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
+    assert llm.pool_stats()["kv_pages"] == 0
