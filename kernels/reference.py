@@ -37,39 +37,43 @@ def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, 
     pages[page_ids, 1, offsets] = value[keep].to(kv_pool.dtype)
 
 
-def gather_sequence_kv(kv_pool: Tensor, block_table: Tensor, length: int, page_size: int,
-                       num_kv_heads: int) -> tuple[Tensor, Tensor]:
-    """K and V of the first `length` tokens of one sequence: two `[length, num_kv_heads, head_dim]`."""
+def _attend(query: Tensor, key: Tensor, value: Tensor, scale: float, query_positions: Tensor,
+            key_valid: Tensor) -> Tensor:
+    """Batched causal GQA attention, in float32.
+
+    query `[seqs, q, heads, head_dim]` at absolute `query_positions` `[seqs, q]`; key/value
+    `[seqs, ctx, kv_heads, head_dim]` at positions 0..ctx-1, of which `key_valid` `[seqs, ctx]` exist."""
+    group = query.shape[2] // key.shape[2]
+    key = key.float().repeat_interleave(group, dim=2)       # [seqs, ctx, heads, head_dim]
+    value = value.float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("sqhd,skhd->shqk", query.float(), key) * scale   # [seqs, heads, q, ctx]
+    k_pos = torch.arange(key.shape[1], device=query.device)
+    allowed = (k_pos[None, None, :] <= query_positions[:, :, None]) & key_valid[:, None, :]  # [seqs, q, ctx]
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)    # padded query rows have no allowed key
+    return torch.einsum("shqk,skhd->sqhd", probs, value)      # [seqs, q, heads, head_dim]
+
+
+def _gather_batch_kv(kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor, page_size: int,
+                     num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """K and V `[seqs, max_ctx, kv_heads, head_dim]` of every sequence, and which slots exist."""
     pages = kv_page_view(kv_pool, page_size, num_kv_heads)
-    positions = torch.arange(length, device=kv_pool.device)
-    page_ids = block_table.long()[positions // page_size]
-    offsets = positions % page_size
-    return pages[page_ids, 0, offsets], pages[page_ids, 1, offsets]
-
-
-def _attend(query: Tensor, key: Tensor, value: Tensor, scale: float, first_position: int) -> Tensor:
-    """Causal GQA attention of queries at positions first_position.. over keys at 0..len(key)-1."""
-    num_heads, num_kv_heads = query.shape[1], key.shape[1]
-    group = num_heads // num_kv_heads
-    key = key.float().repeat_interleave(group, dim=1)  # [ctx, heads, head_dim]
-    value = value.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", query.float(), key) * scale  # [heads, q, ctx]
-    q_pos = torch.arange(query.shape[0], device=query.device)[:, None] + first_position
-    k_pos = torch.arange(key.shape[0], device=query.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, value).to(query.dtype)  # [q, heads, head_dim]
+    max_ctx = int(context_lens.max())
+    positions = torch.arange(max_ctx, device=kv_pool.device)
+    valid = positions[None, :] < context_lens[:, None].long()                  # [seqs, max_ctx]
+    page_cols = (positions // page_size).clamp(max=block_tables.shape[1] - 1)
+    page_ids = block_tables.long()[:, page_cols] * valid                       # padded slots read page 0
+    offsets = (positions % page_size).expand_as(page_ids)
+    return pages[page_ids, 0, offsets], pages[page_ids, 1, offsets], valid
 
 
 def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor,
                     page_size: int, num_kv_heads: int, scale: float) -> Tensor:
     """Decode attention: query `[batch, num_heads, head_dim]`, one token per sequence, attending to
     the `context_lens[b]` tokens of its block table (its own token included). Returns the same shape."""
-    out = torch.empty_like(query)
-    for b, length in enumerate(context_lens.tolist()):
-        key, value = gather_sequence_kv(kv_pool, block_tables[b], length, page_size, num_kv_heads)
-        out[b] = _attend(query[b:b + 1], key, value, scale, length - 1)[0]
-    return out
+    key, value, valid = _gather_batch_kv(kv_pool, block_tables, context_lens, page_size, num_kv_heads)
+    positions = (context_lens.long() - 1)[:, None]                               # [batch, 1]
+    return _attend(query[:, None], key, value, scale, positions, valid)[:, 0].to(query.dtype)
 
 
 def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_start_loc: Tensor,
@@ -79,44 +83,56 @@ def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, quer
     query: `[total_new_tokens, num_heads, head_dim]`, sequence `s` owning rows
     `query_start_loc[s]:query_start_loc[s+1]`; those are the last tokens of its `context_lens[s]`
     tokens, whose K/V (prefix and new) are already in the cache."""
-    out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    for s, length in enumerate(context_lens.tolist()):
-        lo, hi = starts[s], starts[s + 1]
-        key, value = gather_sequence_kv(kv_pool, block_tables[s], length, page_size, num_kv_heads)
-        out[lo:hi] = _attend(query[lo:hi], key, value, scale, length - (hi - lo))
-    return out
+    starts = query_start_loc.long()
+    query_lens = starts[1:] - starts[:-1]                                        # [seqs]
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=query.device), query_lens)
+    row_in_seq = torch.arange(query.shape[0], device=query.device) - starts[seq_of_token]
+    padded = query.new_zeros(len(query_lens), int(query_lens.max()), *query.shape[1:])  # [seqs, max_q, h, d]
+    padded[seq_of_token, row_in_seq] = query
+    first = context_lens.long() - query_lens                                     # position of each first row
+    positions = first[:, None] + torch.arange(padded.shape[1], device=query.device)[None, :]
+    positions = torch.where(positions < context_lens.long()[:, None], positions, -1)   # padding sees nothing
+    key, value, valid = _gather_batch_kv(kv_pool, block_tables, context_lens, page_size, num_kv_heads)
+    out = _attend(padded, key, value, scale, positions, valid)
+    return out[seq_of_token, row_in_seq].to(query.dtype)
 
 
-def gather_lora_rows(pool: Tensor, page_table: Tensor, offset: int, num_rows: int, row_len: int) -> Tensor:
-    """Read `num_rows` aligned rows of `row_len` elements from an adapter's paged logical buffer."""
+def gather_lora_rows(pool: Tensor, page_tables: Tensor, offsets: Tensor, ranks: Tensor, max_rank: int,
+                     row_len: int) -> Tensor:
+    """Rows `[slots, max_rank, row_len]` of one matrix of every slot's adapter, read through its page
+    table; rows at or beyond a slot's rank are zero. Row i starts at `offsets[s] + i * align_up(row_len)`."""
     page_elems = pool.shape[1]
-    rows = torch.arange(num_rows, device=pool.device)[:, None] * align_up(row_len)
-    elems = offset + rows + torch.arange(row_len, device=pool.device)[None, :]  # [rows, row_len]
-    return pool[page_table.long()[elems // page_elems], elems % page_elems]
+    device = pool.device
+    rows = torch.arange(max_rank, device=device)
+    elems = (offsets.long()[:, None, None] + rows[None, :, None] * align_up(row_len)
+             + torch.arange(row_len, device=device)[None, None, :])              # [slots, max_rank, row_len]
+    live = rows[None, :] < ranks.long()[:, None]                                  # [slots, max_rank]
+    page_cols = (elems // page_elems).clamp(max=page_tables.shape[1] - 1) * live[:, :, None]
+    page_ids = torch.gather(page_tables.long(), 1, page_cols.flatten(1)).view_as(elems)
+    return pool[page_ids, elems % page_elems] * live[:, :, None]
+
+
+def _token_weights(weights: Tensor, token_slots: Tensor) -> tuple[Tensor, Tensor]:
+    """Each token's slot's matrix (slot -1 gets slot 0's, masked out), and the mask `[tokens]`."""
+    has_adapter = token_slots >= 0
+    return weights[token_slots.long().clamp(min=0)], has_adapter
 
 
 def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                 a_offsets: Tensor, max_rank: int) -> Tensor:
     """h[t, :r] = x[t] @ A_sᵀ for s = token_slots[t] of rank r; zero elsewhere. Returns [tokens, max_rank]."""
-    h = torch.zeros(x.shape[0], max_rank, dtype=x.dtype, device=x.device)
-    for slot in torch.unique(token_slots).tolist():
-        rank = int(ranks[slot]) if slot >= 0 else 0
-        if rank == 0:
-            continue
-        rows = token_slots == slot
-        lora_a = gather_lora_rows(pool, page_tables[slot], int(a_offsets[slot]), rank, x.shape[1])
-        h[rows, :rank] = x[rows] @ lora_a.to(x.dtype).T  # [n, rank]
-    return h
+    lora_a = gather_lora_rows(pool, page_tables, a_offsets, ranks, max_rank, x.shape[1]).to(x.dtype)
+    per_token, has_adapter = _token_weights(lora_a, token_slots)                  # [tokens, max_rank, in]
+    h = torch.einsum("ti,tri->tr", x, per_token)
+    return h * has_adapter[:, None]
 
 
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched."""
-    for slot in torch.unique(token_slots).tolist():
-        rank = int(ranks[slot]) if slot >= 0 else 0
-        if rank == 0:
-            continue
-        rows = token_slots == slot
-        lora_bt = gather_lora_rows(pool, page_tables[slot], int(b_offsets[slot]), rank, out.shape[1])
-        out[rows] += (h[rows, :rank] @ lora_bt.to(h.dtype)) * float(scalings[slot])  # [n, out]
+    max_rank = h.shape[1]
+    lora_bt = gather_lora_rows(pool, page_tables, b_offsets, ranks, max_rank, out.shape[1]).to(h.dtype)
+    per_token, has_adapter = _token_weights(lora_bt, token_slots)                 # [tokens, max_rank, out]
+    delta = torch.einsum("tr,tro->to", h, per_token)
+    scale = scalings.to(h.dtype)[token_slots.long().clamp(min=0)] * has_adapter   # [tokens]
+    out += delta * scale[:, None]
