@@ -112,27 +112,26 @@ def gather_lora_rows(pool: Tensor, page_tables: Tensor, offsets: Tensor, ranks: 
     return pool[page_ids, elems % page_elems] * live[:, :, None]
 
 
-def _token_weights(weights: Tensor, token_slots: Tensor) -> tuple[Tensor, Tensor]:
-    """Each token's slot's matrix (slot -1 gets slot 0's, masked out), and the mask `[tokens]`."""
-    has_adapter = token_slots >= 0
-    return weights[token_slots.long().clamp(min=0)], has_adapter
-
-
 def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                 a_offsets: Tensor, max_rank: int) -> Tensor:
     """h[t, :r] = x[t] @ A_sᵀ for s = token_slots[t] of rank r; zero elsewhere. Returns [tokens, max_rank]."""
     lora_a = gather_lora_rows(pool, page_tables, a_offsets, ranks, max_rank, x.shape[1]).to(x.dtype)
-    per_token, has_adapter = _token_weights(lora_a, token_slots)                  # [tokens, max_rank, in]
-    h = torch.einsum("ti,tri->tr", x, per_token)
-    return h * has_adapter[:, None]
+    # Every token through every slot's A in one matmul (slots are few), then keep its own slot's block.
+    every = (x @ lora_a.flatten(0, 1).T).view(x.shape[0], *lora_a.shape[:2])    # [tokens, slots, max_rank]
+    tokens = torch.arange(x.shape[0], device=x.device)
+    h = every[tokens, token_slots.long().clamp(min=0)]                           # [tokens, max_rank]
+    return h * (token_slots >= 0)[:, None]
 
 
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched."""
-    max_rank = h.shape[1]
-    lora_bt = gather_lora_rows(pool, page_tables, b_offsets, ranks, max_rank, out.shape[1]).to(h.dtype)
-    per_token, has_adapter = _token_weights(lora_bt, token_slots)                 # [tokens, max_rank, out]
-    delta = torch.einsum("tr,tro->to", h, per_token)
-    scale = scalings.to(h.dtype)[token_slots.long().clamp(min=0)] * has_adapter   # [tokens]
+    lora_bt = gather_lora_rows(pool, page_tables, b_offsets, ranks, h.shape[1], out.shape[1]).to(h.dtype)
+    slots = token_slots.long().clamp(min=0)
+    has_adapter = token_slots >= 0
+    # Place each token's h in its slot's block of a wide row, so one matmul applies every Bᵀ.
+    wide = h.new_zeros(h.shape[0], *lora_bt.shape[:2])                           # [tokens, slots, max_rank]
+    wide[torch.arange(h.shape[0], device=h.device), slots] = h * has_adapter[:, None]
+    delta = wide.flatten(1) @ lora_bt.flatten(0, 1)                              # [tokens, out]
+    scale = scalings.to(h.dtype)[slots] * has_adapter                            # [tokens]
     out += delta * scale[:, None]
