@@ -40,7 +40,48 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
+    add_serve_parser(commands)
     return parser
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP service")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--tenants", default=None, metavar="FILE",
+                       help="tenants TOML (API key hashes, roles, limits); without it: single-user mode, loopback only")
+    serve.add_argument("--adapter-root", default=None, metavar="DIR",
+                       help="folder that adapters loaded by path must be inside")
+    serve.add_argument("--upload-dir", default=None, metavar="DIR",
+                       help="where uploaded adapters are kept (default: a temporary folder)")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="allow single-user mode (no API keys) on a non-loopback address")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--num-pages", type=int, default=None, help="pool size in pages (overrides sizing)")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--max-pending-requests", type=int, default=1024)
+    serve.add_argument("--max-tokens-limit", type=int, default=None)
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish on SIGTERM")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from slora.api.server import serve
+    from slora.api.settings import ServerSettings
+    from slora.config import EngineConfig
+
+    settings = ServerSettings(host=args.host, port=args.port, tenants_file=args.tenants,
+                              adapter_root=args.adapter_root, upload_dir=args.upload_dir,
+                              allow_unauthenticated=args.allow_unauthenticated,
+                              max_pending_requests=args.max_pending_requests,
+                              max_tokens_limit=args.max_tokens_limit, shutdown_timeout_s=args.shutdown_timeout)
+    if settings.tenants_file is not None:        # fail fast on a bad tenants file, before loading the model
+        from slora.api.tenants import load_tenants
+        load_tenants(settings.tenants_file)
+    config = EngineConfig(**engine_kwargs(args), max_model_len=args.max_model_len, num_pages=args.num_pages,
+                          seed=args.seed)
+    return serve(settings, config)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -64,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            return run_serve(args)
     except ValueError as exc:          # bad input: a clear message, not a traceback
         sys.stderr.write(f"slora: error: {exc}\n")
         return 2

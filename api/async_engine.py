@@ -1,0 +1,319 @@
+"""The engine loop on its own thread, bridged to asyncio (DESIGN §7: the event loop never waits on the GPU).
+
+The engine is not thread-safe, so exactly one thread — the one started here — ever touches it. The event
+loop talks to it through a command queue (callables run between two steps, results returned through
+futures) and receives outputs through `loop.call_soon_threadsafe`. Outputs are cumulative, so each request
+stream keeps only the latest one: a slow client never makes a queue grow.
+"""
+import asyncio
+import concurrent.futures
+import copy
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from slora.engine import Engine
+from slora.outputs import RequestOutput
+from slora.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+EngineSource = Engine | Callable[[], Engine]
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is starting, draining, stopped or dead: the request cannot be served now."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Immutable facts about the engine, safe to read from any thread."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any            # a private copy for the API side (HF fast tokenizers are not thread-safe)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Counters published by the engine thread so that /metrics never waits for a step."""
+
+    pool: dict[str, int]
+    sequences_running: int
+    sequences_waiting: int
+    requests: int
+    preemptions: int
+    adapter_pool_loads: int
+    adapter_pool_evictions: int
+    adapters_registered: int
+    adapters_host: int
+    adapters_pool: int
+
+
+def take_snapshot(engine: Engine) -> EngineSnapshot:
+    scheduler = engine.scheduler
+    return EngineSnapshot(pool=engine.pool_stats(), sequences_running=len(scheduler.running),
+                          sequences_waiting=len(scheduler.waiting), requests=len(engine.requests),
+                          preemptions=scheduler.num_preemptions, adapter_pool_loads=scheduler.adapters.num_loads,
+                          adapter_pool_evictions=scheduler.adapters.num_evictions,
+                          adapters_registered=len(engine.registry.entries), adapters_host=len(engine.store.versions),
+                          adapters_pool=len(scheduler.adapters.resident))
+
+
+class RequestStream:
+    """The outputs of one request, consumed on the event loop. Only the latest (cumulative) output is
+    kept between reads."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._wake = asyncio.Event()
+
+    def push(self, output: RequestOutput) -> None:
+        self._latest = output
+        self._wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake.set()
+
+    async def next(self) -> RequestOutput:
+        while self._latest is None:
+            if self._error is not None:
+                raise self._error
+            await self._wake.wait()
+            self._wake.clear()
+        output, self._latest = self._latest, None
+        self.finished = output.finished
+        return output
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            yield await self.next()
+
+
+class AsyncEngine:
+    """Owns the engine thread. Every public method is called on the event loop thread."""
+
+    def __init__(self, source: EngineSource, idle_poll_s: float = 0.5, snapshot_interval_s: float = 0.2) -> None:
+        self._source = source
+        self._idle_poll_s = idle_poll_s
+        self._snapshot_interval_s = snapshot_interval_s
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], concurrent.futures.Future]] = \
+            queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slora-engine", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._last_snapshot = 0.0
+        self.state = EngineState.STARTING
+        self.info: EngineInfo | None = None
+        self.snapshot: EngineSnapshot | None = None
+        self.step_started: float | None = None        # monotonic start of the step in progress
+
+    # ---- lifecycle (event loop) ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    def begin_drain(self) -> None:
+        """Stop admitting requests (SIGTERM); in-flight ones go on. Safe to call from a signal handler."""
+        if self.state in (EngineState.STARTING, EngineState.READY):
+            self.state = EngineState.DRAINING
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Drain: wait up to `timeout_s` for in-flight requests, abort the rest, stop the thread."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id, notify=True)
+        self._stop.set()
+        self._commands.put((lambda engine: None, concurrent.futures.Future()))   # wake an idle loop
+        await asyncio.to_thread(self._thread.join, max(1.0, timeout_s))
+        if self.state is not EngineState.FAILED:
+            self.state = EngineState.STOPPED
+
+    @property
+    def accepting(self) -> bool:
+        return self.state is EngineState.READY and self._thread.is_alive()
+
+    def health(self, stall_timeout_s: float) -> tuple[bool, str]:
+        """Whether the loop is alive and making progress, and a word on why not."""
+        if not self._thread.is_alive():
+            return False, "the engine thread is not running"
+        if self.state is not EngineState.READY:
+            return False, self.state.value
+        started = self.step_started
+        if started is not None and time.monotonic() - started > stall_timeout_s:
+            return False, f"engine step running for more than {stall_timeout_s:.0f}s"
+        return True, "ok"
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- requests (event loop) -------------------------------------------------------------------------
+    async def call(self, command: Callable[[Engine], T]) -> T:
+        """Run `command(engine)` on the engine thread between two steps and return its result."""
+        return await asyncio.wrap_future(self._submit(command))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       adapter: str | None, owner: str | None) -> RequestStream:
+        """Add a request; raises what `Engine.add_request` raises (ValueError, UnknownAdapterError)."""
+        if not self.accepting:
+            raise EngineUnavailable(self.state.value)
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        try:
+            await self.call(lambda engine: engine.add_request(request_id, prompt_token_ids, params, adapter, owner))
+        except asyncio.CancelledError:
+            self.abort(request_id)            # the add may have run already: do not leave it generating
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str, notify: bool = False) -> None:
+        """Abort a request and free its pages at the next pause between steps. With `notify`, its stream
+        receives the final output (finish_reason "abort"); otherwise the stream is dropped now."""
+        if not notify:
+            self._streams.pop(request_id, None)
+        try:
+            self._submit(lambda engine: self._abort_on_engine(engine, request_id))
+        except EngineUnavailable:
+            self._streams.pop(request_id, None)
+
+    # ---- engine thread ---------------------------------------------------------------------------------
+    def _submit(self, command: Callable[[Engine], T]) -> concurrent.futures.Future:
+        if self._stop.is_set() or self.state in (EngineState.STOPPED, EngineState.FAILED):
+            raise EngineUnavailable(self.state.value)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((command, future))
+        return future
+
+    def _run(self) -> None:
+        engine = self._build()
+        if engine is None:
+            self._fail_commands()
+            return
+        try:
+            self._serve(engine)
+        except Exception:          # a failed step leaves the engine in an unknown state: stop serving
+            logger.exception("the engine loop failed; the server stops serving")
+            self.state = EngineState.FAILED
+            self._notify_failure()
+        finally:
+            self._fail_commands()
+
+    def _build(self) -> Engine | None:
+        try:
+            engine = self._source() if callable(self._source) else self._source
+            tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+            self.info = EngineInfo(engine.model_name, engine.max_model_len, engine.model_config.vocab_size,
+                                   tokenizer)
+            self._publish(engine, force=True)
+        except Exception:
+            logger.exception("the engine could not be started")
+            self.state = EngineState.FAILED
+            return None
+        if self.state is EngineState.STARTING:
+            self.state = EngineState.READY
+        logger.info("engine ready: model %s, context %d tokens", self.info.model_name, self.info.max_model_len)
+        return engine
+
+    def _serve(self, engine: Engine) -> None:
+        while not self._stop.is_set():
+            ran_commands = self._run_commands(engine, block=not engine.has_unfinished())
+            if engine.has_unfinished():
+                self.step_started = time.monotonic()
+                outputs = engine.step()
+                self.step_started = None
+                if outputs:
+                    self._deliver(outputs)
+            self._publish(engine, force=ran_commands or not engine.has_unfinished())
+
+    def _run_commands(self, engine: Engine, block: bool) -> bool:
+        try:
+            batch = [self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()]
+        except queue.Empty:
+            return False
+        while True:
+            try:
+                batch.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for command, future in batch:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(command(engine))
+            except Exception as exc:          # user errors (ValueError) and bugs alike go to the caller
+                future.set_exception(exc)
+        return True
+
+    def _abort_on_engine(self, engine: Engine, request_id: str) -> None:
+        output = engine.abort(request_id)
+        if output is not None:
+            self._deliver([output])
+
+    def _publish(self, engine: Engine, force: bool = False) -> None:
+        # pool_stats() walks every page, so it is taken at most every snapshot_interval_s while busy.
+        now = time.monotonic()
+        if force or now - self._last_snapshot >= self._snapshot_interval_s:
+            self.snapshot = take_snapshot(engine)
+            self._last_snapshot = now
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self._call_on_loop(self._dispatch, outputs)
+
+    def _call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:              # the event loop is closed: nobody is listening any more
+            pass
+
+    def _notify_failure(self) -> None:
+        self._call_on_loop(self._fail_streams, EngineUnavailable("the engine failed"))
+
+    def _fail_commands(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineUnavailable(self.state.value))
+
+    # ---- event loop callbacks --------------------------------------------------------------------------
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.push(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.fail(error)
+        self._streams.clear()

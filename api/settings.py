@@ -1,0 +1,60 @@
+"""Settings of the HTTP service, validated once at construction."""
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tenants_file: str | None = None           # TOML; None = single-user mode (no keys)
+    adapter_root: str | None = None           # folder that path loads must stay inside
+    upload_dir: str | None = None             # where uploaded adapters are kept; default: a temporary folder
+    allow_unauthenticated: bool = False       # single-user mode on a non-loopback address
+    max_n: int = 16                           # samples per prompt
+    max_choices: int = 64                     # prompts x n per request
+    max_tokens_limit: int | None = None       # default: the model's context
+    max_stop_sequences: int = 4
+    max_stop_length: int = 256
+    max_body_bytes: int = 4 * 2 ** 20         # JSON bodies
+    max_upload_bytes: int = 2 * 2 ** 30       # adapter uploads
+    max_pending_requests: int = 1024          # whole server: requests in the engine plus queued ones
+    retry_after_s: int = 1
+    shutdown_timeout_s: float = 30.0          # in-flight requests get this long to finish on SIGTERM
+    stall_timeout_s: float = 120.0            # /health fails when one engine step takes longer
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.tenants_file is not None and not Path(self.tenants_file).is_file():
+            raise ValueError(f"tenants file not found: {self.tenants_file}")
+        if self.adapter_root is not None and not Path(self.adapter_root).is_dir():
+            raise ValueError(f"adapter root is not a folder: {self.adapter_root}")
+        if self.tenants_file is None and not self.allow_unauthenticated and not is_loopback(self.host):
+            # Without tenants there are no keys: anyone who can reach the port could load adapters.
+            raise ValueError(f"refusing to serve without a tenants file on {self.host}, which is not a loopback "
+                             "address; give --tenants FILE or --allow-unauthenticated")
+        for name in ("max_n", "max_choices", "max_stop_sequences", "max_stop_length", "max_body_bytes",
+                     "max_upload_bytes", "max_pending_requests", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        if self.shutdown_timeout_s < 0 or self.stall_timeout_s <= 0:
+            raise ValueError("shutdown_timeout_s must be >= 0 and stall_timeout_s > 0")
+
+    @property
+    def single_user(self) -> bool:
+        return self.tenants_file is None
