@@ -1,0 +1,165 @@
+"""A real `slora serve` process on 127.0.0.1 per test module, driven by the official openai client.
+
+Adapters for the tests are made from the embedded model (the server's default), into an adapter root
+shared by the session; the offline `LLM` with the same adapters is the reference for token equality.
+"""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from slora import LLM, SamplingParams
+
+BASE_MODEL = "slora-tiny-llama"
+TEST_ADAPTERS = ["attn-r4", "mlp-r8", "all-r16"]
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def client(self, key: str = "unused", **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120, **kwargs)
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as {'name{label="v"}': value}, parsed by prometheus_client."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+    def wait_for(self, condition, timeout_s: float = 30.0, what: str = "condition") -> dict[str, float]:
+        """Poll /metrics until `condition(samples)` holds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            samples = self.metrics()
+            if condition(samples):
+                return samples
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; metrics: "
+                                     f"{ {k: v for k, v in samples.items() if k.startswith('slora_pool')} }")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+
+
+def start_server(log_dir: Path, *args: str) -> Server:
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "slora.cli", "serve", "--host", "127.0.0.1",
+                                    "--port", str(port), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()[-4000:]}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server did not become healthy:\n{server.log()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    from slora.embedded import ensure_embedded
+    return ensure_embedded()
+
+
+@pytest.fixture(scope="session")
+def adapter_root(tmp_path_factory, embedded) -> Path:
+    """A folder with the test adapters, built for the embedded model."""
+    from tiny import make_adapters
+    root = tmp_path_factory.mktemp("adapter-root")
+    make_adapters(embedded.model_dir, root, TEST_ADAPTERS)
+    return root
+
+
+@pytest.fixture(scope="session")
+def offline(adapter_root) -> LLM:
+    """The offline reference: the same engine settings as the servers, the same adapters by name."""
+    llm = LLM()
+    for name in TEST_ADAPTERS:
+        llm.load_adapter(name, str(adapter_root / name))
+    return llm
+
+
+def greedy(llm: LLM, prompts: list, adapter: str | None, max_tokens: int, **kwargs) -> list:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+    return llm.generate(prompts, params, adapters=[adapter] * len(prompts))
+
+
+def chat_ids(llm: LLM, messages: list[dict]) -> list[int]:
+    """Chat prompt ids as the server builds them: the tokenizer's template, then encode without specials."""
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def stream_completion(client: openai.OpenAI, extra_body: dict | None = None,
+                      **kwargs) -> tuple[str, list[int], str | None]:
+    """(text, token ids, finish reason) of a streamed completion with one choice."""
+    text, tokens, reason = "", [], None
+    extra_body = {"return_token_ids": True, **(extra_body or {})}
+    for chunk in client.completions.create(stream=True, extra_body=extra_body, **kwargs):
+        for choice in chunk.choices:
+            text += choice.text
+            tokens += choice.token_ids or []
+            reason = choice.finish_reason or reason
+    return text, tokens, reason
+
+
+def assert_error_shape(body: dict, status: int) -> None:
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    message = body["error"]["message"]
+    assert "Traceback" not in message and "/work/" not in message and "/tmp/" not in message, message
+    assert status != 500, body
+
+
+def copy_adapter(adapter_root: Path, source: str, name: str) -> Path:
+    target = adapter_root / name
+    if not target.exists():
+        shutil.copytree(adapter_root / source, target)
+    return target
