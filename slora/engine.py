@@ -1,5 +1,7 @@
 """The engine: requests in, one scheduled forward per step, outputs out (DESIGN §3)."""
+import dataclasses
 import logging
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,7 +73,8 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.page_size, config.watermark),
                                    PageAllocator(pool_shape.num_pages, config.page_size))
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler()
+        self._seed_source = random.Random(config.seed)   # seeds of requests that give none
         self.registry = AdapterRegistry()
         self.store = AdapterStore()
         self.requests: dict[str, RequestState] = {}
@@ -138,6 +141,8 @@ class Engine:
         self._check_prompt(prompt_token_ids)
         version, ref = self._resolve_adapter(adapter, owner)
         self._check_fits(len(prompt_token_ids), ref)
+        if params.seed is None and not params.greedy:
+            params = dataclasses.replace(params, seed=self._seed_source.randrange(2 ** 62))
         if version is not None:
             self.store.acquire(version)
         seqs = [self._new_seq(request_id, prompt_token_ids, params, ref, i) for i in range(params.n)]

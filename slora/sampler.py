@@ -1,49 +1,94 @@
-"""Turning logits into tokens, per request: greedy, temperature, top-k, top-p, seeded."""
+"""Turning logits into tokens for a whole batch at once: greedy, temperature, top-k, top-p, seeded.
+
+Random draws come from a counter-based hash of (seed, output position, vocabulary index), computed with
+tensor ops on the logits' device: no per-request generator, no host round trip per request, and the same
+draw on the CPU and on CUDA. A seeded sample is reproduced exactly, also after preemption and recompute.
+"""
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from slora.sequence import Sequence
 
-_SEED_MIX = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
 
 
-def step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
-    """A generator that depends only on (seed, output position), so a seeded sample is reproduced
-    exactly, also after the sequence was preempted and recomputed."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed((seed * _SEED_MIX + step) % (2 ** 63))
-    return generator
+def _signed(value: int) -> int:
+    """A 64-bit constant as the int64 torch stores (two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def filter_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
-    """Scaled logits `[vocab]` with everything outside top-k and the top-p nucleus set to -inf."""
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the first over p
-        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
-    return logits
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: Tensor) -> Tensor:
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def uniform_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """Uniform (0, 1) float32 `[rows, vocab]`, a pure function of (seed, step, column)."""
+    columns = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    state = _splitmix64(seeds[:, None] * _GOLDEN + steps[:, None])                # [rows, 1]
+    bits = _splitmix64(state + columns[None, :] * _GOLDEN)                        # [rows, vocab]
+    return (_shift_right(bits, 40).float() + 0.5) / float(1 << 24)
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row parameters of one step, on the logits' device."""
+
+    temperatures: Tensor   # [rows] float32, 0 = greedy
+    top_ks: Tensor         # [rows] int64, 0 = off
+    top_ps: Tensor         # [rows] float32
+    seeds: Tensor          # [rows] int64
+    steps: Tensor          # [rows] int64, the output position being sampled
+
+    @classmethod
+    def from_seqs(cls, seqs: list[Sequence], device: torch.device) -> "SamplingTensors":
+        rows = [(s.params.temperature, max(s.params.top_k, 0), s.params.top_p, s.seed, len(s.output_token_ids))
+                for s in seqs]
+        temperature, top_k, top_p, seed, step = zip(*rows)
+        return cls(torch.tensor(temperature, dtype=torch.float32), torch.tensor(top_k, dtype=torch.int64),
+                   torch.tensor(top_p, dtype=torch.float32), torch.tensor(seed, dtype=torch.int64),
+                   torch.tensor(step, dtype=torch.int64)).to(device)
+
+    def to(self, device: torch.device) -> "SamplingTensors":
+        return SamplingTensors(*(t.to(device, non_blocking=True) for t in self.__dict__.values()))
+
+
+def filter_logits(logits: Tensor, temperatures: Tensor, top_ks: Tensor, top_ps: Tensor) -> Tensor:
+    """Scaled logits `[rows, vocab]`, with everything outside each row's top-k and top-p nucleus -inf."""
+    logits = logits / temperatures.clamp(min=1e-6)[:, None]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    outside_k = (top_ks[:, None] > 0) & (ranks >= top_ks[:, None])
+    sorted_logits = sorted_logits.masked_fill(outside_k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    outside_p = (probs.cumsum(dim=-1) - probs) >= top_ps[:, None]               # keep the first past p
+    sorted_logits = sorted_logits.masked_fill(outside_p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sample(logits: Tensor, params: SamplingTensors) -> Tensor:
+    """One token per row `[rows]` (on the device): argmax for greedy rows, else Gumbel-max sampling."""
+    greedy = logits.argmax(dim=-1)
+    filtered = filter_logits(logits.float(), params.temperatures, params.top_ks, params.top_ps)
+    gumbel = -torch.log(-torch.log(uniform_noise(params.seeds, params.steps, logits.shape[-1])))
+    sampled = (filtered + gumbel).argmax(dim=-1)
+    return torch.where(params.temperatures == 0, greedy, sampled)
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
-        self._unseeded = torch.Generator().manual_seed(seed)
-
     def __call__(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row of `logits` `[seqs, vocab]`."""
-        greedy = logits.argmax(dim=-1).tolist()
-        return [greedy[i] if seq.params.greedy else self._sample_one(logits[i], seq)
-                for i, seq in enumerate(seqs)]
-
-    def _sample_one(self, logits: Tensor, seq: Sequence) -> int:
-        params = seq.params
-        probs = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
-        seed = seq.seed
-        generator = self._unseeded if seed is None else step_generator(seed, len(seq.output_token_ids), probs.device)
-        if probs.device != torch.device("cpu") and seed is None:
-            probs = probs.cpu()
-        return int(torch.multinomial(probs, 1, generator=generator))
+        """One token per row of `logits` `[seqs, vocab]`; one device-to-host copy for the whole batch."""
+        if all(s.params.greedy for s in seqs):
+            return logits.argmax(dim=-1).tolist()
+        return sample(logits, SamplingTensors.from_seqs(seqs, logits.device)).tolist()

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from slora import LLM, SamplingParams
-from slora.sampler import filter_logits
+from slora.sampler import SamplingTensors, filter_logits, uniform_noise
+from slora.sampler import sample as sample_tokens
 from tiny import random_prompts
 
 
@@ -50,12 +51,28 @@ def test_top_k_one_is_greedy(llm):
     assert sample(llm, "a", temperature=1.5, top_k=1, seed=3).token_ids == sample(llm, "a", temperature=0).token_ids
 
 
-def test_filter_logits_top_k_and_top_p():
-    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
-    assert torch.isinf(filter_logits(logits, 1.0, 2, 1.0)[2:]).all()
-    probs = torch.softmax(logits, 0)
-    kept = filter_logits(logits, 1.0, 0, float(probs[0] + probs[1] / 2))   # needs the top two
-    assert torch.isfinite(kept[:2]).all() and torch.isinf(kept[2:]).all()
+def test_filter_logits_top_k_and_top_p_per_row():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
+    probs = torch.softmax(logits[0], 0)
+    top_p = float(probs[0] + probs[1] / 2)                                  # needs the top two
+    kept = filter_logits(logits, torch.ones(2), torch.tensor([2, 0]), torch.tensor([1.0, top_p]))
+    assert torch.isfinite(kept[0, :2]).all() and torch.isinf(kept[0, 2:]).all()
+    assert torch.isfinite(kept[1, 3:]).all() and torch.isinf(kept[1, :3]).all()
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).expand(4000, 3)
+    params = SamplingTensors(torch.ones(4000), torch.zeros(4000, dtype=torch.long), torch.ones(4000),
+                             torch.arange(4000), torch.zeros(4000, dtype=torch.long))
+    counts = torch.bincount(sample_tokens(logits, params), minlength=3).float() / 4000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+
+
+def test_noise_is_uniform_and_a_function_of_seed_and_step():
+    noise = uniform_noise(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 20000)
+    assert 0 < noise.min() and noise.max() < 1 and abs(noise.mean() - 0.5) < 0.01
+    assert torch.equal(noise[0], uniform_noise(torch.tensor([1]), torch.tensor([0]), 20000)[0])
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
 
 
 def test_stop_token_ids_end_with_stop(llm):
