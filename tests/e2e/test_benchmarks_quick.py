@@ -1,0 +1,93 @@
+"""The simulated benchmarks run end to end in their --quick mode (as CI runs them) and write what the
+README promises. Speed is never asserted here, only the shape and sense of the results."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SIMULATE_KEYS = {"policy", "page_size", "watermark", "budget_gb", "mean_batch", "utilisation", "tokens_per_s",
+                 "preemptions", "recomputed_tokens", "mean_end_waste"}
+ABLATION_KEYS = {"variant", "adapter_fraction", "num_adapters", "mean_batch", "tokens_per_s", "adapter_loads",
+                 "adapter_evictions", "preemptions", "load_s"}
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def run_quick(script: str, out: Path) -> list[dict]:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mean_batch" in done.stdout                  # the table
+    if HAS_MATPLOTLIB:
+        assert out.with_suffix(".png").stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def simulate_rows(tmp_path_factory) -> list[dict]:
+    return run_quick("simulate.py", tmp_path_factory.mktemp("simulate") / "simulate.json")
+
+
+@pytest.fixture(scope="module")
+def ablation_rows(tmp_path_factory) -> list[dict]:
+    return run_quick("ablation.py", tmp_path_factory.mktemp("ablation") / "ablation.json")
+
+
+def test_simulate_writes_exactly_the_documented_keys(simulate_rows):
+    assert isinstance(simulate_rows, list) and simulate_rows
+    for row in simulate_rows:
+        assert set(row) == SIMULATE_KEYS
+        assert row["policy"] in {"reserve", "oracle", "paged"}
+        assert (row["page_size"] is None) == (row["policy"] != "paged")
+    assert {r["policy"] for r in simulate_rows} == {"reserve", "oracle", "paged"}
+
+
+def test_simulate_paging_beats_reservation(simulate_rows):
+    for budget in {r["budget_gb"] for r in simulate_rows}:
+        rows = [r for r in simulate_rows if r["budget_gb"] == budget]
+        reserve = next(r for r in rows if r["policy"] == "reserve")
+        paged16 = [r for r in rows if r["policy"] == "paged" and r["page_size"] == 16]
+        assert paged16
+        for row in paged16:
+            assert row["mean_batch"] > reserve["mean_batch"]
+            assert row["utilisation"] > reserve["utilisation"]
+            assert row["mean_end_waste"] < reserve["mean_end_waste"]
+        assert reserve["preemptions"] == 0 and reserve["recomputed_tokens"] == 0
+
+
+def test_simulate_metrics_are_in_range(simulate_rows):
+    for row in simulate_rows:
+        assert 0 < row["utilisation"] <= 1
+        assert row["mean_batch"] > 0 and row["tokens_per_s"] > 0
+        assert row["preemptions"] >= 0 and row["recomputed_tokens"] >= 0 and row["mean_end_waste"] >= 0
+        if row["policy"] == "paged":
+            assert row["mean_end_waste"] < row["page_size"]
+        if row["preemptions"] == 0:
+            assert row["recomputed_tokens"] == 0
+
+
+def test_ablation_structure(ablation_rows):
+    assert isinstance(ablation_rows, list) and ablation_rows
+    for row in ablation_rows:
+        assert set(row) == ABLATION_KEYS
+        assert row["variant"] in {"unified", "partitioned"}
+        assert (row["adapter_fraction"] is None) == (row["variant"] == "unified")
+        assert row["mean_batch"] > 0 and row["tokens_per_s"] > 0
+        assert row["adapter_loads"] >= 1 and row["adapter_evictions"] >= 0
+    counts = sorted({r["num_adapters"] for r in ablation_rows})
+    assert len(counts) >= 2
+    for count in counts:                                 # every variant at every adapter count
+        variants = [(r["variant"], r["adapter_fraction"]) for r in ablation_rows if r["num_adapters"] == count]
+        assert ("unified", None) in variants and len(variants) >= 2
+    one = [r for r in ablation_rows if r["num_adapters"] == 1]
+    assert all(r["adapter_loads"] == 1 and r["adapter_evictions"] == 0 for r in one)
+
+
+def test_ablation_unified_pool_batches_at_least_as_many(ablation_rows):
+    for count in {r["num_adapters"] for r in ablation_rows}:
+        rows = [r for r in ablation_rows if r["num_adapters"] == count]
+        unified = next(r for r in rows if r["variant"] == "unified")
+        assert all(unified["mean_batch"] >= r["mean_batch"] for r in rows)
