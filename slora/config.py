@@ -21,6 +21,7 @@ class EngineConfig:
     max_model_len: int | None = None          # default: what the model supports
     watermark: float = 0.01
     seed: int = 0
+    enforce_eager: bool = False               # CUDA: no CUDA graphs for decode
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

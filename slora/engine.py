@@ -14,7 +14,9 @@ from slora.adapters.registry import AdapterEntry, AdapterRegistry
 from slora.adapters.shapes import TargetShapes
 from slora.adapters.weights import load_adapter
 from slora.config import EngineConfig
-from slora.model_runner import ModelRunner, PoolShape
+from slora.cuda_graphs import GraphLimits
+from slora.kernels.layout import align_up
+from slora.model_runner import ModelRunner, PoolShape, profile_activation_bytes
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
 from slora.outputs import CompletionOutput, RequestOutput
@@ -67,9 +69,11 @@ class Engine:
         self.shapes = TargetShapes(self.model_config.num_layers, self.model_config.hidden_size,
                                    self.model_config.q_size, self.model_config.kv_size,
                                    self.model_config.intermediate_size)
-        pool_shape = PoolShape(self.model_config.num_layers, self._num_pages(), config.page_size,
-                               self.model_config.num_kv_heads, self.model_config.head_dim)
-        self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device)
+        template = PoolShape(self.model_config.num_layers, 0, config.page_size,
+                             self.model_config.num_kv_heads, self.model_config.head_dim)
+        pool_shape = dataclasses.replace(template, num_pages=self._num_pages(template))
+        self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device,
+                                  self._graph_limits(pool_shape))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.page_size, config.watermark),
                                    PageAllocator(pool_shape.num_pages, config.page_size))
@@ -89,14 +93,35 @@ class Engine:
         elem = torch.empty((), dtype=self.config.torch_dtype).element_size()
         return cfg.num_layers * 2 * self.config.page_size * cfg.num_kv_heads * cfg.head_dim * elem
 
-    def _num_pages(self) -> int:
+    def _num_pages(self, template: PoolShape) -> int:
         if self.config.num_pages is not None:
             return self.config.num_pages
         if self.config.device == "cpu":
             return max(1, int(self.config.pool_gib * 2 ** 30) // self._page_bytes())
+        # After the weights: a profiling prefill at the largest step measures the activations; the
+        # rest of `gpu_memory_utilization` of the whole GPU becomes pages.
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        activations = profile_activation_bytes(self.model, template, tokens, self.config.torch_dtype,
+                                               self.config.torch_device)
         free, total = torch.cuda.mem_get_info(self.config.torch_device)
-        budget = total * self.config.gpu_memory_utilization - (total - free)
-        return max(1, int(budget) // self._page_bytes())
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activations
+        pages = int(budget) // self._page_bytes()
+        if pages < 1:
+            raise ValueError("no GPU memory is left for the pool: raise gpu_memory_utilization or use a "
+                             "smaller model")
+        logger.info("pool: %d pages of %d tokens (%.2f GiB); activations %.2f GiB", pages,
+                    self.config.page_size, pages * self._page_bytes() / 2 ** 30, activations / 2 ** 30)
+        return pages
+
+    def _graph_limits(self, shape: PoolShape) -> GraphLimits | None:
+        if self.config.device == "cpu" or self.config.enforce_eager:
+            return None
+        rank = self.config.max_lora_rank
+        elems = sum(rank * (align_up(i) + align_up(o)) for i, o in map(self.shapes.features, self.shapes.modules))
+        return GraphLimits(max_batch=self.config.max_num_seqs,
+                           max_blocks=-(-self.max_model_len // self.config.page_size),
+                           max_adapter_pages=-(-elems // shape.page_elems), max_lora_rank=rank,
+                           num_layers=self.model_config.num_layers)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)

@@ -5,10 +5,14 @@ import torch
 from torch import Tensor
 
 from slora.adapters.packing import PackedAdapter
-from slora.attention_backend import ReferenceAttention, ReferenceLora
+from slora.attention_backend import backends_for
+from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.forward_batch import ForwardBatch, LoraBatch
 from slora.models.llama import LlamaForCausalLM
 from slora.scheduler import ScheduledSeq
+
+# version -> (packed adapter, its pages in the pool)
+StepAdapters = dict[str, tuple[PackedAdapter, list[int]]]
 
 
 @dataclass(frozen=True)
@@ -24,74 +28,171 @@ class PoolShape:
         return 2 * self.page_size * self.num_kv_heads * self.head_dim
 
 
+@dataclass
+class HostLora:
+    """The step's adapter table on the host; slot s is the s-th distinct version of the step."""
+
+    token_slots: Tensor     # [tokens] int32
+    page_tables: Tensor     # [slots, max_pages] int32
+    ranks: Tensor           # [layers, modules, slots] int32
+    a_offsets: Tensor       # [layers, modules, slots] int64
+    b_offsets: Tensor
+    scalings: Tensor        # float32
+
+
+@dataclass
+class HostInputs:
+    input_ids: Tensor
+    positions: Tensor
+    slot_mapping: Tensor
+    block_tables: Tensor
+    query_start_loc: Tensor
+    context_lens: Tensor
+    sample_indices: Tensor
+    max_query_len: int
+    max_context_len: int
+    lora: HostLora | None
+
+
+def host_inputs(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int) -> HostInputs:
+    """The flat batch of a step, built on the host."""
+    input_ids, positions, slots, starts, lens, sample_rows = [], [], [], [0], [], []
+    for item in scheduled:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        end = start + item.num_tokens
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += [seq.block_table[i // page_size] * page_size + i % page_size for i in range(start, end)]
+        starts.append(starts[-1] + item.num_tokens)
+        lens.append(end)
+        if item.completes:
+            sample_rows.append(starts[-1] - 1)
+    return HostInputs(
+        torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+        torch.tensor(slots, dtype=torch.long), padded_rows([i.seq.block_table for i in scheduled]),
+        torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(sample_rows, dtype=torch.long), max(i.num_tokens for i in scheduled), max(lens),
+        host_lora(scheduled, adapters))
+
+
+def padded_rows(rows: list[list[int]]) -> Tensor:
+    """A list of int lists as one zero-padded int32 matrix."""
+    table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int32)
+    for index, row in enumerate(rows):
+        table[index, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    return table
+
+
+def host_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters) -> HostLora | None:
+    versions = sorted({item.seq.adapter.version for item in scheduled if item.seq.adapter})
+    if not versions:
+        return None
+    slot_of = {v: i for i, v in enumerate(versions)}
+    token_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1
+                   for item in scheduled for _ in range(item.num_tokens)]
+    descriptors = [adapters[v][0].descriptor for v in versions]
+    stack = lambda name: torch.stack([getattr(d, name) for d in descriptors], dim=-1)  # [layers, modules, slots]
+    return HostLora(torch.tensor(token_slots, dtype=torch.int32), padded_rows([adapters[v][1] for v in versions]),
+                    stack("ranks"), stack("a_offsets"), stack("b_offsets"), stack("scalings"))
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, shape: PoolShape, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, shape: PoolShape, dtype: torch.dtype, device: torch.device,
+                 graph_limits: GraphLimits | None = None) -> None:
         self.model, self.shape, self.device = model, shape, device
         # The unified pool: KV pages and adapter pages, page ids shared across layers.
         self.pool = torch.zeros(shape.num_layers, shape.num_pages, shape.page_elems, dtype=dtype,
                                 device=device)  # [layers, pages, page_elems]
-        self.attention = ReferenceAttention()
-        self.lora_ops = ReferenceLora()
+        self.attention, self.lora_ops = backends_for(device.type)
+        self.graphs: DecodeGraphs | None = None
+        if graph_limits is not None and device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.pool, self.attention, self.lora_ops, shape.page_size,
+                                       graph_limits)
+            self.graphs.capture()
 
     def load_adapter(self, packed: PackedAdapter, pages: list[int]) -> None:
         """Copy an adapter's packed pages from the host cache into its pool pages."""
         index = torch.tensor(pages, dtype=torch.long, device=self.device)
-        self.pool.index_copy_(1, index, packed.pages.to(self.device, self.pool.dtype))
+        self.pool.index_copy_(1, index, packed.pages.to(self.device, self.pool.dtype, non_blocking=True))
 
-    def run(self, scheduled: list[ScheduledSeq], adapters: dict[str, tuple[PackedAdapter, list[int]]]) -> Tensor:
+    def run(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> Tensor:
         """One forward over the scheduled tokens; logits `[sampled, vocab]` of the completing sequences."""
-        batch = self.prepare(scheduled, adapters)
-        return self.model(batch, self.pool, self.attention)
+        host = host_inputs(scheduled, adapters, self.shape.page_size)
+        bucket = self._graph_bucket(scheduled, host)
+        if bucket is not None:
+            return self._replay(bucket, host, len(scheduled))
+        return self.model(self.to_device(host), self.pool, self.attention)
 
-    def prepare(self, scheduled: list[ScheduledSeq],
-                adapters: dict[str, tuple[PackedAdapter, list[int]]]) -> ForwardBatch:
-        page_size = self.shape.page_size
-        input_ids, positions, slots, starts, lens, sample_rows = [], [], [], [0], [], []
-        for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [seq.block_table[i // page_size] * page_size + i % page_size for i in range(start, end)]
-            starts.append(starts[-1] + item.num_tokens)
-            lens.append(end)
-            if item.completes:
-                sample_rows.append(starts[-1] - 1)
-        tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)
-        return ForwardBatch(
-            input_ids=tensor(input_ids, torch.long), positions=tensor(positions, torch.long),
-            slot_mapping=tensor(slots, torch.long),
-            block_tables=self._block_tables(scheduled), query_start_loc=tensor(starts, torch.int32),
-            context_lens=tensor(lens, torch.int32), sample_indices=tensor(sample_rows, torch.long),
-            page_size=page_size, max_query_len=max(s.num_tokens for s in scheduled),
-            max_context_len=max(lens), lora=self._lora_batch(scheduled, adapters))
+    def prepare(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> ForwardBatch:
+        return self.to_device(host_inputs(scheduled, adapters, self.shape.page_size))
 
-    def _block_tables(self, scheduled: list[ScheduledSeq]) -> Tensor:
-        width = max(len(item.seq.block_table) for item in scheduled)
-        table = torch.zeros(len(scheduled), width, dtype=torch.int32)
-        for row, item in enumerate(scheduled):
-            table[row, :len(item.seq.block_table)] = torch.tensor(item.seq.block_table, dtype=torch.int32)
-        return table.to(self.device)
+    def to_device(self, host: HostInputs) -> ForwardBatch:
+        move = lambda t: t.to(self.device, non_blocking=True)
+        return ForwardBatch(move(host.input_ids), move(host.positions), move(host.slot_mapping),
+                            move(host.block_tables), move(host.query_start_loc), move(host.context_lens),
+                            move(host.sample_indices), self.shape.page_size, host.max_query_len,
+                            host.max_context_len, self._lora_batch(host.lora))
 
-    def _lora_batch(self, scheduled: list[ScheduledSeq],
-                    adapters: dict[str, tuple[PackedAdapter, list[int]]]) -> LoraBatch | None:
-        versions = sorted({item.seq.adapter.version for item in scheduled if item.seq.adapter})
-        if not versions:
+    def _lora_batch(self, lora: HostLora | None) -> LoraBatch | None:
+        if lora is None:
             return None
-        slot_of = {v: i for i, v in enumerate(versions)}
-        token_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1
-                       for item in scheduled for _ in range(item.num_tokens)]
-        packed = [adapters[v][0] for v in versions]
-        tables = [adapters[v][1] for v in versions]
-        width = max(len(t) for t in tables)
-        page_tables = torch.zeros(len(versions), width, dtype=torch.int32)
-        for row, table in enumerate(tables):
-            page_tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        stack = lambda name: torch.stack([getattr(p.descriptor, name) for p in packed], dim=-1).to(self.device)
-        ranks = torch.stack([p.descriptor.ranks for p in packed], dim=-1)      # [layers, modules, slots]
-        return LoraBatch(
-            token_slots=torch.tensor(token_slots, dtype=torch.int32, device=self.device),
-            page_tables=page_tables.to(self.device), ranks=ranks.to(self.device),
-            a_offsets=stack("a_offsets"), b_offsets=stack("b_offsets"), scalings=stack("scalings"),
-            max_rank=int(ranks.max()), ops=self.lora_ops, active=(ranks.amax(dim=-1) > 0).tolist())
+        move = lambda t: t.to(self.device, non_blocking=True)
+        token_slots = move(lora.token_slots)
+        return LoraBatch(token_slots=token_slots, page_tables=move(lora.page_tables), ranks=move(lora.ranks),
+                         a_offsets=move(lora.a_offsets), b_offsets=move(lora.b_offsets),
+                         scalings=move(lora.scalings), max_rank=int(lora.ranks.max()),
+                         ops=self.lora_ops.prepare(token_slots, lora.page_tables.shape[0]),
+                         active=(lora.ranks.amax(dim=-1) > 0).tolist())
+
+    # ---- CUDA graphs --------------------------------------------------------------------------------
+    def _graph_bucket(self, scheduled: list[ScheduledSeq], host: HostInputs) -> int | None:
+        graphs = self.graphs
+        if graphs is None or host.max_query_len != 1 or len(host.sample_indices) != len(scheduled):
+            return None
+        if host.block_tables.shape[1] > graphs.limits.max_blocks:
+            return None
+        if host.lora is not None and host.lora.page_tables.shape[1] > graphs.limits.max_adapter_pages:
+            return None
+        return graphs.bucket_for(len(scheduled))
+
+    def _replay(self, bucket: int, host: HostInputs, batch_size: int) -> Tensor:
+        static, n = self.graphs.static, batch_size
+        static.input_ids[:n].copy_(host.input_ids, non_blocking=True)
+        static.positions[:n].copy_(host.positions, non_blocking=True)
+        static.slot_mapping[:bucket].fill_(-1)
+        static.slot_mapping[:n].copy_(host.slot_mapping, non_blocking=True)
+        static.context_lens[:bucket].zero_()
+        static.context_lens[:n].copy_(host.context_lens, non_blocking=True)
+        static.block_tables[:n, :host.block_tables.shape[1]].copy_(host.block_tables, non_blocking=True)
+        if host.lora is not None:
+            self._fill_lora(host.lora, bucket, n)
+        return self.graphs.replay(bucket, host.lora is not None, n)
+
+    def _fill_lora(self, lora: HostLora, bucket: int, n: int) -> None:
+        static, slots = self.graphs.static, lora.page_tables.shape[0]
+        static.token_slots[:bucket].fill_(-1)
+        static.token_slots[:n].copy_(lora.token_slots, non_blocking=True)
+        static.page_tables[:slots, :lora.page_tables.shape[1]].copy_(lora.page_tables, non_blocking=True)
+        for name in ("ranks", "a_offsets", "b_offsets", "scalings"):
+            getattr(static, name)[:, :, :slots].copy_(getattr(lora, name), non_blocking=True)
+        static.ranks[:, :, slots:bucket].zero_()
+
+
+@torch.inference_mode()
+def profile_activation_bytes(model: LlamaForCausalLM, shape: PoolShape, num_tokens: int, dtype: torch.dtype,
+                             device: torch.device) -> int:
+    """Peak CUDA memory of one prefill of `num_tokens` tokens beyond the weights and its own KV pages."""
+    pages = -(-num_tokens // shape.page_size)
+    runner = ModelRunner(model, PoolShape(shape.num_layers, pages, shape.page_size, shape.num_kv_heads,
+                                          shape.head_dim), dtype, device)
+    positions = torch.arange(num_tokens)
+    host = HostInputs(torch.zeros(num_tokens, dtype=torch.long), positions, positions.clone(),
+                      torch.arange(pages, dtype=torch.int32)[None], torch.tensor([0, num_tokens], dtype=torch.int32),
+                      torch.tensor([num_tokens], dtype=torch.int32), torch.tensor([num_tokens - 1]), num_tokens,
+                      num_tokens, None)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.model(runner.to_device(host), runner.pool, runner.attention)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before

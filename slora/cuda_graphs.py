@@ -1,0 +1,100 @@
+"""Decode steps captured in CUDA graphs, one per bucketed batch size (and with / without LoRA).
+
+Every per-step input lives in a preallocated device buffer that the graphs read, so a replay with other
+sequences, other block tables and another adapter mix is correct: block tables, slots, context lengths,
+per-token adapter slots, adapter page tables, ranks, offsets and scalings are all copied in before the
+replay. Padding rows have slot -1 (their K/V are not stored) and context length 0 (attention gives 0).
+"""
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from slora.forward_batch import ForwardBatch, LoraBatch
+from slora.kernels.layout import LORA_MODULES
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, 16, then multiples of 16 up to max_batch (inclusive)."""
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return small + list(range(16, max_batch + 1, 16)) + ([max_batch] if max_batch % 16 and max_batch > 8 else [])
+
+
+@dataclass(frozen=True)
+class GraphLimits:
+    max_batch: int
+    max_blocks: int            # block-table width: pages of the longest sequence
+    max_adapter_pages: int     # page-table width: pages of the largest adapter
+    max_lora_rank: int
+    num_layers: int
+
+
+class StaticInputs:
+    """The device buffers every captured graph reads; sized for the largest bucket."""
+
+    def __init__(self, limits: GraphLimits, device: torch.device) -> None:
+        b, modules = limits.max_batch, len(LORA_MODULES)
+        zeros = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=device)
+        self.input_ids, self.positions = zeros(b, dtype=torch.long), zeros(b, dtype=torch.long)
+        self.slot_mapping = zeros(b, dtype=torch.long) - 1
+        self.block_tables, self.context_lens = zeros(b, limits.max_blocks), zeros(b)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
+        self.sample_indices = torch.arange(b, dtype=torch.long, device=device)
+        self.token_slots = zeros(b) - 1
+        self.page_tables = zeros(b, limits.max_adapter_pages)
+        self.ranks = zeros(limits.num_layers, modules, b)
+        self.a_offsets = zeros(limits.num_layers, modules, b, dtype=torch.long)
+        self.b_offsets = zeros(limits.num_layers, modules, b, dtype=torch.long)
+        self.scalings = zeros(limits.num_layers, modules, b, dtype=torch.float32)
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, pool: Tensor, attention: object, lora_ops: object,
+                 page_size: int, limits: GraphLimits) -> None:
+        self.model, self.pool, self.attention, self.lora_ops = model, pool, attention, lora_ops
+        self.page_size, self.limits = page_size, limits
+        self.static = StaticInputs(limits, pool.device)
+        self.buckets = batch_buckets(limits.max_batch)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+
+    def batch(self, size: int, with_lora: bool) -> ForwardBatch:
+        """The ForwardBatch of a bucket, as views of the static buffers."""
+        s = self.static
+        lora = None
+        if with_lora:
+            lora = LoraBatch(token_slots=s.token_slots[:size], page_tables=s.page_tables[:size],
+                             ranks=s.ranks[:, :, :size], a_offsets=s.a_offsets[:, :, :size],
+                             b_offsets=s.b_offsets[:, :, :size], scalings=s.scalings[:, :, :size],
+                             max_rank=self.limits.max_lora_rank,
+                             ops=self.lora_ops.prepare(s.token_slots[:size], size),
+                             active=[[True] * len(LORA_MODULES)] * self.limits.num_layers)
+        return ForwardBatch(s.input_ids[:size], s.positions[:size], s.slot_mapping[:size], s.block_tables[:size],
+                            s.query_start_loc[:size + 1], s.context_lens[:size], s.sample_indices[:size],
+                            self.page_size, 1, self.limits.max_blocks * self.page_size, lora)
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool."""
+        mempool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.buckets):
+            for with_lora in (False, True):
+                self._forward(size, with_lora)            # warm-up: compiles kernels outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool):
+                    logits = self._forward(size, with_lora)
+                self.graphs[(size, with_lora)] = (graph, logits)
+        torch.cuda.synchronize()
+        logger.info("captured %d decode graphs for batch sizes %s", len(self.graphs), self.buckets)
+
+    def _forward(self, size: int, with_lora: bool) -> Tensor:
+        return self.model(self.batch(size, with_lora), self.pool, self.attention)
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch_size), None)
+
+    def replay(self, size: int, with_lora: bool, batch_size: int) -> Tensor:
+        graph, logits = self.graphs[(size, with_lora)]
+        graph.replay()
+        return logits[:batch_size]
