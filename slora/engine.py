@@ -59,7 +59,7 @@ class Engine:
         self.config = config
         embedded = ensure_embedded() if config.model is None else None
         folder = Path(config.model) if config.model else embedded.model_dir
-        self.model = load_model(folder, config.torch_dtype, config.torch_device)
+        self.model = load_model(folder, config.torch_dtype, config.torch_device, config.load_format)
         self.model_config: ModelConfig = self.model.config
         self.model_name = folder.name if config.model else "slora-tiny-llama"
         self.tokenizer = load_tokenizer(folder)

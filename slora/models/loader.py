@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from slora.models.config import UnsupportedModelError, load_model_config
+from slora.models.config import ModelConfig, UnsupportedModelError, load_model_config
 from slora.models.llama import LlamaForCausalLM
 from slora.models.rope import RotaryEmbedding
 
@@ -29,10 +29,27 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Our own model, with the checkpoint's weights, in `dtype` on `device`."""
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+    """A model with seeded random weights made on `device` (benchmarks of real-sized shapes, no checkpoint)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
+               load_format: str = "safetensors") -> LlamaForCausalLM:
+    """Our own model, with the checkpoint's weights (or random ones with load_format="dummy"), in `dtype`
+    on `device`."""
     folder = Path(folder)
     config = load_model_config(folder)
+    if load_format == "dummy":
+        return random_model(config, dtype, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     state = read_state_dict(folder)

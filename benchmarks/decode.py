@@ -1,0 +1,202 @@
+"""Decode step of a Llama-3-8B-shaped model (random bf16 weights) on the GPU, against the roofline.
+
+Step time at batch 1, 16, 64, 128, 256 with context 1,024: no adapter, all requests on one rank-16
+adapter, each request on its own rank-16 adapter (all seven projections). Roofline time = max(bytes /
+4.24 TB/s, FLOPs / 810 TFLOP/s), bytes = weights + live KV + each distinct adapter once.
+With --vs-peft: end-to-end generation (prompt 128, 64 new tokens, batch 64, 32 rank-16 adapters) of
+slora against transformers + PEFT on the same GPU, in the same run.
+
+    python benchmarks/decode.py [--quick] [--vs-peft] [--out FILE]
+"""
+import argparse
+import gc
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common import RESULTS, print_table, write_json
+from llama8b import KV_BYTES_PER_TOKEN, LLAMA3_8B, adapter_bytes, target_shapes, weight_bytes, \
+    write_config, write_peft_adapter
+from slora.adapters.packing import AdapterDescriptor, PackedAdapter, buffer_layout
+from slora.adapters.weights import LoadedAdapter, LoraWeights
+from slora.adapters.config import AdapterConfig
+from slora.cuda_graphs import GraphLimits
+from slora.kernels.layout import LORA_MODULES, align_up
+from slora.model_runner import ModelRunner, PoolShape
+from slora.models.config import parse_model_config
+from slora.models.loader import random_model
+from slora.page_pool import PageAllocator
+from slora.sampling_params import SamplingParams
+from slora.scheduler import ScheduledSeq
+from slora.sequence import AdapterRef, Sequence
+
+COPY_BW, BF16_FLOPS = 4.24e12, 810e12
+CONTEXT, RANK = 1024, 16
+
+
+def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
+    """The pool layout of a rank-r adapter on all seven projections (weights are filled on the GPU)."""
+    shapes = target_shapes()
+    weights = {(l, m): LoraWeights(torch.empty(rank, 0), torch.empty(0, rank), 2.0)
+               for l in range(shapes.num_layers) for m in LORA_MODULES}
+    config = AdapterConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_MODULES)
+    return buffer_layout(LoadedAdapter(config, weights, "layout"), shapes)
+
+
+def make_runner(max_batch: int, num_adapters: int, page_size: int = 16):
+    cfg = parse_model_config(LLAMA3_8B)
+    model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
+    descriptor, elems = rank16_descriptor(RANK)
+    page_elems = 2 * page_size * cfg.num_kv_heads * cfg.head_dim
+    adapter_pages = -(-elems // page_elems)
+    kv_pages = max_batch * (CONTEXT // page_size + 1)
+    shape = PoolShape(cfg.num_layers, kv_pages + num_adapters * adapter_pages, page_size, cfg.num_kv_heads,
+                      cfg.head_dim)
+    limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers)
+    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits)
+    return runner, descriptor, adapter_pages
+
+
+def build_step(runner: ModelRunner, allocator: PageAllocator, batch: int, adapters: list[tuple[str, list[int]]],
+               descriptor: AdapterDescriptor, mode: str) -> tuple[list[ScheduledSeq], dict]:
+    seqs, step_adapters = [], {}
+    for i in range(batch):
+        ref = None
+        if mode != "none":
+            version, pages = adapters[0 if mode == "shared" else i]
+            ref = AdapterRef(version, len(pages))
+            step_adapters[version] = (PackedAdapter(version, descriptor, torch.empty(0, len(pages), 0)), pages)
+        seq = Sequence(i, f"r{i}", [1] * (CONTEXT - 1), SamplingParams(max_tokens=2), ref)
+        seq.output_token_ids.append(1)
+        seq.num_computed_tokens = CONTEXT - 1
+        seq.block_table = [allocator.allocate_kv() for _ in range(CONTEXT // runner.shape.page_size)]
+        seqs.append(ScheduledSeq(seq, 1))
+    return seqs, step_adapters
+
+
+def time_steps(runner: ModelRunner, scheduled, adapters, iters: int) -> float:
+    for _ in range(3):
+        runner.run(scheduled, adapters)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        runner.run(scheduled, adapters)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def roofline_seconds(batch: int, distinct_adapters: int) -> float:
+    cfg = parse_model_config(LLAMA3_8B)
+    bytes_read = weight_bytes() + batch * CONTEXT * KV_BYTES_PER_TOKEN + distinct_adapters * adapter_bytes(RANK)
+    flops = 2 * weight_bytes() / 2 * batch + 4 * batch * CONTEXT * cfg.num_layers * cfg.q_size
+    return max(bytes_read / COPY_BW, flops / BF16_FLOPS)
+
+
+def step_rows(batches: list[int], iters: int) -> list[dict]:
+    max_batch = max(batches)
+    runner, descriptor, adapter_pages = make_runner(max_batch, max_batch)
+    allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
+    adapters = []
+    for i in range(max_batch):
+        pages = allocator.allocate_adapter(f"adapter-{i}", adapter_pages)
+        runner.pool[:, pages].normal_(0.0, 0.01)
+        adapters.append((f"adapter-{i}", pages))
+    rows = []
+    for batch in batches:
+        for mode in ("none", "shared", "distinct"):
+            scheduled, step_adapters = build_step(runner, allocator, batch, adapters, descriptor, mode)
+            seconds = time_steps(runner, scheduled, step_adapters, iters)
+            for item in scheduled:
+                for page in item.seq.block_table:
+                    allocator.release_kv(page)
+            distinct = {"none": 0, "shared": 1, "distinct": batch}[mode]
+            roof = roofline_seconds(batch, distinct)
+            rows.append({"batch": batch, "adapters": mode, "step_ms": seconds * 1e3,
+                         "tok_s": batch / seconds, "roofline_ms": roof * 1e3, "pct_roofline": 100 * roof / seconds})
+    return rows
+
+
+def peft_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor, new_tokens: int) -> float:
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model = PeftModel.from_pretrained(model, str(adapters[0]), adapter_name="a0")
+    for i, path in enumerate(adapters[1:], start=1):
+        model.load_adapter(str(path), adapter_name=f"a{i}")
+    names = [f"a{i % len(adapters)}" for i in range(prompts.shape[0])]
+    ids = prompts.cuda()
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:, :8], adapter_names=names, max_new_tokens=2, do_sample=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    del model
+    return prompts.shape[0] * new_tokens / elapsed
+
+
+def slora_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor, new_tokens: int) -> float:
+    from slora import LLM
+
+    llm = LLM(str(folder), device="cuda", load_format="dummy", max_num_seqs=prompts.shape[0],
+              max_lora_rank=RANK, max_model_len=1024)
+    for i, path in enumerate(adapters):
+        llm.load_adapter(f"a{i}", str(path))
+    names = [f"a{i % len(adapters)}" for i in range(prompts.shape[0])]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    rows = prompts.tolist()
+    llm.generate(rows[:2], SamplingParams(max_tokens=2, temperature=0), adapters=names[:2])
+    start = time.perf_counter()
+    outputs = llm.generate(rows, params, adapters=names)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == new_tokens for o in outputs)
+    del llm
+    return prompts.shape[0] * new_tokens / elapsed
+
+
+def vs_peft(batch: int, num_adapters: int, new_tokens: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_config(Path(tmp) / "llama8b")
+        adapters = [write_peft_adapter(Path(tmp) / f"a{i}", RANK, seed=i) for i in range(num_adapters)]
+        prompts = torch.randint(3, 128000, (batch, 128), generator=torch.Generator().manual_seed(42))
+        peft = peft_tokens_per_s(folder, adapters, prompts, new_tokens)
+        gc.collect()
+        torch.cuda.empty_cache()
+        ours = slora_tokens_per_s(folder, adapters, prompts, new_tokens)
+    return {"batch": batch, "adapters": num_adapters, "prompt": 128, "new_tokens": new_tokens,
+            "peft_tok_s": peft, "slora_tok_s": ours, "ratio": ours / peft}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--vs-peft", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    if not torch.cuda.is_available():
+        logging.warning("decode.py measures the CUDA path: no GPU here, nothing to do")
+        return
+    torch.manual_seed(42)
+    if args.vs_peft:
+        row = vs_peft(8 if args.quick else 64, 4 if args.quick else 32, 8 if args.quick else 64)
+        print_table([row])
+        write_json(Path(args.out or RESULTS / "decode_vs_peft_h200.json"), {"benchmark": "decode-vs-peft", "rows": [row]})
+        return
+    rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20)
+    print_table(rows)
+    write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
+                                                                "rank": RANK, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The CUDA path (Triton kernels, CUDA graphs) against the CPU engine and transformers + PEFT."""
+import pytest
+import torch
+
+from slora import LLM, SamplingParams
+from tiny import oracle_greedy, random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+NAMES = ["attn-r4", None, "mlp-r8", "all-r16", "rs-pattern", None, "all-r16", "attn-r4"]
+
+
+def make_llm(setup, **kwargs) -> LLM:
+    llm = LLM(str(setup.model_dir), num_pages=512, max_num_seqs=16, **kwargs)
+    for name, path in setup.adapters.items():
+        llm.load_adapter(name, str(path))
+    return llm
+
+
+def tokens(llm: LLM, prompts, names, params=GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params, adapters=names)]
+
+
+def test_cuda_graphs_match_cpu_engine_and_peft_in_float32(tiny_llama):
+    prompts = random_prompts([1, 9, 16, 17, 40, 100, 3, 64], seed=11)
+    expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, NAMES, GREEDY.max_tokens)
+    cpu = tokens(make_llm(tiny_llama), prompts, NAMES)
+    gpu = make_llm(tiny_llama, device="cuda", dtype="float32")
+    assert gpu.engine.runner.graphs is not None
+    assert tokens(gpu, prompts, NAMES) == cpu == expected
+    gpu.engine.check()
+
+
+def test_graph_replay_with_another_adapter_mix_equals_eager(tiny_llama):
+    graphs = make_llm(tiny_llama, device="cuda", dtype="float32")
+    eager = make_llm(tiny_llama, device="cuda", dtype="float32", enforce_eager=True)
+    prompts = random_prompts([5, 12, 30, 7, 22], seed=12)
+    for mix in (["all-r16"] * 5, [None, "rs-pattern", "attn-r4", None, "mlp-r8"], [None] * 5):
+        assert tokens(graphs, prompts, mix) == tokens(eager, prompts, mix)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_tracks_float32(tiny_llama, dtype):
+    prompts = random_prompts([20, 33], seed=13)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    half = tokens(make_llm(tiny_llama, device="cuda", dtype=dtype), prompts, ["all-r16", None], params)
+    full = tokens(make_llm(tiny_llama, device="cuda", dtype="float32"), prompts, ["all-r16", None], params)
+    assert [h[0] for h in half] == [f[0] for f in full]     # the first token is robust to rounding
+
+
+def test_seeded_sampling_is_the_same_on_cpu_and_cuda(tiny_llama):
+    prompts = random_prompts([15], seed=14)
+    params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=77, ignore_eos=True)
+    cpu = tokens(make_llm(tiny_llama), prompts, ["mlp-r8"], params)
+    gpu = tokens(make_llm(tiny_llama, device="cuda", dtype="float32"), prompts, ["mlp-r8"], params)
+    assert gpu[0][0] == cpu[0][0]
+
+
+def test_pool_sized_from_free_memory(tiny_llama):
+    llm = LLM(str(tiny_llama.model_dir), device="cuda", gpu_memory_utilization=0.3)
+    total = torch.cuda.get_device_properties(0).total_memory
+    pool_bytes = llm.engine.runner.pool.numel() * llm.engine.runner.pool.element_size()
+    assert 0 < pool_bytes < 0.3 * total
+    assert llm.pool_stats()["total_pages"] > 1000
