@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
 # `make gpu-check`: on a machine with CUDA (the device tool runs it over a copy of the tree). Installs the
 # project offline, runs the GPU tests, then the kernel and decode benchmarks; results go under $OUT
-# (default: benchmarks/results/gpu). Set QUICK=1 for small sizes, PEFT=0 to skip the PEFT comparison.
+# (default: benchmarks/results/gpu). QUICK=1: small sizes. PEFT=0: skip the PEFT comparison.
+# STEPS picks steps (default "tests kernels decode peft").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu}"
+STEPS="${STEPS:-tests kernels decode peft}"
 mkdir -p "$OUT"
 status=0
-run() { echo "+ $*"; "$@" || status=1; }
 quick=(); [ "${QUICK:-0}" = 1 ] && quick=(--quick)
 
-run pip install --quiet --no-deps --no-build-isolation -e .
+# run NAME CMD...: the command's output goes to $OUT/NAME.txt and to stdout; a failure marks the check.
+run() {
+  local name=$1; shift
+  echo "+ $*"
+  "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  tail -n 40 "$OUT/$name.txt"
+  [ $rc -eq 0 ] || { echo "!! $name failed with $rc"; status=1; }
+}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-run python -m pytest -m gpu -q -rs tests/kernels tests/e2e 2>&1 | tee "$OUT/gpu_tests.txt"
-run python benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
-run python benchmarks/decode.py "${quick[@]}" --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.txt"
-if [ "${PEFT:-1}" = 1 ]; then
-  run python benchmarks/decode.py "${quick[@]}" --vs-peft --out "$OUT/decode_vs_peft.json" 2>&1 | tee "$OUT/vs_peft.txt"
-fi
+has tests && run gpu_tests python -m pytest -m gpu -q -rs -x tests/kernels tests/e2e
+has kernels && run kernels python benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels.json"
+has decode && run decode python benchmarks/decode.py "${quick[@]}" --out "$OUT/decode.json"
+has peft && [ "${PEFT:-1}" = 1 ] && run vs_peft python benchmarks/decode.py "${quick[@]}" --vs-peft --out "$OUT/decode_vs_peft.json"
 exit $status
