@@ -122,6 +122,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="slora-engine", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_snapshot = 0.0
+        self._abort_scheduled = False
         self.state = EngineState.STARTING
         self.info: EngineInfo | None = None
         self.snapshot: EngineSnapshot | None = None
@@ -132,10 +133,21 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread.start()
 
-    def begin_drain(self) -> None:
-        """Stop admitting requests (SIGTERM); in-flight ones go on. Safe to call from a signal handler."""
+    def begin_drain(self, abort_after_s: float | None = None) -> None:
+        """Stop admitting requests (SIGTERM); in-flight ones go on, and with `abort_after_s` those still
+        running after that long are aborted (their clients get a 503 error). Safe in a signal handler."""
         if self.state in (EngineState.STARTING, EngineState.READY):
             self.state = EngineState.DRAINING
+        if abort_after_s is not None and self._loop is not None and not self._abort_scheduled:
+            self._abort_scheduled = True
+            self._loop.call_soon_threadsafe(self._loop.call_later, abort_after_s, self._abort_all)
+
+    def _abort_all(self) -> None:
+        if self._streams:
+            logger.warning("aborting %d request(s) still running at the end of the shutdown timeout",
+                           len(self._streams))
+        for request_id in list(self._streams):
+            self.abort(request_id, notify=True)
 
     async def shutdown(self, timeout_s: float) -> None:
         """Drain: wait up to `timeout_s` for in-flight requests, abort the rest, stop the thread."""
@@ -143,8 +155,7 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout_s
         while self._streams and time.monotonic() < deadline and self._thread.is_alive():
             await asyncio.sleep(0.05)
-        for request_id in list(self._streams):
-            self.abort(request_id, notify=True)
+        self._abort_all()
         self._stop.set()
         self._commands.put((lambda engine: None, concurrent.futures.Future()))   # wake an idle loop
         await asyncio.to_thread(self._thread.join, max(1.0, timeout_s))

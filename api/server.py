@@ -37,9 +37,11 @@ def _after_shutdown(sig: int, frame: FrameType | None) -> None:
 def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     """Run the server until SIGTERM or SIGINT; returns the exit status."""
     app = create_app(lambda: Engine(engine_config), settings)
+    # The app aborts what still runs after shutdown_timeout_s (so clients get a proper 503 error event);
+    # uvicorn's own timeout, which just cancels the connections' tasks, is only a backstop behind it.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_s)), lifespan="on")
-    server = _Server(config, app.state.ctx.engine.begin_drain)
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5, lifespan="on")
+    server = _Server(config, lambda: app.state.ctx.engine.begin_drain(settings.shutdown_timeout_s))
     previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()

@@ -1,0 +1,170 @@
+"""Tenants: keys, roles, isolated adapter namespaces, public adapters and per-tenant limits."""
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+
+from conftest import BASE_MODEL, assert_error_shape, free_port, greedy, start_server
+from slora.api.tenants import hash_key
+
+PROMPT = "The quick brown fox"
+KEYS = {"ops": "admin-key-123", "acme": "acme-key-456", "globex": "globex-key-789"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, adapter_root):
+    folder = tmp_path_factory.mktemp("tenants")
+    tenants = folder / "tenants.toml"
+    tenants.write_text(f"""
+[tenants.ops]
+role = "admin"
+key_sha256 = "{hash_key(KEYS['ops'])}"
+
+[tenants.acme]
+role = "tenant"
+key_sha256 = ["{hash_key(KEYS['acme'])}", "{hash_key('acme-second-key')}"]
+max_concurrent = 1
+max_queued = 1
+
+[tenants.globex]
+key_sha256 = "{hash_key(KEYS['globex'])}"
+""")
+    srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root))
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def clients(server):
+    made = {name: server.client(key) for name, key in KEYS.items()}
+    yield made
+    for c in made.values():
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def https(server):
+    made = {name: server.http(key) for name, key in KEYS.items()}
+    yield made
+    for h in made.values():
+        h.close()
+
+
+def tokens_of(client, model: str, max_tokens: int = 4) -> list[int]:
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    return out.choices[0].token_ids
+
+
+def names(http) -> set[str]:
+    return {a["name"] for a in http.get("/v1/adapters").json()["data"]}
+
+
+def test_keys(server, clients):
+    with server.client("wrong-key") as wrong, pytest.raises(openai.AuthenticationError) as info:
+        wrong.models.list()
+    assert_error_shape(info.value.response.json(), 401)
+    response = httpx.get(f"{server.url}/v1/models")
+    assert response.status_code == 401
+    assert_error_shape(response.json(), 401)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    with server.client("acme-second-key") as second:            # a tenant may have several keys
+        assert BASE_MODEL in {m.id for m in second.models.list()}
+    assert {m.id for m in clients["globex"].models.list()} >= {BASE_MODEL, "demo-r4-attn"}
+
+
+def test_same_name_in_two_namespaces(https, clients, offline):
+    assert https["acme"].post("/v1/adapters", json={"name": "support-bot", "path": "attn-r4"}).status_code == 200
+    assert https["globex"].post("/v1/adapters", json={"name": "support-bot", "path": "mlp-r8"}).status_code == 200
+    assert tokens_of(clients["acme"], "support-bot") == greedy(offline, [PROMPT], "attn-r4", 4)[0].token_ids
+    assert tokens_of(clients["globex"], "support-bot") == greedy(offline, [PROMPT], "mlp-r8", 4)[0].token_ids
+
+
+def test_another_tenants_adapter_is_404_everywhere(https, clients, offline):
+    acme, globex = https["acme"], https["globex"]
+    assert acme.post("/v1/adapters", json={"name": "acme-secret", "path": "all-r16"}).status_code == 200
+    expected = greedy(offline, [PROMPT], "all-r16", 4)[0].token_ids
+    assert "acme-secret" not in names(globex)
+    assert "acme-secret" not in {m.id for m in clients["globex"].models.list()}
+    with pytest.raises(openai.NotFoundError) as foreign:
+        clients["globex"].completions.create(model="acme-secret", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.NotFoundError) as missing:
+        clients["globex"].completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=2)
+    # Someone else's adapter answers exactly like one that does not exist.
+    assert foreign.value.body["message"].replace("acme-secret", "X") == \
+        missing.value.body["message"].replace("no-such-adapter", "X")
+    for response in (globex.delete("/v1/adapters/acme-secret"),
+                     globex.delete("/v1/adapters/acme-secret", params={"owner": "acme"}),
+                     globex.post("/v1/unload_lora_adapter", json={"lora_name": "acme-secret"}),
+                     globex.post("/v1/adapters", json={"name": "acme-secret", "path": "mlp-r8", "owner": "acme"})):
+        assert response.status_code == 404, response.text
+        assert_error_shape(response.json(), 404)
+    # Loading the same name in one's own namespace does not touch the other tenant's adapter.
+    assert globex.post("/v1/adapters", json={"name": "acme-secret", "path": "mlp-r8"}).status_code == 200
+    assert tokens_of(clients["acme"], "acme-secret") == expected
+    assert globex.delete("/v1/adapters/acme-secret").status_code == 200
+    assert tokens_of(clients["acme"], "acme-secret") == expected
+
+
+def test_public_adapters_are_published_by_admins_only(https, clients, offline):
+    refused = https["acme"].post("/v1/adapters", json={"name": "mine-public", "path": "attn-r4", "public": True})
+    assert refused.status_code == 403
+    assert_error_shape(refused.json(), 403)
+    assert https["ops"].post("/v1/adapters", json={"name": "shared", "path": "mlp-r8", "public": True}).status_code == 200
+    expected = greedy(offline, [PROMPT], "mlp-r8", 4)[0].token_ids
+    for tenant in ("acme", "globex"):
+        assert "shared" in {m.id for m in clients[tenant].models.list()}
+        assert tokens_of(clients[tenant], "shared") == expected
+        assert https[tenant].delete("/v1/adapters/shared").status_code == 404
+        assert https[tenant].delete("/v1/adapters/demo-r4-attn").status_code == 404
+    assert https["ops"].delete("/v1/adapters/shared").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        clients["acme"].completions.create(model="shared", prompt=PROMPT, max_tokens=2)
+
+
+def test_admin_sees_and_manages_every_namespace(https):
+    listed = https["ops"].get("/v1/adapters").json()["data"]
+    owners = {(a["name"], a["owner"]) for a in listed}
+    assert ("support-bot", "acme") in owners and ("support-bot", "globex") in owners
+    assert https["ops"].post("/v1/adapters", json={"name": "for-acme", "path": "attn-r4", "owner": "acme"}
+                             ).status_code == 200
+    assert "for-acme" in names(https["acme"]) and "for-acme" not in names(https["globex"])
+    assert https["ops"].delete("/v1/adapters/for-acme", params={"owner": "acme"}).status_code == 200
+    assert "for-acme" not in names(https["acme"])
+    assert https["ops"].post("/v1/adapters", json={"name": "x", "path": "attn-r4", "owner": "nobody"}
+                             ).status_code == 400
+
+
+def test_over_the_limit_is_429_with_retry_after(server, clients, https):
+    # acme: 1 running + 1 queued. A long stream takes the slot, a second request queues, a third is refused.
+    stream = clients["acme"].completions.create(model=BASE_MODEL, prompt=PROMPT, max_tokens=1500, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    queued_result = {}
+
+    def queued() -> None:
+        with server.client(KEYS["acme"]) as c:
+            queued_result["out"] = c.completions.create(model=BASE_MODEL, prompt=PROMPT, max_tokens=2)
+    thread = threading.Thread(target=queued)
+    thread.start()
+    server.wait_for(lambda s: s["slora_requests_queued"] == 1, what="a queued request")
+    with pytest.raises(openai.RateLimitError) as info:
+        clients["acme"].completions.create(model=BASE_MODEL, prompt=PROMPT, max_tokens=2)
+    assert int(info.value.response.headers["retry-after"]) >= 1
+    assert_error_shape(info.value.response.json(), 429)
+    assert tokens_of(clients["globex"], BASE_MODEL, 2)            # other tenants are not limited by acme's
+    stream.close()                                                 # frees the slot: the queued one runs
+    thread.join(timeout=60)
+    assert queued_result["out"].usage.completion_tokens == 2
+    server.wait_for(lambda s: s['slora_pool_pages{owner="kv"}'] == 0 and s["slora_requests_inflight"] == 0,
+                    what="idle")
+
+
+def test_single_user_mode_refuses_non_loopback_without_flag():
+    result = subprocess.run([sys.executable, "-m", "slora.cli", "serve", "--host", "0.0.0.0", "--port",
+                             str(free_port())], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--allow-unauthenticated" in result.stderr
