@@ -22,7 +22,8 @@ run() {
 }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
-pip install --quiet --no-deps --no-build-isolation -e . || exit 1
+python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
+python -c "import slora.kernels, slora.adapters" || { echo "slora is not importable after install"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 has tests && run gpu_tests python -m pytest -m gpu -q -rs -x tests/kernels tests/e2e
 has kernels && run kernels python benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels.json"
