@@ -1,9 +1,9 @@
 """Adapter management over HTTP: where adapter folders may come from (the adapter root, uploads) and the
-list / load / unload operations, each run on the engine thread between two steps.
+list / load / unload operations.
 
-Loading is submitted as one command to the engine thread because `Engine.load_adapter` reads, validates,
-packs and registers in one call and the engine is not thread-safe; running requests pause for the
-duration of that call (milliseconds for small adapters) and then carry on streaming.
+Loading reads, validates and packs on a worker thread (`adapter_loading.prepare_adapter`), then registers
+on the engine thread between two steps, so running requests keep streaming while an adapter loads. List
+and unload are short commands on the engine thread.
 """
 import logging
 import re
@@ -16,6 +16,7 @@ from typing import Any
 
 from slora.adapters.errors import AdapterError
 from slora.adapters.weights import PICKLE_SUFFIXES, WEIGHTS_FILE
+from slora.api.adapter_loading import register_prepared
 from slora.api.async_engine import AsyncEngine
 from slora.api.errors import APIError, adapter_not_found, bad_request
 from slora.api.metrics import ServerMetrics
@@ -169,9 +170,9 @@ class AdapterService:
         started = time.perf_counter()
 
         def command(engine: Engine) -> dict[str, Any]:
-            entry = engine.load_adapter(name, folder, owner=namespace, public=public)
-            return describe(engine, entry)
+            return describe(engine, register_prepared(engine, name, prepared, owner=namespace, public=public))
         try:
+            prepared = await self.engine.prepare_adapter(folder)
             info = await self.engine.call(command)
         except AdapterError as exc:
             raise bad_request(_sanitize(str(exc), self._hidden()), param="adapter") from None

@@ -15,8 +15,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
+from slora.api.adapter_loading import PreparedAdapter, prepare_adapter
 from slora.engine import Engine
 from slora.outputs import RequestOutput
 from slora.sampling_params import SamplingParams
@@ -125,6 +127,7 @@ class AsyncEngine:
         self._abort_scheduled = False
         self.state = EngineState.STARTING
         self.info: EngineInfo | None = None
+        self._engine: Engine | None = None          # touched on the engine thread only, except prepare_adapter
         self.snapshot: EngineSnapshot | None = None
         self.step_started: float | None = None        # monotonic start of the step in progress
 
@@ -203,6 +206,13 @@ class AsyncEngine:
             raise
         return stream
 
+    async def prepare_adapter(self, path: Path) -> PreparedAdapter:
+        """Read, validate and pack an adapter on a worker thread; only the engine's immutable configuration
+        is read there. Register the result with `call(lambda e: register_prepared(e, ...))`."""
+        if self._engine is None:
+            raise EngineUnavailable(self.state.value)
+        return await asyncio.to_thread(prepare_adapter, self._engine, path)
+
     def abort(self, request_id: str, notify: bool = False) -> None:
         """Abort a request and free its pages at the next pause between steps. With `notify`, its stream
         receives the final output (finish_reason "abort"); otherwise the stream is dropped now."""
@@ -242,6 +252,7 @@ class AsyncEngine:
             self.info = EngineInfo(engine.model_name, engine.max_model_len, engine.model_config.vocab_size,
                                    tokenizer)
             self._publish(engine, force=True)
+            self._engine = engine
         except Exception:
             logger.exception("the engine could not be started")
             self.state = EngineState.FAILED
