@@ -24,7 +24,7 @@ from slora.adapters.packing import AdapterDescriptor, PackedAdapter, buffer_layo
 from slora.adapters.weights import LoadedAdapter, LoraWeights
 from slora.adapters.config import AdapterConfig
 from slora.cuda_graphs import GraphLimits
-from slora.kernels.layout import LORA_MODULES, align_up
+from slora.kernels.layout import LORA_MODULES
 from slora.model_runner import ModelRunner, PoolShape
 from slora.models.config import parse_model_config
 from slora.models.loader import random_model
