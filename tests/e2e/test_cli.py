@@ -1,0 +1,25 @@
+"""`slora generate` as a user runs it."""
+import subprocess
+import sys
+
+from slora import LLM, SamplingParams
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slora.cli", "generate", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_generate_with_a_demo_adapter_prints_the_offline_completion():
+    result = run_cli("--adapter", "demo-r8-mlp", "--max-tokens", "6", "Hello there")
+    assert result.returncode == 0, result.stderr
+    expected = LLM().generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0),
+                              adapters=["demo-r8-mlp"])[0]
+    assert f"'Hello there' -> {expected.text!r} [{expected.finish_reason}]" in result.stdout
+
+
+def test_unknown_adapter_is_a_clear_error_not_a_traceback():
+    result = run_cli("--adapter", "no-such-adapter", "Hi")
+    assert result.returncode == 2
+    assert "adapter 'no-such-adapter' does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
