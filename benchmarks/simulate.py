@@ -124,7 +124,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     axes[1].set_ylabel("output tokens/s")
     axes[1].set_xticks([i + width * (len(budgets) - 1) / 2 for i in range(len(labels))], labels,
                        rotation=45, ha="right")
-    axes[0].legend(title="KV budget")
+    for ax in axes:
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
+    axes[0].legend(title="KV budget", loc="upper center", ncol=len(budgets))
     axes[0].set_title("Long-tail trace, simulated Llama-3-8B on an H200-like cost model")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
