@@ -5,6 +5,7 @@ Loading reads, validates and packs on a worker thread (`adapter_loading.prepare_
 on the engine thread between two steps, so running requests keep streaming while an adapter loads. List
 and unload are short commands on the engine thread.
 """
+import asyncio
 import logging
 import re
 import shutil
@@ -12,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import Any, BinaryIO
 
 from slora.adapters.errors import AdapterError
 from slora.adapters.weights import PICKLE_SUFFIXES, WEIGHTS_FILE
@@ -63,12 +64,12 @@ def resolve_in_root(root: Path | None, user_path: str, param: str) -> Path:
 class UploadedFile:
     field: str
     filename: str
-    data: bytes
+    source: BinaryIO            # the spooled upload; copied to disk in chunks, never read whole into memory
 
 
 def save_upload(upload_dir: Path, namespace: str, name: str, files: list[UploadedFile]) -> Path:
     """Write the two PEFT files of an upload into a fresh folder. Pickle files are refused unread."""
-    by_name: dict[str, bytes] = {}
+    by_name: dict[str, BinaryIO] = {}
     for item in files:
         filename = PurePosixPath(item.filename.replace("\\", "/")).name
         if filename.endswith(PICKLE_SUFFIXES) or item.field.endswith(PICKLE_SUFFIXES):
@@ -78,14 +79,16 @@ def save_upload(upload_dir: Path, namespace: str, name: str, files: list[Uploade
         if target is None:
             raise bad_request(f"unexpected file {filename!r}: upload exactly {CONFIG_FILE} and {WEIGHTS_FILE}",
                               param=item.field)
-        by_name[target] = item.data
+        by_name[target] = item.source
     missing = [f for f in ADAPTER_FILES if f not in by_name]
     if missing:
         raise bad_request(f"the upload lacks {', '.join(missing)}", param="files")
     folder = upload_dir / namespace / f"{name}-{uuid.uuid4().hex[:12]}"
     folder.mkdir(parents=True)
-    for filename, data in by_name.items():
-        (folder / filename).write_bytes(data)
+    for filename, source in by_name.items():
+        source.seek(0)
+        with open(folder / filename, "wb") as out:
+            shutil.copyfileobj(source, out, length=2 ** 20)
     return folder
 
 
@@ -142,9 +145,13 @@ class AdapterService:
 
     async def list_adapters(self, tenant: Tenant) -> list[dict[str, Any]]:
         def command(engine: Engine) -> list[dict[str, Any]]:
-            entries = list(engine.registry.entries.values()) if tenant.is_admin \
-                else engine.registry.visible_to(tenant.namespace)
-            return [describe(engine, e) for e in entries]
+            if tenant.is_admin:
+                return [describe(engine, e) for e in engine.registry.entries.values()]
+            described = [describe(engine, e) for e in engine.registry.visible_to(tenant.namespace)]
+            for info in described:            # other tenants' ids are not shown to a tenant
+                if info["owner"] != tenant.namespace:
+                    info["owner"] = None
+            return described
         return await self.engine.call(command)
 
     async def load_path(self, tenant: Tenant, name: str, user_path: str, public: bool = False,
@@ -157,7 +164,7 @@ class AdapterService:
                           owner: str | None = None) -> dict[str, Any]:
         namespace = self.namespace_for(tenant, owner)
         self._check_load(tenant, name, public)
-        folder = save_upload(self.upload_dir, namespace or "_local", name, files)
+        folder = await asyncio.to_thread(save_upload, self.upload_dir, namespace or "_local", name, files)
         try:
             return await self.load_folder(tenant, name, folder, namespace, public)
         except BaseException:

@@ -231,12 +231,12 @@ async def _load_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> 
         if not isinstance(name, str) or not name:
             raise bad_request("the upload needs a 'name' field", param="name")
         owner = form.get("owner")
-        files = [UploadedFile(field, value.filename or "", await value.read())
+        files = [UploadedFile(field, value.filename or "", value.file)
                  for field, value in form.multi_items() if isinstance(value, UploadFile)]
+        return await ctx.adapters.load_upload(tenant, name, files, _form_bool(form.get("public")),
+                                              owner if isinstance(owner, str) and owner else None)
     finally:
         await form.close()
-    return await ctx.adapters.load_upload(tenant, name, files, _form_bool(form.get("public")),
-                                          owner if isinstance(owner, str) and owner else None)
 
 
 def _add_ops_routes(app: FastAPI, ctx: ServerContext) -> None:

@@ -115,6 +115,8 @@ def test_public_adapters_are_published_by_admins_only(https, clients, offline):
     assert_error_shape(refused.json(), 403)
     assert https["ops"].post("/v1/adapters", json={"name": "shared", "path": "mlp-r8", "public": True}).status_code == 200
     expected = greedy(offline, [PROMPT], "mlp-r8", 4)[0].token_ids
+    shared = {a["name"]: a for a in https["acme"].get("/v1/adapters").json()["data"]}["shared"]
+    assert shared["public"] is True and shared["owner"] is None          # the admin's id is not shown
     for tenant in ("acme", "globex"):
         assert "shared" in {m.id for m in clients[tenant].models.list()}
         assert tokens_of(clients[tenant], "shared") == expected
