@@ -63,7 +63,7 @@ def test_tenants_file_validation(tmp_path):
     directory = load_tenants(good)
     assert directory.authenticate("k1").is_admin and directory.authenticate("k2").id == "b"
     assert directory.authenticate("wrong") is None and directory.authenticate(None) is None
-    for text, words in ((f'[tenants.a]\nkey_sha256 = "plain-key"\n', "64 hex"),
+    for text, words in (('[tenants.a]\nkey_sha256 = "plain-key"\n', "64 hex"),
                         (f'[tenants.a]\nrole = "root"\nkey_sha256 = "{hash_key("x")}"\n', "role"),
                         (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\nmax_concurrent = 0\n', "max_concurrent"),
                         (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\n[tenants.b]\nkey_sha256 = "{hash_key("x")}"\n',
