@@ -63,6 +63,7 @@ class Variant:
 
 def build_scheduler(variant: Variant, num_pages: int, max_seqs: int) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=UNCAPPED_TOKENS,
+                             enable_prefix_caching=False,
                              page_size=PAGE_SIZE, watermark=WATERMARK)
     if variant.adapter_fraction is None:
         return Scheduler(config, PageAllocator(num_pages, PAGE_SIZE))

@@ -161,11 +161,11 @@ class ReservingScheduler(Scheduler):
             return len(seq.prompt_token_ids) + seq.params.max_tokens
         return self.reserve_tokens
 
-    def pages_to_admit(self, seq: Sequence) -> int:
+    def pages_to_admit(self, seq: Sequence, matched: list[int] | None = None) -> int:
         page_size = self.config.page_size
         extra = seq.pages_needed(max(seq.num_tokens, self.reservation(seq)), page_size) \
             - seq.pages_needed(seq.num_tokens, page_size)
-        return super().pages_to_admit(seq) + extra
+        return super().pages_to_admit(seq, matched) + extra
 
     def _grow(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         return super()._grow(seq, max(num_tokens, self.reservation(seq)), out)
@@ -185,11 +185,11 @@ class PartitionedScheduler(Scheduler):
             raise ValueError("a partitioned scheduler needs an adapter_allocator")
         self.adapters = AdapterResidency(self.adapter_allocator)
 
-    def pages_to_admit(self, seq: Sequence) -> int:
-        return seq.pages_needed(seq.num_tokens, self.config.page_size)
+    def pages_to_admit(self, seq: Sequence, matched: list[int] | None = None) -> int:
+        return seq.pages_needed(seq.num_tokens, self.config.page_size) - len(matched or [])
 
-    def _can_admit(self, seq: Sequence) -> bool:
-        kv_fits = self.pages_to_admit(seq) + self.watermark_pages <= self.allocator.num_free
+    def _can_admit(self, seq: Sequence, matched: list[int]) -> bool:
+        kv_fits = self.pages_to_admit(seq, matched) + self.watermark_pages <= self.allocator.num_available
         return kv_fits and self._adapter_fits(seq.adapter)
 
     def _adapter_fits(self, adapter: AdapterRef | None) -> bool:
@@ -200,10 +200,9 @@ class PartitionedScheduler(Scheduler):
 
     def _grow(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         for _ in range(seq.pages_needed(num_tokens, self.config.page_size)):
-            while self.allocator.num_free == 0:
+            while self.allocator.num_available == 0:
                 victim = self.running[-1]
-                self.preempt(victim)
-                out.preempted.append(victim)
+                self.preempt(victim, out)
                 if victim is seq:
                     return False
             seq.block_table.append(self.allocator.allocate_kv())

@@ -63,6 +63,7 @@ def build_scheduler(policy: Policy, budget_bytes: float, cost: CostModel, max_se
     page_size = policy.page_size or 1
     num_pages = int(budget_bytes // (page_size * cost.model.kv_bytes_per_token))
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=UNCAPPED_TOKENS,
+                             enable_prefix_caching=False,
                              page_size=page_size, watermark=policy.watermark)
     allocator = PageAllocator(num_pages, page_size)
     if policy.name == "paged":

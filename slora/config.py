@@ -23,6 +23,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False               # CUDA: no CUDA graphs for decode
     load_format: str = "safetensors"          # "dummy": random weights from config.json (benchmarks)
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"        # or "swap": preempted KV goes to host memory
+    swap_space_gib: float = 1.0               # host swap space in swap mode
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -43,6 +46,10 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.swap_space_gib < 0:
+            raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

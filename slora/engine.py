@@ -1,6 +1,9 @@
 """The engine: requests in, one scheduled forward per step, outputs out (DESIGN §3)."""
 import dataclasses
+import hashlib
+import hmac
 import logging
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +45,7 @@ class RequestState:
     seqs: list[Sequence]
     adapter_version: str | None
     texts: list[str] = field(default_factory=list)
+    num_samples: int = 1              # samples 1.. are forked from sample 0 after its prefill
 
     @property
     def finished(self) -> bool:
@@ -50,7 +54,12 @@ class RequestState:
     def output(self) -> RequestOutput:
         samples = [CompletionOutput(s.sample_index, list(s.output_token_ids), self.texts[i], s.finish_reason)
                    for i, s in enumerate(self.seqs)]
-        return RequestOutput(self.request_id, self.prompt_token_ids, samples, self.finished)
+        return RequestOutput(self.request_id, self.prompt_token_ids, samples, self.finished,
+                             self.seqs[0].num_cached_tokens)
+
+    @property
+    def needs_fork(self) -> bool:
+        return len(self.seqs) < self.num_samples
 
 
 class Engine:
@@ -72,12 +81,17 @@ class Engine:
         template = PoolShape(self.model_config.num_layers, 0, config.page_size,
                              self.model_config.num_kv_heads, self.model_config.head_dim)
         pool_shape = dataclasses.replace(template, num_pages=self._num_pages(template))
+        swap_pages = int(config.swap_space_gib * 2 ** 30) // self._page_bytes() if config.preemption_mode == "swap" else 0
         self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device,
-                                  self._graph_limits(pool_shape))
+                                  self._graph_limits(pool_shape), swap_pages)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.page_size, config.watermark),
+                                                   config.page_size, config.watermark,
+                                                   config.enable_prefix_caching, config.preemption_mode,
+                                                   swap_pages),
                                    PageAllocator(pool_shape.num_pages, config.page_size))
         self.sampler = Sampler()
+        self._salt_secret = os.urandom(32)
+        self.num_prompt_tokens_computed = 0   # prompt tokens that went through a forward (cache misses)
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
         self.registry = AdapterRegistry()
         self.store = AdapterStore()
@@ -170,16 +184,32 @@ class Engine:
             params = dataclasses.replace(params, seed=self._seed_source.randrange(2 ** 62))
         if version is not None:
             self.store.acquire(version)
-        seqs = [self._new_seq(request_id, prompt_token_ids, params, ref, i) for i in range(params.n)]
-        self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), seqs, version,
-                                                 [""] * params.n)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        parent = self._new_seq(request_id, prompt_token_ids, params, ref, 0, self.cache_salt(owner))
+        self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent], version, [""],
+                                                 num_samples=params.n)
+        self.scheduler.add(parent)
+
+    def cache_salt(self, owner: str | None) -> bytes:
+        """Per-tenant salt of the prefix-cache hashes: one tenant's cached pages never serve another."""
+        return hmac.new(self._salt_secret, (owner or "").encode(), hashlib.sha256).digest()
 
     def _new_seq(self, request_id: str, prompt: list[int], params: SamplingParams, ref: AdapterRef | None,
-                 index: int) -> Sequence:
+                 index: int, salt: bytes) -> Sequence:
         self._next_seq_id += 1
-        return Sequence(self._next_seq_id, request_id, list(prompt), params, ref, sample_index=index)
+        return Sequence(self._next_seq_id, request_id, list(prompt), params, ref, sample_index=index,
+                        cache_salt=salt)
+
+    def _fork_samples(self, state: RequestState) -> list[Sequence]:
+        """After the first sample's prefill, the other samples start as copies sharing its pages."""
+        parent = state.seqs[0]
+        children = [self._new_seq(state.request_id, parent.prompt_token_ids, parent.params, parent.adapter, i,
+                                  parent.cache_salt) for i in range(1, state.num_samples)]
+        for child in children:
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.scheduler.fork(parent, child)
+            state.seqs.append(child)
+            state.texts.append("")
+        return children
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
@@ -226,8 +256,7 @@ class Engine:
         for seq in out.rejected:
             self.scheduler.finish(seq, "length")
             touched[seq.request_id] = self.requests[seq.request_id]
-        for version, pages in out.adapters_to_load:
-            self.runner.load_adapter(self.store.versions[version].packed, pages)
+        self.runner.move_pages(out, {v: self.store.versions[v].packed for v, _ in out.adapters_to_load})
         if out.scheduled:
             self._run(out, touched)
         return [self._finalize(state) for state in touched.values()]
@@ -239,10 +268,24 @@ class Engine:
         logits = self.runner.run(out.scheduled, adapters)
         completing = [item.seq for item in out.scheduled if item.completes]
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-        for seq, token in zip(completing, self.sampler(logits, completing)):
+            prompt_len = len(item.seq.prompt_token_ids)
+            self.num_prompt_tokens_computed += max(0, min(prompt_len, item.seq.num_computed_tokens + item.num_tokens)
+                                                   - item.seq.num_computed_tokens)
+            self.scheduler.on_computed(item.seq, item.num_tokens)
+        rows, seqs = self._sampling_rows(completing)
+        for seq, token in zip(seqs, self.sampler(logits[rows], seqs)):
             self._append_token(seq, token)
             touched[seq.request_id] = self.requests[seq.request_id]
+
+    def _sampling_rows(self, completing: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """The logits row of each sequence that samples now; forked samples share their parent's row."""
+        rows, seqs = [], []
+        for row, seq in enumerate(completing):
+            state = self.requests[seq.request_id]
+            family = [seq] + (self._fork_samples(state) if state.needs_fork and seq is state.seqs[0] else [])
+            rows += [row] * len(family)
+            seqs += family
+        return rows, seqs
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)

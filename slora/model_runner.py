@@ -9,7 +9,7 @@ from slora.attention_backend import backends_for
 from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.forward_batch import ForwardBatch, LoraBatch
 from slora.models.llama import LlamaForCausalLM
-from slora.scheduler import ScheduledSeq
+from slora.scheduler import ScheduledSeq, SchedulerOutput
 
 # version -> (packed adapter, its pages in the pool)
 StepAdapters = dict[str, tuple[PackedAdapter, list[int]]]
@@ -98,8 +98,9 @@ def host_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters) -> HostLora
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, shape: PoolShape, dtype: torch.dtype, device: torch.device,
-                 graph_limits: GraphLimits | None = None) -> None:
+                 graph_limits: GraphLimits | None = None, swap_pages: int = 0) -> None:
         self.model, self.shape, self.device = model, shape, device
+        self.swap_pages, self._swap = swap_pages, None
         # The unified pool: KV pages and adapter pages, page ids shared across layers.
         self.pool = torch.zeros(shape.num_layers, shape.num_pages, shape.page_elems, dtype=dtype,
                                 device=device)  # [layers, pages, page_elems]
@@ -109,6 +110,26 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.pool, self.attention, self.lora_ops, shape.page_size,
                                        graph_limits)
             self.graphs.capture()
+
+    def move_pages(self, out: SchedulerOutput, packed: dict[str, PackedAdapter]) -> None:
+        """The step's page moves, before its forward: swap-outs first (their pages may be reused by
+        this very step), then swap-ins, copy-on-write copies and adapter loads."""
+        for pages, slots in out.swap_out:
+            self.swap_space()[:, slots] = self.pool[:, pages].to("cpu", non_blocking=False)
+        for slots, pages in out.swap_in:
+            self.pool[:, pages] = self.swap_space()[:, slots].to(self.device, non_blocking=True)
+        if out.copies:
+            sources, targets = zip(*out.copies)
+            self.pool[:, list(targets)] = self.pool[:, list(sources)]
+        for version, pages in out.adapters_to_load:
+            self.load_adapter(packed[version], pages)
+
+    def swap_space(self) -> Tensor:
+        """Host pages for swapped-out KV `[layers, swap_pages, page_elems]`, made on first use."""
+        if self._swap is None:
+            shape = (self.shape.num_layers, self.swap_pages, self.shape.page_elems)
+            self._swap = torch.empty(shape, dtype=self.pool.dtype, pin_memory=self.device.type == "cuda")
+        return self._swap
 
     def load_adapter(self, packed: PackedAdapter, pages: list[int]) -> None:
         """Copy an adapter's packed pages from the host cache into its pool pages."""

@@ -45,12 +45,20 @@ class PageAllocator:
         self._owner = [PageOwner.FREE] * num_pages
         self._refcount = [0] * num_pages
         self._adapter_of_page: dict[int, str] = {}
-        # Cached KV pages in least-recently-used order (oldest first); filled by the prefix cache.
+        # Cached KV pages (refcount 0, kept for prefix reuse) in least-recently-used order, oldest first.
         self._cached: OrderedDict[int, None] = OrderedDict()
+        self._hash_of_page: dict[int, bytes] = {}
+        self._page_of_hash: dict[bytes, int] = {}
+        self.num_cache_evictions = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_available(self) -> int:
+        """Pages that can be handed out now: free ones and cached KV (evicted on demand)."""
+        return len(self._free) + len(self._cached)
 
     def owner(self, page: int) -> PageOwner:
         return self._owner[page]
@@ -59,6 +67,8 @@ class PageAllocator:
         return self._refcount[page]
 
     def _take_free(self, owner: PageOwner) -> int:
+        if not self._free and self._cached:
+            self._evict_cached()
         if not self._free:
             raise OutOfPages("no free page in the pool")
         page = self._free.popleft()
@@ -66,6 +76,7 @@ class PageAllocator:
         return page
 
     def _give_back(self, page: int) -> None:
+        assert page not in self._hash_of_page or self._owner[page] is PageOwner.CACHED, "hashed page freed"
         self._owner[page] = PageOwner.FREE
         self._refcount[page] = 0
         self._free.append(page)
@@ -78,15 +89,52 @@ class PageAllocator:
 
     def share_kv(self, page: int) -> None:
         """One more block table references `page` (a fork or a prefix hit)."""
-        assert self._owner[page] is PageOwner.KV, f"page {page} is not live KV"
+        assert self._owner[page] is PageOwner.KV and self._refcount[page] >= 0, f"page {page} is not live KV"
         self._refcount[page] += 1
 
     def release_kv(self, page: int) -> None:
-        """A block table drops `page`; the last reference frees it."""
+        """A block table drops `page`; the last reference frees it, or keeps it as cached KV if hashed."""
         assert self._owner[page] is PageOwner.KV and self._refcount[page] > 0, f"page {page} is not live KV"
         self._refcount[page] -= 1
-        if self._refcount[page] == 0:
+        if self._refcount[page] > 0:
+            return
+        if page in self._hash_of_page:
+            self._owner[page] = PageOwner.CACHED
+            self._cached[page] = None
+        else:
             self._give_back(page)
+
+    # ---- prefix cache -------------------------------------------------------------------------------
+    def register_hash(self, page: int, page_hash: bytes) -> None:
+        """`page` now holds the full page of tokens `page_hash` names; the first page for a hash wins."""
+        if page in self._hash_of_page or page_hash in self._page_of_hash:
+            return
+        self._hash_of_page[page] = page_hash
+        self._page_of_hash[page_hash] = page
+
+    def lookup(self, page_hash: bytes) -> int | None:
+        return self._page_of_hash.get(page_hash)
+
+    def reuse(self, page: int) -> None:
+        """Take a hashed page into one more block table: cached pages come back to live KV."""
+        if self._owner[page] is PageOwner.CACHED:
+            del self._cached[page]
+            self._owner[page] = PageOwner.KV
+        self.share_kv(page)
+
+    def is_cached(self, page: int) -> bool:
+        return self._owner[page] is PageOwner.CACHED
+
+    def _evict_cached(self) -> None:
+        page, _ = self._cached.popitem(last=False)
+        del self._page_of_hash[self._hash_of_page.pop(page)]
+        self.num_cache_evictions += 1
+        self._give_back(page)
+
+    def clear_cache(self) -> None:
+        """Free every cached KV page (live pages keep their hashes)."""
+        while self._cached:
+            self._evict_cached()
 
     def allocate_adapter(self, version: str, count: int) -> list[int]:
         """`count` pages for the weights of adapter `version`; all or nothing."""
@@ -122,6 +170,10 @@ class PageAllocator:
         for page in range(self.num_pages):
             self._check_page(page, expected_refs[page], adapter_of_page.get(page), page in free)
         assert all(self._owner[p] is PageOwner.CACHED for p in self._cached), "cached list has a non-cached page"
+        assert all(self._page_of_hash.get(h) == p for p, h in self._hash_of_page.items()), "hash maps disagree"
+        assert len(self._page_of_hash) == len(self._hash_of_page), "hash maps disagree"
+        assert all(self._owner[p] in (PageOwner.KV, PageOwner.CACHED) for p in self._hash_of_page), \
+            "a hashed page is neither live nor cached KV"
         stats = self.stats()
         assert stats.free_pages == len(self._free), "free list and owners disagree"
         assert stats.free_pages + stats.kv_pages + stats.cached_pages + stats.adapter_pages == self.num_pages

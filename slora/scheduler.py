@@ -1,18 +1,25 @@
 """Iteration-level (continuous) batching over the unified pool (DESIGN §2, §3).
 
 Each step: running sequences first (decode, or the next chunk of a long prefill), growing their block
-tables one page at a time; when no page is free, idle adapters are evicted (LRU) and then the newest
-running sequence is preempted (its pages freed; it is recomputed later as one prefill). Then waiting
-requests are admitted in arrival order while the batch bounds and the pool allow. No torch and no model
-here: the engine runs the model on the output, the simulator a step-cost function.
+tables one page at a time; when no page is free, cached KV is evicted (LRU), then idle adapters (LRU),
+then the newest running sequence is preempted (recomputed later as one prefill, or swapped to host
+memory). Then waiting requests are admitted in arrival order while the batch bounds and the pool allow,
+reusing the longest run of cached pages that matches their prompt. Forked samples share pages; the
+first write into a shared partial page copies it. No torch and no model here: the engine runs the
+model on the output, the simulator a step-cost function.
 """
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from slora.adapter_residency import AdapterResidency
 from slora.page_pool import PageAllocator
-from slora.sequence import Sequence, SequenceStatus
+from slora.prefix_cache import prefix_hashes
+from slora.sequence import AdapterRef, Sequence, SequenceStatus
+from slora.swap_space import SwapSpace
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     page_size: int = 16
     watermark: float = 0.01          # share of all pages kept free when admitting new requests
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_pages: int = 0              # host swap space, in pages (swap mode)
+    prefetch_depth: int = 4          # waiting requests whose adapters are made resident ahead of time
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -31,6 +42,10 @@ class SchedulerConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.swap_pages < 0 or self.prefetch_depth < 0:
+            raise ValueError("swap_pages and prefetch_depth must be >= 0")
 
 
 class ScheduledSeq(NamedTuple):
@@ -45,10 +60,13 @@ class ScheduledSeq(NamedTuple):
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
-    adapters_to_load: list[tuple[str, list[int]]]     # (version, pages) to fill before the forward
-    preempted: list[Sequence]
-    rejected: list[Sequence]                          # can never fit in the pool; finished by the caller
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    adapters_to_load: list[tuple[str, list[int]]] = field(default_factory=list)  # (version, pages) to fill
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)     # can never fit; finished by the caller
+    copies: list[tuple[int, int]] = field(default_factory=list)          # copy-on-write (src, dst) pages
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (pool pages, host slots)
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)   # (host slots, pool pages)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -63,9 +81,14 @@ class Scheduler:
     running: list[Sequence] = field(default_factory=list)
     step_count: int = 0
     num_preemptions: int = 0
+    num_swaps: int = 0
+    # Whether an adapter version's weights are in host memory; the engine loads missing ones in the
+    # background, and their requests wait without blocking others.
+    adapter_ready: Callable[[str], bool] = lambda version: True
 
     def __post_init__(self) -> None:
         self.adapters = AdapterResidency(self.allocator)
+        self.swap = SwapSpace(self.config.swap_pages)
 
     @property
     def watermark_pages(self) -> int:
@@ -78,18 +101,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def pages_to_admit(self, seq: Sequence) -> int:
-        """Pages a waiting sequence needs to be admitted: its tokens, plus its adapter if not resident."""
-        adapter = seq.adapter
-        adapter_pages = adapter.num_pages if adapter and not self.adapters.is_resident(adapter.version) else 0
-        return seq.pages_needed(seq.num_tokens, self.config.page_size) + adapter_pages
-
+    # ---- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
-        out = SchedulerOutput([], [], [], [])
+        out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
+        self._prefetch_adapters(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -104,58 +123,189 @@ class Scheduler:
             index += 1
         return budget
 
+    def _reclaim(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Make one page available for `seq`; False if `seq` itself had to be preempted."""
+        while self.allocator.num_available == 0:
+            if self.adapters.evict_one_idle():
+                continue
+            victim = self.running[-1]          # newest first
+            self.preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
     def _grow(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Give `seq` slots for `num_tokens` tokens; False if `seq` itself had to be preempted."""
+        """Give `seq` private slots for `num_tokens` tokens; False if `seq` itself had to be preempted."""
+        if not self._copy_shared_tail(seq, out):
+            return False
         for _ in range(seq.pages_needed(num_tokens, self.config.page_size)):
-            while self.allocator.num_free == 0:
-                if self.adapters.evict_one_idle():
-                    continue
-                victim = self.running[-1]      # newest first
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    return False
+            if not self._reclaim(seq, out):
+                return False
             seq.block_table.append(self.allocator.allocate_kv())
         return True
 
+    def _copy_shared_tail(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Copy-on-write: the next token goes into a partial page that forked samples still share."""
+        index, offset = divmod(seq.num_computed_tokens, self.config.page_size)
+        if offset == 0 or self.allocator.refcount(seq.block_table[index]) == 1:
+            return True
+        if not self._reclaim(seq, out):
+            return False
+        shared = seq.block_table[index]
+        if self.allocator.refcount(shared) == 1:       # the other holders were preempted meanwhile
+            return True
+        seq.block_table[index] = self.allocator.allocate_kv()
+        out.copies.append((shared, seq.block_table[index]))
+        self.allocator.release_kv(shared)
+        return True
+
+    # ---- admission ----------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._can_admit(seq):
-                if not self.running and not out.scheduled:
-                    out.rejected.append(self.waiting.popleft())   # would wait forever
+            seq = self.waiting.popleft()
+            if seq.adapter is not None and not self.adapter_ready(seq.adapter.version):
+                skipped.append(seq)           # its adapter is still loading: others go ahead
+                continue
+            matched = self._prefix_match(seq)
+            if not self._can_admit(seq, matched):
+                if not self.running and not out.scheduled and not skipped:
+                    out.rejected.append(seq)   # would wait forever
                     continue
+                self.waiting.appendleft(seq)
                 break
-            self.waiting.popleft()
-            budget -= self._admit(seq, budget, out)
+            budget -= self._admit(seq, matched, budget, out)
+        self.waiting.extendleft(reversed(skipped))
 
-    def _can_admit(self, seq: Sequence) -> bool:
+    def _prefix_match(self, seq: Sequence) -> list[int]:
+        """Pages of the prefix cache holding the longest run of this sequence's leading full pages,
+        leaving at least one token to compute (its logits are needed)."""
+        if not self.config.enable_prefix_caching or seq.num_computed_tokens or seq.swap_slots is not None:
+            return []
+        self._extend_hashes(seq, seq.num_tokens - 1)
+        matched = []
+        for page_hash in seq.page_hashes[:(seq.num_tokens - 1) // self.config.page_size]:
+            page = self.allocator.lookup(page_hash)
+            if page is None:
+                break
+            matched.append(page)
+        return matched
+
+    def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
+        if len(seq.page_hashes) < num_tokens // self.config.page_size:
+            version = seq.adapter.version if seq.adapter else None
+            seq.page_hashes = prefix_hashes(seq.token_ids[:num_tokens], self.config.page_size, version,
+                                            seq.cache_salt, seq.page_hashes)
+
+    def pages_to_admit(self, seq: Sequence, matched: list[int] | None = None) -> int:
+        """Pages a waiting sequence needs to be admitted: its tokens not served by the cache, plus its
+        adapter if not resident."""
+        adapter = seq.adapter
+        adapter_pages = adapter.num_pages if adapter and not self.adapters.is_resident(adapter.version) else 0
+        return seq.pages_needed(seq.num_tokens, self.config.page_size) - len(matched or []) + adapter_pages
+
+    def _can_admit(self, seq: Sequence, matched: list[int]) -> bool:
         own = seq.adapter.version if seq.adapter else None
-        available = self.allocator.num_free + self.adapters.idle_pages(exclude=own)
-        return self.pages_to_admit(seq) + self.watermark_pages <= available
+        reused_cached = sum(1 for page in matched if self.allocator.is_cached(page))
+        available = self.allocator.num_available - reused_cached + self.adapters.idle_pages(exclude=own)
+        return self.pages_to_admit(seq, matched) + self.watermark_pages <= available
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    def _admit(self, seq: Sequence, matched: list[int], budget: int, out: SchedulerOutput) -> int:
         if seq.adapter is not None:
-            pages = self.adapters.make_resident(seq.adapter, self.step_count)
-            if pages is not None:
-                out.adapters_to_load.append((seq.adapter.version, pages))
+            self._make_resident(seq.adapter, out)
             self.adapters.pin(seq.adapter.version, self.step_count)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        if seq.swap_slots is not None:
+            self._swap_in(seq, out)
+        else:
+            self._reuse_prefix(seq, matched)
         num_tokens = min(seq.num_uncomputed, budget)
         grown = self._grow(seq, seq.num_computed_tokens + num_tokens, out)
         assert grown, "admission checked that the pages were available"
         out.scheduled.append(ScheduledSeq(seq, num_tokens))
         return num_tokens
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's pages; it goes back to the front of the queue for recompute."""
+    def _make_resident(self, adapter: AdapterRef, out: SchedulerOutput) -> None:
+        pages = self.adapters.make_resident(adapter, self.step_count)
+        if pages is not None:
+            out.adapters_to_load.append((adapter.version, pages))
+
+    def _reuse_prefix(self, seq: Sequence, matched: list[int]) -> None:
+        for page in matched:
+            self.allocator.reuse(page)
+        seq.block_table = list(matched)
+        seq.num_hashed_pages = len(matched)
+        seq.num_computed_tokens = len(matched) * self.config.page_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def _prefetch_adapters(self, out: SchedulerOutput) -> None:
+        """Copy the adapters of the next waiting requests into free pages before they are scheduled,
+        without evicting anything and without touching the admission watermark."""
+        for seq in list(self.waiting)[:self.config.prefetch_depth]:
+            ref = seq.adapter
+            if ref is None or self.adapters.is_resident(ref.version) or not self.adapter_ready(ref.version):
+                continue
+            if self.adapters.allocator.num_free - ref.num_pages < self.watermark_pages + 1:
+                break
+            self._make_resident(ref, out)
+
+    # ---- after the forward --------------------------------------------------------------------------
+    def on_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """The forward wrote `num_tokens` more tokens of `seq` into its pages: full pages join the cache."""
+        seq.num_computed_tokens += num_tokens
+        if not self.config.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.config.page_size
+        if full <= seq.num_hashed_pages:
+            return
+        self._extend_hashes(seq, full * self.config.page_size)
+        for index in range(seq.num_hashed_pages, full):
+            self.allocator.register_hash(seq.block_table[index], seq.page_hashes[index])
+        seq.num_hashed_pages = full
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` starts as a copy of running `parent`, sharing all its pages (copy-on-write)."""
+        for page in parent.block_table:
+            self.allocator.share_kv(page)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens, child.num_hashed_pages = parent.num_computed_tokens, parent.num_hashed_pages
+        child.page_hashes = list(parent.page_hashes)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        if child.adapter is not None:
+            self.adapters.pin(child.adapter.version, self.step_count)
+
+    # ---- preemption and the end of a sequence -------------------------------------------------------
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free a running sequence's pages (swapping its KV to host memory in swap mode); it goes back
+        to the front of the queue."""
+        slots = None
+        if self.config.preemption_mode == "swap":
+            slots = self.swap.allocate(len(seq.block_table))
+        if slots is not None:
+            out.swap_out.append((list(seq.block_table), slots))
+            self.num_swaps += 1
         self._release(seq)
-        seq.num_computed_tokens = 0
+        seq.swap_slots = slots
+        if slots is None:
+            seq.num_computed_tokens = 0
+        seq.num_hashed_pages = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
+        slots, seq.swap_slots = seq.swap_slots, None
+        for _ in slots:
+            reclaimed = self._reclaim(seq, out)
+            assert reclaimed, "admission checked that the pages were available"
+            seq.block_table.append(self.allocator.allocate_kv())
+        out.swap_in.append((slots, list(seq.block_table)))
+        self.swap.release(slots)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (running or waiting) and free what it holds."""
@@ -163,13 +313,16 @@ class Scheduler:
             self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.swap_slots is not None:
+            self.swap.release(seq.swap_slots)
+            seq.swap_slots = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
     def _release(self, seq: Sequence) -> None:
         for page in seq.block_table:
             self.allocator.release_kv(page)
-        seq.block_table.clear()
+        seq.block_table = []
         self.running.remove(seq)
         if seq.adapter is not None:
             self.adapters.unpin(seq.adapter.version, self.step_count)
@@ -177,3 +330,5 @@ class Scheduler:
     def check(self) -> None:
         """The pool's invariants against the block tables and adapters held here."""
         self.allocator.check([s.block_table for s in self.running], self.adapters.page_tables())
+        swapped = sum(len(s.swap_slots) for s in self.waiting if s.swap_slots is not None)
+        assert swapped + self.swap.num_free == self.swap.num_pages, "swap slots leaked"

@@ -33,6 +33,11 @@ class Sequence:
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     num_preemptions: int = 0
     finish_reason: str | None = None
+    cache_salt: bytes = b""               # per-tenant salt of the prefix-cache hashes
+    page_hashes: list[bytes] = field(default_factory=list)   # hashes of the full pages of token_ids
+    num_hashed_pages: int = 0             # block_table pages registered in the prefix cache
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache when first admitted
+    swap_slots: list[int] | None = None   # host swap pages holding its KV while swapped out
 
     @property
     def num_tokens(self) -> int:

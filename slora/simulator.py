@@ -54,7 +54,8 @@ def simulate(scheduler: Scheduler, requests: list[SimRequest], step_cost: StepCo
 
 def _sequence(index: int, request: SimRequest) -> Sequence:
     params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
-    return Sequence(index, f"sim-{index}", [0] * request.prompt_len, params, request.adapter)
+    # Distinct tokens per request, so the prefix cache finds no sharing the trace does not have.
+    return Sequence(index, f"sim-{index}", [index] * request.prompt_len, params, request.adapter)
 
 
 def _advance(scheduler: Scheduler, out: SchedulerOutput, result: SimResult, clock: float) -> None:
@@ -68,7 +69,7 @@ def _advance(scheduler: Scheduler, out: SchedulerOutput, result: SimResult, cloc
         # tokens below the sequence's high-water mark were computed before a preemption
         result.recomputed_tokens += max(0, min(end, result.high_water.get(seq.seq_id, 0)) - start)
         result.high_water[seq.seq_id] = max(end, result.high_water.get(seq.seq_id, 0))
-        seq.num_computed_tokens = end
+        scheduler.on_computed(seq, item.num_tokens)
         if completes:
             seq.output_token_ids.append(0)
             result.output_tokens += 1

@@ -56,7 +56,8 @@ def test_reserving_scheduler_allocates_everything_at_admission(ms):
 
 
 def test_partitioned_scheduler_keeps_regions_apart(ms):
-    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=ms.UNCAPPED_TOKENS, page_size=4, watermark=0)
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=ms.UNCAPPED_TOKENS, page_size=4, watermark=0,
+                             enable_prefix_caching=False)
     scheduler = ms.PartitionedScheduler(config, PageAllocator(40, 4), adapter_allocator=PageAllocator(10, 4))
     adapters = [AdapterRef(f"a{i}", 4) for i in range(3)]
     requests = [SimRequest(6, 6, adapters[i % 3], arrival=0.1 * i) for i in range(9)]

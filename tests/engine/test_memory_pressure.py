@@ -1,4 +1,6 @@
 """Outputs do not change when the pool forces preemption or adapter eviction; no page leaks."""
+import pytest
+
 from slora import LLM, SamplingParams
 from tiny import oracle_greedy, random_prompts
 
@@ -39,16 +41,19 @@ def test_adapters_evicted_and_reloaded_between_requests(tiny_llama):
     llm.engine.check()
 
 
-def test_page_accounting(tiny_llama):
-    llm = LLM(str(tiny_llama.model_dir), page_size=16, num_pages=200)
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_page_accounting(tiny_llama, prefix_caching):
+    llm = LLM(str(tiny_llama.model_dir), page_size=16, num_pages=200, enable_prefix_caching=prefix_caching)
     load_all(llm, tiny_llama.adapters)
     names = list(tiny_llama.adapters) + [None]
     llm.generate(random_prompts([5, 50, 17, 33, 8], seed=3), PARAMS, adapters=names)
     stats = llm.pool_stats()
     assert stats["kv_pages"] == 0 and stats["adapter_pages"] > 0
+    assert (stats["cached_pages"] > 0) == prefix_caching      # full pages stay as cached KV
     llm.engine.check()
     for name in tiny_llama.adapters:
         llm.unload_adapter(name)
     stats = llm.pool_stats()
-    assert stats["free_pages"] == stats["total_pages"] == 200
+    assert stats["adapter_pages"] == stats["kv_pages"] == 0
+    assert stats["free_pages"] + stats["cached_pages"] == stats["total_pages"] == 200
     llm.engine.check()
