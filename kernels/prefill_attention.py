@@ -18,6 +18,11 @@ import triton.language as tl
 from torch import Tensor
 
 _LOG2E = 1.4426950408889634
+# Launch parameters on CUDA: query tokens and keys per block, warps, pipeline stages.
+_BLOCK_M = 64
+_BLOCK_N = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 2
 
 
 @triton.jit
@@ -72,6 +77,8 @@ def _prefill_kernel(
     block = tl.program_id(0)
     head = tl.program_id(1)
     seq = _find_sequence(start_loc_ptr, num_seqs, block, BLOCK_M)
+    if seq < 0:
+        return   # only when query_start_loc[0] > 0: blocks before the first sequence
     q_start = tl.load(start_loc_ptr + seq)
     q_len = tl.load(start_loc_ptr + seq + 1) - q_start
     m_first = (block - (q_start // BLOCK_M + seq)) * BLOCK_M   # first new token of this block
@@ -181,8 +188,8 @@ def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, quer
     if query.device.type != "cuda":
         block_m = 16  # the interpreter pays for every padded row
     else:
-        block_m = 64 if total >= 64 * num_seqs else 32
-    block_n = 64 if head_dim <= 128 else 32
+        block_m = _BLOCK_M if total >= _BLOCK_M * num_seqs else 32
+    block_n = _BLOCK_N if head_dim <= 128 else 32
     grid = (total // block_m + num_seqs, num_heads)
     _prefill_kernel[grid](
         query, kv_pool, block_tables, query_start_loc, context_lens, out,
@@ -192,6 +199,6 @@ def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, quer
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads,
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     return out

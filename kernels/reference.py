@@ -45,7 +45,9 @@ def _attend(query: Tensor, key: Tensor, value: Tensor, scale: float, query_posit
     `[seqs, ctx, kv_heads, head_dim]` at positions 0..ctx-1, of which `key_valid` `[seqs, ctx]` exist."""
     group = query.shape[2] // key.shape[2]
     key = key.float().repeat_interleave(group, dim=2)       # [seqs, ctx, heads, head_dim]
-    value = value.float().repeat_interleave(group, dim=2)
+    # Slots past a sequence's length hold whatever the pool holds (maybe NaN/inf): zero them, since
+    # a zero probability times NaN would still be NaN.
+    value = value.float().masked_fill(~key_valid[:, :, None, None], 0.0).repeat_interleave(group, dim=2)
     scores = torch.einsum("sqhd,skhd->shqk", query.float(), key) * scale   # [seqs, heads, q, ctx]
     k_pos = torch.arange(key.shape[1], device=query.device)
     allowed = (k_pos[None, None, :] <= query_positions[:, :, None]) & key_valid[:, None, :]  # [seqs, q, ctx]
@@ -109,7 +111,8 @@ def gather_lora_rows(pool: Tensor, page_tables: Tensor, offsets: Tensor, ranks: 
     live = rows[None, :] < ranks.long()[:, None]                                  # [slots, max_rank]
     page_cols = (elems // page_elems).clamp(max=page_tables.shape[1] - 1) * live[:, :, None]
     page_ids = torch.gather(page_tables.long(), 1, page_cols.flatten(1)).view_as(elems)
-    return pool[page_ids, elems % page_elems] * live[:, :, None]
+    # where, not multiply: rows past the rank read unrelated pool memory, which may hold NaN/inf.
+    return torch.where(live[:, :, None], pool[page_ids, elems % page_elems], 0)
 
 
 def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,

@@ -86,11 +86,32 @@ def test_lora_ranks_up_to_64_with_shared_segments():
     assert_close(out, want)
 
 
+@pytest.mark.parametrize("page_elems", [64, 128, 1024])
+def test_lora_small_and_large_pages(page_elems):
+    # Pages of one or two ALIGN rows force narrow tiles; large pages let tiles cross page boundaries.
+    ranks = [2, 16, 5]
+    gen = make_generator(page_elems)
+    b = make_lora_batch(ranks, 136, 200, page_elems, torch.float32, gen)
+    slots = random_token_slots(21, len(ranks), gen)
+    x = randn((21, 136), torch.float32, gen)
+    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+    assert_close(h, reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16))
+    out = randn((21, 200), torch.float32, gen)
+    want = out.clone()
+    reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    assert_close(out, want)
+
+
 def test_lora_segments_group_tokens_by_slot():
-    slots = torch.tensor([2, -1, 0, 2, 2, -1, 0], dtype=torch.int32)
-    order, starts = lora_segments(slots, 4)
-    assert starts.tolist() == [2, 4, 4, 7, 7]
-    assert order.tolist()[:2] == [1, 5] and order.tolist()[2:4] == [2, 6] and order.tolist()[4:] == [0, 3, 4]
+    slots = torch.tensor([2, -1, 0, 2, 2, -1, 0] + [1] * 17, dtype=torch.int32)
+    order, starts, block_slot, block_start, block_m = lora_segments(slots, 4)
+    assert block_m == 16
+    assert starts.tolist() == [2, 4, 21, 24, 24]
+    assert order.tolist()[:2] == [1, 5] and order.tolist()[2:4] == [2, 6] and order.tolist()[21:] == [0, 3, 4]
+    # Blocks (24 // 16 + 4 = 5): slot 0 from token 2, slot 1 in two blocks, slot 2, slot 3 (empty).
+    assert block_slot.tolist() == [0, 1, 1, 2, 3]
+    assert block_start.tolist() == [2, 4, 20, 21, 24]
 
 
 def test_lora_without_adapters_is_a_no_op():

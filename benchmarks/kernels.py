@@ -1,0 +1,314 @@
+"""Benchmark of slora's Triton kernels against the memory roofline (DESIGN §8).
+
+On a CUDA GPU:
+- paged decode attention, batch 64 x context 4096 and batch 1 x context 32768 (the split path), 32 query
+  / 8 KV heads, head_dim 128, bf16, page_size 16: time and achieved bandwidth (bytes of K, V, query and
+  output / time) against the H200's 4.24 TB/s copy bandwidth;
+- prefill attention (8 prompts of 1024 tokens): TFLOP/s and the ratio to torch's SDPA on contiguous K/V;
+- LoRA shrink + expand for the seven projections of one Llama-3-8B layer (hidden 4096, KV dim 1024,
+  intermediate 14336), 64 decode tokens on 64 distinct rank-16 adapters and on one shared adapter:
+  time, achieved bandwidth, and the ratio to a loop of per-adapter torch matmuls.
+
+Prints one table and writes JSON (default benchmarks/results/kernels.json). Without CUDA it stops with
+a message, unless --quick, which times the torch references at tiny sizes on the CPU.
+
+    python benchmarks/kernels.py [--out PATH] [--seed N] [--quick]
+"""
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from slora.kernels import reference
+from slora.kernels.layout import align_up
+
+PEAK_BANDWIDTH = 4.24e12     # bytes/s, H200 device-to-device copy measured on these machines
+LLAMA3_8B_MODULES = (("q_proj", 4096, 4096), ("k_proj", 4096, 1024), ("v_proj", 4096, 1024),
+                     ("o_proj", 4096, 4096), ("gate_proj", 4096, 14336), ("up_proj", 4096, 14336),
+                     ("down_proj", 14336, 4096))
+
+
+@dataclass
+class Row:
+    name: str
+    config: str
+    time_us: float
+    graph_time_us: float | None = None     # replayed from a CUDA graph (no launch overhead)
+    bytes_moved: int | None = None
+    bandwidth_tbs: float | None = None
+    roofline_frac: float | None = None     # of PEAK_BANDWIDTH
+    tflops: float | None = None
+    baseline: str | None = None
+    baseline_us: float | None = None
+    baseline_graph_us: float | None = None
+    speedup: float | None = None           # baseline / kernel, eager against eager
+    speedup_graph: float | None = None     # the same, both replayed from CUDA graphs
+    extra: dict = field(default_factory=dict)
+
+
+def _bandwidth(row: Row) -> Row:
+    best = min(t for t in (row.time_us, row.graph_time_us) if t is not None)
+    if row.bytes_moved is not None:
+        row.bandwidth_tbs = row.bytes_moved / (best * 1e-6) / 1e12
+        row.roofline_frac = row.bandwidth_tbs * 1e12 / PEAK_BANDWIDTH
+    if row.baseline_us is not None:
+        row.speedup = row.baseline_us / row.time_us
+    if row.baseline_graph_us is not None and row.graph_time_us is not None:
+        row.speedup_graph = row.baseline_graph_us / row.graph_time_us
+    return row
+
+
+def _time_us(fn: Callable[[], object]) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def _graph_time_us(fn: Callable[[], object]) -> float | None:
+    import triton.testing
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
+    except RuntimeError as err:   # a step that cannot be captured: report eager time only
+        print(f"  (CUDA graph capture failed: {err})", file=sys.stderr)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention
+
+
+def _random_kv(batch: int, ctx: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+               gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """A pool with `batch` sequences of `ctx` tokens on randomly permuted pages."""
+    blocks = math.ceil(ctx / page_size)
+    num_pages = batch * blocks + 1
+    pool = torch.randn(num_pages, 2 * page_size * kv_heads * head_dim, device="cuda", dtype=dtype)
+    perm = torch.randperm(num_pages - 1, generator=gen).add_(1).to(torch.int32)
+    tables = perm[:batch * blocks].view(batch, blocks).cuda()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return pool, tables, lens
+
+
+def bench_decode(batch: int, ctx: int, gen: torch.Generator, num_splits: int | None = None) -> Row:
+    from slora.kernels.paged_attention import _multiprocessors, choose_num_splits, paged_attention
+    heads, kv_heads, head_dim, page_size, dtype = 32, 8, 128, 16, torch.bfloat16
+    pool, tables, lens = _random_kv(batch, ctx, page_size, kv_heads, head_dim, dtype, gen)
+    query = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
+    out = torch.empty_like(query)
+    splits = num_splits or choose_num_splits(batch, kv_heads, ctx, _multiprocessors(query.device))
+
+    def run():
+        paged_attention(query, pool, tables, lens, page_size, kv_heads, head_dim ** -0.5, num_splits=splits,
+                        max_context_len=ctx, out=out)
+
+    run()
+    want = reference.paged_attention(query[:2], pool, tables[:2], lens[:2], page_size, kv_heads, head_dim ** -0.5)
+    err = (out[:2].float() - want.float()).abs().max().item()
+    kv_bytes = batch * ctx * kv_heads * head_dim * 2 * dtype.itemsize
+    io_bytes = 2 * query.numel() * dtype.itemsize + tables.numel() * 4
+    return _bandwidth(Row("paged_attention decode", f"batch {batch} ctx {ctx} 32q/8kv hd128 bf16 ps16 "
+                          f"splits {splits}", _time_us(run), _graph_time_us(run), kv_bytes + io_bytes,
+                          extra={"num_splits": splits, "max_abs_err_vs_reference": err}))
+
+
+def bench_prefill(num_seqs: int, seq_len: int, gen: torch.Generator) -> Row:
+    from slora.kernels.prefill_attention import prefill_attention
+    heads, kv_heads, head_dim, page_size, dtype = 32, 8, 128, 16, torch.bfloat16
+    pool, tables, lens = _random_kv(num_seqs, seq_len, page_size, kv_heads, head_dim, dtype, gen)
+    query = torch.randn(num_seqs * seq_len, heads, head_dim, device="cuda", dtype=dtype)
+    start_loc = torch.arange(0, num_seqs + 1, device="cuda", dtype=torch.int32) * seq_len
+    out = torch.empty_like(query)
+
+    def run():
+        prefill_attention(query, pool, tables, start_loc, lens, page_size, kv_heads, head_dim ** -0.5, out=out)
+
+    # Baseline: torch SDPA (flash) on the same K/V gathered into contiguous tensors.
+    pages = reference.kv_page_view(pool, page_size, kv_heads)[tables.long()]      # [b, blocks, 2, ps, kvh, hd]
+    k = pages[:, :, 0].reshape(num_seqs, -1, kv_heads, head_dim)[:, :seq_len].transpose(1, 2).contiguous()
+    v = pages[:, :, 1].reshape(num_seqs, -1, kv_heads, head_dim)[:, :seq_len].transpose(1, 2).contiguous()
+    q = query.view(num_seqs, seq_len, heads, head_dim).transpose(1, 2).contiguous()
+    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+
+    def sdpa():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    flops = 4 * num_seqs * heads * head_dim * seq_len * (seq_len + 1) / 2
+    t = _time_us(run)
+    row = _bandwidth(Row("prefill_attention", f"{num_seqs} x {seq_len} new tokens 32q/8kv hd128 bf16 ps16", t,
+                         baseline="torch SDPA, contiguous K/V", baseline_us=_time_us(sdpa)))
+    row.tflops = flops / (t * 1e-6) / 1e12
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA
+
+
+@dataclass
+class LoraLayer:
+    pool: Tensor
+    page_tables: Tensor                      # [slots, pages per adapter]
+    ranks: Tensor                            # [slots]
+    offsets: dict[str, tuple[Tensor, Tensor]]   # module -> (a_offsets, b_offsets) [slots]
+    scalings: Tensor                         # [slots]
+    dense: list[dict[str, tuple[Tensor, Tensor]]]   # per adapter, module -> (A [r, in], Bᵀ [r, out])
+
+
+def _pack_lora_layer(num_adapters: int, rank: int, page_elems: int, dtype: torch.dtype,
+                     gen: torch.Generator) -> LoraLayer:
+    """Pack one layer of `num_adapters` random rank-`rank` adapters into a pool, pages permuted."""
+    layout, cursor = {}, 0
+    for name, fin, fout in LLAMA3_8B_MODULES:
+        layout[name] = (cursor, cursor + rank * align_up(fin))
+        cursor += rank * (align_up(fin) + align_up(fout))
+    pages_each = math.ceil(cursor / page_elems)
+    num_pages = 2 * num_adapters * pages_each + 1      # half unused, so adapters' pages are scattered
+    pool = torch.randn(num_pages, page_elems, dtype=dtype, device="cuda")
+    perm = (torch.randperm(num_pages - 1, generator=gen) + 1)[:num_adapters * pages_each]
+    tables = perm.view(num_adapters, pages_each).to(torch.int32).cuda()
+    dense = []
+    for a in range(num_adapters):
+        buffer = torch.zeros(pages_each * page_elems, dtype=dtype, device="cuda")
+        mats = {}
+        for name, fin, fout in LLAMA3_8B_MODULES:
+            a_off, b_off = layout[name]
+            lora_a = torch.randn(rank, fin, device="cuda", dtype=dtype) / fin ** 0.5
+            lora_bt = torch.randn(rank, fout, device="cuda", dtype=dtype) / rank ** 0.5
+            buffer[a_off:a_off + rank * align_up(fin)].view(rank, align_up(fin))[:, :fin] = lora_a
+            buffer[b_off:b_off + rank * align_up(fout)].view(rank, align_up(fout))[:, :fout] = lora_bt
+            mats[name] = (lora_a, lora_bt)
+        pool[tables[a].long()] = buffer.view(pages_each, page_elems)
+        dense.append(mats)
+    full = lambda v: torch.full((num_adapters,), v, dtype=torch.int64, device="cuda")  # noqa: E731
+    offsets = {name: (full(a), full(b)) for name, (a, b) in layout.items()}
+    return LoraLayer(pool, tables, full(rank).to(torch.int32), offsets,
+                     torch.full((num_adapters,), 2.0, device="cuda"), dense)
+
+
+def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator) -> Row:
+    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink
+    dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
+    layer = _pack_lora_layer(num_adapters, rank, page_elems, dtype, gen)
+    slots = (torch.randperm(tokens, generator=gen) % num_adapters).to(torch.int32).cuda()
+    inputs = {fin: torch.randn(tokens, fin, device="cuda", dtype=dtype) for fin in (4096, 14336)}
+    outs = {name: torch.randn(tokens, fout, device="cuda", dtype=dtype) for name, _, fout in LLAMA3_8B_MODULES}
+    segments = lora_segments(slots, num_adapters)   # once per step, shared by all modules and layers
+
+    def run():
+        for name, fin, _ in LLAMA3_8B_MODULES:
+            a_off, b_off = layer.offsets[name]
+            h = lora_shrink(inputs[fin], layer.pool, slots, layer.page_tables, layer.ranks, a_off, rank,
+                            segments=segments)
+            lora_expand(outs[name], h, layer.pool, slots, layer.page_tables, layer.ranks, b_off, layer.scalings,
+                        segments=segments)
+
+    token_ids = [torch.nonzero(slots == a).flatten() for a in range(num_adapters)]
+
+    def torch_loop():
+        for name, fin, _ in LLAMA3_8B_MODULES:
+            x, out = inputs[fin], outs[name]
+            for a, idx in enumerate(token_ids):
+                lora_a, lora_bt = layer.dense[a][name]
+                out.index_add_(0, idx, (x[idx] @ lora_a.T) @ lora_bt, alpha=2.0)
+
+    err = _check_lora(layer, slots, inputs, rank)
+    weight_bytes = num_adapters * sum(rank * (fin + fout) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
+    act_bytes = sum(tokens * (fin + 2 * fout + 2 * rank) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
+    return _bandwidth(Row("lora shrink+expand, 7 modules", f"{tokens} tokens, {num_adapters} adapter(s) rank {rank}, "
+                          "Llama-3-8B layer bf16", _time_us(run), _graph_time_us(run), weight_bytes + act_bytes,
+                          baseline="per-adapter torch matmul loop", baseline_us=_time_us(torch_loop),
+                          baseline_graph_us=_graph_time_us(torch_loop),
+                          extra={"max_abs_err_vs_reference_q_proj": err, "weight_bytes": weight_bytes}))
+
+
+def _check_lora(layer: LoraLayer, slots: Tensor, inputs: dict[int, Tensor], rank: int) -> float:
+    from slora.kernels.lora import lora_shrink
+    a_off, _ = layer.offsets["q_proj"]
+    got = lora_shrink(inputs[4096], layer.pool, slots, layer.page_tables, layer.ranks, a_off, rank)
+    want = reference.lora_shrink(inputs[4096].float(), layer.pool.float(), slots, layer.page_tables, layer.ranks,
+                                 a_off, rank)
+    return (got.float() - want).abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU quick mode and output
+
+
+def quick_cpu(gen: torch.Generator) -> list[Row]:
+    """Tiny sizes through the torch references, to check the script end to end without a GPU."""
+    rows = []
+    pool = torch.randn(65, 2 * 16 * 2 * 64, generator=gen)
+    tables = (torch.randperm(64, generator=gen) + 1).view(4, 16).to(torch.int32)
+    lens = torch.tensor([256, 100, 17, 1], dtype=torch.int32)
+    query = torch.randn(4, 8, 64, generator=gen)
+    t0 = time.perf_counter()
+    reference.paged_attention(query, pool, tables, lens, 16, 2, 0.125)
+    rows.append(Row("reference paged_attention (CPU)", "batch 4 ctx<=256 8q/2kv hd64 fp32",
+                    (time.perf_counter() - t0) * 1e6))
+    x = torch.randn(8, 128, generator=gen)
+    lora_pool = torch.randn(16, 1024, generator=gen)
+    t0 = time.perf_counter()
+    reference.lora_shrink(x, lora_pool, torch.arange(8, dtype=torch.int32) % 2, torch.arange(16).view(2, 8),
+                          torch.tensor([4, 8]), torch.tensor([0, 2048]), 8)
+    rows.append(Row("reference lora_shrink (CPU)", "8 tokens in 128 ranks 4/8 fp32", (time.perf_counter() - t0) * 1e6))
+    return rows
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
+
+
+def print_table(rows: list[Row]) -> None:
+    header = f"{'kernel':32} {'config':62} {'time us':>9} {'graph us':>9} {'TB/s':>6} {'%peak':>6} " \
+             f"{'TFLOP/s':>8} {'base us':>9} {'base gr':>9} {'speedup':>8} {'sp graph':>8}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        frac = None if r.roofline_frac is None else 100 * r.roofline_frac
+        print(f"{r.name:32} {r.config:62} {_fmt(r.time_us, '9.1f')} {_fmt(r.graph_time_us, '9.1f')} "
+              f"{_fmt(r.bandwidth_tbs, '6.2f')} {_fmt(frac, '6.1f')} {_fmt(r.tflops, '8.1f')} "
+              f"{_fmt(r.baseline_us, '9.1f')} {_fmt(r.baseline_graph_us, '9.1f')} {_fmt(r.speedup, '8.2f')} "
+              f"{_fmt(r.speedup_graph, '8.2f')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/kernels.json", help="where to write the JSON results")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes through the torch references on the CPU (checks the script, no GPU)")
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    if args.quick:
+        rows, device = quick_cpu(gen), platform.processor() or "cpu"
+    elif not torch.cuda.is_available():
+        print("benchmarks/kernels.py: CUDA is not available; the Triton kernels are benchmarked on a GPU only. "
+              "Use --quick for a tiny CPU run of the torch references.")
+        return 0
+    else:
+        device = torch.cuda.get_device_name()
+        rows = [bench_decode(64, 4096, gen), bench_decode(64, 4096, gen, num_splits=4),
+                bench_decode(1, 32768, gen), bench_decode(1, 32768, gen, num_splits=1),
+                bench_prefill(8, 1024, gen),
+                bench_lora(64, 64, 16, gen), bench_lora(1, 64, 16, gen)]
+    print(f"device: {device}; bandwidth reference {PEAK_BANDWIDTH / 1e12:.2f} TB/s (a copy's read+write rate, so "
+          "pure reads can exceed it); TB/s uses the faster of eager and graph time")
+    print_table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": device, "seed": args.seed, "peak_bandwidth_bytes_per_s": PEAK_BANDWIDTH,
+                               "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
