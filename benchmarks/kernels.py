@@ -20,15 +20,14 @@ import math
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
-from torch import Tensor
-
 from slora.kernels import reference
 from slora.kernels.layout import align_up
+from torch import Tensor
 
 PEAK_BANDWIDTH = 4.24e12     # bytes/s, H200 device-to-device copy measured on these machines
 LLAMA3_8B_MODULES = (("q_proj", 4096, 4096), ("k_proj", 4096, 1024), ("v_proj", 4096, 1024),
@@ -97,7 +96,11 @@ def _random_kv(batch: int, ctx: int, page_size: int, kv_heads: int, head_dim: in
 
 
 def bench_decode(batch: int, ctx: int, gen: torch.Generator, num_splits: int | None = None) -> Row:
-    from slora.kernels.paged_attention import _multiprocessors, choose_num_splits, paged_attention
+    from slora.kernels.paged_attention import (
+        _multiprocessors,
+        choose_num_splits,
+        paged_attention,
+    )
     heads, kv_heads, head_dim, page_size, dtype = 32, 8, 128, 16, torch.bfloat16
     pool, tables, lens = _random_kv(batch, ctx, page_size, kv_heads, head_dim, dtype, gen)
     query = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
@@ -186,7 +189,7 @@ def _pack_lora_layer(num_adapters: int, rank: int, page_elems: int, dtype: torch
             mats[name] = (lora_a, lora_bt)
         pool[tables[a].long()] = buffer.view(pages_each, page_elems)
         dense.append(mats)
-    full = lambda v: torch.full((num_adapters,), v, dtype=torch.int64, device="cuda")  # noqa: E731
+    full = lambda v: torch.full((num_adapters,), v, dtype=torch.int64, device="cuda")
     offsets = {name: (full(a), full(b)) for name, (a, b) in layout.items()}
     return LoraLayer(pool, tables, full(rank).to(torch.int32), offsets,
                      torch.full((num_adapters,), 2.0, device="cuda"), dense)

@@ -27,9 +27,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
-
 from slora.kernels.layout import ALIGN, align_up
+from torch import Tensor
 
 # Programs in flight we aim for, per multiprocessor, before splitting the shrink reduction stops paying.
 _PROGRAMS_PER_SM = 4
@@ -315,7 +314,7 @@ def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tenso
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
     split_k = triton.cdiv(in_features, k_per_split)   # no empty splits
     # Rows without adapter and columns past each slot's rank stay zero.
-    h = torch.zeros((split_k if split_k > 1 else 1, num_tokens, max_rank),
+    h = torch.zeros((max(1, split_k), num_tokens, max_rank),
                     dtype=torch.float32 if split_k > 1 else x.dtype, device=x.device)
     if num_tokens == 0 or num_slots == 0:
         return h[0]

@@ -56,8 +56,8 @@ def _paged_decode_kernel(
     chunk = _split_chunk(ctx_len, NUM_SPLITS, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, ctx_len)
-    if NUM_SPLITS > 1:
-        if start >= ctx_len:
+    if NUM_SPLITS > 1:  # noqa: SIM102
+        if start >= ctx_len:  # nested: the outer test is a constexpr, resolved at compile time
             return  # this sequence is too short to reach this split; the merge skips it
 
     rows = tl.arange(0, GROUP_PAD)                      # query heads of this KV head (padded)

@@ -8,9 +8,8 @@ never handed out and padding entries of block/page tables point at it.
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
-
 from slora.kernels.layout import align_up
+from torch import Tensor
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -129,9 +128,9 @@ def random_token_slots(num_tokens: int, num_slots: int, gen: torch.Generator, no
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
     """atol/rtol for comparing a kernel in `dtype` with the torch reference."""
-    return {torch.float32: dict(atol=1e-4, rtol=1e-4),
-            torch.float16: dict(atol=1e-2, rtol=1e-2),
-            torch.bfloat16: dict(atol=5e-2, rtol=3e-2)}[dtype]
+    return {torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+            torch.float16: {"atol": 1e-2, "rtol": 1e-2},
+            torch.bfloat16: {"atol": 5e-2, "rtol": 3e-2}}[dtype]
 
 
 def assert_close(actual: Tensor, expected: Tensor) -> None:

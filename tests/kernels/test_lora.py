@@ -1,8 +1,13 @@
 """lora_shrink / lora_expand (Triton) against the torch reference."""
 import pytest
 import torch
-
-from kernel_helpers import assert_close, make_generator, make_lora_batch, randn, random_token_slots
+from kernel_helpers import (
+    assert_close,
+    make_generator,
+    make_lora_batch,
+    randn,
+    random_token_slots,
+)
 from slora.kernels import reference
 from slora.kernels.lora import lora_expand, lora_segments, lora_shrink
 
@@ -127,34 +132,34 @@ def test_lora_without_adapters_is_a_no_op():
 
 
 @pytest.mark.parametrize("changes,match", [
-    (lambda a: dict(x=a["x"][0]), "x must be"),
-    (lambda a: dict(x=a["x"].t().contiguous().t()), "stride 1"),
-    (lambda a: dict(token_slots=a["token_slots"][:-1]), "token_slots must be"),
-    (lambda a: dict(page_tables=a["page_tables"].float()), "int32 or int64"),
-    (lambda a: dict(ranks=a["ranks"][:-1]), "ranks must be"),
-    (lambda a: dict(pool=a["pool"][:, :100].contiguous()), "multiple of ALIGN"),
-    (lambda a: dict(max_rank=0), "max_rank"),
-    (lambda a: dict(segments=lora_segments(a["token_slots"][:-1], 6)), "segments"),
+    (lambda a: {"x": a["x"][0]}, "x must be"),
+    (lambda a: {"x": a["x"].t().contiguous().t()}, "stride 1"),
+    (lambda a: {"token_slots": a["token_slots"][:-1]}, "token_slots must be"),
+    (lambda a: {"page_tables": a["page_tables"].float()}, "int32 or int64"),
+    (lambda a: {"ranks": a["ranks"][:-1]}, "ranks must be"),
+    (lambda a: {"pool": a["pool"][:, :100].contiguous()}, "multiple of ALIGN"),
+    (lambda a: {"max_rank": 0}, "max_rank"),
+    (lambda a: {"segments": lora_segments(a["token_slots"][:-1], 6)}, "segments"),
 ])
 def test_lora_shrink_rejects_bad_input(changes, match):
     x, b, slots, max_rank = _shrink_case(torch.float32, "decode", 64, seed=13)
-    args = dict(x=x, pool=b.pool, token_slots=slots, page_tables=b.page_tables, ranks=b.ranks,
-                a_offsets=b.a_offsets, max_rank=max_rank)
+    args = {"x": x, "pool": b.pool, "token_slots": slots, "page_tables": b.page_tables, "ranks": b.ranks,
+                "a_offsets": b.a_offsets, "max_rank": max_rank}
     args.update(changes(args))
     with pytest.raises(ValueError, match=match):
         lora_shrink(**args)
 
 
 @pytest.mark.parametrize("changes,match", [
-    (lambda a: dict(h=a["h"][:-1]), "h must be"),
-    (lambda a: dict(scalings=a["scalings"][:-1]), "scalings must be"),
-    (lambda a: dict(b_offsets=a["b_offsets"].float()), "int32 or int64"),
-    (lambda a: dict(out=a["out"].to(torch.int32)), "float16, bfloat16 or float32"),
+    (lambda a: {"h": a["h"][:-1]}, "h must be"),
+    (lambda a: {"scalings": a["scalings"][:-1]}, "scalings must be"),
+    (lambda a: {"b_offsets": a["b_offsets"].float()}, "int32 or int64"),
+    (lambda a: {"out": a["out"].to(torch.int32)}, "float16, bfloat16 or float32"),
 ])
 def test_lora_expand_rejects_bad_input(changes, match):
     out, h, b, slots = _expand_case(torch.float32, "decode", 72, seed=14)
-    args = dict(out=out, h=h, pool=b.pool, token_slots=slots, page_tables=b.page_tables, ranks=b.ranks,
-                b_offsets=b.b_offsets, scalings=b.scalings)
+    args = {"out": out, "h": h, "pool": b.pool, "token_slots": slots, "page_tables": b.page_tables, "ranks": b.ranks,
+                "b_offsets": b.b_offsets, "scalings": b.scalings}
     args.update(changes(args))
     with pytest.raises(ValueError, match=match):
         lora_expand(**args)

@@ -1,7 +1,6 @@
 """paged_attention (Triton decode) against the torch reference."""
 import pytest
 import torch
-
 from kernel_helpers import assert_close, make_generator, make_paged_kv, randn
 from slora.kernels import reference
 from slora.kernels.paged_attention import choose_num_splits, paged_attention
@@ -74,21 +73,21 @@ def test_choose_num_splits():
 
 
 def _bad(q, kv, **changes):
-    args = dict(query=q, kv_pool=kv.kv_pool, block_tables=kv.block_tables, context_lens=kv.context_lens,
-                page_size=8, num_kv_heads=2, scale=0.1)
+    args = {"query": q, "kv_pool": kv.kv_pool, "block_tables": kv.block_tables, "context_lens": kv.context_lens,
+                "page_size": 8, "num_kv_heads": 2, "scale": 0.1}
     args.update(changes)
     return args
 
 
 @pytest.mark.parametrize("changes,match", [
-    (lambda q, kv: dict(query=q[0]), "query must be"),
-    (lambda q, kv: dict(num_kv_heads=3), "multiple of num_kv_heads"),
-    (lambda q, kv: dict(page_size=16), "page_elems"),
-    (lambda q, kv: dict(block_tables=kv.block_tables[:1]), "block_tables must be"),
-    (lambda q, kv: dict(context_lens=kv.context_lens.float()), "int32 or int64"),
-    (lambda q, kv: dict(query=q.transpose(1, 2).contiguous().transpose(1, 2)), "stride 1"),
-    (lambda q, kv: dict(query=q[:, :, :12], kv_pool=kv.kv_pool[:, :2 * 8 * 2 * 12]), "power of two"),
-    (lambda q, kv: dict(num_splits=0), "num_splits"),
+    (lambda q, kv: {"query": q[0]}, "query must be"),
+    (lambda q, kv: {"num_kv_heads": 3}, "multiple of num_kv_heads"),
+    (lambda q, kv: {"page_size": 16}, "page_elems"),
+    (lambda q, kv: {"block_tables": kv.block_tables[:1]}, "block_tables must be"),
+    (lambda q, kv: {"context_lens": kv.context_lens.float()}, "int32 or int64"),
+    (lambda q, kv: {"query": q.transpose(1, 2).contiguous().transpose(1, 2)}, "stride 1"),
+    (lambda q, kv: {"query": q[:, :, :12], "kv_pool": kv.kv_pool[:, :2 * 8 * 2 * 12]}, "power of two"),
+    (lambda q, kv: {"num_splits": 0}, "num_splits"),
 ])
 def test_paged_attention_rejects_bad_input(changes, match):
     gen = make_generator(9)

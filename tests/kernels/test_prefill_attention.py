@@ -1,7 +1,6 @@
 """prefill_attention (Triton) against the torch reference."""
 import pytest
 import torch
-
 from kernel_helpers import assert_close, make_generator, make_paged_kv, randn
 from slora.kernels import reference
 from slora.kernels.prefill_attention import prefill_attention
@@ -50,20 +49,20 @@ def test_prefill_attention_single_long_sequence():
 
 
 def _bad_args(q, kv, start_loc, **changes):
-    args = dict(query=q, kv_pool=kv.kv_pool, block_tables=kv.block_tables, query_start_loc=start_loc,
-                context_lens=kv.context_lens, page_size=8, num_kv_heads=1, scale=0.1)
+    args = {"query": q, "kv_pool": kv.kv_pool, "block_tables": kv.block_tables, "query_start_loc": start_loc,
+                "context_lens": kv.context_lens, "page_size": 8, "num_kv_heads": 1, "scale": 0.1}
     args.update(changes)
     return args
 
 
 @pytest.mark.parametrize("changes,match", [
-    (lambda q, kv, sl: dict(query=q[0]), "query must be"),
-    (lambda q, kv, sl: dict(query_start_loc=sl[:-1]), "query_start_loc must be"),
-    (lambda q, kv, sl: dict(block_tables=kv.block_tables[:1]), "block_tables must be"),
-    (lambda q, kv, sl: dict(num_kv_heads=3), "multiple of num_kv_heads"),
-    (lambda q, kv, sl: dict(page_size=4), "page_elems"),
-    (lambda q, kv, sl: dict(query=q.to(torch.int32)), "float16, bfloat16 or float32"),
-    (lambda q, kv, sl: dict(context_lens=kv.context_lens.float()), "int32 or int64"),
+    (lambda q, kv, sl: {"query": q[0]}, "query must be"),
+    (lambda q, kv, sl: {"query_start_loc": sl[:-1]}, "query_start_loc must be"),
+    (lambda q, kv, sl: {"block_tables": kv.block_tables[:1]}, "block_tables must be"),
+    (lambda q, kv, sl: {"num_kv_heads": 3}, "multiple of num_kv_heads"),
+    (lambda q, kv, sl: {"page_size": 4}, "page_elems"),
+    (lambda q, kv, sl: {"query": q.to(torch.int32)}, "float16, bfloat16 or float32"),
+    (lambda q, kv, sl: {"context_lens": kv.context_lens.float()}, "int32 or int64"),
 ])
 def test_prefill_attention_rejects_bad_input(changes, match):
     gen = make_generator(5)

@@ -1,11 +1,9 @@
 """store_kv (Triton) against the torch reference."""
 import pytest
 import torch
-
 from kernel_helpers import make_generator, randn
 from slora.kernels import reference
 from slora.kernels.store_kv import store_kv
-
 
 
 def _case(tokens: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
