@@ -9,12 +9,12 @@ import openai
 from conftest import BASE_MODEL, greedy, start_server
 
 PROMPT = "Hello"
-SHUTDOWN_TIMEOUT_S = 8
+SHUTDOWN_TIMEOUT_S = 12
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path, offline):
     server = start_server(tmp_path, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
-    expected = greedy(offline, [PROMPT], "demo-r4-attn", 30, ignore_eos=True)[0].token_ids
+    expected = greedy(offline, [PROMPT], "demo-r4-attn", 12, ignore_eos=True)[0].token_ids
     results, started = {}, {name: threading.Event() for name in ("short", "long")}
 
     def run(name: str, max_tokens: int) -> None:
@@ -32,7 +32,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path, offline):
         finally:
             started[name].set()
 
-    threads = [threading.Thread(target=run, args=("short", 30)), threading.Thread(target=run, args=("long", 2000))]
+    threads = [threading.Thread(target=run, args=("short", 12)), threading.Thread(target=run, args=("long", 2000))]
     for t in threads:
         t.start()
     assert all(event.wait(60) for event in started.values())
