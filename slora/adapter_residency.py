@@ -36,7 +36,7 @@ class AdapterResidency:
         Returns the new pages that must be filled with its weights, or None if already resident."""
         if ref.version in self.resident:
             return None
-        while self.allocator.num_free < ref.num_pages:
+        while self.allocator.num_available < ref.num_pages:
             if not self.evict_one_idle(exclude=ref.version):
                 raise OutOfPages(f"adapter {ref.version[:12]} needs {ref.num_pages} pages")
         pages = self.allocator.allocate_adapter(ref.version, ref.num_pages)

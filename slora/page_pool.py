@@ -138,8 +138,8 @@ class PageAllocator:
 
     def allocate_adapter(self, version: str, count: int) -> list[int]:
         """`count` pages for the weights of adapter `version`; all or nothing."""
-        if count > len(self._free):
-            raise OutOfPages(f"adapter needs {count} pages, {len(self._free)} are free")
+        if count > self.num_available:
+            raise OutOfPages(f"adapter needs {count} pages, {self.num_available} are available")
         pages = [self._take_free(PageOwner.ADAPTER) for _ in range(count)]
         for page in pages:
             self._adapter_of_page[page] = version

@@ -53,7 +53,8 @@ class SamplingTensors:
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], device: torch.device) -> "SamplingTensors":
-        rows = [(s.params.temperature, max(s.params.top_k, 0), s.params.top_p, s.seed, len(s.output_token_ids))
+        # Greedy rows have no seed; their noise is never used.
+        rows = [(s.params.temperature, max(s.params.top_k, 0), s.params.top_p, s.seed or 0, len(s.output_token_ids))
                 for s in seqs]
         temperature, top_k, top_p, seed, step = zip(*rows)
         return cls(torch.tensor(temperature, dtype=torch.float32), torch.tensor(top_k, dtype=torch.int64),
