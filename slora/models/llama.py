@@ -22,9 +22,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # In float32 like Hugging Face's Llama, then the weight in the model's dtype.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class StepContext:
@@ -40,22 +40,48 @@ class StepContext:
         return out
 
 
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenated outputs of `parts` (one GEMM instead of several)."""
+    first = parts[0]
+    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    fused.weight.data = torch.cat([p.weight.data for p in parts])
+    if first.bias is not None:
+        fused.bias.data = torch.cat([p.bias.data for p in parts])
+    return fused
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
         self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj: nn.Linear | None = None
         self.scale = self.head_dim ** -0.5
+
+    def fuse(self) -> None:
+        """Replace q/k/v by one fused projection (after the checkpoint is loaded)."""
+        self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = self.qkv_proj(x)                                       # [tokens, q_size + 2 * kv_size]
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
         tokens = x.shape[0]
-        q = ctx.lora(self.layer, Q, x, self.q_proj(x)).view(tokens, self.num_heads, self.head_dim)
-        k = ctx.lora(self.layer, K, x, self.k_proj(x)).view(tokens, self.num_kv_heads, self.head_dim)
-        v = ctx.lora(self.layer, V, x, self.v_proj(x)).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        # LoRA adds into the column slices of the fused output, in place.
+        q = ctx.lora(self.layer, Q, x, q).view(tokens, self.num_heads, self.head_dim)
+        k = ctx.lora(self.layer, K, x, k).view(tokens, self.num_kv_heads, self.head_dim)
+        v = ctx.lora(self.layer, V, x, v).view(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
         ctx.attention.store_kv(k, v, kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size)
@@ -68,13 +94,23 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        self.intermediate_size = config.intermediate_size
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
-        gate = ctx.lora(self.layer, GATE, x, self.gate_proj(x))
-        up = ctx.lora(self.layer, UP, x, self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)   # [tokens, inter] each
+        gate = ctx.lora(self.layer, GATE, x, gate)
+        up = ctx.lora(self.layer, UP, x, up)
         hidden = F.silu(gate) * up                                   # [tokens, intermediate]
         return ctx.lora(self.layer, DOWN, hidden, self.down_proj(hidden))
 
@@ -109,6 +145,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up as one GEMM each; call once the weights are in place."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: Tensor, attention: AttentionOps) -> Tensor:

@@ -39,6 +39,7 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
             param.data.fill_(1.0)
         else:
             param.data.normal_(0.0, 0.02)
+    model.fuse_projections()
     return model.eval()
 
 
@@ -59,7 +60,9 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
     _check_state_names(model, state)
     model.load_state_dict(state, strict=False, assign=True)
     model.rotary = RotaryEmbedding(config.rope, config.head_dim)   # rebuilt off the meta device
-    return model.to(device).eval()
+    model = model.to(device)
+    model.fuse_projections()
+    return model.eval()
 
 
 def _check_state_names(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
