@@ -129,6 +129,10 @@ class Job:
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache."""
+        return sum(out.num_cached_tokens for out in self.finals.values())
+
 
 class Tokenization:
     """Tokenizer work on one dedicated thread: it keeps the event loop free and never uses the API's
@@ -366,7 +370,11 @@ class GenerationService:
                 choices.append(build(job.choice_index(index, sample.index), sample.text, sample.finish_reason,
                                      *extra))
         return protocol.response_object(job.object_name, job.response_id, job.created, job.model, choices,
-                                        protocol.usage(job.prompt_tokens(), job.completion_tokens()))
+                                        self._usage(job))
+
+    @staticmethod
+    def _usage(job: "Job") -> dict:
+        return protocol.usage(job.prompt_tokens(), job.completion_tokens(), job.cached_tokens())
 
     # ---- streaming -----------------------------------------------------------------------------------------
     async def _events(self, job: Job) -> AsyncGenerator[str, None]:
@@ -385,7 +393,7 @@ class GenerationService:
                 yield unavailable("the server is shutting down; retry later").sse_event()
             elif job.include_usage:
                 yield sse(protocol.response_object(job.chunk_name, job.response_id, job.created, job.model, [],
-                                                   protocol.usage(job.prompt_tokens(), job.completion_tokens())))
+                                                   self._usage(job)))
         except EngineUnavailable:
             job.outcome = "error"
             yield unavailable("the engine stopped while generating").sse_event()

@@ -290,3 +290,18 @@ def test_error_event_shape_is_json():
     event = unavailable("shutting down").sse_event()
     assert event.startswith("data: ") and event.endswith("\n\n")
     assert_error_shape(json.loads(event[len("data: "):]), 503)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_usage_reports_prefix_cache_hits(client, stream):
+    first_token = 5 + 100 * stream                        # a prompt of its own for each case
+    prompt = list(range(first_token, first_token + 70))   # 4 full pages of 16 tokens, then 6 more
+    kwargs = dict(model="demo-r8-mlp", prompt=prompt, max_tokens=2, temperature=0)
+    assert client.completions.create(**kwargs).usage.prompt_tokens_details.cached_tokens == 0
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+    else:
+        usage = client.completions.create(**kwargs).usage
+    assert usage.prompt_tokens == 70
+    assert usage.prompt_tokens_details.cached_tokens == 64
