@@ -111,11 +111,12 @@ def describe(engine: Engine, entry: Any) -> dict[str, Any]:
     """One adapter as the list route shows it (runs on the engine thread)."""
     stored = engine.store.versions.get(entry.version)
     resident = entry.version in engine.scheduler.adapters.resident
+    tier = stored.tier if stored is not None else "disk"
     info: dict[str, Any] = {"name": entry.name, "version": entry.version, "owner": entry.owner,
-                            "public": entry.public, "residency": "pool" if resident else "host" if stored else "disk"}
+                            "public": entry.public, "residency": "pool" if resident else tier}
     if stored is not None:
-        info.update(rank=stored.loaded.max_rank, target_modules=list(stored.loaded.target_modules),
-                    pages=stored.packed.num_pages, bytes=stored.packed.num_bytes)
+        info.update(rank=stored.max_rank, target_modules=list(stored.target_modules),
+                    pages=stored.num_pages, bytes=stored.num_bytes)
     return info
 
 

@@ -72,7 +72,7 @@ def take_snapshot(engine: Engine) -> EngineSnapshot:
                           sequences_waiting=len(scheduler.waiting), requests=len(engine.requests),
                           preemptions=scheduler.num_preemptions, adapter_pool_loads=scheduler.adapters.num_loads,
                           adapter_pool_evictions=scheduler.adapters.num_evictions,
-                          adapters_registered=len(engine.registry.entries), adapters_host=len(engine.store.versions),
+                          adapters_registered=len(engine.registry.entries), adapters_host=sum(1 for s in engine.store.versions.values() if s.packed is not None),
                           adapters_pool=len(scheduler.adapters.resident))
 
 

@@ -20,7 +20,7 @@ import torch
 from common import RESULTS, print_table, write_json
 from llama8b import KV_BYTES_PER_TOKEN, LLAMA3_8B, adapter_bytes, target_shapes, weight_bytes, \
     write_config, write_peft_adapter
-from slora.adapters.packing import AdapterDescriptor, PackedAdapter, buffer_layout
+from slora.adapters.packing import AdapterDescriptor, buffer_layout
 from slora.adapters.weights import LoadedAdapter, LoraWeights
 from slora.adapters.config import AdapterConfig
 from slora.cuda_graphs import GraphLimits
@@ -68,7 +68,7 @@ def build_step(runner: ModelRunner, allocator: PageAllocator, batch: int, adapte
         if mode != "none":
             version, pages = adapters[0 if mode == "shared" else i]
             ref = AdapterRef(version, len(pages))
-            step_adapters[version] = (PackedAdapter(version, descriptor, torch.empty(0, len(pages), 0)), pages)
+            step_adapters[version] = (descriptor, pages)
         seq = Sequence(i, f"r{i}", [1] * (CONTEXT - 1), SamplingParams(max_tokens=2), ref)
         seq.output_token_ids.append(1)
         seq.num_computed_tokens = CONTEXT - 1

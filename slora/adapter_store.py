@@ -1,29 +1,87 @@
-"""Adapter versions known to the engine: host-cache copies in pool layout and who still uses them."""
-from dataclasses import dataclass, field
+"""Adapter versions known to the engine, and the host tier: packed copies in host memory, LRU by bytes.
 
-from slora.adapters.packing import PackedAdapter
+Tiers (DESIGN §5): registered (on disk) -> host cache (packed in the pool layout) -> resident in the pool.
+A version's metadata (descriptor, pages, ranks) stays known while its host copy is dropped; the engine
+reads it back from disk in the background when a request needs it again.
+"""
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slora.adapters.config import AdapterConfig
+from slora.adapters.packing import AdapterDescriptor, PackedAdapter
 from slora.adapters.weights import LoadedAdapter
+
+
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter read, validated and packed, not yet registered (safe to make on any thread)."""
+
+    loaded: LoadedAdapter
+    packed: PackedAdapter
+    path: Path | None
+
+    @property
+    def version(self) -> str:
+        return self.loaded.version
 
 
 @dataclass
 class StoredAdapter:
-    loaded: LoadedAdapter
-    packed: PackedAdapter
-    requests: int = 0           # live requests on this version
+    version: str
+    config: AdapterConfig
+    descriptor: AdapterDescriptor
+    num_pages: int
+    num_bytes: int
+    path: Path | None                      # where it is read back from after leaving the host cache
+    packed: PackedAdapter | None           # None: on disk only
+    requests: int = 0                      # live requests on this version
+    last_used: int = 0                     # store clock, for LRU
+    reload: Future | None = None           # a background read from disk in progress
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.descriptor.ranks.max())
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return self.config.target_modules
+
+    @property
+    def tier(self) -> str:
+        return "host" if self.packed is not None else "disk"
 
 
 @dataclass
 class AdapterStore:
     """version -> stored adapter. A version is dropped once no name points at it and no request uses it."""
 
+    host_cache_bytes: int = 4 << 30
     versions: dict[str, StoredAdapter] = field(default_factory=dict)
+    clock: int = 0
+    num_host_evictions: int = 0
+    num_reloads: int = 0
 
-    def add(self, loaded: LoadedAdapter, packed: PackedAdapter) -> None:
-        self.versions.setdefault(loaded.version, StoredAdapter(loaded, packed))
+    def add(self, prepared: PreparedAdapter) -> StoredAdapter:
+        stored = self.versions.get(prepared.version)
+        if stored is None:
+            packed = prepared.packed
+            stored = StoredAdapter(prepared.version, prepared.loaded.config, packed.descriptor, packed.num_pages,
+                                   packed.num_bytes, prepared.path, packed)
+            self.versions[prepared.version] = stored
+        elif stored.packed is None:
+            stored.packed = prepared.packed
+        self.touch(stored)
+        return stored
+
+    def touch(self, stored: StoredAdapter) -> None:
+        self.clock += 1
+        stored.last_used = self.clock
 
     def acquire(self, version: str) -> StoredAdapter:
         stored = self.versions[version]
         stored.requests += 1
+        self.touch(stored)
         return stored
 
     def release(self, version: str) -> None:
@@ -37,3 +95,18 @@ class AdapterStore:
         for version in dead:
             del self.versions[version]
         return dead
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.num_bytes for s in self.versions.values() if s.packed is not None)
+
+    def trim(self, resident: set[str]) -> None:
+        """Drop host copies, least recently used first, until the cache fits its budget. A copy is kept
+        while requests wait for it and the pool does not hold it, or when it cannot be read back."""
+        droppable = sorted((s for s in self.versions.values() if s.packed is not None and s.path is not None
+                            and (s.requests == 0 or s.version in resident)), key=lambda s: s.last_used)
+        for stored in droppable:
+            if self.host_bytes <= self.host_cache_bytes:
+                return
+            stored.packed = None
+            self.num_host_evictions += 1

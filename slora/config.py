@@ -26,6 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"        # or "swap": preempted KV goes to host memory
     swap_space_gib: float = 1.0               # host swap space in swap mode
+    adapter_host_cache_gib: float = 4.0       # packed adapters kept in host memory (LRU by bytes)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -48,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.adapter_host_cache_gib < 0:
+            raise ValueError(f"adapter_host_cache_gib must be >= 0, got {self.adapter_host_cache_gib}")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
         if self.load_format not in ("safetensors", "dummy"):

@@ -4,13 +4,14 @@ import hashlib
 import hmac
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from slora.adapter_store import AdapterStore
+from slora.adapter_store import AdapterStore, PreparedAdapter, StoredAdapter
 from slora.adapters.errors import AdapterError
 from slora.adapters.packing import pack_adapter
 from slora.adapters.registry import AdapterEntry, AdapterRegistry
@@ -94,7 +95,10 @@ class Engine:
         self.num_prompt_tokens_computed = 0   # prompt tokens that went through a forward (cache misses)
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
         self.registry = AdapterRegistry()
-        self.store = AdapterStore()
+        self.store = AdapterStore(int(config.adapter_host_cache_gib * 2 ** 30))
+        self.scheduler.adapter_ready = self.adapter_ready
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-adapter-reader")
+        self._failed: list[str] = []          # requests aborted because their adapter could not be read
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         if embedded is not None:
@@ -144,22 +148,77 @@ class Engine:
         return frozenset(ids)
 
     # ---- adapters -----------------------------------------------------------------------------------
+    def prepare_adapter(self, path: str | Path) -> PreparedAdapter:
+        """Read, validate, hash and pack a PEFT folder. Reads only immutable engine settings, so it may
+        run on any thread. Raises AdapterError naming the field."""
+        loaded = load_adapter(path, self.shapes, self.config.max_lora_rank)
+        packed = pack_adapter(loaded, self.shapes, self.runner.shape.page_elems, self.config.torch_dtype)
+        if self.config.device != "cpu":       # pinned, so copies into the pool run asynchronously
+            packed = dataclasses.replace(packed, pages=packed.pages.pin_memory())
+        return PreparedAdapter(loaded, packed, Path(path))
+
+    def register_adapter(self, name: str, prepared: PreparedAdapter, owner: str | None = None,
+                         public: bool = False) -> AdapterEntry:
+        """Make a prepared adapter known under `name` (engine thread). Requests that resolved a version
+        this name pointed at before keep it until they finish."""
+        if not name or not isinstance(name, str):
+            raise AdapterError("adapter name must be a non-empty string")
+        usable = self.scheduler.allocator.num_pages - self.scheduler.watermark_pages
+        if prepared.packed.num_pages >= usable:
+            raise AdapterError(f"adapter needs {prepared.packed.num_pages} pages but the pool has only "
+                               f"{usable} usable")
+        self.store.add(prepared)
+        entry = AdapterEntry(name, prepared.version, owner, public)
+        self.registry.register(entry)
+        self._collect_adapters()
+        self.store.trim(set(self.scheduler.adapters.resident))
+        logger.info("adapter %s loaded as version %s (%d pages)", name, prepared.version[:12],
+                    prepared.packed.num_pages)
+        return entry
+
     def load_adapter(self, name: str, path: str | Path, owner: str | None = None,
                      public: bool = False) -> AdapterEntry:
         """Validate and pack a PEFT folder and register it under `name`. Raises AdapterError."""
-        if not name or not isinstance(name, str):
-            raise AdapterError("adapter name must be a non-empty string")
-        loaded = load_adapter(path, self.shapes, self.config.max_lora_rank)
-        packed = pack_adapter(loaded, self.shapes, self.runner.shape.page_elems, self.config.torch_dtype)
-        usable = self.scheduler.allocator.num_pages - self.scheduler.watermark_pages
-        if packed.num_pages >= usable:
-            raise AdapterError(f"adapter needs {packed.num_pages} pages but the pool has only {usable} usable")
-        self.store.add(loaded, packed)
-        entry = AdapterEntry(name, loaded.version, owner, public)
-        self.registry.register(entry)
-        self._collect_adapters()
-        logger.info("adapter %s loaded as version %s (%d pages)", name, loaded.version[:12], packed.num_pages)
-        return entry
+        return self.register_adapter(name, self.prepare_adapter(path), owner, public)
+
+    # ---- the host tier ------------------------------------------------------------------------------
+    def adapter_ready(self, version: str) -> bool:
+        """Whether the version can be scheduled now: in the pool, or packed in host memory."""
+        return self.scheduler.adapters.is_resident(version) or self.store.versions[version].packed is not None
+
+    def _refresh_host_tier(self) -> None:
+        """Finish background reads from disk, start those the waiting requests need, trim the cache."""
+        for stored in self.store.versions.values():
+            if stored.reload is not None and stored.reload.done():
+                self._finish_reload(stored)
+        for seq in self.scheduler.waiting:
+            if seq.adapter is not None and not self.adapter_ready(seq.adapter.version):
+                self._start_reload(self.store.versions[seq.adapter.version])
+        self.store.trim(set(self.scheduler.adapters.resident))
+
+    def _start_reload(self, stored: StoredAdapter) -> None:
+        if stored.reload is None:
+            logger.info("reading adapter %s back from disk", stored.version[:12])
+            stored.reload = self._loader.submit(self.prepare_adapter, stored.path)
+
+    def _finish_reload(self, stored: StoredAdapter) -> None:
+        future, stored.reload = stored.reload, None
+        try:
+            prepared = future.result()
+        except (AdapterError, OSError) as exc:
+            self._fail_version(stored.version, f"adapter could not be read back from disk: {exc}")
+            return
+        if prepared.version != stored.version:
+            self._fail_version(stored.version, "adapter files changed on disk since it was loaded")
+            return
+        self.store.add(prepared)
+        self.store.num_reloads += 1
+
+    def _fail_version(self, version: str, reason: str) -> None:
+        logger.error("%s (version %s): its waiting requests are aborted", reason, version[:12])
+        for seq in [s for s in self.scheduler.waiting if s.adapter and s.adapter.version == version]:
+            self.scheduler.finish(seq, "abort")
+            self._failed.append(seq.request_id)
 
     def unload_adapter(self, name: str, owner: str | None = None) -> None:
         """Forget the name; running requests on it finish, then its pages are freed."""
@@ -227,7 +286,7 @@ class Engine:
         entry = self.registry.resolve(name, owner)
         if entry is None:
             raise UnknownAdapterError(f"adapter {name!r} does not exist")
-        return entry.version, AdapterRef(entry.version, self.store.versions[entry.version].packed.num_pages)
+        return entry.version, AdapterRef(entry.version, self.store.versions[entry.version].num_pages)
 
     def _check_fits(self, prompt_len: int, ref: AdapterRef | None) -> None:
         pages = -(-(prompt_len + 1) // self.config.page_size) + (ref.num_pages if ref else 0)
@@ -251,8 +310,10 @@ class Engine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; outputs of the requests that changed."""
+        self._refresh_host_tier()
         out = self.scheduler.schedule()
-        touched: dict[str, RequestState] = {}
+        touched: dict[str, RequestState] = {rid: self.requests[rid] for rid in self._failed}
+        self._failed.clear()
         for seq in out.rejected:
             self.scheduler.finish(seq, "length")
             touched[seq.request_id] = self.requests[seq.request_id]
@@ -264,7 +325,7 @@ class Engine:
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestState]) -> None:
         resident = self.scheduler.adapters.resident
         versions = {i.seq.adapter.version for i in out.scheduled if i.seq.adapter}
-        adapters = {v: (self.store.versions[v].packed, resident[v].pages) for v in versions}
+        adapters = {v: (self.store.versions[v].descriptor, resident[v].pages) for v in versions}
         logits = self.runner.run(out.scheduled, adapters)
         completing = [item.seq for item in out.scheduled if item.completes]
         for item in out.scheduled:

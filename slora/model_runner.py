@@ -4,15 +4,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slora.adapters.packing import PackedAdapter
+from slora.adapters.packing import AdapterDescriptor, PackedAdapter
 from slora.attention_backend import backends_for
 from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.forward_batch import ForwardBatch, LoraBatch
 from slora.models.llama import LlamaForCausalLM
 from slora.scheduler import ScheduledSeq, SchedulerOutput
 
-# version -> (packed adapter, its pages in the pool)
-StepAdapters = dict[str, tuple[PackedAdapter, list[int]]]
+# version -> (where its weights lie in its buffer, its pages in the pool)
+StepAdapters = dict[str, tuple[AdapterDescriptor, list[int]]]
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def host_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters) -> HostLora
     slot_of = {v: i for i, v in enumerate(versions)}
     token_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1
                    for item in scheduled for _ in range(item.num_tokens)]
-    descriptors = [adapters[v][0].descriptor for v in versions]
+    descriptors = [adapters[v][0] for v in versions]
     stack = lambda name: torch.stack([getattr(d, name) for d in descriptors], dim=-1)  # [layers, modules, slots]
     return HostLora(torch.tensor(token_slots, dtype=torch.int32), padded_rows([adapters[v][1] for v in versions]),
                     stack("ranks"), stack("a_offsets"), stack("b_offsets"), stack("scalings"))
@@ -101,6 +101,8 @@ class ModelRunner:
                  graph_limits: GraphLimits | None = None, swap_pages: int = 0) -> None:
         self.model, self.shape, self.device = model, shape, device
         self.swap_pages, self._swap = swap_pages, None
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pending_copies: dict[str, torch.cuda.Event] = {}     # adapter version -> its copy is done
         # The unified pool: KV pages and adapter pages, page ids shared across layers.
         self.pool = torch.zeros(shape.num_layers, shape.num_pages, shape.page_elems, dtype=dtype,
                                 device=device)  # [layers, pages, page_elems]
@@ -132,13 +134,29 @@ class ModelRunner:
         return self._swap
 
     def load_adapter(self, packed: PackedAdapter, pages: list[int]) -> None:
-        """Copy an adapter's packed pages from the host cache into its pool pages."""
+        """Copy an adapter's packed pages from the host cache into its pool pages. On CUDA the copy runs
+        on a side stream, overlapping the forward; a forward that uses the adapter waits for it."""
         index = torch.tensor(pages, dtype=torch.long, device=self.device)
-        self.pool.index_copy_(1, index, packed.pages.to(self.device, self.pool.dtype, non_blocking=True))
+        if self._copy_stream is None:
+            self.pool.index_copy_(1, index, packed.pages.to(self.device, self.pool.dtype))
+            return
+        # The pages may have held KV that forwards already queued still read: start after them.
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            self.pool.index_copy_(1, index, packed.pages.to(self.device, self.pool.dtype, non_blocking=True))
+            self._pending_copies[packed.version] = torch.cuda.Event()
+            self._pending_copies[packed.version].record()
+
+    def _wait_for_adapters(self, adapters: StepAdapters) -> None:
+        for version in adapters:
+            event = self._pending_copies.pop(version, None)
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
 
     def run(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> Tensor:
         """One forward over the scheduled tokens; logits `[sampled, vocab]` of the completing sequences."""
         host = host_inputs(scheduled, adapters, self.shape.page_size)
+        self._wait_for_adapters(adapters)
         bucket = self._graph_bucket(scheduled, host)
         if bucket is not None:
             return self._replay(bucket, host, len(scheduled))

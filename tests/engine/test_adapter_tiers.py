@@ -1,0 +1,87 @@
+"""Adapter tiers: disk -> host cache (LRU by bytes) -> pool, background reads that block no one."""
+import shutil
+import threading
+import time
+
+from slora import LLM, SamplingParams
+from tiny import random_prompts
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+
+def host_cache_for_one_large_adapter(setup) -> LLM:
+    """300 KB of host cache: the rank-16 adapter (256 KB packed) fits, but not beside another one."""
+    return LLM(str(setup.model_dir), num_pages=256, adapter_host_cache_gib=300 * 1024 / 2 ** 30)
+
+
+def test_host_cache_is_lru_by_bytes_and_adapters_come_back_from_disk(tiny_llama):
+    llm = host_cache_for_one_large_adapter(tiny_llama)
+    engine = llm.engine
+    first = llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
+    second = llm.load_adapter("rs-pattern", str(tiny_llama.adapters["rs-pattern"]))
+    assert engine.store.versions[first].tier == "disk"           # the older copy made room
+    assert engine.store.versions[second].tier == "host"
+    assert engine.store.host_bytes <= engine.store.host_cache_bytes
+    prompt = random_prompts([14], seed=30)
+    reference = LLM(str(tiny_llama.model_dir), num_pages=256)
+    reference.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
+    expected = reference.generate(prompt, GREEDY, adapters=["all-r16"])[0].token_ids
+    assert llm.generate(prompt, GREEDY, adapters=["all-r16"])[0].token_ids == expected
+    assert engine.store.num_reloads == 1
+    engine.check()
+
+
+def test_an_adapter_read_from_disk_does_not_delay_requests_of_others(tiny_llama):
+    llm = host_cache_for_one_large_adapter(tiny_llama)
+    engine = llm.engine
+    slow = llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
+    llm.load_adapter("mlp-r8", str(tiny_llama.adapters["mlp-r8"]))
+    llm.load_adapter("rs-pattern", str(tiny_llama.adapters["rs-pattern"]))
+    assert engine.store.versions[slow].tier == "disk"
+    gate, real_prepare = threading.Event(), engine.prepare_adapter
+
+    def gated_prepare(path):
+        gate.wait(timeout=60)                                   # the disk read takes as long as the test says
+        return real_prepare(path)
+
+    engine.prepare_adapter = gated_prepare
+    prompts = random_prompts([12, 9], seed=31)
+    engine.add_request("needs-disk", prompts[0], GREEDY, "all-r16")     # first in the queue
+    engine.add_request("resident", prompts[1], GREEDY, "mlp-r8")
+    first_token_step, tokens = {}, {}
+    for step in range(1, 6):
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+            first_token_step.setdefault(out.request_id, step)
+    assert first_token_step["resident"] == 1                    # not delayed by the adapter being read
+    assert "needs-disk" not in first_token_step
+    gate.set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+    reference = LLM(str(tiny_llama.model_dir), num_pages=256)
+    for name in ("all-r16", "mlp-r8"):
+        reference.load_adapter(name, str(tiny_llama.adapters[name]))
+    expected = reference.generate(prompts, GREEDY, adapters=["all-r16", "mlp-r8"])
+    assert [tokens["needs-disk"], tokens["resident"]] == [o.token_ids for o in expected]
+    engine.check()
+
+
+def test_adapter_files_changed_on_disk_abort_its_waiting_requests(tiny_llama, tmp_path):
+    folder = tmp_path / "changing"
+    shutil.copytree(tiny_llama.adapters["all-r16"], folder)
+    llm = host_cache_for_one_large_adapter(tiny_llama)
+    engine = llm.engine
+    version = llm.load_adapter("changing", str(folder))
+    llm.load_adapter("rs-pattern", str(tiny_llama.adapters["rs-pattern"]))
+    assert engine.store.versions[version].tier == "disk"
+    shutil.rmtree(folder)
+    shutil.copytree(tiny_llama.adapters["attn-r4"], folder)       # other weights under the same path
+    engine.add_request("r", random_prompts([8], seed=32)[0], GREEDY, "changing")
+    finished, deadline = {}, time.monotonic() + 60
+    while engine.has_unfinished() and time.monotonic() < deadline:   # the read from disk is in the background
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        time.sleep(0.01)
+    assert finished["r"].finish_reason == "abort"
+    assert llm.pool_stats()["kv_pages"] == 0
+    engine.check()
