@@ -4,6 +4,7 @@ samples (n = 4, 8) against the same work without sharing. Same engine, same prom
     python benchmarks/sharing.py [--quick] [--device cpu|cuda] [--out FILE]
 """
 import argparse
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -39,6 +40,14 @@ def run(llm: LLM, requests: list[tuple[list[int], SamplingParams, str | None]]) 
                     time.perf_counter() - start)
 
 
+def make_llm(device: str, **kwargs: object) -> LLM:
+    """A fresh engine; the previous one must be gone, since on CUDA each sizes its pool from free memory."""
+    gc.collect()
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return LLM(device=device, **kwargs)
+
+
 def random_tokens(count: int, generator: torch.Generator) -> list[int]:
     return torch.randint(3, 500, (count,), generator=generator).tolist()
 
@@ -50,9 +59,10 @@ def system_prompt_case(device: str, num_requests: int, system_len: int) -> list[
     requests = [(system + random_tokens(24, generator), params, "demo-r16-all") for _ in range(num_requests)]
     rows = []
     for caching in (False, True):
-        llm = LLM(device=device, enable_prefix_caching=caching)
+        llm = make_llm(device, enable_prefix_caching=caching)
         run(llm, requests[:1])                                   # warm-up, and the first copy of the prefix
         rows.append(row("system prompt", "prefix cache" if caching else "no sharing", run(llm, requests[1:])))
+        del llm
     return rows
 
 
@@ -62,10 +72,13 @@ def samples_case(device: str, n: int, prompt_len: int) -> list[dict]:
     forked = [(prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=1, n=n, ignore_eos=True), "demo-r8-mlp")]
     separate = [(prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=1 + i, ignore_eos=True), "demo-r8-mlp")
                 for i in range(n)]
-    plain = LLM(device=device, enable_prefix_caching=False)
-    run(plain, separate[:1])
-    return [row(f"n={n}", "separate requests", run(plain, separate)),
-            row(f"n={n}", "copy-on-write fork", run(LLM(device=device, enable_prefix_caching=False), forked))]
+    rows = []
+    for mode, requests in (("separate requests", separate), ("copy-on-write fork", forked)):
+        llm = make_llm(device, enable_prefix_caching=False)
+        run(llm, separate[:1])                                   # warm-up
+        rows.append(row(f"n={n}", mode, run(llm, requests)))
+        del llm
+    return rows
 
 
 def row(workload: str, mode: str, m: Measured) -> dict:
