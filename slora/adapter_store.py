@@ -103,10 +103,14 @@ class AdapterStore:
     def trim(self, resident: set[str]) -> None:
         """Drop host copies, least recently used first, until the cache fits its budget. A copy is kept
         while requests wait for it and the pool does not hold it, or when it cannot be read back."""
+        excess = self.host_bytes - self.host_cache_bytes
+        if excess <= 0:
+            return
         droppable = sorted((s for s in self.versions.values() if s.packed is not None and s.path is not None
                             and (s.requests == 0 or s.version in resident)), key=lambda s: s.last_used)
         for stored in droppable:
-            if self.host_bytes <= self.host_cache_bytes:
+            if excess <= 0:
                 return
             stored.packed = None
+            excess -= stored.num_bytes
             self.num_host_evictions += 1

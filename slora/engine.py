@@ -18,6 +18,7 @@ from slora.adapters.registry import AdapterEntry, AdapterRegistry
 from slora.adapters.shapes import TargetShapes
 from slora.adapters.weights import load_adapter
 from slora.config import EngineConfig
+from slora.detokenizer import IncrementalDetokenizer
 from slora.cuda_graphs import GraphLimits
 from slora.kernels.layout import align_up
 from slora.model_runner import ModelRunner, PoolShape, profile_activation_bytes
@@ -47,6 +48,7 @@ class RequestState:
     adapter_version: str | None
     texts: list[str] = field(default_factory=list)
     num_samples: int = 1              # samples 1.. are forked from sample 0 after its prefill
+    detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -99,6 +101,7 @@ class Engine:
         self.scheduler.adapter_ready = self.adapter_ready
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-adapter-reader")
         self._failed: list[str] = []          # requests aborted because their adapter could not be read
+        self._reloading: dict[str, StoredAdapter] = {}   # versions being read back from disk
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         if embedded is not None:
@@ -187,19 +190,20 @@ class Engine:
         return self.scheduler.adapters.is_resident(version) or self.store.versions[version].packed is not None
 
     def _refresh_host_tier(self) -> None:
-        """Finish background reads from disk, start those the waiting requests need, trim the cache."""
-        for stored in self.store.versions.values():
-            if stored.reload is not None and stored.reload.done():
+        """Finish background reads from disk and start those the waiting requests need."""
+        for version, stored in list(self._reloading.items()):
+            if stored.reload.done():
+                del self._reloading[version]
                 self._finish_reload(stored)
         for seq in self.scheduler.waiting:
             if seq.adapter is not None and not self.adapter_ready(seq.adapter.version):
                 self._start_reload(self.store.versions[seq.adapter.version])
-        self.store.trim(set(self.scheduler.adapters.resident))
 
     def _start_reload(self, stored: StoredAdapter) -> None:
         if stored.reload is None:
             logger.info("reading adapter %s back from disk", stored.version[:12])
             stored.reload = self._loader.submit(self.prepare_adapter, stored.path)
+            self._reloading[stored.version] = stored
 
     def _finish_reload(self, stored: StoredAdapter) -> None:
         future, stored.reload = stored.reload, None
@@ -213,6 +217,7 @@ class Engine:
             return
         self.store.add(prepared)
         self.store.num_reloads += 1
+        self.store.trim(set(self.scheduler.adapters.resident))
 
     def _fail_version(self, version: str, reason: str) -> None:
         logger.error("%s (version %s): its waiting requests are aborted", reason, version[:12])
@@ -245,7 +250,8 @@ class Engine:
             self.store.acquire(version)
         parent = self._new_seq(request_id, prompt_token_ids, params, ref, 0, self.cache_salt(owner))
         self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent], version, [""],
-                                                 num_samples=params.n)
+                                                 num_samples=params.n,
+                                                 detokenizers=[IncrementalDetokenizer(self.tokenizer)])
         self.scheduler.add(parent)
 
     def cache_salt(self, owner: str | None) -> bytes:
@@ -268,6 +274,7 @@ class Engine:
             self.scheduler.fork(parent, child)
             state.seqs.append(child)
             state.texts.append("")
+            state.detokenizers.append(IncrementalDetokenizer(self.tokenizer))
         return children
 
     def _check_prompt(self, prompt: list[int]) -> None:
@@ -352,13 +359,15 @@ class Engine:
         seq.output_token_ids.append(token)
         state = self.requests[seq.request_id]
         index = state.seqs.index(seq)
-        result = check_stop(seq, self._decode(seq.output_token_ids), self.eos_token_ids, self.max_model_len)
+        detokenizer = state.detokenizers[index]
+        previous_len = len(detokenizer.text)
+        result = check_stop(seq, detokenizer.add(token), self.eos_token_ids, self.max_model_len, previous_len)
         state.texts[index] = result.text
-        if result.reason is not None:
-            self.scheduler.finish(seq, result.reason)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if result.reason is None:
+            return
+        if result.reason != "stop" or result.text == detokenizer.text:
+            state.texts[index] = detokenizer.final_text()      # no stop string cut: the exact decode
+        self.scheduler.finish(seq, result.reason)
 
     def _finalize(self, state: RequestState) -> RequestOutput:
         output = state.output()

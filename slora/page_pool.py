@@ -43,6 +43,7 @@ class PageAllocator:
         self.page_size = page_size
         self._free: deque[int] = deque(range(num_pages))
         self._owner = [PageOwner.FREE] * num_pages
+        self._counts = {owner: 0 for owner in PageOwner} | {PageOwner.FREE: num_pages}   # kept in step
         self._refcount = [0] * num_pages
         self._adapter_of_page: dict[int, str] = {}
         # Cached KV pages (refcount 0, kept for prefix reuse) in least-recently-used order, oldest first.
@@ -63,6 +64,11 @@ class PageAllocator:
     def owner(self, page: int) -> PageOwner:
         return self._owner[page]
 
+    def _set_owner(self, page: int, owner: PageOwner) -> None:
+        self._counts[self._owner[page]] -= 1
+        self._counts[owner] += 1
+        self._owner[page] = owner
+
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
@@ -72,12 +78,12 @@ class PageAllocator:
         if not self._free:
             raise OutOfPages("no free page in the pool")
         page = self._free.popleft()
-        self._owner[page] = owner
+        self._set_owner(page, owner)
         return page
 
     def _give_back(self, page: int) -> None:
         assert page not in self._hash_of_page or self._owner[page] is PageOwner.CACHED, "hashed page freed"
-        self._owner[page] = PageOwner.FREE
+        self._set_owner(page, PageOwner.FREE)
         self._refcount[page] = 0
         self._free.append(page)
 
@@ -99,7 +105,7 @@ class PageAllocator:
         if self._refcount[page] > 0:
             return
         if page in self._hash_of_page:
-            self._owner[page] = PageOwner.CACHED
+            self._set_owner(page, PageOwner.CACHED)
             self._cached[page] = None
         else:
             self._give_back(page)
@@ -119,7 +125,7 @@ class PageAllocator:
         """Take a hashed page into one more block table: cached pages come back to live KV."""
         if self._owner[page] is PageOwner.CACHED:
             del self._cached[page]
-            self._owner[page] = PageOwner.KV
+            self._set_owner(page, PageOwner.KV)
         self.share_kv(page)
 
     def is_cached(self, page: int) -> bool:
@@ -152,9 +158,8 @@ class PageAllocator:
             self._give_back(page)
 
     def stats(self) -> PoolStats:
-        counts = {owner: 0 for owner in PageOwner}
-        for owner in self._owner:
-            counts[owner] += 1
+        """Pages per owner kind, O(1)."""
+        counts = self._counts
         return PoolStats(self.num_pages, counts[PageOwner.FREE], counts[PageOwner.KV],
                          counts[PageOwner.CACHED], counts[PageOwner.ADAPTER], self.page_size)
 
@@ -175,6 +180,8 @@ class PageAllocator:
         assert all(self._owner[p] in (PageOwner.KV, PageOwner.CACHED) for p in self._hash_of_page), \
             "a hashed page is neither live nor cached KV"
         stats = self.stats()
+        recount = {owner: self._owner.count(owner) for owner in PageOwner}
+        assert recount == self._counts, f"owner counts drifted: {self._counts} but pages say {recount}"
         assert stats.free_pages == len(self._free), "free list and owners disagree"
         assert stats.free_pages + stats.kv_pages + stats.cached_pages + stats.adapter_pages == self.num_pages
 

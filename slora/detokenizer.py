@@ -1,0 +1,36 @@
+"""Incremental detokenization: each new token costs a decode of a few tokens, not of the whole output."""
+from transformers import PreTrainedTokenizerBase
+
+# Tokens kept before the new ones, so that tokenizers which strip a leading space at the start of a
+# decode (SentencePiece) see the same context as in a full decode.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0          # start of the window decoded for context
+        self._read_offset = 0            # tokens before this one are already in `text`
+
+    def add(self, token_id: int) -> str:
+        """Append a token; returns the text so far (a partial UTF-8 character is held back)."""
+        self.token_ids.append(token_id)
+        if self.tokenizer is None:
+            return self.text
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        prefix = decode(self.token_ids[self._prefix_offset:self._read_offset])
+        window = decode(self.token_ids[self._prefix_offset:])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            self.text += window[len(prefix):]
+            self._prefix_offset = max(0, len(self.token_ids) - _CONTEXT_TOKENS)
+            self._read_offset = len(self.token_ids)
+        return self.text
+
+    def final_text(self) -> str:
+        """The exact decode of every token, once the sequence has ended."""
+        if self.tokenizer is None:
+            return ""
+        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        return self.text

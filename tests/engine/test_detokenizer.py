@@ -1,0 +1,34 @@
+"""Incremental detokenization gives the text a full decode gives, token after token."""
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from slora.detokenizer import IncrementalDetokenizer
+from slora.embedded import ensure_embedded
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(ensure_embedded().model_dir))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_text_is_a_prefix_of_the_full_decode_and_ends_equal(tokenizer, seed):
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(200)]     # random bytes: split UTF-8 characters
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    for count, token in enumerate(ids, start=1):
+        text = detokenizer.add(token)
+        full = tokenizer.decode(ids[:count], skip_special_tokens=True)
+        assert full.startswith(text)
+        assert "\ufffd" not in text[-1:] or full.endswith(text)
+    assert detokenizer.final_text() == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_real_text_streams_exactly(tokenizer):
+    ids = tokenizer.encode("Hello, how are you today? Ça va très bien — merci! 😀 The quick brown fox.")
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    for token in ids:
+        detokenizer.add(token)
+    assert detokenizer.text == tokenizer.decode(ids, skip_special_tokens=True)
