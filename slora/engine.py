@@ -241,6 +241,8 @@ class Engine:
         """Queue a request. Raises ValueError (UnknownAdapterError for a bad adapter) on bad input."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
         self._check_prompt(prompt_token_ids)
         version, ref = self._resolve_adapter(adapter, owner)
         self._check_fits(len(prompt_token_ids), ref)

@@ -38,12 +38,14 @@ class LLM:
         params_list = self._broadcast(params or SamplingParams(), len(prompts), "params")
         adapter_list = self._broadcast(adapters, len(prompts), "adapters") if adapters is not None \
             else [None] * len(prompts)
-        ids = [self._submit(p, sp, a) for p, sp, a in zip(prompts, params_list, adapter_list)]
+        ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
+            for prompt, sampling, adapter in zip(prompts, params_list, adapter_list):
+                ids.append(self._submit(prompt, sampling, adapter))
             while self.engine.has_unfinished():
                 finished.update({o.request_id: o for o in self.engine.step() if o.finished})
-        finally:
+        finally:                                 # a bad prompt, or an interrupt: nothing stays queued
             for request_id in ids:
                 if request_id not in finished:
                     self.engine.abort(request_id)

@@ -167,6 +167,9 @@ class Scheduler:
             if seq.adapter is not None and not self.adapter_ready(seq.adapter.version):
                 skipped.append(seq)           # its adapter is still loading: others go ahead
                 continue
+            if len(self.running) + self._seats(seq) > self.config.max_num_seqs:
+                self.waiting.appendleft(seq)
+                break
             matched = self._prefix_match(seq)
             if not self._can_admit(seq, matched):
                 if not self.running and not out.scheduled and not skipped:
@@ -176,6 +179,11 @@ class Scheduler:
                 break
             budget -= self._admit(seq, matched, budget, out)
         self.waiting.extendleft(reversed(skipped))
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running slots a sequence takes once admitted: all its samples if they are yet to fork."""
+        return seq.params.n if seq.sample_index == 0 and not seq.output_token_ids else 1
 
     def _prefix_match(self, seq: Sequence) -> list[int]:
         """Pages of the prefix cache holding the longest run of this sequence's leading full pages,

@@ -116,3 +116,12 @@ def test_max_tokens_gives_length(llm):
 def test_invalid_sampling_params_name_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_a_bad_prompt_in_a_batch_leaves_nothing_queued(llm):
+    before = llm.pool_stats()
+    with pytest.raises(ValueError, match="adapter 'missing' does not exist"):
+        llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=4), adapters=["a", "missing"])
+    assert not llm.engine.has_unfinished()
+    assert llm.pool_stats()["kv_pages"] == before["kv_pages"] == 0
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0))[0].finish_reason == "length"

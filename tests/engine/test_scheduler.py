@@ -113,3 +113,13 @@ def test_allocator_owner_kinds():
     allocator.release_adapter(pages)
     allocator.release_kv(kv)
     assert allocator.stats().free_pages == 4
+
+
+def test_a_request_of_n_samples_takes_n_running_slots():
+    scheduler = make_scheduler(256, max_num_seqs=4)
+    scheduler.add(seq(0, 4))
+    parent = Sequence(1, "r1", [1] * 4, SamplingParams(max_tokens=4, n=4), None)
+    scheduler.add(parent)
+    out = scheduler.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [0]       # 1 + 4 samples would exceed 4 slots
+    assert scheduler.waiting[0] is parent
