@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
+
 _LOG2E = 1.4426950408889634
 # Below this many context tokens per split, the merge costs more than the parallelism brings.
 _MIN_TOKENS_PER_SPLIT = 256
@@ -127,42 +129,16 @@ def _merge_splits_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _check_inputs(query: Tensor, kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor,
                   page_size: int, num_kv_heads: int) -> None:
-    if query.dim() != 3:
-        raise ValueError(f"query must be [batch, num_heads, head_dim], got shape {tuple(query.shape)}")
-    batch, num_heads, head_dim = query.shape
-    if kv_pool.dim() != 2:
-        raise ValueError(f"kv_pool must be [num_pages, page_elems], got shape {tuple(kv_pool.shape)}")
-    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
-    if not _is_power_of_two(head_dim) or not 16 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
-    if page_size <= 0:
-        raise ValueError(f"page_size must be positive, got {page_size}")
-    if kv_pool.shape[1] != 2 * page_size * num_kv_heads * head_dim:
-        raise ValueError(f"kv_pool page_elems {kv_pool.shape[1]} != 2 * page_size * num_kv_heads * head_dim "
-                         f"= {2 * page_size * num_kv_heads * head_dim}")
+    check_query_and_pool(query, kv_pool, page_size, num_kv_heads, "batch")
+    batch = query.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must be [batch={batch}, max_blocks], got shape {tuple(block_tables.shape)}")
     if context_lens.dim() != 1 or context_lens.shape[0] != batch:
         raise ValueError(f"context_lens must be [batch={batch}], got shape {tuple(context_lens.shape)}")
-    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"query must be float16, bfloat16 or float32, got {query.dtype}")
-    if not kv_pool.is_floating_point():
-        raise ValueError(f"kv_pool must be floating point, got {kv_pool.dtype}")
-    devices = {t.device for t in (query, kv_pool, block_tables, context_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"query, kv_pool, block_tables and context_lens must be on one device, got {devices}")
-    if query.stride(2) != 1:
-        raise ValueError("query must be contiguous in head_dim (stride 1)")
+    check_int_tensors(block_tables=block_tables, context_lens=context_lens)
+    check_one_device(query=query, kv_pool=kv_pool, block_tables=block_tables, context_lens=context_lens)
     if not kv_pool.is_contiguous() or not context_lens.is_contiguous() or block_tables.stride(1) != 1:
         raise ValueError("kv_pool and context_lens must be contiguous, block_tables contiguous in its rows")
 

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
+
 _LOG2E = 1.4426950408889634
 # Launch parameters on CUDA: query tokens and keys per block, warps, pipeline stages.
 _BLOCK_M = 64
@@ -118,26 +120,9 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _check_inputs(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_start_loc: Tensor,
                   context_lens: Tensor, page_size: int, num_kv_heads: int) -> None:
-    if query.dim() != 3:
-        raise ValueError(f"query must be [total_new_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
-    _, num_heads, head_dim = query.shape
-    if kv_pool.dim() != 2:
-        raise ValueError(f"kv_pool must be [num_pages, page_elems], got shape {tuple(kv_pool.shape)}")
-    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
-    if not _is_power_of_two(head_dim) or not 16 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
-    if page_size <= 0:
-        raise ValueError(f"page_size must be positive, got {page_size}")
-    if kv_pool.shape[1] != 2 * page_size * num_kv_heads * head_dim:
-        raise ValueError(f"kv_pool page_elems {kv_pool.shape[1]} != 2 * page_size * num_kv_heads * head_dim "
-                         f"= {2 * page_size * num_kv_heads * head_dim}")
+    check_query_and_pool(query, kv_pool, page_size, num_kv_heads, "total_new_tokens")
     num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
     if num_seqs < 0:
         raise ValueError(f"context_lens must be [num_seqs], got shape {tuple(context_lens.shape)}")
@@ -147,20 +132,9 @@ def _check_inputs(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_st
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_blocks], "
                          f"got shape {tuple(block_tables.shape)}")
-    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
-                    ("context_lens", context_lens)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"query must be float16, bfloat16 or float32, got {query.dtype}")
-    if not kv_pool.is_floating_point():
-        raise ValueError(f"kv_pool must be floating point, got {kv_pool.dtype}")
-    devices = {t.device for t in (query, kv_pool, block_tables, query_start_loc, context_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"query, kv_pool, block_tables, query_start_loc and context_lens must be on one "
-                         f"device, got {devices}")
-    if query.stride(2) != 1:
-        raise ValueError("query must be contiguous in head_dim (stride 1)")
+    check_int_tensors(block_tables=block_tables, query_start_loc=query_start_loc, context_lens=context_lens)
+    check_one_device(query=query, kv_pool=kv_pool, block_tables=block_tables, query_start_loc=query_start_loc,
+                     context_lens=context_lens)
     if not (kv_pool.is_contiguous() and query_start_loc.is_contiguous() and context_lens.is_contiguous()):
         raise ValueError("kv_pool, query_start_loc and context_lens must be contiguous")
     if block_tables.stride(1) != 1:

@@ -1,0 +1,45 @@
+"""Input checks shared by the attention kernels' wrappers (they raise ValueError naming the problem)."""
+import torch
+from torch import Tensor
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_query_and_pool(query: Tensor, kv_pool: Tensor, page_size: int, num_kv_heads: int,
+                         query_shape: str) -> None:
+    """query `[rows, num_heads, head_dim]` and one layer of the pool `[num_pages, page_elems]` as KV."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [{query_shape}, num_heads, head_dim], got shape {tuple(query.shape)}")
+    _, num_heads, head_dim = query.shape
+    if kv_pool.dim() != 2:
+        raise ValueError(f"kv_pool must be [num_pages, page_elems], got shape {tuple(kv_pool.shape)}")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
+    if not is_power_of_two(head_dim) or not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    if kv_pool.shape[1] != 2 * page_size * num_kv_heads * head_dim:
+        raise ValueError(f"kv_pool page_elems {kv_pool.shape[1]} != 2 * page_size * num_kv_heads * head_dim "
+                         f"= {2 * page_size * num_kv_heads * head_dim}")
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"query must be float16, bfloat16 or float32, got {query.dtype}")
+    if not kv_pool.is_floating_point():
+        raise ValueError(f"kv_pool must be floating point, got {kv_pool.dtype}")
+    if query.stride(2) != 1:
+        raise ValueError("query must be contiguous in head_dim (stride 1)")
+
+
+def check_int_tensors(**tensors: Tensor) -> None:
+    for name, tensor in tensors.items():
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {tensor.dtype}")
+
+
+def check_one_device(**tensors: Tensor) -> None:
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        names = ", ".join(tensors)
+        raise ValueError(f"{names} must be on one device, got {devices}")
