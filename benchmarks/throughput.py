@@ -153,7 +153,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.quick:
         counts, requests, lengths = (1, 5, 20), 24, (8, 16)
     else:
-        counts, requests, lengths = (1, 5, 100, 1000, 2000), (1000 if gpu else 192), \
+        counts, requests, lengths = (1, 5, 100, 1000, 2000), (1000 if gpu else 384), \
             (SLORA_LENGTHS if gpu else (8, 64))
     if args.counts:
         counts = tuple(int(c) for c in args.counts.split(","))
