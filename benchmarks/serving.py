@@ -43,10 +43,18 @@ from urllib.parse import urlparse
 
 import httpx
 import numpy as np
-
 from common import RESULTS, print_table, write_json
-from throughput import ATTENTION, MLP, SLORA_LENGTHS, ModelSetup, adapter_name, adapter_ranks_of, make_prompts, \
-    prepare_model, write_adapters
+from throughput import (
+    ATTENTION,
+    MLP,
+    SLORA_LENGTHS,
+    ModelSetup,
+    adapter_name,
+    adapter_ranks_of,
+    make_prompts,
+    prepare_model,
+    write_adapters,
+)
 from workloads import Request, slora_trace
 
 logger = logging.getLogger("benchmarks.serving")
@@ -262,7 +270,7 @@ async def replay(url: str, trace: list[Request], prompts: list[list[int]], time_
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(stream_one(client, completion_body(r, p), res, t0))
                  for r, p, res in zip(trace, prompts, results)]
-        done, pending = await asyncio.wait(tasks, timeout=time_limit_s)
+        _, pending = await asyncio.wait(tasks, timeout=time_limit_s)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -385,12 +393,18 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.legend()
-    axes[2].plot(rates, [r["slo_attainment"] for r in rows], "o-", label="SLO attainment (TTFT <= 6 s)")
     axes[2].plot(rates, [r["req_s"] for r in rows], "s--", label="throughput (req/s)")
     axes[2].plot(rates, rates, ":", color="gray", label="offered rate")
     axes[2].set_xlabel("request rate (req/s)")
+    axes[2].set_ylabel("completed requests/s")
+    axes[2].set_ylim(bottom=0)
     axes[2].grid(True, alpha=0.3)
-    axes[2].legend(fontsize=8)
+    slo = axes[2].twinx()
+    slo.plot(rates, [r["slo_attainment"] for r in rows], "o-", color="tab:red", label="SLO attainment (TTFT <= 6 s)")
+    slo.set_ylim(0, 1.05)
+    slo.set_ylabel("SLO attainment")
+    lines = axes[2].get_lines() + slo.get_lines()
+    axes[2].legend(lines, [line.get_label() for line in lines], fontsize=8, loc="lower right")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -433,6 +447,7 @@ def serve_child(args: argparse.Namespace) -> int:
     """Serve a config-only model with random weights (load_format="dummy") through slora.api.server.serve."""
     from slora.api.server import serve
     from slora.api.settings import ServerSettings
+
     from slora.config import EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -13,7 +13,8 @@ Method:
   * slora: one `LLM`, all adapters registered (`load_adapter`), `generate` of every request at once, greedy,
     `ignore_eos`, max_tokens = the request's output length, `max_num_seqs` = `--max-num-seqs`.
   * The sweep adds adapters to the same PeftModel / engine as the count grows (1, 5, 100, 1000, 2000).
-    Loading is timed but not part of the throughput. A short warm-up precedes each timed run.
+    Loading is timed but not part of the throughput. A warm-up (one full batch of other prompts, 4 new
+    tokens) precedes each timed run.
   * PEFT's `load_adapter` gets slower with every adapter already loaded (it walks all modules), so its
     loading has a time budget (`--peft-budget-s`): a count whose projected loading time exceeds what is
     left, or whose loading runs out of it, is reported as not measured.
@@ -31,22 +32,22 @@ import json
 import logging
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
-
 from common import RESULTS, print_table, write_json
 from llama8b import LLAMA3_8B, target_shapes, write_config
-from workloads import Request, slora_trace
+from safetensors.torch import save_file
+from workloads import Request, adapter_ranks, slora_trace
 
 logger = logging.getLogger("benchmarks.throughput")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 SLORA_LENGTHS = (8, 512)
+WARM_UP_TOKENS = 4
 
 
 # ---- model and adapters (shared with serving.py) -----------------------------------------------------------
@@ -121,7 +122,6 @@ def make_prompts(trace: list[Request], vocab_size: int, seed: int) -> list[list[
 
 
 def adapter_ranks_of(num_adapters: int, rank_mix: bool) -> list[int]:
-    from workloads import adapter_ranks
     return adapter_ranks(num_adapters, rank_mix)
 
 
@@ -264,10 +264,11 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_peft(model: Any, trace: list[Request], prompts: list[list[int]], batch: int, device: str) -> tuple[float, int]:
+def run_peft(model: Any, load: "Workload", batch: int, device: str) -> tuple[float, int]:
     """(seconds, output tokens) for the whole trace in arrival order, batches of up to `batch`."""
-    warm = [dataclasses.replace(r, output_len=2) for r in trace[:2]]
-    peft_generate_batch(model, warm, [p[:8] for p in prompts[:2]], device)                # warm-up
+    trace, prompts = load.trace, load.prompts
+    warm = [dataclasses.replace(r, output_len=WARM_UP_TOKENS) for r in trace[:batch]]
+    peft_generate_batch(model, warm, load.warm_prompts[:batch], device)             # warm-up: a full first batch
     synchronize(device)
     start, tokens = time.perf_counter(), 0
     for first in range(0, len(trace), batch):
@@ -290,9 +291,9 @@ class SloraState:
 
         start = time.perf_counter()
         if self.llm is None:
-            kwargs: dict[str, Any] = dict(device=self.setup.device, max_num_seqs=self.settings.max_num_seqs,
-                                          max_lora_rank=self.max_lora_rank(),
-                                          max_model_len=self.settings.max_model_len, seed=self.settings.seed)
+            kwargs: dict[str, Any] = {"device": self.setup.device, "max_num_seqs": self.settings.max_num_seqs,
+                                      "max_lora_rank": self.max_lora_rank(),
+                                      "max_model_len": self.settings.max_model_len, "seed": self.settings.seed}
             if self.setup.dummy:
                 kwargs["load_format"] = "dummy"
             model = str(self.setup.folder) if self.setup.dummy else None     # None: the embedded model
@@ -311,12 +312,14 @@ class SloraState:
         free_memory(self.setup.device)
 
 
-def run_slora(llm: Any, trace: list[Request], prompts: list[list[int]], device: str) -> tuple[float, int]:
+def run_slora(llm: Any, load: "Workload", device: str) -> tuple[float, int]:
     """(seconds, output tokens) for every request submitted at once."""
     from slora import SamplingParams
 
-    llm.generate([p[:8] for p in prompts[:2]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
-                 adapters=[adapter_name(r.adapter) for r in trace[:2]])                # warm-up
+    trace, prompts = load.trace, load.prompts
+    warm = min(len(trace), llm.engine.config.max_num_seqs)                   # warm-up: a full batch, a few tokens
+    llm.generate(load.warm_prompts[:warm], SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0, ignore_eos=True),
+                 adapters=[adapter_name(r.adapter) for r in trace[:warm]])
     params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in trace]
     synchronize(device)
     start = time.perf_counter()
@@ -372,20 +375,22 @@ class CountResult:
 class Workload:
     trace: list[Request]
     prompts: list[list[int]]
+    warm_prompts: list[list[int]]     # same lengths, other tokens: the warm-up leaves nothing in the prefix cache
 
 
 def workload(settings: Settings, count: int, vocab_size: int) -> Workload:
     trace = slora_trace(settings.num_requests, count, rate=1.0, cv=settings.cv, alpha=settings.alpha,
                         rank_mix=settings.rank_mix, length_range=settings.length_range, seed=settings.seed)
-    return Workload(trace, make_prompts(trace, vocab_size, seed=settings.seed * 1000 + count))
+    return Workload(trace, make_prompts(trace, vocab_size, seed=settings.seed * 1000 + count),
+                    make_prompts(trace, vocab_size, seed=settings.seed * 1000 + count + 500_000))
 
 
 def peft_sweep(state: PeftState, settings: Settings, loads: dict[int, Workload], results: dict[int, CountResult]) -> None:
-    deadline = time.perf_counter() + settings.peft_budget_s
     for count in settings.counts:
         result = results[count]
         if state.skipped_reason is None:
-            left = deadline - time.perf_counter()
+            left = settings.peft_budget_s - state.total_load_s          # only loading counts against the budget
+            deadline = time.perf_counter() + left
             projected = state.projected_s(count)
             if projected > left:
                 state.skipped_reason = (f"not measured: loading {count - state.loaded} more adapters was projected "
@@ -399,9 +404,8 @@ def peft_sweep(state: PeftState, settings: Settings, loads: dict[int, Workload],
             logger.info("PEFT at %d adapters: %s", count, state.skipped_reason)
             continue
         result.peft_setup_s = state.total_load_s
-        w = loads[count]
-        result.peft_seconds, result.peft_output_tokens = run_peft(state.model, w.trace, w.prompts,
-                                                                  settings.peft_batch, settings.device)
+        result.peft_seconds, result.peft_output_tokens = run_peft(state.model, loads[count], settings.peft_batch,
+                                                                  settings.device)
         logger.info("PEFT at %d adapters: %.2f s", count, result.peft_seconds)
 
 
@@ -412,8 +416,7 @@ def slora_sweep(state: SloraState, settings: Settings, loads: dict[int, Workload
         total_load += state.load_up_to(count)
         result = results[count]
         result.slora_setup_s = total_load
-        w = loads[count]
-        result.slora_seconds, result.slora_output_tokens = run_slora(state.llm, w.trace, w.prompts, settings.device)
+        result.slora_seconds, result.slora_output_tokens = run_slora(state.llm, loads[count], settings.device)
         logger.info("slora at %d adapters: %.2f s", count, result.slora_seconds)
 
 
@@ -505,7 +508,8 @@ def payload(settings: Settings, setup: ModelSetup, rows: list[dict[str, Any]], s
                     "= the batch's longest output; tokens counted per row up to the row's own output length",
             "slora": "one LLM, all adapters registered; all requests submitted at once, greedy, ignore_eos, "
                      "max_tokens = the request's output length",
-            "timing": "loading excluded; one short warm-up before each timed run; adapters are added to the "
+            "timing": "loading excluded; before each timed run a warm-up of one full batch (the trace's first "
+                      "requests, 4 new tokens); adapters are added to the "
                       "same PeftModel / engine as the count grows",
             "setup_s": "cumulative seconds to build the model / engine and load the adapters up to that count",
             "engine_extras": "the embedded engine also registers its 3 demo adapters (unused by the trace)"

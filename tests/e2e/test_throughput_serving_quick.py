@@ -21,7 +21,7 @@ def load_workloads():
 
 def run_quick(script: str, out: Path, marker: str) -> dict:
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--device", "cpu", "--out", str(out)],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     assert marker in done.stdout                          # the table
     if HAS_MATPLOTLIB:
