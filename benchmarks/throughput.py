@@ -13,8 +13,9 @@ Method:
   * slora: one `LLM`, all adapters registered (`load_adapter`), `generate` of every request at once, greedy,
     `ignore_eos`, max_tokens = the request's output length, `max_num_seqs` = `--max-num-seqs`.
   * The sweep adds adapters to the same PeftModel / engine as the count grows (1, 5, 100, 1000, 2000).
-    Loading is timed but not part of the throughput. A warm-up (one full batch of other prompts, 4 new
-    tokens) precedes each timed run.
+    Loading is timed but not part of the throughput. Per count: a warm-up (one full batch of other prompts,
+    4 new tokens), then `--repeats` timed runs (2; 1 with --quick), each with fresh prompts; throughput is
+    requests (output tokens) over the mean run time, and each run's requests/s is kept in the JSON.
   * PEFT's `load_adapter` gets slower with every adapter already loaded (it walks all modules), so its
     loading has a time budget (`--peft-budget-s`): a count whose projected loading time exceeds what is
     left, or whose loading runs out of it, is reported as not measured.
@@ -137,6 +138,7 @@ class Settings:
     peft_batch: int
     max_num_seqs: int
     peft_budget_s: float
+    repeats: int
     quick: bool
     cv: float = 1.0
     alpha: float = 1.0
@@ -153,7 +155,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.quick:
         counts, requests, lengths = (1, 5, 20), 24, (8, 16)
     else:
-        counts, requests, lengths = (1, 5, 100, 1000, 2000), (1000 if gpu else 384), \
+        counts, requests, lengths = (1, 5, 100, 1000, 2000), (1000 if gpu else 256), \
             (SLORA_LENGTHS if gpu else (8, 64))
     if args.counts:
         counts = tuple(int(c) for c in args.counts.split(","))
@@ -168,7 +170,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     args.peft_batch or batch, args.max_num_seqs or batch,
                     args.peft_budget_s if args.peft_budget_s is not None else (20.0 if args.quick else 90.0 if not gpu
                                                                                else 300.0),
-                    args.quick)
+                    args.repeats or (1 if args.quick else 2), args.quick)
 
 
 # ---- transformers + PEFT ----------------------------------------------------------------------------------
@@ -259,22 +261,31 @@ def peft_generate_batch(model: Any, requests: list[Request], prompts: list[list[
     return sum(min(r.output_len, generated) for r in requests)
 
 
+@dataclass(frozen=True)
+class Run:
+    seconds: float
+    output_tokens: int
+
+
 def synchronize(device: str) -> None:
     if device != "cpu":
         torch.cuda.synchronize()
 
 
-def run_peft(model: Any, load: "Workload", batch: int, device: str) -> tuple[float, int]:
-    """(seconds, output tokens) for the whole trace in arrival order, batches of up to `batch`."""
-    trace, prompts = load.trace, load.prompts
+def run_peft(model: Any, load: "Workload", batch: int, device: str) -> list[Run]:
+    """One run per prompt set: the whole trace in arrival order, batches of up to `batch`."""
+    trace = load.trace
     warm = [dataclasses.replace(r, output_len=WARM_UP_TOKENS) for r in trace[:batch]]
     peft_generate_batch(model, warm, load.warm_prompts[:batch], device)             # warm-up: a full first batch
-    synchronize(device)
-    start, tokens = time.perf_counter(), 0
-    for first in range(0, len(trace), batch):
-        tokens += peft_generate_batch(model, trace[first:first + batch], prompts[first:first + batch], device)
-    synchronize(device)
-    return time.perf_counter() - start, tokens
+    runs = []
+    for prompts in load.prompt_sets:
+        synchronize(device)
+        start, tokens = time.perf_counter(), 0
+        for first in range(0, len(trace), batch):
+            tokens += peft_generate_batch(model, trace[first:first + batch], prompts[first:first + batch], device)
+        synchronize(device)
+        runs.append(Run(time.perf_counter() - start, tokens))
+    return runs
 
 
 # ---- slora ------------------------------------------------------------------------------------------------
@@ -312,25 +323,28 @@ class SloraState:
         free_memory(self.setup.device)
 
 
-def run_slora(llm: Any, load: "Workload", device: str) -> tuple[float, int]:
-    """(seconds, output tokens) for every request submitted at once."""
+def run_slora(llm: Any, load: "Workload", device: str) -> list[Run]:
+    """One run per prompt set: every request submitted at once."""
     from slora import SamplingParams
 
-    trace, prompts = load.trace, load.prompts
+    trace, names = load.trace, [adapter_name(r.adapter) for r in load.trace]
     warm = min(len(trace), llm.engine.config.max_num_seqs)                   # warm-up: a full batch, a few tokens
     llm.generate(load.warm_prompts[:warm], SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0, ignore_eos=True),
-                 adapters=[adapter_name(r.adapter) for r in trace[:warm]])
+                 adapters=names[:warm])
     params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in trace]
-    synchronize(device)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, adapters=[adapter_name(r.adapter) for r in trace])
-    synchronize(device)
-    elapsed = time.perf_counter() - start
-    for request, output in zip(trace, outputs):
-        produced = len(output.outputs[0].token_ids)
-        if produced != request.output_len:
-            raise RuntimeError(f"slora produced {produced} tokens for a request of {request.output_len}")
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+    runs = []
+    for prompts in load.prompt_sets:
+        synchronize(device)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, adapters=names)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        for request, output in zip(trace, outputs):
+            produced = len(output.outputs[0].token_ids)
+            if produced != request.output_len:
+                raise RuntimeError(f"slora produced {produced} tokens for a request of {request.output_len}")
+        runs.append(Run(elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)))
+    return runs
 
 
 def free_memory(device: str) -> None:
@@ -346,43 +360,47 @@ class CountResult:
     distinct_adapters: int
     requests: int
     expected_output_tokens: int
-    slora_seconds: float = 0.0
-    slora_output_tokens: int = 0
+    slora_runs: list[Run] = field(default_factory=list)
     slora_setup_s: float = 0.0
-    peft_seconds: float | None = None
-    peft_output_tokens: int | None = None
+    peft_runs: list[Run] = field(default_factory=list)
     peft_setup_s: float | None = None
     peft_status: str = "measured"
 
+    def system(self, name: str, runs: list[Run]) -> dict[str, Any]:
+        """Throughput from the mean time of the runs; each run's requests/s; output tokens (equal in every run)."""
+        if not runs:
+            return {f"{name}_req_s": None, f"{name}_tok_s": None, f"{name}_req_s_runs": [],
+                    f"{name}_seconds": None, f"{name}_output_tokens": None}
+        if len({r.output_tokens for r in runs}) != 1:
+            raise RuntimeError(f"{name}: runs counted different numbers of output tokens")
+        seconds = float(np.mean([r.seconds for r in runs]))
+        return {f"{name}_req_s": self.requests / seconds, f"{name}_tok_s": runs[0].output_tokens / seconds,
+                f"{name}_req_s_runs": [self.requests / r.seconds for r in runs], f"{name}_seconds": seconds,
+                f"{name}_output_tokens": runs[0].output_tokens}
+
     def row(self) -> dict[str, Any]:
-        slora_rps = self.requests / self.slora_seconds
-        peft_rps = self.requests / self.peft_seconds if self.peft_seconds else None
-        return {
-            "num_adapters": self.num_adapters, "distinct_adapters": self.distinct_adapters, "requests": self.requests,
-            "expected_output_tokens": self.expected_output_tokens,
-            "slora_req_s": slora_rps, "slora_tok_s": self.slora_output_tokens / self.slora_seconds,
-            "slora_seconds": self.slora_seconds, "slora_output_tokens": self.slora_output_tokens,
-            "slora_setup_s": self.slora_setup_s,
-            "peft_req_s": peft_rps,
-            "peft_tok_s": self.peft_output_tokens / self.peft_seconds if self.peft_seconds else None,
-            "peft_seconds": self.peft_seconds, "peft_output_tokens": self.peft_output_tokens,
-            "peft_setup_s": self.peft_setup_s, "peft_status": self.peft_status,
-            "speedup_req_s": slora_rps / peft_rps if peft_rps else None,
-        }
+        row = {"num_adapters": self.num_adapters, "distinct_adapters": self.distinct_adapters,
+               "requests": self.requests, "expected_output_tokens": self.expected_output_tokens,
+               **self.system("slora", self.slora_runs), "slora_setup_s": self.slora_setup_s,
+               **self.system("peft", self.peft_runs), "peft_setup_s": self.peft_setup_s,
+               "peft_status": self.peft_status}
+        row["speedup_req_s"] = row["slora_req_s"] / row["peft_req_s"] if row["peft_req_s"] else None
+        return row
 
 
 @dataclass(frozen=True)
 class Workload:
     trace: list[Request]
-    prompts: list[list[int]]
-    warm_prompts: list[list[int]]     # same lengths, other tokens: the warm-up leaves nothing in the prefix cache
+    prompt_sets: list[list[list[int]]]   # one per repeat, each with its own tokens: no prefix-cache hits
+    warm_prompts: list[list[int]]
 
 
 def workload(settings: Settings, count: int, vocab_size: int) -> Workload:
     trace = slora_trace(settings.num_requests, count, rate=1.0, cv=settings.cv, alpha=settings.alpha,
                         rank_mix=settings.rank_mix, length_range=settings.length_range, seed=settings.seed)
-    return Workload(trace, make_prompts(trace, vocab_size, seed=settings.seed * 1000 + count),
-                    make_prompts(trace, vocab_size, seed=settings.seed * 1000 + count + 500_000))
+    seed = settings.seed * 100_000 + count * 10
+    return Workload(trace, [make_prompts(trace, vocab_size, seed + k) for k in range(settings.repeats)],
+                    make_prompts(trace, vocab_size, seed + 9))
 
 
 def peft_sweep(state: PeftState, settings: Settings, loads: dict[int, Workload], results: dict[int, CountResult]) -> None:
@@ -404,9 +422,8 @@ def peft_sweep(state: PeftState, settings: Settings, loads: dict[int, Workload],
             logger.info("PEFT at %d adapters: %s", count, state.skipped_reason)
             continue
         result.peft_setup_s = state.total_load_s
-        result.peft_seconds, result.peft_output_tokens = run_peft(state.model, loads[count], settings.peft_batch,
-                                                                  settings.device)
-        logger.info("PEFT at %d adapters: %.2f s", count, result.peft_seconds)
+        result.peft_runs = run_peft(state.model, loads[count], settings.peft_batch, settings.device)
+        logger.info("PEFT at %d adapters: %s s", count, [round(r.seconds, 2) for r in result.peft_runs])
 
 
 def slora_sweep(state: SloraState, settings: Settings, loads: dict[int, Workload],
@@ -416,8 +433,8 @@ def slora_sweep(state: SloraState, settings: Settings, loads: dict[int, Workload
         total_load += state.load_up_to(count)
         result = results[count]
         result.slora_setup_s = total_load
-        result.slora_seconds, result.slora_output_tokens = run_slora(state.llm, loads[count], settings.device)
-        logger.info("slora at %d adapters: %.2f s", count, result.slora_seconds)
+        result.slora_runs = run_slora(state.llm, loads[count], settings.device)
+        logger.info("slora at %d adapters: %s s", count, [round(r.seconds, 2) for r in result.slora_runs])
 
 
 def run_sweep(settings: Settings, workdir: Path) -> tuple[ModelSetup, list[dict[str, Any]]]:
@@ -501,15 +518,16 @@ def payload(settings: Settings, setup: ModelSetup, rows: list[dict[str, Any]], s
                   "alpha": settings.alpha, "rank_mix": settings.rank_mix, "seed": settings.seed},
         "adapters": {"targets": list(settings.targets), "ranks": "mixed {8,16,32,64}" if settings.rank_mix else 8},
         "peft_batch": settings.peft_batch, "slora_max_num_seqs": settings.max_num_seqs,
-        "peft_budget_s": settings.peft_budget_s,
+        "peft_budget_s": settings.peft_budget_s, "repeats": settings.repeats,
         "method": {
             "peft": "one PeftModel, all adapters loaded; arrival order, batches of up to peft_batch, left-padded "
                     "with attention mask, mixed adapter_names, greedy generate with max_new_tokens = min_new_tokens "
                     "= the batch's longest output; tokens counted per row up to the row's own output length",
             "slora": "one LLM, all adapters registered; all requests submitted at once, greedy, ignore_eos, "
                      "max_tokens = the request's output length",
-            "timing": "loading excluded; before each timed run a warm-up of one full batch (the trace's first "
-                      "requests, 4 new tokens); adapters are added to the "
+            "timing": "loading excluded; per count one warm-up batch (the trace's first requests with other "
+                      "prompts, 4 new tokens), then `repeats` timed runs of the whole trace, each with fresh "
+                      "prompts; throughput = requests (output tokens) / mean run time; adapters are added to the "
                       "same PeftModel / engine as the count grows",
             "setup_s": "cumulative seconds to build the model / engine and load the adapters up to that count",
             "engine_extras": "the embedded engine also registers its 3 demo adapters (unused by the trace)"
@@ -535,6 +553,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peft-batch", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--peft-budget-s", type=float, default=None, help="seconds PEFT may spend loading adapters")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per count, each with fresh prompts "
+                        "(default 2, 1 with --quick); throughput is from their mean time")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
