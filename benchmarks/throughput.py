@@ -185,6 +185,7 @@ class PeftState:
     build_s: float = 0.0
     load_times: list[float] = field(default_factory=list)    # adapters 1, 2, ...
     skipped_reason: str | None = None
+    skipped_at: int | None = None                             # the first adapter count not measured
 
     @property
     def loaded(self) -> int:
@@ -418,8 +419,10 @@ def peft_sweep(state: PeftState, settings: Settings, loads: dict[int, Workload],
                 state.skipped_reason = (f"not measured: the {settings.peft_budget_s:.0f} s loading budget ran out "
                                         f"after {state.loaded} of {count} adapters")
         if state.skipped_reason is not None:
-            result.peft_status = state.skipped_reason
-            logger.info("PEFT at %d adapters: %s", count, state.skipped_reason)
+            first = state.skipped_at = state.skipped_at or count
+            result.peft_status = state.skipped_reason if first == count else \
+                f"not measured: PEFT stopped at {first} adapters ({state.loaded} loaded)"
+            logger.info("PEFT at %d adapters: %s", count, result.peft_status)
             continue
         result.peft_setup_s = state.total_load_s
         result.peft_runs = run_peft(state.model, loads[count], settings.peft_batch, settings.device)
