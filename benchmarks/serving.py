@@ -176,13 +176,19 @@ def running_server(setup: ModelSetup, settings: Settings, adapter_root: Path, lo
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    previous = signal.signal(signal.SIGTERM, _interrupt)       # a SIGTERM to this script still stops the server
     try:
         url = f"http://{LOOPBACK}:{port}"
         wait_healthy(url, process, log_path, STARTUP_TIMEOUT_S)
         yield url
     finally:
         code = stop_server(process)
+        signal.signal(signal.SIGTERM, previous)
         logger.info("server stopped (exit status %s)", code)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def load_adapters(url: str, count: int) -> float:
