@@ -105,8 +105,15 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         if embedded is not None:
-            for name, path in embedded.adapters.items():
+            self._load_demo_adapters(embedded.adapters)
+
+    def _load_demo_adapters(self, adapters: dict[str, Path]) -> None:
+        """The embedded model's demo adapters, except those the configuration cannot take."""
+        for name, path in adapters.items():
+            try:
                 self.load_adapter(name, path, public=True)
+            except AdapterError as exc:
+                logger.warning("demo adapter %s not loaded: %s", name, exc)
 
     # ---- sizing -------------------------------------------------------------------------------------
     def _page_bytes(self) -> int:

@@ -125,3 +125,9 @@ def test_a_bad_prompt_in_a_batch_leaves_nothing_queued(llm):
     assert not llm.engine.has_unfinished()
     assert llm.pool_stats()["kv_pages"] == before["kv_pages"] == 0
     assert llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0))[0].finish_reason == "length"
+
+
+def test_embedded_model_with_a_small_max_lora_rank_skips_larger_demo_adapters():
+    llm = LLM(max_lora_rank=8)
+    names = {entry.name for entry in llm.engine.registry.visible_to(None)}
+    assert names == {"demo-r4-attn", "demo-r8-mlp"}
