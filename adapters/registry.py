@@ -1,4 +1,5 @@
 """Names of adapters, per namespace (tenant), mapped to immutable content-hashed versions."""
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -13,29 +14,43 @@ class AdapterEntry:
 @dataclass
 class AdapterRegistry:
     """`(namespace, name) -> entry`. Re-registering a name points it at a new version; requests that
-    already resolved the old version keep it (they hold the version, not the name)."""
+    already resolved the old version keep it (they hold the version, not the name). Lookups on the
+    request path are O(1): public entries by name, and how many names point at each version."""
 
     entries: dict[tuple[str | None, str], AdapterEntry] = field(default_factory=dict)
+    _public: dict[str, AdapterEntry] = field(default_factory=dict, repr=False)
+    _names_per_version: Counter[str] = field(default_factory=Counter, repr=False)
 
     def register(self, entry: AdapterEntry) -> AdapterEntry | None:
         """Add or replace; returns the entry it replaced, if any."""
-        key = (entry.owner, entry.name)
-        previous = self.entries.get(key)
-        self.entries[key] = entry
+        previous = self.unregister(entry.name, entry.owner)
+        self.entries[(entry.owner, entry.name)] = entry
+        self._names_per_version[entry.version] += 1
+        if entry.public:
+            self._public[entry.name] = entry
         return previous
 
     def unregister(self, name: str, owner: str | None = None) -> AdapterEntry | None:
-        return self.entries.pop((owner, name), None)
+        entry = self.entries.pop((owner, name), None)
+        if entry is None:
+            return None
+        self._names_per_version[entry.version] -= 1
+        if self._names_per_version[entry.version] == 0:
+            del self._names_per_version[entry.version]
+        if self._public.get(name) is entry:
+            del self._public[name]
+            other = next((e for (_, n), e in self.entries.items() if n == name and e.public), None)
+            if other is not None:                 # another namespace publishes the same name
+                self._public[name] = other
+        return entry
 
     def resolve(self, name: str, owner: str | None = None) -> AdapterEntry | None:
         """The caller's own adapter of that name, else a public one; None if neither exists."""
-        own = self.entries.get((owner, name))
-        if own is not None:
-            return own
-        return next((e for (_, n), e in self.entries.items() if n == name and e.public), None)
+        return self.entries.get((owner, name)) or self._public.get(name)
 
-    def versions_in_use(self) -> set[str]:
-        return {e.version for e in self.entries.values()}
+    def is_named(self, version: str) -> bool:
+        """Whether any name still points at this version."""
+        return version in self._names_per_version
 
     def visible_to(self, owner: str | None) -> list[AdapterEntry]:
         return [e for (o, _), e in self.entries.items() if o == owner or e.public]

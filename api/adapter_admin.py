@@ -1,7 +1,7 @@
 """Adapter management over HTTP: where adapter folders may come from (the adapter root, uploads) and the
 list / load / unload operations.
 
-Loading reads, validates and packs on a worker thread (`adapter_loading.prepare_adapter`), then registers
+Loading reads, validates and packs on a worker thread (`Engine.prepare_adapter`), then registers
 on the engine thread between two steps, so running requests keep streaming while an adapter loads. List
 and unload are short commands on the engine thread.
 """
@@ -17,7 +17,6 @@ from typing import Any, BinaryIO
 
 from slora.adapters.errors import AdapterError
 from slora.adapters.weights import PICKLE_SUFFIXES, WEIGHTS_FILE
-from slora.api.adapter_loading import register_prepared
 from slora.api.async_engine import AsyncEngine
 from slora.api.errors import APIError, adapter_not_found, bad_request
 from slora.api.metrics import ServerMetrics
@@ -178,7 +177,7 @@ class AdapterService:
         started = time.perf_counter()
 
         def command(engine: Engine) -> dict[str, Any]:
-            return describe(engine, register_prepared(engine, name, prepared, owner=namespace, public=public))
+            return describe(engine, engine.register_adapter(name, prepared, owner=namespace, public=public))
         try:
             prepared = await self.engine.prepare_adapter(folder)
             info = await self.engine.call(command)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from slora.api.adapter_loading import PreparedAdapter, prepare_adapter
+from slora.adapter_store import PreparedAdapter
 from slora.engine import Engine
 from slora.outputs import RequestOutput
 from slora.sampling_params import SamplingParams
@@ -208,10 +208,10 @@ class AsyncEngine:
 
     async def prepare_adapter(self, path: Path) -> PreparedAdapter:
         """Read, validate and pack an adapter on a worker thread; only the engine's immutable configuration
-        is read there. Register the result with `call(lambda e: register_prepared(e, ...))`."""
+        is read there. Register the result with `call(lambda e: e.register_adapter(...))`."""
         if self._engine is None:
             raise EngineUnavailable(self.state.value)
-        return await asyncio.to_thread(prepare_adapter, self._engine, path)
+        return await asyncio.to_thread(self._engine.prepare_adapter, path)
 
     def abort(self, request_id: str, notify: bool = False) -> None:
         """Abort a request and free its pages at the next pause between steps. With `notify`, its stream

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memsim import UNCAPPED_TOKENS, CostModel, PartitionedScheduler, StepMeter, print_table, sim_requests
+from common import print_table, pyplot, save_figure
+from memsim import UNCAPPED_TOKENS, CostModel, PartitionedScheduler, StepMeter, sim_requests
 from workloads import slora_trace
 from slora.page_pool import PageAllocator
 from slora.scheduler import Scheduler, SchedulerConfig
@@ -109,12 +110,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Mean batch, throughput and adapter evictions against the number of adapters, one line per variant."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        LOG.warning("matplotlib is not installed (pip install -e '.[dev]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     keys = (("mean_batch", "mean running batch"), ("tokens_per_s", "output tokens/s"),
             ("adapter_evictions", "adapter evictions"))
@@ -130,11 +127,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     axes[0].legend()
     fig.suptitle("Unified vs partitioned pool, S-LoRA trace (ranks 8-64), simulated Llama-3-8B on an H200-like "
                  "cost model")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    LOG.info("wrote %s", path)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:

@@ -6,12 +6,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> str:
+    import torch       # here, so the simulator scripts that share this module stay torch-free
+
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
@@ -25,14 +25,37 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    """One right-aligned table; floats get 3 decimals below 10 and 1 above, None prints as "-"."""
     if not rows:
         return
-    columns = list(rows[0])
-    widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
-    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
-    body = ["  ".join(_fmt(r[c]).rjust(w) for c, w in zip(columns, widths)) for r in rows]
-    print("\n".join([line, "-" * len(line), *body]))  # noqa: T201 - the table is the script's output
+    widths = {k: max(len(k), *(len(_fmt(r[k])) for r in rows)) for k in rows[0]}
+    header = "  ".join(k.rjust(w) for k, w in widths.items())
+    body = ["  ".join(_fmt(r[k]).rjust(w) for k, w in widths.items()) for r in rows]
+    print("\n".join([header, "-" * len(header), *body]))  # noqa: T201 - the table is the script's output
 
 
 def _fmt(value: Any) -> str:
-    return f"{value:.2f}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return "-" if value is None else str(value)
+
+
+def pyplot() -> Any | None:
+    """matplotlib's pyplot on the Agg backend, or None (with a warning) when it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.getLogger("benchmarks").warning("matplotlib is not installed (pip install -e '.[dev]'): no plot")
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    logging.getLogger("benchmarks").info("wrote %s", path)

@@ -15,7 +15,6 @@ x 128 dims x K and V x 2 bytes = 131,072 bytes of KV per token.
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from slora.adapter_residency import AdapterResidency
 from slora.kernels.layout import align_up
@@ -223,17 +222,3 @@ def sim_requests(requests: list, adapter_refs: Callable[[int, int], AdapterRef] 
     return sims
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    """One right-aligned table; floats get 3 decimals below 10 and 1 above."""
-    if not rows:
-        return
-    widths = {k: max(len(k), *(len(_fmt(r[k])) for r in rows)) for k in rows[0]}
-    header = "  ".join(k.rjust(w) for k, w in widths.items())
-    body = ["  ".join(_fmt(r[k]).rjust(w) for k, w in widths.items()) for r in rows]
-    print("\n".join([header, "-" * len(header), *body]))  # noqa: T201 - the table is the script's output
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
-    return "-" if value is None else str(value)

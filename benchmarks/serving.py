@@ -43,7 +43,7 @@ from urllib.parse import urlparse
 
 import httpx
 import numpy as np
-from common import RESULTS, print_table, write_json
+from common import RESULTS, print_table, pyplot, save_figure, write_json
 from throughput import (
     ATTENTION,
     MLP,
@@ -380,12 +380,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     rates = [r["rate"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -412,9 +408,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     lines = axes[2].get_lines() + slo.get_lines()
     axes[2].legend(lines, [line.get_label() for line in lines], fontsize=8, loc="lower right")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def payload(settings: Settings, setup: ModelSetup, rows: list[dict[str, Any]], seconds: float) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memsim import UNCAPPED_TOKENS, CostModel, ReservingScheduler, StepMeter, print_table, sim_requests
+from common import print_table, pyplot, save_figure
+from memsim import UNCAPPED_TOKENS, CostModel, ReservingScheduler, StepMeter, sim_requests
 from workloads import long_tail_trace
 from slora.page_pool import PageAllocator
 from slora.scheduler import Scheduler, SchedulerConfig
@@ -104,12 +105,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Mean running batch and output tokens/s per policy, one bar group per budget."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        LOG.warning("matplotlib is not installed (pip install -e '.[dev]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     labels = list(dict.fromkeys(label(r) for r in rows))
     budgets = list(dict.fromkeys(r["budget_gb"] for r in rows))
@@ -129,11 +126,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
     axes[0].legend(title="KV budget", loc="upper center", ncol=len(budgets))
     axes[0].set_title("Long-tail trace, simulated Llama-3-8B on an H200-like cost model")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    LOG.info("wrote %s", path)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:

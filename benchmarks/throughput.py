@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import RESULTS, print_table, write_json
+from common import RESULTS, print_table, pyplot, save_figure, write_json
 from llama8b import LLAMA3_8B, target_shapes, write_config
 from safetensors.torch import save_file
 from workloads import Request, adapter_ranks, slora_trace
@@ -483,12 +483,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax_req, ax_tok) = plt.subplots(1, 2, figsize=(11, 4))
     counts = [r["num_adapters"] for r in rows]
@@ -504,9 +500,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def payload(settings: Settings, setup: ModelSetup, rows: list[dict[str, Any]], seconds: float) -> dict[str, Any]:

@@ -89,12 +89,13 @@ class AdapterStore:
         assert stored.requests > 0, "adapter released more often than acquired"
         stored.requests -= 1
 
-    def collect(self, named_versions: set[str]) -> list[str]:
-        """Forget versions no name and no request uses; returns them (their pool pages must go too)."""
-        dead = [v for v, s in self.versions.items() if s.requests == 0 and v not in named_versions]
-        for version in dead:
-            del self.versions[version]
-        return dead
+    def forget_if_unused(self, version: str, named: bool) -> bool:
+        """Drop a version that no name and no request uses; True if it was dropped."""
+        stored = self.versions.get(version)
+        if stored is None or stored.requests or named:
+            return False
+        del self.versions[version]
+        return True
 
     @property
     def host_bytes(self) -> int:

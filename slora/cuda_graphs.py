@@ -18,9 +18,9 @@ logger = logging.getLogger(__name__)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, 16, then multiples of 16 up to max_batch (inclusive)."""
-    small = [b for b in (1, 2, 4, 8) if b < max_batch]
-    return small + list(range(16, max_batch + 1, 16)) + ([max_batch] if max_batch % 16 and max_batch > 8 else [])
+    """1, 2, 4, 8, then multiples of 16, and max_batch itself: every batch up to max_batch has a bucket."""
+    candidates = [1, 2, 4, 8, *range(16, max_batch, 16), max_batch]
+    return sorted({b for b in candidates if b <= max_batch})
 
 
 @dataclass(frozen=True)

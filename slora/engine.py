@@ -179,8 +179,9 @@ class Engine:
                                f"{usable} usable")
         self.store.add(prepared)
         entry = AdapterEntry(name, prepared.version, owner, public)
-        self.registry.register(entry)
-        self._collect_adapters()
+        replaced = self.registry.register(entry)
+        if replaced is not None:
+            self._drop_if_unused(replaced.version)
         self.store.trim(set(self.scheduler.adapters.resident))
         logger.info("adapter %s loaded as version %s (%d pages)", name, prepared.version[:12],
                     prepared.packed.num_pages)
@@ -234,12 +235,14 @@ class Engine:
 
     def unload_adapter(self, name: str, owner: str | None = None) -> None:
         """Forget the name; running requests on it finish, then its pages are freed."""
-        if self.registry.unregister(name, owner) is None:
+        entry = self.registry.unregister(name, owner)
+        if entry is None:
             raise UnknownAdapterError(f"adapter {name!r} does not exist")
-        self._collect_adapters()
+        self._drop_if_unused(entry.version)
 
-    def _collect_adapters(self) -> None:
-        for version in self.store.collect(self.registry.versions_in_use()):
+    def _drop_if_unused(self, version: str) -> None:
+        """A version no name and no request uses leaves the host cache and, once idle, the pool."""
+        if self.store.forget_if_unused(version, self.registry.is_named(version)):
             self.scheduler.adapters.retire(version)
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -384,7 +387,7 @@ class Engine:
             del self.requests[state.request_id]
             if state.adapter_version is not None:
                 self.store.release(state.adapter_version)
-                self._collect_adapters()
+                self._drop_if_unused(state.adapter_version)
         return output
 
     # ---- introspection ------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def host_inputs(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size
     for item in scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_tokens
-        input_ids += seq.token_ids[start:end]
+        input_ids += seq.tokens_between(start, end)
         positions += range(start, end)
         slots += [seq.block_table[i // page_size] * page_size + i % page_size for i in range(start, end)]
         starts.append(starts[-1] + item.num_tokens)
@@ -161,9 +161,6 @@ class ModelRunner:
         if bucket is not None:
             return self._replay(bucket, host, len(scheduled))
         return self.model(self.to_device(host), self.pool, self.attention)
-
-    def prepare(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> ForwardBatch:
-        return self.to_device(host_inputs(scheduled, adapters, self.shape.page_size))
 
     def to_device(self, host: HostInputs) -> ForwardBatch:
         move = lambda t: t.to(self.device, non_blocking=True)

@@ -47,6 +47,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (a decode step reads one token)."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - prompt_len)]
+
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens

@@ -1,10 +1,11 @@
 """The API's two-part adapter load (prepare on a worker thread, register on the engine thread) leaves the
 engine exactly as `Engine.load_adapter` does, including a new version under a name while a request runs on
 the old one."""
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from slora.adapters.errors import AdapterError
-from slora.api.adapter_loading import prepare_adapter, register_prepared
 from slora.config import EngineConfig
 from slora.engine import Engine
 from slora.sampling_params import SamplingParams
@@ -42,7 +43,9 @@ def via_engine(engine, name, path, owner=None, public=False):
 
 
 def via_api(engine, name, path, owner=None, public=False):
-    register_prepared(engine, name, prepare_adapter(engine, path), owner=owner, public=public)
+    with ThreadPoolExecutor(1) as worker:                 # prepare off the engine thread, as the server does
+        prepared = worker.submit(engine.prepare_adapter, path).result()
+    engine.register_adapter(name, prepared, owner=owner, public=public)
 
 
 def test_split_load_matches_engine_load(adapter_root):
@@ -51,7 +54,7 @@ def test_split_load_matches_engine_load(adapter_root):
         scenario(Engine(EngineConfig(**config)), via_engine, adapter_root)
 
 
-def test_prepare_refuses_what_load_refuses(adapter_root, tmp_path):
+def test_prepare_refuses_and_leaves_nothing_behind(adapter_root, tmp_path):
     import json
     import shutil
     broken = tmp_path / "broken"
@@ -59,10 +62,10 @@ def test_prepare_refuses_what_load_refuses(adapter_root, tmp_path):
     config = json.loads((broken / "adapter_config.json").read_text())
     (broken / "adapter_config.json").write_text(json.dumps({**config, "r": 0}))
     engine = Engine(EngineConfig(num_pages=256))
-    with pytest.raises(AdapterError, match="r: the LoRA rank") as direct:
-        engine.load_adapter("x", broken)
-    with pytest.raises(AdapterError) as split:
-        prepare_adapter(engine, broken)
-    assert str(split.value) == str(direct.value)
+    before = state(engine)
+    with ThreadPoolExecutor(1) as worker, pytest.raises(AdapterError, match="r: the LoRA rank"):
+        worker.submit(engine.prepare_adapter, broken).result()
+    assert state(engine) == before
     with pytest.raises(AdapterError, match="non-empty"):
-        register_prepared(engine, "", prepare_adapter(engine, adapter_root / "attn-r4"))
+        engine.register_adapter("", engine.prepare_adapter(adapter_root / "attn-r4"))
+    assert state(engine) == before

@@ -123,3 +123,19 @@ def test_a_request_of_n_samples_takes_n_running_slots():
     out = scheduler.schedule()
     assert [s.seq.seq_id for s in out.scheduled] == [0]       # 1 + 4 samples would exceed 4 slots
     assert scheduler.waiting[0] is parent
+
+
+@pytest.mark.parametrize("start,end", [(0, 3), (2, 6), (4, 7), (5, 6), (0, 7), (6, 6)])
+def test_tokens_between_equals_a_slice_of_all_tokens(start, end):
+    s = Sequence(0, "r", [10, 11, 12, 13, 14], SamplingParams(max_tokens=4))
+    s.output_token_ids += [20, 21]
+    assert s.tokens_between(start, end) == s.token_ids[start:end]
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 5, 8, 16, 20, 64, 100])
+def test_every_batch_size_has_a_cuda_graph_bucket(max_batch):
+    from slora.cuda_graphs import batch_buckets
+
+    buckets = batch_buckets(max_batch)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_batch
+    assert all(any(b >= size for b in buckets) for size in range(1, max_batch + 1))
