@@ -20,8 +20,13 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
   apart (offsets must be multiples of ALIGN). A tile row (up to 256 columns, at most a page) lies in
   at most two pages, so it needs one or two page-table lookups, and its loads stay vectorised.
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
-  partial sums, summed afterwards in a fixed order (deterministic, no atomics).
+  partial sums; expand sums them in a fixed order as it reads h (deterministic, no atomics, and no
+  launch of its own: decode LoRA is bound by launch latency, not bytes).
+- Fused modules: the tables may be `[modules, slots]` for up to three modules that share an input
+  (q/k/v, gate/up), so one shrink launch and one expand launch (into the fused qkv or gate_up output,
+  `out_sizes` columns per module) serve them all: 8 launches per layer for seven projections.
 """
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -30,15 +35,18 @@ import triton.language as tl
 from slora.kernels.layout import ALIGN, align_up
 from torch import Tensor
 
-# Programs in flight we aim for, per multiprocessor, before splitting the shrink reduction stops paying.
-_PROGRAMS_PER_SM = 4
-# Each split of the shrink reduction covers at least this many input features.
-_MIN_K_PER_SPLIT = 512
+# Programs we aim for per multiprocessor when splitting the shrink reduction (decode: few tokens).
+_PROGRAMS_PER_SM = 2
+# Each split of the shrink reduction covers at least this many input features, and there are at most
+# _MAX_SPLIT_K splits (expand sums the partial results of every split when it reads h).
+_MIN_K_PER_SPLIT = 256
+_MAX_SPLIT_K = 16
+# Modules fused into one launch: up to three that share their input (q/k/v, gate/up).
+_MAX_MODULES = 3
 # Columns of a row loaded per tile (a power of two >= ALIGN, at most a page).
 _MAX_TILE = 128
 # Launch parameters: rank rows per shrink program, 64-column tiles per expand program, warps, stages.
 _SHRINK_BLOCK_R = 16
-_EXPAND_N_TILES = 1
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 
@@ -121,25 +129,27 @@ def _load_paged_tile(pool_ptr, pt_row, offset, rows, row_stride, row_len, col0, 
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, pool_ptr, order_ptr, seg_ptr, block_slot_ptr, block_start_ptr, pt_ptr, ranks_ptr, a_off_ptr, h_ptr,
-    in_features, row_stride, max_rank, page_elems, k_per_split,
-    stride_xt, stride_pt, stride_hsplit, stride_ht,
+    in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
+    stride_xt, stride_pt, stride_rm, stride_am, stride_hsplit, stride_ht,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # h[split, token, r] = sum over this split's k of x[token, k] * A_slot[r, k], for one block of
-    # BLOCK_M tokens of one slot and BLOCK_R rank rows. x: [T, in]; h: [splits, T, max_rank].
+    # h[split, token, m * max_rank + r] = sum over this split's k of x[token, k] * A_{m,slot}[r, k], for
+    # one block of BLOCK_M tokens of one slot, module m and BLOCK_R rank rows. Modules share x (q/k/v).
+    # x: [T, in]; h: [splits, T, modules * max_rank] float32.
     block = tl.program_id(0)
-    r0 = tl.program_id(1) * BLOCK_R
+    module = tl.program_id(1) // rank_blocks
+    r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
     split = tl.program_id(2)
     slot, tokens, row_mask, empty = _block_rows(seg_ptr, order_ptr, block_slot_ptr, block_start_ptr, block,
                                                 BLOCK_M)
-    rank = tl.minimum(tl.load(ranks_ptr + slot), max_rank)
+    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), max_rank)
     if (r0 >= rank) | empty:
         return   # past this slot's rank (or rank 0), or a spare block: no work, nothing read
     ranks_idx = r0 + tl.arange(0, BLOCK_R)
     r_mask = ranks_idx < rank
     rows_in = tl.where(r_mask, ranks_idx, 0)                 # clamp: masked rows read row 0's page entry
-    a_offset = tl.load(a_off_ptr + slot)
+    a_offset = tl.load(a_off_ptr + module * stride_am + slot)
     pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, in_features)
@@ -152,50 +162,69 @@ def _lora_shrink_kernel(
         a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows_in, row_stride, in_features, k0, page_elems,
                              r_mask[:, None] & k_mask[None, :], BLOCK_K, ALIGN_ELEMS)   # [BLOCK_R, BLOCK_K]
         acc += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
-    h_ptrs = h_ptr + split * stride_hsplit + tokens[:, None] * stride_ht + ranks_idx[None, :]
-    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=row_mask[:, None] & r_mask[None, :])
+    h_cols = module * max_rank + ranks_idx
+    h_ptrs = h_ptr + split * stride_hsplit + tokens[:, None] * stride_ht + h_cols[None, :]
+    tl.store(h_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _module_of_tile(tile, n0, n1, BLOCK_N: tl.constexpr):
+    # Which of up to three column ranges (widths n0, n1, n2 side by side in `out`) output tile `tile`
+    # belongs to: (module, its first column in out, its width, the tile's first column in the module).
+    t0 = tl.cdiv(n0, BLOCK_N)
+    t1 = tl.cdiv(n1, BLOCK_N)
+    module = (tile >= t0).to(tl.int32) + (tile >= t0 + t1).to(tl.int32)
+    first_tile = tl.where(module == 0, 0, tl.where(module == 1, t0, t0 + t1))
+    out_col = tl.where(module == 0, 0, tl.where(module == 1, n0, n0 + n1))
+    return module, out_col, (tile - first_tile) * BLOCK_N
 
 
 @triton.jit
 def _lora_expand_kernel(
     h_ptr, pool_ptr, order_ptr, seg_ptr, block_slot_ptr, block_start_ptr, pt_ptr, ranks_ptr, b_off_ptr,
-    scale_ptr, out_ptr, out_features, row_stride, h_cols, page_elems,
-    stride_ht, stride_pt, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_TILES: tl.constexpr,
-    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, page_elems,
+    stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    # out[token, n] += scaling_slot * sum over r < rank of h[token, r] * Bᵀ_slot[r, n], for one block of
-    # BLOCK_M tokens of one slot and N_TILES * BLOCK_N output columns. h: [T, h_cols]; out: [T, out].
+    # out[token, col_m + n] += scaling_{m,slot} * sum over r < rank of h[token, m * h_rank + r] * Bᵀ_{m,slot}[r, n]
+    # for one block of BLOCK_M tokens of one slot and one BLOCK_N-column tile of module m's columns.
+    # h: [splits, T, modules * h_rank], summed over splits here (shrink's split reduction, in a fixed
+    # order: deterministic); out: [T, n0 + n1 + n2].
     block = tl.program_id(0)
+    module, out_col, col0 = _module_of_tile(tl.program_id(1), n0, n1, BLOCK_N)
+    out_features = tl.where(module == 0, n0, tl.where(module == 1, n1, n2))
     slot, tokens, row_mask, empty = _block_rows(seg_ptr, order_ptr, block_slot_ptr, block_start_ptr, block,
                                                 BLOCK_M)
-    rank = tl.minimum(tl.load(ranks_ptr + slot), h_cols)
+    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), h_rank)
     if (rank <= 0) | empty:
         return   # the adapter does not target this module, or a spare block
-    b_offset = tl.load(b_off_ptr + slot)
-    scaling = tl.load(scale_ptr + slot).to(tl.float32)
+    b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
+    scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
+    row_stride = tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS
     pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     cols = tl.arange(0, BLOCK_N)
-    h_rows = h_ptr + tokens * stride_ht
-    out_rows = out_ptr + tokens * stride_ot
-    for tile in tl.static_range(N_TILES):
-        n0 = (tl.program_id(1) * N_TILES + tile) * BLOCK_N
-        if n0 < out_features:   # the last program's tiles may run past the output
-            n_mask = n0 + cols < out_features
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for r0 in range(0, rank, BLOCK_R):
-                ranks_idx = r0 + tl.arange(0, BLOCK_R)
-                r_mask = ranks_idx < rank
-                h = tl.load(h_rows[:, None] + ranks_idx[None, :], mask=row_mask[:, None] & r_mask[None, :],
-                            other=0.0)                          # [BLOCK_M, BLOCK_R]
-                b = _load_paged_tile(pool_ptr, pt_row, b_offset, tl.where(r_mask, ranks_idx, 0), row_stride,
-                                     out_features, n0, page_elems, r_mask[:, None] & n_mask[None, :],
-                                     BLOCK_N, ALIGN_ELEMS)      # [BLOCK_R, BLOCK_N]
-                acc += tl.dot(h, b.to(h.dtype), input_precision=DOT_PRECISION)
-            o_ptrs = out_rows[:, None] + n0 + cols[None, :]
-            o_mask = row_mask[:, None] & n_mask[None, :]
-            base = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-            tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=o_mask)
+    n_mask = col0 + cols < out_features
+    h_rows = h_ptr + tokens * stride_ht + module * h_rank
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        ranks_idx = r0 + tl.arange(0, BLOCK_R)
+        r_mask = ranks_idx < rank
+        h_mask = row_mask[:, None] & r_mask[None, :]
+        h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for split in range(num_splits):
+            h += tl.load(h_rows[:, None] + split * stride_hsplit + ranks_idx[None, :], mask=h_mask,
+                         other=0.0).to(tl.float32)                # [BLOCK_M, BLOCK_R]
+        b = _load_paged_tile(pool_ptr, pt_row, b_offset, tl.where(r_mask, ranks_idx, 0), row_stride,
+                             out_features, col0, page_elems, r_mask[:, None] & n_mask[None, :],
+                             BLOCK_N, ALIGN_ELEMS)                  # [BLOCK_R, BLOCK_N]
+        # h in the output's dtype, like a matmul of the two factors would see it.
+        acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty),
+                      input_precision=DOT_PRECISION)
+    o_ptrs = out_ptr + tokens[:, None] * stride_ot + out_col + col0 + cols[None, :]
+    o_mask = row_mask[:, None] & n_mask[None, :]
+    base = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -203,8 +232,9 @@ def _lora_expand_kernel(
 
 
 def _check_common(name: str, act: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
-                  ranks: Tensor, offsets: Tensor) -> None:
-    """Checks shared by shrink and expand; `act` is the [tokens, features] activation (x or out)."""
+                  ranks: Tensor, offsets: Tensor) -> int:
+    """Checks shared by shrink and expand; `act` is the [tokens, features] activation (x or out).
+    Returns the number of modules: 1 for `[slots]` tables, M for `[M, slots]` ones."""
     if act.dim() != 2:
         raise ValueError(f"{name} must be [tokens, features], got shape {tuple(act.shape)}")
     if act.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -223,14 +253,28 @@ def _check_common(name: str, act: Tensor, pool: Tensor, token_slots: Tensor, pag
     if page_tables.dim() != 2 or page_tables.stride(1) != 1:
         raise ValueError(f"page_tables must be [slots, max_pages] with stride 1 in its rows, "
                          f"got shape {tuple(page_tables.shape)}")
-    num_slots = page_tables.shape[0]
     for label, t in (("token_slots", token_slots), ("page_tables", page_tables), ("ranks", ranks),
                      ("offsets", offsets)):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{label} must be int32 or int64, got {t.dtype}")
-    for label, t in (("ranks", ranks), ("offsets", offsets)):
-        if t.dim() != 1 or t.shape[0] != num_slots or not t.is_contiguous():
-            raise ValueError(f"{label} must be a contiguous [slots={num_slots}] tensor, got shape {tuple(t.shape)}")
+    modules = _check_module_table("ranks", ranks, page_tables.shape[0])
+    if _check_module_table("offsets", offsets, page_tables.shape[0]) != modules:
+        raise ValueError(f"offsets must have the shape of ranks {tuple(ranks.shape)}, got {tuple(offsets.shape)}")
+    return modules
+
+
+def _check_module_table(label: str, table: Tensor, num_slots: int) -> int:
+    """A per-slot table: `[slots]` (one module) or `[modules, slots]` with stride 1 along slots."""
+    one = table.dim() == 1 and table.shape[0] == num_slots
+    many = table.dim() == 2 and 1 <= table.shape[0] <= _MAX_MODULES and table.shape[1] == num_slots
+    if not (one or many) or table.stride(-1) != 1:
+        raise ValueError(f"{label} must be a [slots={num_slots}] or [modules<={_MAX_MODULES}, slots={num_slots}] "
+                         f"tensor with stride 1 along slots, got shape {tuple(table.shape)}")
+    return 1 if one else table.shape[0]
+
+
+def _module_stride(table: Tensor) -> int:
+    return table.stride(0) if table.dim() == 2 else 0
 
 
 def _check_devices(*tensors: Tensor) -> None:
@@ -252,6 +296,14 @@ def _check_segments(segments: LoraSegments, num_tokens: int, num_slots: int, dev
                              f"(use lora_segments), got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
+def _segments_for(segments: LoraSegments | None, token_slots: Tensor, num_tokens: int, num_slots: int,
+                  device: torch.device) -> LoraSegments:
+    if segments is None:
+        segments = lora_segments(token_slots, num_slots)
+    _check_segments(segments, num_tokens, num_slots, device)
+    return segments
+
+
 def _block_m(num_tokens: int, num_slots: int, device: torch.device) -> int:
     """Tokens per block: 16 (the smallest tl.dot) unless segments are long on average."""
     if device.type == "cuda" and num_tokens >= 64 * max(num_slots, 1):
@@ -267,104 +319,129 @@ def _tile_width(page_elems: int) -> int:
     return width
 
 
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # the interpreter runs programs one by one: splitting only adds work
-
-
-def _choose_split_k(num_blocks: int, rank_blocks: int, in_features: int, device: torch.device) -> int:
-    """Splits of the shrink reduction: only when there are fewer programs than multiprocessors
-    (decode: a handful of tokens per adapter), each split keeping several tiles of work."""
-    programs = max(num_blocks * rank_blocks, 1)
-    sms = _multiprocessors(device)
-    if programs >= sms:
+def _choose_split_k(num_tokens: int, block_m: int, programs_per_split: int, in_features: int,
+                    device: torch.device) -> int:
+    """Splits of the shrink reduction. The fewest programs a step can have (every token on one adapter)
+    is cdiv(tokens, block_m) per module and rank block; decode (a handful of tokens per block) needs
+    splits to keep the multiprocessors busy, a long prefill none. The interpreter runs programs one by
+    one, so there splitting only adds work."""
+    if device.type != "cuda":
         return 1
-    return max(1, min(triton.cdiv(_PROGRAMS_PER_SM * sms, programs), in_features // _MIN_K_PER_SPLIT))
+    fewest = max(triton.cdiv(num_tokens, block_m) * programs_per_split, 1)
+    target = _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    if fewest >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, fewest), _MAX_SPLIT_K, in_features // _MIN_K_PER_SPLIT))
 
 
-def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
-                a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                split_k: int | None = None) -> Tensor:
-    """h[t, :r] = x[t] @ A_sᵀ for s = token_slots[t] of rank r; zero elsewhere. Returns [tokens, max_rank]
-    in x's dtype.
+def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
+                         a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
+                         split_k: int | None = None, zero_fill: bool = False) -> Tensor:
+    """Partial sums of the shrink, `[splits, tokens, modules * max_rank]` float32, for `lora_expand`.
 
-    x: [tokens, in_features]; pool: [num_pages, page_elems]; token_slots: [tokens] (-1 = no adapter);
-    page_tables: [slots, max_pages]; ranks, a_offsets: [slots] (element offset of A's first row).
-    segments: `lora_segments(token_slots, slots)`, computed here when not given.
-    split_k: force the number of splits of the reduction over in_features."""
-    _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
+    ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read
+    the same x (q/k/v, gate/up): one launch for all. Module m's h is in columns m*max_rank onwards.
+    Only the entries of tokens with an adapter and columns below their rank are written; the rest is
+    left as allocated unless `zero_fill`. Summing over the first dimension gives h."""
+    modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
     _check_devices(x, pool, token_slots, page_tables, ranks, a_offsets)
     if max_rank <= 0:
         raise ValueError(f"max_rank must be positive, got {max_rank}")
     num_tokens, in_features = x.shape
     num_slots = page_tables.shape[0]
-    if segments is None:
-        segments = lora_segments(token_slots, num_slots)
-    _check_segments(segments, num_tokens, num_slots, x.device)
-    block_m = segments.block_m
-    block_r = _SHRINK_BLOCK_R
-    num_blocks = num_tokens // block_m + num_slots
-    rank_blocks = triton.cdiv(max_rank, block_r)
+    segments = _segments_for(segments, token_slots, num_tokens, num_slots, x.device)
+    rank_blocks = triton.cdiv(max_rank, _SHRINK_BLOCK_R)
     if split_k is None:
-        split_k = _choose_split_k(min(num_blocks, num_tokens), rank_blocks, in_features, x.device)
+        split_k = _choose_split_k(num_tokens, segments.block_m, modules * rank_blocks, in_features, x.device)
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
     block_k = _tile_width(pool.shape[1])
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
-    split_k = triton.cdiv(in_features, k_per_split)   # no empty splits
-    # Rows without adapter and columns past each slot's rank stay zero.
-    h = torch.zeros((max(1, split_k), num_tokens, max_rank),
-                    dtype=torch.float32 if split_k > 1 else x.dtype, device=x.device)
+    split_k = triton.cdiv(in_features, k_per_split)   # no empty split: expand reads every one
+    allocate = torch.zeros if zero_fill else torch.empty
+    h = allocate((split_k, num_tokens, modules * max_rank), dtype=torch.float32, device=x.device)
     if num_tokens == 0 or num_slots == 0:
-        return h[0]
-    _lora_shrink_kernel[(num_blocks, rank_blocks, split_k)](
+        return h
+    _lora_shrink_kernel[(num_tokens // segments.block_m + num_slots, modules * rank_blocks, split_k)](
         x, pool, segments.token_order, segments.seg_starts, segments.block_slot, segments.block_start,
-        page_tables, ranks, a_offsets, h, in_features, align_up(in_features), max_rank, pool.shape[1], k_per_split,
-        x.stride(0), page_tables.stride(0), h.stride(0), h.stride(1),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        page_tables, ranks, a_offsets, h, in_features, align_up(in_features), max_rank, rank_blocks, pool.shape[1],
+        k_per_split, x.stride(0), page_tables.stride(0), _module_stride(ranks), _module_stride(a_offsets),
+        h.stride(0), h.stride(1),
+        BLOCK_M=segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=block_k, ALIGN_ELEMS=ALIGN,
+        DOT_PRECISION=_dot_precision(x.dtype), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
-    if split_k > 1:
-        return h.sum(dim=0).to(x.dtype)
-    return h[0]
+    return h
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
+                a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
+                split_k: int | None = None) -> Tensor:
+    """h[t, :r] = x[t] @ A_sᵀ for s = token_slots[t] of rank r; zero elsewhere. Returns
+    `[tokens, modules * max_rank]` in x's dtype (`[tokens, max_rank]` for `[slots]` tables).
+
+    x: [tokens, in_features]; pool: [num_pages, page_elems]; token_slots: [tokens] (-1 = no adapter);
+    page_tables: [slots, max_pages]; ranks, a_offsets: [slots] or [modules, slots] (element offset of A's
+    first row). segments: `lora_segments(token_slots, slots)`, computed here when not given.
+    split_k: force the number of splits of the reduction over in_features."""
+    partials = lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
+                                    segments=segments, split_k=split_k, zero_fill=True)
+    return partials.sum(dim=0).to(x.dtype)
+
+
+def _check_partials(h: Tensor, num_tokens: int, modules: int) -> Tensor:
+    """h as `[splits, tokens, modules * rank_width]` (a 2-D h is one split)."""
+    partials = h.unsqueeze(0) if h.dim() == 2 else h
+    if partials.dim() != 3 or partials.shape[1] != num_tokens or partials.stride(2) != 1:
+        raise ValueError(f"h must be [tokens={num_tokens}, modules * max_rank] or [splits, tokens, "
+                         f"modules * max_rank] with stride 1 in its rows, got shape {tuple(h.shape)}")
+    if h.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"h must be float16, bfloat16 or float32, got {h.dtype}")
+    if partials.shape[2] % modules != 0:
+        raise ValueError(f"h's width {partials.shape[2]} must be a multiple of the {modules} modules")
+    return partials
+
+
+def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features: int) -> list[int]:
+    sizes = [out_features] if out_sizes is None and modules == 1 else list(out_sizes or [])
+    if len(sizes) != modules or any(n <= 0 for n in sizes) or sum(sizes) != out_features:
+        raise ValueError(f"out_sizes must give the positive widths of the {modules} modules' columns, summing to "
+                         f"out's {out_features} columns, got {out_sizes}")
+    return sizes + [0] * (_MAX_MODULES - modules)
 
 
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
-                ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *,
+                ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
                 segments: LoraSegments | None = None) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
 
-    out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, >= max rank];
-    b_offsets: [slots] element offset of Bᵀ's first row; scalings: [slots] float.
+    out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, modules * width]
+    or shrink's partials [splits, tokens, modules * width]; b_offsets: element offset of Bᵀ's first row;
+    ranks, b_offsets, scalings: [slots], or [modules, slots] for up to three modules whose outputs lie
+    side by side in out, `out_sizes` columns each (q/k/v in the fused qkv output): one launch for all.
     segments: `lora_segments(token_slots, slots)`, computed here when not given."""
-    _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
-    if h.dim() != 2 or h.shape[0] != out.shape[0] or h.stride(1) != 1:
-        raise ValueError(f"h must be [tokens={out.shape[0]}, max_rank] with stride 1 in its rows, "
-                         f"got shape {tuple(h.shape)}")
-    if h.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"h must be float16, bfloat16 or float32, got {h.dtype}")
+    modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
+    partials = _check_partials(h, out.shape[0], modules)
     num_slots = page_tables.shape[0]
-    if scalings.dim() != 1 or scalings.shape[0] != num_slots or not scalings.is_floating_point():
-        raise ValueError(f"scalings must be a floating-point [slots={num_slots}] tensor, "
+    if scalings.shape != ranks.shape or not scalings.is_floating_point() or scalings.stride(-1) != 1:
+        raise ValueError(f"scalings must be a floating-point tensor shaped like ranks {tuple(ranks.shape)}, "
                          f"got {scalings.dtype} of shape {tuple(scalings.shape)}")
+    sizes = _check_out_sizes(out_sizes, modules, out.shape[1])
     _check_devices(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings)
-    num_tokens, out_features = out.shape
-    if segments is None:
-        segments = lora_segments(token_slots, num_slots)
-    _check_segments(segments, num_tokens, num_slots, out.device)
-    if num_tokens == 0 or num_slots == 0 or h.shape[1] == 0:
+    num_tokens = out.shape[0]
+    segments = _segments_for(segments, token_slots, num_tokens, num_slots, out.device)
+    if num_tokens == 0 or num_slots == 0 or partials.shape[2] == 0:
         return
-    block_m = segments.block_m
     block_n = _tile_width(pool.shape[1])
-    n_tiles = _EXPAND_N_TILES
-    grid = (num_tokens // block_m + num_slots, triton.cdiv(out_features, block_n * n_tiles))
-    _lora_expand_kernel[grid](
-        h, pool, segments.token_order, segments.seg_starts, segments.block_slot, segments.block_start,
-        page_tables, ranks, b_offsets, scalings, out, out_features, align_up(out_features), h.shape[1], pool.shape[1],
-        h.stride(0), page_tables.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION="ieee" if h.dtype == torch.float32 else "tf32",
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    tiles = sum(triton.cdiv(n, block_n) for n in sizes)
+    _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, tiles)](
+        partials, pool, segments.token_order, segments.seg_starts, segments.block_slot, segments.block_start,
+        page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0],
+        pool.shape[1], partials.stride(0), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
+        _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
+        BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, ALIGN_ELEMS=ALIGN,
+        DOT_PRECISION=_dot_precision(out.dtype), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )

@@ -117,7 +117,13 @@ def gather_lora_rows(pool: Tensor, page_tables: Tensor, offsets: Tensor, ranks: 
 
 def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                 a_offsets: Tensor, max_rank: int) -> Tensor:
-    """h[t, :r] = x[t] @ A_sᵀ for s = token_slots[t] of rank r; zero elsewhere. Returns [tokens, max_rank]."""
+    """h[t, :r] = x[t] @ A_sᵀ for s = token_slots[t] of rank r; zero elsewhere. Returns [tokens, max_rank].
+
+    With `[modules, slots]` ranks and offsets (modules sharing x, like q/k/v): `[tokens, modules * max_rank]`,
+    module m in columns m*max_rank onwards."""
+    if ranks.dim() == 2:
+        return torch.cat([lora_shrink(x, pool, token_slots, page_tables, r, o, max_rank)
+                          for r, o in zip(ranks, a_offsets)], dim=1)
     lora_a = gather_lora_rows(pool, page_tables, a_offsets, ranks, max_rank, x.shape[1]).to(x.dtype)
     # Every token through every slot's A in one matmul (slots are few), then keep its own slot's block.
     every = (x @ lora_a.flatten(0, 1).T).view(x.shape[0], *lora_a.shape[:2])    # [tokens, slots, max_rank]
@@ -127,8 +133,16 @@ def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tenso
 
 
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
-                ranks: Tensor, b_offsets: Tensor, scalings: Tensor) -> None:
-    """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched."""
+                ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int] | None = None) -> None:
+    """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
+
+    With `[modules, slots]` tables: module m reads h's m-th equal column block and adds into its
+    `out_sizes[m]` columns of out (the modules' outputs side by side, like the fused qkv output)."""
+    if ranks.dim() == 2:
+        width = h.shape[1] // ranks.shape[0]
+        for m, (cols, h_m) in enumerate(zip(out.split(out_sizes, dim=1), h.split(width, dim=1))):
+            lora_expand(cols, h_m, pool, token_slots, page_tables, ranks[m], b_offsets[m], scalings[m])
+        return
     lora_bt = gather_lora_rows(pool, page_tables, b_offsets, ranks, h.shape[1], out.shape[1]).to(h.dtype)
     slots = token_slots.long().clamp(min=0)
     has_adapter = token_slots >= 0

@@ -62,13 +62,14 @@ class TritonLora:
 
     def lora_shrink(self, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                     a_offsets: Tensor, max_rank: int) -> Tensor:
-        return self._lora.lora_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                      segments=self.segments)
+        # The split partial sums go straight to expand, which adds them up as it reads them.
+        return self._lora.lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
+                                               segments=self.segments)
 
     def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
-                    ranks: Tensor, b_offsets: Tensor, scalings: Tensor) -> None:
+                    ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
-                               segments=self.segments)
+                               out_sizes=out_sizes, segments=self.segments)
 
 
 def backends_for(device_type: str) -> tuple[object, object]:

@@ -16,11 +16,13 @@ class AttentionOps(Protocol):
 
 
 class LoraOps(Protocol):
+    """Batched LoRA over `[modules, slots]` tables: modules that share an input in one call (q/k/v)."""
+
     def lora_shrink(self, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                     a_offsets: Tensor, max_rank: int) -> Tensor: ...
 
     def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
-                    ranks: Tensor, b_offsets: Tensor, scalings: Tensor) -> None: ...
+                    ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None: ...
 
 
 @dataclass
@@ -38,15 +40,17 @@ class LoraBatch:
     ops: LoraOps
     active: list[list[bool]]   # [layer][module]: whether any adapter of the step targets it (host side)
 
-    def apply(self, layer: int, module: int, x: Tensor, out: Tensor, pool: Tensor) -> None:
-        """out += LoRA(x) for module `module` of layer `layer`, each token through its own adapter."""
-        if not self.active[layer][module]:
+    def apply(self, layer: int, modules: slice, x: Tensor, out: Tensor, pool: Tensor,
+              out_sizes: list[int]) -> None:
+        """out += LoRA(x) for the modules `modules` of layer `layer` (consecutive ones that read the same x,
+        their outputs side by side in out, `out_sizes` columns each), each token through its own adapter."""
+        if not any(self.active[layer][modules]):
             return
-        ranks = self.ranks[layer, module]
+        ranks = self.ranks[layer, modules]                                          # [modules, slots]
         h = self.ops.lora_shrink(x, pool, self.token_slots, self.page_tables, ranks,
-                                 self.a_offsets[layer, module], self.max_rank)  # [tokens, max_rank]
+                                 self.a_offsets[layer, modules], self.max_rank)
         self.ops.lora_expand(out, h, pool, self.token_slots, self.page_tables, ranks,
-                             self.b_offsets[layer, module], self.scalings[layer, module])
+                             self.b_offsets[layer, modules], self.scalings[layer, modules], out_sizes)
 
 
 @dataclass

@@ -34,10 +34,14 @@ class StepContext:
                  sin: Tensor) -> None:
         self.batch, self.pool, self.attention, self.cos, self.sin = batch, pool, attention, cos, sin
 
-    def lora(self, layer: int, module: int, x: Tensor, out: Tensor) -> Tensor:
+    def lora(self, layer: int, modules: slice, x: Tensor, out: Tensor, out_sizes: list[int]) -> Tensor:
+        """out += each token's LoRA of `modules` (consecutive modules reading x, outputs side by side)."""
         if self.batch.lora is not None:
-            self.batch.lora.apply(layer, module, x, out, self.pool[layer])
+            self.batch.lora.apply(layer, modules, x, out, self.pool[layer], out_sizes)
         return out
+
+    def lora_one(self, layer: int, module: int, x: Tensor, out: Tensor) -> Tensor:
+        return self.lora(layer, slice(module, module + 1), x, out, [out.shape[-1]])
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -69,25 +73,28 @@ class Attention(nn.Module):
         self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project_qkv(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v with each token's LoRA added."""
         if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return (ctx.lora_one(self.layer, Q, x, self.q_proj(x)), ctx.lora_one(self.layer, K, x, self.k_proj(x)),
+                    ctx.lora_one(self.layer, V, x, self.v_proj(x)))
+        sizes = [self.q_size, self.kv_size, self.kv_size]
         qkv = self.qkv_proj(x)                                       # [tokens, q_size + 2 * kv_size]
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # One LoRA call for q, k and v, adding in place into their columns of the fused output.
+        return ctx.lora(self.layer, slice(Q, V + 1), x, qkv, sizes).split(sizes, dim=-1)
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
         tokens = x.shape[0]
-        q, k, v = self.project_qkv(x)
-        # LoRA adds into the column slices of the fused output, in place.
-        q = ctx.lora(self.layer, Q, x, q).view(tokens, self.num_heads, self.head_dim)
-        k = ctx.lora(self.layer, K, x, k).view(tokens, self.num_kv_heads, self.head_dim)
-        v = ctx.lora(self.layer, V, x, v).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x, ctx)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
         ctx.attention.store_kv(k, v, kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size)
         attn = ctx.attention.attend(q, kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         attn = attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
-        return ctx.lora(self.layer, O, attn, self.o_proj(attn))
+        return ctx.lora_one(self.layer, O, attn, self.o_proj(attn))
 
 
 class MLP(nn.Module):
@@ -104,15 +111,18 @@ class MLP(nn.Module):
         self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
+    def project_gate_up(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor]:
+        """gate, up with each token's LoRA added (one LoRA call for both when they are fused)."""
         if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)   # [tokens, inter] each
-        gate = ctx.lora(self.layer, GATE, x, gate)
-        up = ctx.lora(self.layer, UP, x, up)
+            return ctx.lora_one(self.layer, GATE, x, self.gate_proj(x)), ctx.lora_one(self.layer, UP, x, self.up_proj(x))
+        sizes = [self.intermediate_size] * 2
+        gate_up = ctx.lora(self.layer, slice(GATE, UP + 1), x, self.gate_up_proj(x), sizes)   # [tokens, 2 * inter]
+        return gate_up.split(self.intermediate_size, dim=-1)
+
+    def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
+        gate, up = self.project_gate_up(x, ctx)
         hidden = F.silu(gate) * up                                   # [tokens, intermediate]
-        return ctx.lora(self.layer, DOWN, hidden, self.down_proj(hidden))
+        return ctx.lora_one(self.layer, DOWN, hidden, self.down_proj(hidden))
 
 
 class DecoderLayer(nn.Module):

@@ -58,56 +58,66 @@ def make_paged_kv(context_lens: list[int], page_size: int, num_kv_heads: int, he
 
 @dataclass
 class LoraBatch:
+    """Tables are `[slots]` for one module, `[modules, slots]` for fused modules (q/k/v side by side)."""
     pool: Tensor          # [num_pages, page_elems], NaN outside the adapters' rows
     page_tables: Tensor   # [slots, max_pages] int32, padding entries = 0 (the NaN page)
-    ranks: Tensor         # [slots] int32
-    a_offsets: Tensor     # [slots] int64, element offset of A's first row in the logical buffer
-    b_offsets: Tensor     # [slots] int64, element offset of Bᵀ's first row
-    scalings: Tensor      # [slots] float32
-    lora_a: list[Tensor]  # per slot, A [rank, in_features] as written
-    lora_bt: list[Tensor]  # per slot, Bᵀ [rank, out_features] as written
-
-
-def _adapter_buffer(rank: int, in_features: int, out_features: int, lead: int) -> tuple[int, int, int]:
-    """(a_offset, b_offset, total elements) of one module laid out after `lead` elements of other data."""
-    a_offset = lead
-    b_offset = a_offset + rank * align_up(in_features)
-    return a_offset, b_offset, b_offset + rank * align_up(out_features)
+    ranks: Tensor         # int32
+    a_offsets: Tensor     # int64, element offset of A's first row in the logical buffer
+    b_offsets: Tensor     # int64, element offset of Bᵀ's first row
+    scalings: Tensor      # float32
 
 
 def make_lora_batch(ranks: list[int], in_features: int, out_features: int, page_elems: int,
                     dtype: torch.dtype, gen: torch.Generator, device: str = "cpu",
                     weight_scale: float = 0.1) -> LoraBatch:
-    """Pack one random A / Bᵀ per slot (rank 0 = slot without this module) into a NaN pool.
+    """One module's random A / Bᵀ per slot (rank 0 = slot without this module) in a NaN pool."""
+    fused = make_fused_lora_batch([ranks], in_features, [out_features], page_elems, dtype, gen, device,
+                                  weight_scale)
+    return LoraBatch(fused.pool, fused.page_tables, fused.ranks[0], fused.a_offsets[0], fused.b_offsets[0],
+                     fused.scalings[0])
 
-    Each adapter's logical buffer starts with a random multiple of ALIGN of other data (as if earlier
-    modules were packed first) and is split over randomly permuted, non-contiguous pages."""
+
+def make_fused_lora_batch(module_ranks: list[list[int]], in_features: int, out_sizes: list[int],
+                          page_elems: int, dtype: torch.dtype, gen: torch.Generator, device: str = "cpu",
+                          weight_scale: float = 0.1) -> LoraBatch:
+    """Pack random A / Bᵀ of several modules that share an input (module m: `module_ranks[m][slot]`,
+    `out_sizes[m]` outputs) into a NaN pool, one logical buffer per slot.
+
+    Each buffer starts with a random multiple of ALIGN of other data (as if earlier modules were packed
+    first), holds the modules one after another, and is split over randomly permuted, non-contiguous
+    pages."""
     assert page_elems % align_up(1) == 0, "page_elems must be a multiple of ALIGN"
-    layouts = []
-    for r in ranks:
-        lead = align_up(1) * int(torch.randint(0, 4, (1,), generator=gen))
-        layouts.append(_adapter_buffer(r, in_features, out_features, lead))
-    pages_per_slot = [max(1, -(-total // page_elems)) for _, _, total in layouts]
+    num_slots = len(module_ranks[0])
+    layouts = [_slot_layout([m[s] for m in module_ranks], in_features, out_sizes,
+                            align_up(1) * int(torch.randint(0, 4, (1,), generator=gen))) for s in range(num_slots)]
+    pages_per_slot = [max(1, -(-total // page_elems)) for _, total in layouts]
     # Twice the needed pages, so the ones in use are scattered among unused (NaN) ones.
     num_pages = 1 + 2 * sum(pages_per_slot)
     pool = nan_pool(num_pages, page_elems, dtype)
     free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
-    tables = torch.zeros(len(ranks), max(pages_per_slot), dtype=torch.int32)
-    lora_a, lora_bt = [], []
-    for s, (r, (a_off, b_off, _)) in enumerate(zip(ranks, layouts)):
+    tables = torch.zeros(num_slots, max(pages_per_slot), dtype=torch.int32)
+    for s, (offsets, _) in enumerate(layouts):
         ids, free = free[:pages_per_slot[s]], free[pages_per_slot[s]:]
         tables[s, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        a = randn((r, in_features), dtype, gen) * weight_scale
-        bt = randn((r, out_features), dtype, gen) * weight_scale
-        _write_rows(pool, ids, a_off, a)
-        _write_rows(pool, ids, b_off, bt)
-        lora_a.append(a)
-        lora_bt.append(bt)
-    scalings = torch.rand(len(ranks), generator=gen) + 0.5
-    return LoraBatch(pool.to(device), tables.to(device), torch.tensor(ranks, dtype=torch.int32, device=device),
-                     torch.tensor([a for a, _, _ in layouts], dtype=torch.int64, device=device),
-                     torch.tensor([b for _, b, _ in layouts], dtype=torch.int64, device=device),
-                     scalings.to(device), lora_a, lora_bt)
+        for ranks, (a_off, b_off), out_features in zip(module_ranks, offsets, out_sizes):
+            _write_rows(pool, ids, a_off, randn((ranks[s], in_features), dtype, gen) * weight_scale)
+            _write_rows(pool, ids, b_off, randn((ranks[s], out_features), dtype, gen) * weight_scale)
+    offsets = torch.tensor([o for o, _ in layouts], dtype=torch.int64).permute(1, 0, 2)   # [modules, slots, 2]
+    scalings = torch.rand(len(module_ranks), num_slots, generator=gen) + 0.5
+    return LoraBatch(pool.to(device), tables.to(device), torch.tensor(module_ranks, dtype=torch.int32, device=device),
+                     offsets[..., 0].contiguous().to(device), offsets[..., 1].contiguous().to(device),
+                     scalings.to(device))
+
+
+def _slot_layout(ranks: list[int], in_features: int, out_sizes: list[int],
+                 lead: int) -> tuple[list[tuple[int, int]], int]:
+    """((a_offset, b_offset) per module, total elements) of one slot's buffer after `lead` other elements."""
+    offsets, cursor = [], lead
+    for rank, out_features in zip(ranks, out_sizes):
+        b_offset = cursor + rank * align_up(in_features)
+        offsets.append((cursor, b_offset))
+        cursor = b_offset + rank * align_up(out_features)
+    return offsets, cursor
 
 
 def _write_rows(pool: Tensor, page_ids: list[int], offset: int, rows: Tensor) -> None:

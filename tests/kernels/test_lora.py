@@ -3,13 +3,14 @@ import pytest
 import torch
 from kernel_helpers import (
     assert_close,
+    make_fused_lora_batch,
     make_generator,
     make_lora_batch,
     randn,
     random_token_slots,
 )
 from slora.kernels import reference
-from slora.kernels.lora import lora_expand, lora_segments, lora_shrink
+from slora.kernels.lora import lora_expand, lora_segments, lora_shrink, lora_shrink_partials
 
 
 def _decode_slots(num_slots: int, gen: torch.Generator) -> torch.Tensor:
@@ -108,6 +109,51 @@ def test_lora_small_and_large_pages(page_elems):
     assert_close(out, want)
 
 
+# Fused modules: q/k/v-like (three outputs, widths not multiples of a tile) and gate/up-like (two).
+# Each module has its own ranks per slot, rank 0 where an adapter does not target that module.
+FUSED_CASES = {
+    "qkv": ([[1, 3, 8, 16, 0, 5], [16, 0, 2, 8, 4, 5], [7, 3, 0, 16, 1, 0]], [96, 40, 40]),
+    "gate_up": ([[8, 16, 0, 4, 2, 9], [8, 1, 6, 0, 2, 9]], [136, 136]),
+}
+
+
+def _fused_case(dtype, pattern, name, seed, device="cpu"):
+    module_ranks, out_sizes = FUSED_CASES[name]
+    gen = make_generator(seed)
+    batch = make_fused_lora_batch(module_ranks, 300, out_sizes, 512, dtype, gen, device)
+    slots = SLOT_PATTERNS[pattern](len(module_ranks[0]), gen).to(device)
+    x = randn((len(slots), 300), dtype, gen, device)   # 3 tiles of 128: room for 3 splits
+    out = randn((len(slots), sum(out_sizes)), dtype, gen, device)
+    return x, out, batch, slots, out_sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pattern", ["decode", "prefill"])
+@pytest.mark.parametrize("name", sorted(FUSED_CASES))
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_fused_modules_match_reference(dtype, pattern, name, split_k):
+    x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
+    h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
+    assert partials.shape == (split_k, len(slots), len(out_sizes) * 16)
+    assert_close(lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k), h_want)
+    want = out.clone()
+    reference.lora_expand(want, h_want, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
+    # Expand straight from the partial sums, entries past each rank left as allocated (never read).
+    lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
+    assert_close(out, want)
+
+
+def test_fused_expand_rejects_bad_out_sizes():
+    x, out, b, slots, out_sizes = _fused_case(torch.float32, "decode", "qkv", seed=5)
+    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+    for sizes in (None, out_sizes[:2], [96, 40, 41]):
+        with pytest.raises(ValueError, match="out_sizes"):
+            lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=sizes)
+    with pytest.raises(ValueError, match="offsets must have the shape of ranks"):
+        lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets[0], 16)
+
+
 def test_lora_segments_group_tokens_by_slot():
     slots = torch.tensor([2, -1, 0, 2, 2, -1, 0] + [1] * 17, dtype=torch.int32)
     order, starts, block_slot, block_start, block_m = lora_segments(slots, 4)
@@ -187,4 +233,25 @@ def test_lora_gpu(dtype, num_tokens, in_features, out_features):
     want = out.float()
     reference.lora_expand(want, h.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
     lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    assert_close(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [64, 1000])
+def test_fused_qkv_gpu(dtype, num_tokens):
+    gen = make_generator(num_tokens + 1)
+    module_ranks = [GPU_RANKS, GPU_RANKS[::-1], GPU_RANKS[2:] + GPU_RANKS[:2]]
+    out_sizes = [4096, 1024, 1024]
+    b = make_fused_lora_batch(module_ranks, 4096, out_sizes, 2 * 16 * 8 * 128, dtype, gen, "cuda", weight_scale=0.02)
+    slots = random_token_slots(num_tokens, len(GPU_RANKS), gen, device="cuda")
+    x = randn((num_tokens, 4096), dtype, gen, "cuda")
+    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128)
+    h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
+    out = randn((num_tokens, sum(out_sizes)), dtype, gen, "cuda")
+    want = out.float()
+    reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
+                          out_sizes)
+    lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
     assert_close(out, want)
