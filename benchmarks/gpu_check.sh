@@ -2,7 +2,8 @@
 # `make gpu-check`: on a machine with CUDA (the device tool runs it over a copy of the tree). Installs the
 # project offline, runs the GPU tests, then the kernel and decode benchmarks; results go under $OUT
 # (default: benchmarks/results/gpu). QUICK=1: small sizes. PEFT=0: skip the PEFT comparison.
-# STEPS picks steps (default "tests kernels decode peft").
+# STEPS picks steps (default "tests kernels decode peft"; also "sharing", "throughput", "serving", which pass
+# $THROUGHPUT_ARGS / $SERVING_ARGS on).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu}"
@@ -29,4 +30,10 @@ has tests && run gpu_tests python -m pytest -m gpu -q -rs -x tests/kernels tests
 has kernels && run kernels python benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels.json"
 has decode && run decode python benchmarks/decode.py "${quick[@]}" --out "$OUT/decode.json"
 has peft && [ "${PEFT:-1}" = 1 ] && run vs_peft python benchmarks/decode.py "${quick[@]}" --vs-peft --out "$OUT/decode_vs_peft.json"
+has sharing && run sharing python benchmarks/sharing.py --device cuda --out "$OUT/sharing_cuda.json"
+# shellcheck disable=SC2086  # the ARGS variables hold several words on purpose
+has throughput && run throughput python benchmarks/throughput.py --device cuda ${THROUGHPUT_ARGS:-} \
+  --out "$OUT/throughput_cuda.json"
+# shellcheck disable=SC2086
+has serving && run serving python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} --out "$OUT/serving_cuda.json"
 exit $status

@@ -195,22 +195,33 @@ def _pack_lora_layer(num_adapters: int, rank: int, page_elems: int, dtype: torch
                      torch.full((num_adapters,), 2.0, device="cuda"), dense)
 
 
+# The engine's LoRA calls per layer: modules that read the same input go in one fused launch pair.
+LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
 def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator) -> Row:
-    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink
+    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_partials
     dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
     layer = _pack_lora_layer(num_adapters, rank, page_elems, dtype, gen)
     slots = (torch.randperm(tokens, generator=gen) % num_adapters).to(torch.int32).cuda()
     inputs = {fin: torch.randn(tokens, fin, device="cuda", dtype=dtype) for fin in (4096, 14336)}
     outs = {name: torch.randn(tokens, fout, device="cuda", dtype=dtype) for name, _, fout in LLAMA3_8B_MODULES}
     segments = lora_segments(slots, num_adapters)   # once per step, shared by all modules and layers
+    shapes = {name: (fin, fout) for name, fin, fout in LLAMA3_8B_MODULES}
+    groups = []
+    for names in LORA_GROUPS:
+        sizes = [shapes[n][1] for n in names]
+        groups.append((inputs[shapes[names[0]][0]], torch.randn(tokens, sum(sizes), device="cuda", dtype=dtype),
+                       sizes, torch.stack([layer.ranks] * len(names)),
+                       torch.stack([layer.offsets[n][0] for n in names]),
+                       torch.stack([layer.offsets[n][1] for n in names]), torch.stack([layer.scalings] * len(names))))
 
     def run():
-        for name, fin, _ in LLAMA3_8B_MODULES:
-            a_off, b_off = layer.offsets[name]
-            h = lora_shrink(inputs[fin], layer.pool, slots, layer.page_tables, layer.ranks, a_off, rank,
-                            segments=segments)
-            lora_expand(outs[name], h, layer.pool, slots, layer.page_tables, layer.ranks, b_off, layer.scalings,
-                        segments=segments)
+        for x, out, sizes, ranks, a_offsets, b_offsets, scalings in groups:
+            h = lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
+                                     segments=segments)
+            lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
+                        out_sizes=sizes, segments=segments)
 
     token_ids = [torch.nonzero(slots == a).flatten() for a in range(num_adapters)]
 
@@ -224,7 +235,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator) 
     err = _check_lora(layer, slots, inputs, rank)
     weight_bytes = num_adapters * sum(rank * (fin + fout) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
     act_bytes = sum(tokens * (fin + 2 * fout + 2 * rank) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
-    return _bandwidth(Row("lora shrink+expand, 7 modules", f"{tokens} tokens, {num_adapters} adapter(s) rank {rank}, "
+    return _bandwidth(Row("lora shrink+expand, 7 modules (4 fused launch pairs)", f"{tokens} tokens, {num_adapters} adapter(s) rank {rank}, "
                           "Llama-3-8B layer bf16", _time_us(run), _graph_time_us(run), weight_bytes + act_bytes,
                           baseline="per-adapter torch matmul loop", baseline_us=_time_us(torch_loop),
                           baseline_graph_us=_graph_time_us(torch_loop),
