@@ -199,7 +199,9 @@ def _pack_lora_layer(num_adapters: int, rank: int, page_elems: int, dtype: torch
 LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
-def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator) -> Row:
+def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, *, split_k: int | None = None,
+               n_tiles: int | None = None, baseline: bool = True) -> Row:
+    """split_k, n_tiles: override the wrappers' choices (the --lora-sweep); baseline: time the torch loop."""
     from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_partials
     dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
     layer = _pack_lora_layer(num_adapters, rank, page_elems, dtype, gen)
@@ -219,9 +221,9 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator) 
     def run():
         for x, out, sizes, ranks, a_offsets, b_offsets, scalings in groups:
             h = lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
-                                     segments=segments)
+                                     segments=segments, split_k=split_k)
             lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
-                        out_sizes=sizes, segments=segments)
+                        out_sizes=sizes, segments=segments, n_tiles=n_tiles)
 
     token_ids = [torch.nonzero(slots == a).flatten() for a in range(num_adapters)]
 
@@ -235,11 +237,21 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator) 
     err = _check_lora(layer, slots, inputs, rank)
     weight_bytes = num_adapters * sum(rank * (fin + fout) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
     act_bytes = sum(tokens * (fin + 2 * fout + 2 * rank) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
-    return _bandwidth(Row("lora shrink+expand, 7 modules (4 fused launch pairs)", f"{tokens} tokens, {num_adapters} adapter(s) rank {rank}, "
-                          "Llama-3-8B layer bf16", _time_us(run), _graph_time_us(run), weight_bytes + act_bytes,
+    config = f"{tokens} tokens, {num_adapters} adapter(s) rank {rank}, Llama-3-8B layer bf16"
+    if not baseline:
+        return _bandwidth(Row("lora 7 modules, sweep", f"{config}, split_k {split_k or 'auto'}, "
+                              f"n_tiles {n_tiles or 'auto'}", _time_us(run), _graph_time_us(run), weight_bytes + act_bytes))
+    return _bandwidth(Row("lora shrink+expand, 7 modules (4 fused launch pairs)", config, _time_us(run),
+                          _graph_time_us(run), weight_bytes + act_bytes,
                           baseline="per-adapter torch matmul loop", baseline_us=_time_us(torch_loop),
                           baseline_graph_us=_graph_time_us(torch_loop),
                           extra={"max_abs_err_vs_reference_q_proj": err, "weight_bytes": weight_bytes}))
+
+
+def lora_sweep(gen: torch.Generator) -> list[Row]:
+    """The LoRA layer at 1 and 64 adapters under other split_k / n_tiles choices than the wrappers'."""
+    return [bench_lora(adapters, 64, 16, gen, split_k=split_k, n_tiles=n_tiles, baseline=False)
+            for adapters in (1, 64) for split_k in (None, 4, 8) for n_tiles in (1, 2, 4, 8)]
 
 
 def _check_lora(layer: LoraLayer, slots: Tensor, inputs: dict[int, Tensor], rank: int) -> float:
@@ -298,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes through the torch references on the CPU (checks the script, no GPU)")
+    parser.add_argument("--lora-sweep", action="store_true", help="only the LoRA layer, over split_k and n_tiles")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -307,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks/kernels.py: CUDA is not available; the Triton kernels are benchmarked on a GPU only. "
               "Use --quick for a tiny CPU run of the torch references.")
         return 0
+    elif args.lora_sweep:
+        rows, device = lora_sweep(gen), torch.cuda.get_device_name()
     else:
         device = torch.cuda.get_device_name()
         rows = [bench_decode(64, 4096, gen), bench_decode(64, 4096, gen, num_splits=4),

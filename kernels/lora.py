@@ -43,6 +43,8 @@ _MIN_K_PER_SPLIT = 256
 _MAX_SPLIT_K = 16
 # Modules fused into one launch: up to three that share their input (q/k/v, gate/up).
 _MAX_MODULES = 3
+# Output tiles each expand program covers: fewer programs, so fewer that only find an empty block.
+_EXPAND_N_TILES = 2
 # Columns of a row loaded per tile (a power of two >= ALIGN, at most a page).
 _MAX_TILE = 128
 # Launch parameters: rank rows per shrink program, 64-column tiles per expand program, warps, stages.
@@ -182,30 +184,45 @@ def _module_of_tile(tile, n0, n1, BLOCK_N: tl.constexpr):
 @triton.jit
 def _lora_expand_kernel(
     h_ptr, pool_ptr, order_ptr, seg_ptr, block_slot_ptr, block_start_ptr, pt_ptr, ranks_ptr, b_off_ptr,
-    scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, page_elems,
+    scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, num_tiles, page_elems,
     stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_TILES: tl.constexpr,
+    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # out[token, col_m + n] += scaling_{m,slot} * sum over r < rank of h[token, m * h_rank + r] * Bᵀ_{m,slot}[r, n]
-    # for one block of BLOCK_M tokens of one slot and one BLOCK_N-column tile of module m's columns.
+    # for one block of BLOCK_M tokens of one slot and N_TILES BLOCK_N-column tiles of the modules' columns.
     # h: [splits, T, modules * h_rank], summed over splits here (shrink's split reduction, in a fixed
     # order: deterministic); out: [T, n0 + n1 + n2].
     block = tl.program_id(0)
-    module, out_col, col0 = _module_of_tile(tl.program_id(1), n0, n1, BLOCK_N)
-    out_features = tl.where(module == 0, n0, tl.where(module == 1, n1, n2))
     slot, tokens, row_mask, empty = _block_rows(seg_ptr, order_ptr, block_slot_ptr, block_start_ptr, block,
                                                 BLOCK_M)
-    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), h_rank)
-    if (rank <= 0) | empty:
-        return   # the adapter does not target this module, or a spare block
-    b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
-    scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
-    row_stride = tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS
+    if empty:
+        return   # a spare block
     pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
+    h_rows = h_ptr + tokens * stride_ht
+    for t in tl.static_range(N_TILES):
+        tile = tl.program_id(1) * N_TILES + t
+        module, out_col, col0 = _module_of_tile(tile, n0, n1, BLOCK_N)
+        # Tiles past the last one (the last program's) read no table entry: there may be no such module.
+        rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot, mask=tile < num_tiles, other=0), h_rank)
+        if rank > 0:   # rank 0: the adapter does not target this module
+            _expand_tile(h_rows + module * h_rank, pool_ptr, pt_row, out_ptr, tokens * stride_ot + out_col,
+                         tl.load(b_off_ptr + module * stride_bm + slot),
+                         tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32),
+                         tl.where(module == 0, n0, tl.where(module == 1, n1, n2)), col0, rank, num_splits,
+                         stride_hsplit, page_elems, row_mask, BLOCK_M, BLOCK_R, BLOCK_N, ALIGN_ELEMS, DOT_PRECISION)
+
+
+@triton.jit
+def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling, out_features, col0, rank, num_splits,
+                 stride_hsplit, page_elems, row_mask,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    # One module's BLOCK_N columns from col0 for the block's rows: out += scaling * h[:, :rank] @ Bᵀ[:rank].
+    # out_rows: [BLOCK_M] element offsets of the rows' first column of this module in out.
+    row_stride = tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS
     cols = tl.arange(0, BLOCK_N)
     n_mask = col0 + cols < out_features
-    h_rows = h_ptr + tokens * stride_ht + module * h_rank
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         ranks_idx = r0 + tl.arange(0, BLOCK_R)
@@ -221,7 +238,7 @@ def _lora_expand_kernel(
         # h in the output's dtype, like a matmul of the two factors would see it.
         acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty),
                       input_precision=DOT_PRECISION)
-    o_ptrs = out_ptr + tokens[:, None] * stride_ot + out_col + col0 + cols[None, :]
+    o_ptrs = out_ptr + out_rows[:, None] + col0 + cols[None, :]
     o_mask = row_mask[:, None] & n_mask[None, :]
     base = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -415,14 +432,15 @@ def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features
 
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
-                segments: LoraSegments | None = None) -> None:
+                segments: LoraSegments | None = None, n_tiles: int | None = None) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
 
     out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, modules * width]
     or shrink's partials [splits, tokens, modules * width]; b_offsets: element offset of Bᵀ's first row;
     ranks, b_offsets, scalings: [slots], or [modules, slots] for up to three modules whose outputs lie
     side by side in out, `out_sizes` columns each (q/k/v in the fused qkv output): one launch for all.
-    segments: `lora_segments(token_slots, slots)`, computed here when not given."""
+    segments: `lora_segments(token_slots, slots)`, computed here when not given.
+    n_tiles: output tiles per program (fewer programs, each doing more; a tuning knob)."""
     modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
     partials = _check_partials(h, out.shape[0], modules)
     num_slots = page_tables.shape[0]
@@ -437,11 +455,14 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         return
     block_n = _tile_width(pool.shape[1])
     tiles = sum(triton.cdiv(n, block_n) for n in sizes)
-    _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, tiles)](
+    n_tiles = n_tiles or _EXPAND_N_TILES
+    if n_tiles not in (1, 2, 4, 8):
+        raise ValueError(f"n_tiles must be 1, 2, 4 or 8, got {n_tiles}")
+    _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, triton.cdiv(tiles, n_tiles))](
         partials, pool, segments.token_order, segments.seg_starts, segments.block_slot, segments.block_start,
         page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0],
-        pool.shape[1], partials.stride(0), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
+        tiles, pool.shape[1], partials.stride(0), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
-        BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, ALIGN_ELEMS=ALIGN,
+        BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )

@@ -130,8 +130,8 @@ def _fused_case(dtype, pattern, name, seed, device="cpu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_fused_modules_match_reference(dtype, pattern, name, split_k):
+@pytest.mark.parametrize("split_k,n_tiles", [(1, 1), (3, 2), (2, 4)])
+def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
@@ -140,7 +140,8 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k):
     want = out.clone()
     reference.lora_expand(want, h_want, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
     # Expand straight from the partial sums, entries past each rank left as allocated (never read).
-    lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
+    lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
+                n_tiles=n_tiles)
     assert_close(out, want)
 
 
@@ -150,6 +151,9 @@ def test_fused_expand_rejects_bad_out_sizes():
     for sizes in (None, out_sizes[:2], [96, 40, 41]):
         with pytest.raises(ValueError, match="out_sizes"):
             lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=sizes)
+    with pytest.raises(ValueError, match="n_tiles"):
+        lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
+                    n_tiles=3)
     with pytest.raises(ValueError, match="offsets must have the shape of ranks"):
         lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets[0], 16)
 
