@@ -140,6 +140,7 @@ class Settings:
     peft_budget_s: float
     repeats: int
     quick: bool
+    skip_peft: bool = False
     cv: float = 1.0
     alpha: float = 1.0
     seed: int = 42
@@ -170,7 +171,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     args.peft_batch or batch, args.max_num_seqs or batch,
                     args.peft_budget_s if args.peft_budget_s is not None else (20.0 if args.quick else 90.0 if not gpu
                                                                                else 300.0),
-                    args.repeats or (1 if args.quick else 2), args.quick)
+                    args.repeats or (1 if args.quick else 2), args.quick, args.skip_peft)
 
 
 # ---- transformers + PEFT ----------------------------------------------------------------------------------
@@ -449,11 +450,15 @@ def run_sweep(settings: Settings, workdir: Path) -> tuple[ModelSetup, list[dict[
     results = {c: CountResult(c, len({r.adapter for r in w.trace}), len(w.trace),
                               sum(r.output_len for r in w.trace)) for c, w in loads.items()}
     torch.manual_seed(settings.seed)
-    peft = PeftState(setup, paths)           # PEFT first: on a GPU it must be gone before slora sizes its pool
-    try:
-        peft_sweep(peft, settings, loads, results)
-    finally:
-        peft.close()
+    if settings.skip_peft:
+        for result in results.values():
+            result.peft_status = "not run (--skip-peft)"
+    else:
+        peft = PeftState(setup, paths)       # PEFT first: on a GPU it must be gone before slora sizes its pool
+        try:
+            peft_sweep(peft, settings, loads, results)
+        finally:
+            peft.close()
     engine = SloraState(setup, paths, settings)
     try:
         slora_sweep(engine, settings, loads, results)
@@ -549,6 +554,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--targets", default=",".join(ATTENTION), help="comma-separated modules, or 'all'")
     parser.add_argument("--peft-batch", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--skip-peft", action="store_true", help="slora only (PEFT reported as not run)")
     parser.add_argument("--peft-budget-s", type=float, default=None, help="seconds PEFT may spend loading adapters")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per count, each with fresh prompts "
                         "(default 2, 1 with --quick); throughput is from their mean time")

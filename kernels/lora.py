@@ -40,11 +40,12 @@ _PROGRAMS_PER_SM = 2
 # Each split of the shrink reduction covers at least this many input features, and there are at most
 # _MAX_SPLIT_K splits (expand sums the partial results of every split when it reads h).
 _MIN_K_PER_SPLIT = 256
-_MAX_SPLIT_K = 16
+_MAX_SPLIT_K = 8
 # Modules fused into one launch: up to three that share their input (q/k/v, gate/up).
 _MAX_MODULES = 3
-# Output tiles each expand program covers: fewer programs, so fewer that only find an empty block.
-_EXPAND_N_TILES = 2
+# Output tiles each expand program covers. More means fewer programs that only find a spare block, but
+# on the H200 one was fastest (kernels.py --lora-sweep, benchmarks/results/h200/lora_sweep.json).
+_EXPAND_N_TILES = 1
 # Columns of a row loaded per tile (a power of two >= ALIGN, at most a page).
 _MAX_TILE = 128
 # Launch parameters: rank rows per shrink program, 64-column tiles per expand program, warps, stages.
