@@ -136,13 +136,16 @@ class ModelRunner:
     def load_adapter(self, packed: PackedAdapter, pages: list[int]) -> None:
         """Copy an adapter's packed pages from the host cache into its pool pages. On CUDA the copy runs
         on a side stream, overlapping the forward; a forward that uses the adapter waits for it."""
-        index = torch.tensor(pages, dtype=torch.long, device=self.device)
         if self._copy_stream is None:
+            index = torch.tensor(pages, dtype=torch.long, device=self.device)
             self.pool.index_copy_(1, index, packed.pages.to(self.device, self.pool.dtype))
             return
         # The pages may have held KV that forwards already queued still read: start after them.
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
+            # The index is allocated on the side stream too: made on the main stream, its memory could be
+            # handed to the next step's tensors once this function returns, before the copy has read it.
+            index = torch.tensor(pages, dtype=torch.long, device=self.device)
             self.pool.index_copy_(1, index, packed.pages.to(self.device, self.pool.dtype, non_blocking=True))
             self._pending_copies[packed.version] = torch.cuda.Event()
             self._pending_copies[packed.version].record()
