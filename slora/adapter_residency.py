@@ -20,6 +20,9 @@ class AdapterResidency:
     resident: dict[str, ResidentAdapter] = field(default_factory=dict)
     num_loads: int = 0
     num_evictions: int = 0
+    # Versions whose pages went back to the pool since the last `take_freed`: a copy into those pages
+    # may still be in flight on the GPU's side stream, and the next forward may reuse them.
+    freed: list[str] = field(default_factory=list)
 
     def is_resident(self, version: str) -> bool:
         return version in self.resident
@@ -75,6 +78,11 @@ class AdapterResidency:
         if adapter.pins == 0:
             self._free(adapter)
 
+    def take_freed(self) -> list[str]:
+        freed, self.freed = self.freed, []
+        return freed
+
     def _free(self, adapter: ResidentAdapter) -> None:
         del self.resident[adapter.version]
         self.allocator.release_adapter(adapter.pages)
+        self.freed.append(adapter.version)

@@ -1,4 +1,5 @@
 """Owns the pool tensor and the model; turns a scheduled step into one forward (DESIGN §3)."""
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +116,10 @@ class ModelRunner:
 
     def move_pages(self, out: SchedulerOutput, packed: dict[str, PackedAdapter]) -> None:
         """The step's page moves, before its forward: swap-outs first (their pages may be reused by
-        this very step), then swap-ins, copy-on-write copies and adapter loads."""
+        this very step), then swap-ins, copy-on-write copies and adapter loads. Pages of adapters
+        freed since the last step may be written from now on, so a copy into them that is still in
+        flight (a prefetched adapter evicted before it was used) must end first."""
+        self._wait_for_adapters(out.adapters_freed)
         for pages, slots in out.swap_out:
             self.swap_space()[:, slots] = self.pool[:, pages].to("cpu", non_blocking=False)
         for slots, pages in out.swap_in:
@@ -150,8 +154,9 @@ class ModelRunner:
             self._pending_copies[packed.version] = torch.cuda.Event()
             self._pending_copies[packed.version].record()
 
-    def _wait_for_adapters(self, adapters: StepAdapters) -> None:
-        for version in adapters:
+    def _wait_for_adapters(self, versions: Iterable[str]) -> None:
+        """Make the forward stream wait for the pending copies of these adapter versions."""
+        for version in versions:
             event = self._pending_copies.pop(version, None)
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)

@@ -62,6 +62,7 @@ class ScheduledSeq(NamedTuple):
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     adapters_to_load: list[tuple[str, list[int]]] = field(default_factory=list)  # (version, pages) to fill
+    adapters_freed: list[str] = field(default_factory=list)   # versions whose pages were freed since last step
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)     # can never fit; finished by the caller
     copies: list[tuple[int, int]] = field(default_factory=list)          # copy-on-write (src, dst) pages
@@ -109,6 +110,7 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         self._prefetch_adapters(out)
+        out.adapters_freed = self.adapters.take_freed()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

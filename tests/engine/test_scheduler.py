@@ -77,6 +77,9 @@ def test_idle_adapters_are_evicted_lru_before_preemption():
     assert out.scheduled and not out.preempted
     assert set(scheduler.adapters.resident) == {"new"}
     assert scheduler.adapters.num_evictions == 1
+    # The runner is told, so a copy into "old"'s pages still in flight ends before they are reused.
+    assert out.adapters_freed == ["old"]
+    assert scheduler.schedule().adapters_freed == []
     scheduler.check()
 
 
