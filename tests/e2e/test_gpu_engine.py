@@ -62,3 +62,44 @@ def test_pool_sized_from_free_memory(tiny_llama):
     pool_bytes = llm.engine.runner.pool.numel() * llm.engine.runner.pool.element_size()
     assert 0 < pool_bytes < 0.3 * total
     assert llm.pool_stats()["total_pages"] > 1000
+
+
+def _distinct_copies(adapter_dir, root, count: int) -> list[str]:
+    """`count` adapters with the config of `adapter_dir` and B scaled differently: distinct versions."""
+    from safetensors.torch import load_file, save_file
+    config = (adapter_dir / "adapter_config.json").read_text()
+    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    paths = []
+    for i in range(count):
+        folder = root / f"copy-{i}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(config)
+        save_file({k: v * (1 + 0.05 * i) if "lora_B" in k else v for k, v in tensors.items()},
+                  str(folder / "adapter_model.safetensors"))
+        paths.append(str(folder))
+    return paths
+
+
+def test_many_adapter_loads_and_evictions_match_cpu(tiny_llama, tmp_path):
+    """More adapters than fit the pool, many first used in one step (copied on the side stream), evicted
+    and loaded again: the same tokens as the CPU engine. The first H200 throughput run died here with a
+    device-side assert when a copy's page index was allocated on the wrong stream."""
+    names = [f"copy-{i}" for i in range(40)]
+    paths = _distinct_copies(tiny_llama.adapters["all-r16"], tmp_path, len(names))
+    prompts = random_prompts([4 + i % 23 for i in range(len(names))], seed=15)
+    probe = LLM(str(tiny_llama.model_dir), num_pages=512)
+    adapter_pages = probe.engine.prepare_adapter(paths[0]).packed.num_pages
+    num_pages = 10 * adapter_pages + 16 * 6         # about ten adapters beside 16 sequences' KV
+
+    def run(**kwargs) -> tuple[list[list[int]], LLM]:
+        llm = LLM(str(tiny_llama.model_dir), num_pages=num_pages, max_num_seqs=16, **kwargs)
+        for name, path in zip(names, paths):
+            llm.load_adapter(name, path)
+        out = tokens(llm, prompts, names)
+        llm.engine.check()
+        return out, llm
+
+    cpu, _ = run()
+    gpu, llm = run(device="cuda", dtype="float32")
+    assert gpu == cpu
+    assert llm.engine.scheduler.adapters.num_evictions > 0
