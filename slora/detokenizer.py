@@ -1,4 +1,6 @@
 """Incremental detokenization: each new token costs a decode of a few tokens, not of the whole output."""
+from collections.abc import Callable
+
 from transformers import PreTrainedTokenizerBase
 
 # Tokens kept before the new ones, so that tokenizers which strip a leading space at the start of a
@@ -6,9 +8,20 @@ from transformers import PreTrainedTokenizerBase
 _CONTEXT_TOKENS = 5
 
 
+def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, straight through the Rust tokenizer when that gives
+    the same string (a fast tokenizer without clean-up of tokenization spaces): transformers' wrapper
+    costs several times the decode itself, and the detokenizer decodes twice per generated token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "is_fast", False) and not tokenizer.clean_up_tokenization_spaces:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
+        self._decode = fast_decoder(tokenizer) if tokenizer is not None else None
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0          # start of the window decoded for context
@@ -19,9 +32,8 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         if self.tokenizer is None:
             return self.text
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
-        prefix = decode(self.token_ids[self._prefix_offset:self._read_offset])
-        window = decode(self.token_ids[self._prefix_offset:])
+        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        window = self._decode(self.token_ids[self._prefix_offset:])
         if len(window) > len(prefix) and not window.endswith("\ufffd"):
             self.text += window[len(prefix):]
             self._prefix_offset = max(0, len(self.token_ids) - _CONTEXT_TOKENS)

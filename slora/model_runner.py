@@ -55,7 +55,8 @@ class HostInputs:
     lora: HostLora | None
 
 
-def host_inputs(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int) -> HostInputs:
+def host_inputs(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
+                lora_tables: "LoraTables | None" = None) -> HostInputs:
     """The flat batch of a step, built on the host."""
     input_ids, positions, slots, starts, lens, sample_rows = [], [], [], [0], [], []
     for item in scheduled:
@@ -73,28 +74,48 @@ def host_inputs(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size
         torch.tensor(slots, dtype=torch.long), padded_rows([i.seq.block_table for i in scheduled]),
         torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
         torch.tensor(sample_rows, dtype=torch.long), max(i.num_tokens for i in scheduled), max(lens),
-        host_lora(scheduled, adapters))
+        host_lora(scheduled, adapters, lora_tables or LoraTables()))
 
 
 def padded_rows(rows: list[list[int]]) -> Tensor:
-    """A list of int lists as one zero-padded int32 matrix."""
-    table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int32)
-    for index, row in enumerate(rows):
-        table[index, :len(row)] = torch.tensor(row, dtype=torch.int32)
-    return table
+    """A list of int lists as one zero-padded int32 matrix (one tensor construction, not one per row)."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
 
 
-def host_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters) -> HostLora | None:
-    versions = sorted({item.seq.adapter.version for item in scheduled if item.seq.adapter})
+class LoraTables:
+    """The per-step adapter tables `[layers, modules, slots]` of recent adapter mixes. Decode steps
+    usually repeat the previous step's mix, and stacking every version's descriptor again each step
+    costs more host time than the rest of the step's LoRA inputs."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._tables: dict[tuple[str, ...], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+
+    def get(self, versions: tuple[str, ...], adapters: StepAdapters) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(ranks, a_offsets, b_offsets, scalings) of the versions in slot order."""
+        tables = self._tables.pop(versions, None) or self._stack(versions, adapters)
+        self._tables[versions] = tables                      # most recent last
+        if len(self._tables) > self.capacity:
+            del self._tables[next(iter(self._tables))]
+        return tables
+
+    @staticmethod
+    def _stack(versions: tuple[str, ...], adapters: StepAdapters) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        descriptors = [adapters[v][0] for v in versions]
+        stack = lambda name: torch.stack([getattr(d, name) for d in descriptors], dim=-1)
+        return stack("ranks"), stack("a_offsets"), stack("b_offsets"), stack("scalings")
+
+
+def host_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters, tables: LoraTables) -> HostLora | None:
+    versions = tuple(sorted({item.seq.adapter.version for item in scheduled if item.seq.adapter}))
     if not versions:
         return None
     slot_of = {v: i for i, v in enumerate(versions)}
     token_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1
                    for item in scheduled for _ in range(item.num_tokens)]
-    descriptors = [adapters[v][0] for v in versions]
-    stack = lambda name: torch.stack([getattr(d, name) for d in descriptors], dim=-1)  # [layers, modules, slots]
     return HostLora(torch.tensor(token_slots, dtype=torch.int32), padded_rows([adapters[v][1] for v in versions]),
-                    stack("ranks"), stack("a_offsets"), stack("b_offsets"), stack("scalings"))
+                    *tables.get(versions, adapters))
 
 
 class ModelRunner:
@@ -104,6 +125,7 @@ class ModelRunner:
         self.swap_pages, self._swap = swap_pages, None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_copies: dict[str, torch.cuda.Event] = {}     # adapter version -> its copy is done
+        self._lora_tables = LoraTables()
         # The unified pool: KV pages and adapter pages, page ids shared across layers.
         self.pool = torch.zeros(shape.num_layers, shape.num_pages, shape.page_elems, dtype=dtype,
                                 device=device)  # [layers, pages, page_elems]
@@ -163,7 +185,7 @@ class ModelRunner:
 
     def run(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> Tensor:
         """One forward over the scheduled tokens; logits `[sampled, vocab]` of the completing sequences."""
-        host = host_inputs(scheduled, adapters, self.shape.page_size)
+        host = host_inputs(scheduled, adapters, self.shape.page_size, self._lora_tables)
         self._wait_for_adapters(adapters)
         bucket = self._graph_bucket(scheduled, host)
         if bucket is not None:

@@ -4,7 +4,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from slora.detokenizer import IncrementalDetokenizer
+from slora.detokenizer import IncrementalDetokenizer, fast_decoder
 from slora.embedded import ensure_embedded
 
 
@@ -32,3 +32,14 @@ def test_real_text_streams_exactly(tokenizer):
     for token in ids:
         detokenizer.add(token)
     assert detokenizer.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_fast_decoder_gives_what_transformers_decode_gives(clean_up):
+    tok = AutoTokenizer.from_pretrained(str(ensure_embedded().model_dir), clean_up_tokenization_spaces=clean_up)
+    decode = fast_decoder(tok)
+    rng = random.Random(7)
+    texts = ["Hello , world ! it 's fine .", "a  b\n\tc", "x"]
+    id_lists = [tok.encode(t) for t in texts] + [[rng.randrange(len(tok)) for _ in range(40)] for _ in range(5)]
+    for ids in id_lists:
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True)
