@@ -34,6 +34,11 @@ def set_first_a_nan(tensors):
     tensors[first_key(tensors, "lora_A")][0, 0] = math.nan
 
 
+def set_last_b_inf(tensors):
+    key = sorted(k for k in tensors if "lora_B" in k)[-1]
+    tensors[key][-1, -1] = math.inf
+
+
 def widen_first_a(tensors):
     key = first_key(tensors, "lora_A")
     tensors[key] = torch.randn(tensors[key].shape[0], tensors[key].shape[1] + 1)
@@ -65,6 +70,7 @@ CASES = {  # case -> (how to break a valid rank-4 attention adapter, words the m
     "not-lora": (lambda f: edit_config(f, peft_type="IA3"), "peft_type"),
     "shape-mismatch": (lambda f: edit_weights(f, widen_first_a), "does not match the base model"),
     "non-finite": (lambda f: edit_weights(f, set_first_a_nan), "non-finite"),
+    "non-finite-inf": (lambda f: edit_weights(f, set_last_b_inf), "lora_B.weight'?: holds non-finite"),
     "dora-tensor": (lambda f: edit_weights(f, add_magnitude), "lora_magnitude_vector"),
     "bias-tensor": (lambda f: edit_weights(f, add_bias), "lora_B.bias"),
     "pickle": (pickle_only, "pickle files are never loaded"),
@@ -89,6 +95,16 @@ def test_invalid_adapter_is_refused_with_its_field(case, llm, tiny_llama, tmp_pa
         llm.load_adapter(case, str(folder))
     assert llm.pool_stats() == before
     assert case not in {e.name for e in llm.engine.registry.visible_to(None)}
+
+
+def test_huge_finite_weights_are_accepted(llm, tiny_llama, tmp_path):
+    """Finiteness is checked on each tensor's norm first; a norm that overflows float32 (values near 1e30)
+    must fall back to the exact check and not refuse finite weights."""
+    folder = tmp_path / "huge"
+    shutil.copytree(tiny_llama.adapters["attn-r4"], folder)
+    edit_weights(folder, lambda t: t[first_key(t, "lora_A")].fill_(1e30))
+    llm.load_adapter("huge", str(folder))
+    assert "huge" in {e.name for e in llm.engine.registry.visible_to(None)}
 
 
 def test_refused_adapter_leaves_running_requests_untouched(tiny_llama, tmp_path):
