@@ -35,6 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -141,6 +142,7 @@ class Settings:
     repeats: int
     quick: bool
     skip_peft: bool = False
+    host_cache_gib: float | None = None
     cv: float = 1.0
     alpha: float = 1.0
     seed: int = 42
@@ -171,7 +173,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     args.peft_batch or batch, args.max_num_seqs or batch,
                     args.peft_budget_s if args.peft_budget_s is not None else (20.0 if args.quick else 90.0 if not gpu
                                                                                else 300.0),
-                    args.repeats or (1 if args.quick else 2), args.quick, args.skip_peft)
+                    args.repeats or (1 if args.quick else 2), args.quick, args.skip_peft, args.host_cache_gib)
 
 
 # ---- transformers + PEFT ----------------------------------------------------------------------------------
@@ -298,6 +300,8 @@ class SloraState:
     settings: Settings
     llm: Any = None
     loaded: int = 0
+    prepare_s: float = 0.0        # reading, validating, hashing and packing adapters (cumulative)
+    register_s: float = 0.0       # registering them with the engine (cumulative)
 
     def load_up_to(self, target: int) -> float:
         from slora import LLM
@@ -309,12 +313,24 @@ class SloraState:
                                       "max_model_len": self.settings.max_model_len, "seed": self.settings.seed}
             if self.setup.dummy:
                 kwargs["load_format"] = "dummy"
+            if self.settings.host_cache_gib is not None:
+                kwargs["adapter_host_cache_gib"] = self.settings.host_cache_gib
             model = str(self.setup.folder) if self.setup.dummy else None     # None: the embedded model
             self.llm = LLM(model, **kwargs)
         while self.loaded < target:
-            self.llm.load_adapter(adapter_name(self.loaded), str(self.paths[self.loaded]))
+            self._load_one(adapter_name(self.loaded), self.paths[self.loaded])
             self.loaded += 1
         return time.perf_counter() - start
+
+    def _load_one(self, name: str, path: Path) -> None:
+        """`LLM.load_adapter`, in its two halves, timed apart."""
+        engine = self.llm.engine
+        start = time.perf_counter()
+        prepared = engine.prepare_adapter(str(path))
+        middle = time.perf_counter()
+        engine.register_adapter(name, prepared)
+        self.prepare_s += middle - start
+        self.register_s += time.perf_counter() - middle
 
     def max_lora_rank(self) -> int:
         # The embedded engine also registers its demo adapters, the largest of rank 16.
@@ -364,6 +380,8 @@ class CountResult:
     expected_output_tokens: int
     slora_runs: list[Run] = field(default_factory=list)
     slora_setup_s: float = 0.0
+    slora_prepare_s: float = 0.0
+    slora_register_s: float = 0.0
     peft_runs: list[Run] = field(default_factory=list)
     peft_setup_s: float | None = None
     peft_status: str = "measured"
@@ -384,6 +402,7 @@ class CountResult:
         row = {"num_adapters": self.num_adapters, "distinct_adapters": self.distinct_adapters,
                "requests": self.requests, "expected_output_tokens": self.expected_output_tokens,
                **self.system("slora", self.slora_runs), "slora_setup_s": self.slora_setup_s,
+               "slora_prepare_s": self.slora_prepare_s, "slora_register_s": self.slora_register_s,
                **self.system("peft", self.peft_runs), "peft_setup_s": self.peft_setup_s,
                "peft_status": self.peft_status}
         row["speedup_req_s"] = row["slora_req_s"] / row["peft_req_s"] if row["peft_req_s"] else None
@@ -430,18 +449,23 @@ def peft_sweep(state: PeftState, settings: Settings, loads: dict[int, Workload],
         logger.info("PEFT at %d adapters: %s s", count, [round(r.seconds, 2) for r in result.peft_runs])
 
 
-def slora_sweep(state: SloraState, settings: Settings, loads: dict[int, Workload],
-                results: dict[int, CountResult]) -> None:
+def slora_sweep(state: SloraState, settings: Settings, loads: dict[int, Workload], results: dict[int, CountResult],
+                on_count: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+    """slora at each count; `on_count` gets the rows measured so far after each one."""
     total_load = 0.0
     for count in settings.counts:
         total_load += state.load_up_to(count)
         result = results[count]
         result.slora_setup_s = total_load
+        result.slora_prepare_s, result.slora_register_s = state.prepare_s, state.register_s
         result.slora_runs = run_slora(state.llm, loads[count], settings.device)
         logger.info("slora at %d adapters: %s s", count, [round(r.seconds, 2) for r in result.slora_runs])
+        if on_count is not None:
+            on_count([results[c].row() for c in settings.counts if results[c].slora_runs])
 
 
-def run_sweep(settings: Settings, workdir: Path) -> tuple[ModelSetup, list[dict[str, Any]]]:
+def run_sweep(settings: Settings, workdir: Path, on_count: Callable[[ModelSetup, list[dict[str, Any]]], None] | None
+              = None) -> tuple[ModelSetup, list[dict[str, Any]]]:
     setup = prepare_model(settings.device, workdir)
     max_count = max(settings.counts)
     paths = write_adapters(workdir / "adapters", setup, adapter_ranks_of(max_count, settings.rank_mix),
@@ -461,7 +485,7 @@ def run_sweep(settings: Settings, workdir: Path) -> tuple[ModelSetup, list[dict[
             peft.close()
     engine = SloraState(setup, paths, settings)
     try:
-        slora_sweep(engine, settings, loads, results)
+        slora_sweep(engine, settings, loads, results, on_count and (lambda rows: on_count(setup, rows)))
     finally:
         engine.close()
     return setup, [results[c].row() for c in settings.counts]
@@ -554,6 +578,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--targets", default=",".join(ATTENTION), help="comma-separated modules, or 'all'")
     parser.add_argument("--peft-batch", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--host-cache-gib", type=float, default=None,
+                        help="slora's adapter_host_cache_gib (default: the engine's)")
     parser.add_argument("--skip-peft", action="store_true", help="slora only (PEFT reported as not run)")
     parser.add_argument("--peft-budget-s", type=float, default=None, help="seconds PEFT may spend loading adapters")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per count, each with fresh prompts "
@@ -569,12 +595,17 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     settings = settings_from_args(args)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="slora-throughput-") as tmp:
-        setup, rows = run_sweep(settings, Path(tmp))
-    print_table(table_rows(rows))
     out = Path(args.out or RESULTS / f"throughput_{'cpu' if settings.device == 'cpu' else 'gpu'}.json")
+
+    def write_partial(setup: ModelSetup, rows: list[dict[str, Any]]) -> None:
+        # A run cut short by a time limit still leaves every count it finished.
+        write_json(out, {**payload(settings, setup, rows, time.perf_counter() - start), "partial": True})
+
+    with tempfile.TemporaryDirectory(prefix="slora-throughput-") as tmp:
+        setup, rows = run_sweep(settings, Path(tmp), write_partial)
+    print_table(table_rows(rows))
     data = payload(settings, setup, rows, time.perf_counter() - start)
-    write_json(out, data)
+    write_json(out, {**data, "partial": False})
     kept = data["slora_kept"]
     if kept:
         logger.info("slora keeps %.1f%% of its requests/s from %d to %d adapters", 100 * kept["ratio"],
