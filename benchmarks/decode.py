@@ -144,8 +144,11 @@ def peft_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor,
     return prompts.shape[0] * new_tokens / elapsed
 
 
-def slora_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor, new_tokens: int) -> float:
+def slora_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor,
+                       new_tokens: int) -> tuple[float, dict[str, object]]:
+    """slora's tokens/s, and its step statistics (time by step kind) of the timed run."""
     from slora import LLM
+    from slora.step_stats import StepStats
 
     llm = LLM(str(folder), device="cuda", load_format="dummy", max_num_seqs=prompts.shape[0],
               max_lora_rank=RANK, max_model_len=1024)
@@ -153,14 +156,18 @@ def slora_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor
         llm.load_adapter(f"a{i}", str(path))
     names = [f"a{i % len(adapters)}" for i in range(prompts.shape[0])]
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    rows = prompts.tolist()
-    llm.generate(rows[:2], SamplingParams(max_tokens=2, temperature=0), adapters=names[:2])
+    # Warm-up like PEFT's: the full batch (other prompts of the same length, so the timed run has no
+    # prefix-cache hit), a few tokens: compiles every kernel variant the timed run needs.
+    warm = (prompts + 1).clamp(max=127999).tolist()
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), adapters=names)
+    llm.engine.step_stats = StepStats()
     start = time.perf_counter()
-    outputs = llm.generate(rows, params, adapters=names)
+    outputs = llm.generate(prompts.tolist(), params, adapters=names)
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == new_tokens for o in outputs)
+    stats = {**llm.engine.step_stats.as_dict(), "wall_seconds": elapsed}
     del llm
-    return prompts.shape[0] * new_tokens / elapsed
+    return prompts.shape[0] * new_tokens / elapsed, stats
 
 
 def vs_peft(batch: int, num_adapters: int, new_tokens: int) -> dict:
@@ -171,9 +178,9 @@ def vs_peft(batch: int, num_adapters: int, new_tokens: int) -> dict:
         peft = peft_tokens_per_s(folder, adapters, prompts, new_tokens)
         gc.collect()
         torch.cuda.empty_cache()
-        ours = slora_tokens_per_s(folder, adapters, prompts, new_tokens)
+        ours, steps = slora_tokens_per_s(folder, adapters, prompts, new_tokens)
     return {"batch": batch, "adapters": num_adapters, "prompt": 128, "new_tokens": new_tokens,
-            "peft_tok_s": peft, "slora_tok_s": ours, "ratio": ours / peft}
+            "peft_tok_s": peft, "slora_tok_s": ours, "ratio": ours / peft, "slora_steps": steps}
 
 
 def main() -> None:
@@ -189,7 +196,12 @@ def main() -> None:
     torch.manual_seed(42)
     if args.vs_peft:
         row = vs_peft(8 if args.quick else 64, 4 if args.quick else 32, 8 if args.quick else 64)
-        print_table([row])
+        print_table([{k: v for k, v in row.items() if k != "slora_steps"}])
+        steps = row["slora_steps"]
+        for kind, count in steps["steps"].items():
+            print(f"slora {kind} steps: {count}, {steps['seconds'][kind]:.3f} s, {steps['tokens'][kind]} tokens")
+        print(f"slowest step: {steps['slowest_seconds'] * 1e3:.1f} ms ({steps['slowest_kind']}); "
+              f"wall {steps['wall_seconds']:.3f} s")
         write_json(Path(args.out or RESULTS / "decode_vs_peft_h200.json"), {"benchmark": "decode-vs-peft", "rows": [row]})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20)

@@ -30,6 +30,7 @@ from slora.sampler import Sampler
 from slora.sampling_params import SamplingParams
 from slora.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from slora.sequence import AdapterRef, Sequence, SequenceStatus
+from slora.step_stats import StepStats, StepTimer
 from slora.stopping import check_stop
 from slora.tokenizer import load_tokenizer
 
@@ -93,6 +94,7 @@ class Engine:
                                                    swap_pages),
                                    PageAllocator(pool_shape.num_pages, config.page_size))
         self.sampler = Sampler()
+        self.step_stats = StepStats()          # wall time of steps by kind (prefill, decode, mixed)
         self._salt_secret = os.urandom(32)
         self.num_prompt_tokens_computed = 0   # prompt tokens that went through a forward (cache misses)
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
@@ -338,7 +340,8 @@ class Engine:
             touched[seq.request_id] = self.requests[seq.request_id]
         self.runner.move_pages(out, {v: self.store.versions[v].packed for v, _ in out.adapters_to_load})
         if out.scheduled:
-            self._run(out, touched)
+            with StepTimer(self.step_stats, out.scheduled):
+                self._run(out, touched)
         return [self._finalize(state) for state in touched.values()]
 
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestState]) -> None:
