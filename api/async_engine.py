@@ -64,6 +64,8 @@ class EngineSnapshot:
     adapters_registered: int
     adapters_host: int
     adapters_pool: int
+    steps: dict[str, int]            # engine steps by kind (prefill, decode, mixed)
+    step_seconds: dict[str, float]   # their wall time
 
 
 def take_snapshot(engine: Engine) -> EngineSnapshot:
@@ -73,7 +75,8 @@ def take_snapshot(engine: Engine) -> EngineSnapshot:
                           preemptions=scheduler.num_preemptions, adapter_pool_loads=scheduler.adapters.num_loads,
                           adapter_pool_evictions=scheduler.adapters.num_evictions,
                           adapters_registered=len(engine.registry.entries), adapters_host=sum(1 for s in engine.store.versions.values() if s.packed is not None),
-                          adapters_pool=len(scheduler.adapters.resident))
+                          adapters_pool=len(scheduler.adapters.resident), steps=dict(engine.step_stats.steps),
+                          step_seconds=dict(engine.step_stats.seconds))
 
 
 class RequestStream:

@@ -91,6 +91,11 @@ def snapshot_counter(name: str, help_text: str, value: float) -> list[str]:
     return _header(name, "counter", help_text) + [f"{name}_total {_number(value)}"]
 
 
+def labelled_counter(name: str, help_text: str, label: str, values: dict[str, float]) -> list[str]:
+    return _header(name, "counter", help_text) + [f"{name}_total{_labels(((label, key),))} {_number(value)}"
+                                                  for key, value in sorted(values.items())]
+
+
 class ServerMetrics:
     """All metrics of one server (one per app: no module-level state)."""
 
@@ -135,6 +140,9 @@ def _snapshot_lines(snap: EngineSnapshot) -> list[str]:
                               snap.adapter_pool_loads)
     lines += snapshot_counter("slora_adapter_pool_evictions", "Idle adapter versions evicted from the pool.",
                               snap.adapter_pool_evictions)
+    lines += labelled_counter("slora_engine_steps", "Engine steps by kind.", "kind", snap.steps)
+    lines += labelled_counter("slora_engine_step_seconds", "Wall time of engine steps by kind (forward and "
+                              "sampling included).", "kind", snap.step_seconds)
     lines += gauge("slora_adapters", "Adapters per tier: registered names, versions in host memory, versions "
                    "resident in the pool.", [((("tier", "registered"),), snap.adapters_registered),
                                             ((("tier", "host"),), snap.adapters_host),

@@ -198,6 +198,9 @@ def test_metrics_parse_and_counters_move(server, client):
                  "slora_time_per_output_token_seconds_count"):
         assert name in after, name
     assert after["slora_adapter_load_seconds_count"] >= 2        # the two loads of the fixture
+    prefill_steps = 'slora_engine_steps_total{kind="prefill"}'
+    assert after[prefill_steps] >= before.get(prefill_steps, 0) + 1   # the request's prompt went through a step
+    assert after['slora_engine_step_seconds_total{kind="prefill"}'] > 0
     assert server.log().count('"event": "request"') >= 1
     assert PROMPT not in server.log()                             # request logs never hold prompt text
 
