@@ -93,6 +93,8 @@ def _validate_weights(config: AdapterConfig, tensors: dict[str, torch.Tensor],
             raise AdapterError(f"tensor {name!r}: module not listed in target_modules/layers_to_transform")
         pairs.setdefault((layer, module), {})[which] = (name, tensor)
     _check_all_targets_present(config, pairs, shapes)
+    if not pairs:
+        raise AdapterError(f"{WEIGHTS_FILE}: the adapter has no LoRA weights for this model's layers")
     weights = {key: _check_pair(config, key, pair, shapes) for key, pair in sorted(pairs.items())}
     _check_finite(tensors)
     return weights
@@ -130,6 +132,8 @@ def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
     """Every weight finite. One fused norm over all tensors first (NaN or inf makes a norm non-finite), a
     tenth of the time of checking each of an 8B adapter's hundreds of tensors; only when a norm is not
     finite (or overflowed) is each tensor checked, to name the first bad one."""
+    if not tensors:
+        return
     norms = torch._foreach_norm(list(tensors.values()))
     if bool(torch.isfinite(torch.stack(norms)).all()):
         return

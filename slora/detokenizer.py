@@ -10,12 +10,21 @@ _CONTEXT_TOKENS = 5
 
 def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
     """`tokenizer.decode(ids, skip_special_tokens=True)`, straight through the Rust tokenizer when that gives
-    the same string (a fast tokenizer without clean-up of tokenization spaces): transformers' wrapper
-    costs several times the decode itself, and the detokenizer decodes twice per generated token."""
+    the same string: a fast tokenizer whose class keeps transformers' own decode (some, like Whisper's,
+    override it) and that does not clean up tokenization spaces. transformers' wrapper costs several
+    times the decode itself, and the detokenizer decodes twice per generated token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and getattr(tokenizer, "is_fast", False) and not tokenizer.clean_up_tokenization_spaces:
+    if backend is not None and _plain_fast_decode(tokenizer) and not tokenizer.clean_up_tokenization_spaces:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _plain_fast_decode(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether decoding is transformers' fast-tokenizer decode, not overridden by a subclass."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    cls = type(tokenizer)
+    return (isinstance(tokenizer, TokenizersBackend) and cls._decode is TokenizersBackend._decode
+            and cls.decode is TokenizersBackend.decode)
 
 
 class IncrementalDetokenizer:

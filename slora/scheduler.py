@@ -111,6 +111,9 @@ class Scheduler:
             self._admit_waiting(out, budget)
         self._prefetch_adapters(out)
         out.adapters_freed = self.adapters.take_freed()
+        # A load whose pages were taken back within this very step would copy into pages others own.
+        assert all(v in self.adapters.resident and self.adapters.resident[v].pages == pages
+                   for v, pages in out.adapters_to_load), "an adapter was loaded and evicted in one step"
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -75,6 +75,8 @@ CASES = {  # case -> (how to break a valid rank-4 attention adapter, words the m
     "bias-tensor": (lambda f: edit_weights(f, add_bias), "lora_B.bias"),
     "pickle": (pickle_only, "pickle files are never loaded"),
     "no-config": (lambda f: (f / "adapter_config.json").unlink(), "no adapter_config.json"),
+    "no-weights": (lambda f: (edit_config(f, layers_to_transform=[]), edit_weights(f, lambda t: t.clear())),
+                   "no LoRA weights"),
     "bad-json": (lambda f: (f / "adapter_config.json").write_text("{r: 4"), "not valid JSON"),
 }
 

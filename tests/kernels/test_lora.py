@@ -139,10 +139,19 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles):
     assert_close(lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k), h_want)
     want = out.clone()
     reference.lora_expand(want, h_want, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
-    # Expand straight from the partial sums, entries past each rank left as allocated (never read).
-    lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
-                n_tiles=n_tiles)
+    # Expand straight from the partial sums. Shrink leaves the entries of tokens without adapter and of
+    # columns past each rank unwritten: make them NaN, so that reading one fails the test.
+    lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
+                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles)
     assert_close(out, want)
+
+
+def _unwritten_as_nan(partials, slots, ranks, max_rank):
+    """partials [splits, tokens, modules * max_rank] with NaN wherever shrink writes nothing."""
+    token_ranks = torch.where(slots[None, :] >= 0, ranks[:, slots.long().clamp(min=0)], 0)   # [modules, tokens]
+    written = torch.arange(max_rank)[None, None, :] < token_ranks[:, :, None]                  # [modules, tokens, r]
+    written = written.permute(1, 0, 2).reshape(len(slots), -1)                                   # [tokens, modules * r]
+    return torch.where(written[None], partials, float("nan"))
 
 
 def test_fused_expand_rejects_bad_out_sizes():
