@@ -66,6 +66,7 @@ class EngineSnapshot:
     adapters_pool: int
     steps: dict[str, int]            # engine steps by kind (prefill, decode, mixed)
     step_seconds: dict[str, float]   # their wall time
+    decode_bytes: int                # bytes the decode steps had to read (weights, live KV, adapters)
 
 
 def take_snapshot(engine: Engine) -> EngineSnapshot:
@@ -76,7 +77,8 @@ def take_snapshot(engine: Engine) -> EngineSnapshot:
                           adapter_pool_evictions=scheduler.adapters.num_evictions,
                           adapters_registered=len(engine.registry.entries), adapters_host=sum(1 for s in engine.store.versions.values() if s.packed is not None),
                           adapters_pool=len(scheduler.adapters.resident), steps=dict(engine.step_stats.steps),
-                          step_seconds=dict(engine.step_stats.seconds))
+                          step_seconds=dict(engine.step_stats.seconds),
+                          decode_bytes=engine.step_stats.decode_bytes)
 
 
 class RequestStream:

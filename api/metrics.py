@@ -143,6 +143,9 @@ def _snapshot_lines(snap: EngineSnapshot) -> list[str]:
     lines += labelled_counter("slora_engine_steps", "Engine steps by kind.", "kind", snap.steps)
     lines += labelled_counter("slora_engine_step_seconds", "Wall time of engine steps by kind (forward and "
                               "sampling included).", "kind", snap.step_seconds)
+    lines += snapshot_counter("slora_engine_decode_bytes", "Bytes the decode steps had to read: weights, live KV "
+                              "and each distinct adapter once per step (divide by the decode seconds for the "
+                              "achieved bandwidth).", snap.decode_bytes)
     lines += gauge("slora_adapters", "Adapters per tier: registered names, versions in host memory, versions "
                    "resident in the pool.", [((("tier", "registered"),), snap.adapters_registered),
                                             ((("tier", "host"),), snap.adapters_host),

@@ -46,6 +46,7 @@ import numpy as np
 from common import RESULTS, print_table, pyplot, save_figure, write_json
 from throughput import (
     ATTENTION,
+    COPY_BANDWIDTH,
     MLP,
     SLORA_LENGTHS,
     ModelSetup,
@@ -323,11 +324,36 @@ def run_rate(url: str, settings: Settings, rate: float, vocab_size: int) -> dict
                         seed=settings.seed)
     prompts = make_prompts(trace, vocab_size, seed=settings.seed * 1000 + int(rate * 1000))
     logger.info("rate %.2f req/s: %d requests over %.1f s", rate, len(trace), trace[-1].arrival - trace[0].arrival)
+    before = decode_counters(url)
     results = asyncio.run(replay(url, trace, prompts, settings.time_limit_s))
     row = summarize(rate, trace, results, settings.slo_ttft_s)
+    row.update(decode_roofline(before, decode_counters(url)))
     logger.info("rate %.2f: %d/%d completed, TTFT p50 %s s", rate, row["completed"], row["requests"],
                 row["ttft_s"]["p50"])
     return row
+
+
+def decode_counters(url: str) -> dict[str, float]:
+    """The server's decode-step counters from /metrics: seconds and bytes to read."""
+    wanted = {'slora_engine_step_seconds_total{kind="decode"}': "seconds", "slora_engine_decode_bytes_total": "bytes"}
+    with httpx.Client(base_url=url, trust_env=False, timeout=30) as client:
+        text = client.get("/metrics").text
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in wanted:
+            values[wanted[name]] = float(value)
+    return values
+
+
+def decode_roofline(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Achieved bandwidth of the decode steps during one rate (bytes they had to read / their time), and its
+    percentage of the H200's 4.24 TB/s copy bandwidth."""
+    seconds = after.get("seconds", 0.0) - before.get("seconds", 0.0)
+    if seconds <= 0:
+        return {"decode_tb_s": None, "decode_pct_copy_bw": None}
+    bandwidth = (after["bytes"] - before["bytes"]) / seconds
+    return {"decode_tb_s": bandwidth / 1e12, "decode_pct_copy_bw": 100 * bandwidth / COPY_BANDWIDTH}
 
 
 def warm_up(url: str, vocab_size: int) -> None:
@@ -376,7 +402,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "ttft_p99_ms": ms(r["ttft_s"]["p99"]), "tpot_p50_ms": ms(r["tpot_s"]["p50"]),
              "tpot_p90_ms": ms(r["tpot_s"]["p90"]), "tpot_p99_ms": ms(r["tpot_s"]["p99"]),
              "lat_p50_s": r["latency_s"]["p50"] if r["latency_s"]["p50"] is not None else "-",
-             "slo_6s": r["slo_attainment"]} for r in rows]
+             "slo_6s": r["slo_attainment"],
+             "decode_TB_s": r["decode_tb_s"] if r.get("decode_tb_s") is not None else "-"} for r in rows]
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:

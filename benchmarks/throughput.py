@@ -49,6 +49,7 @@ logger = logging.getLogger("benchmarks.throughput")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 SLORA_LENGTHS = (8, 512)
+COPY_BANDWIDTH = 4.24e12   # bytes/s: the H200's measured device-to-device copy rate (../shared/ENVIRONMENT.md)
 WARM_UP_TOKENS = 4
 
 
@@ -269,6 +270,7 @@ def peft_generate_batch(model: Any, requests: list[Request], prompts: list[list[
 class Run:
     seconds: float
     output_tokens: int
+    steps: dict[str, Any] | None = None     # slora's step statistics of the run (StepStats.as_dict)
 
 
 def synchronize(device: str) -> None:
@@ -344,6 +346,7 @@ class SloraState:
 def run_slora(llm: Any, load: "Workload", device: str) -> list[Run]:
     """One run per prompt set: every request submitted at once."""
     from slora import SamplingParams
+    from slora.step_stats import StepStats
 
     trace, names = load.trace, [adapter_name(r.adapter) for r in load.trace]
     warm = min(len(trace), llm.engine.config.max_num_seqs)                   # warm-up: a full batch, a few tokens
@@ -352,6 +355,7 @@ def run_slora(llm: Any, load: "Workload", device: str) -> list[Run]:
     params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in trace]
     runs = []
     for prompts in load.prompt_sets:
+        llm.engine.step_stats = StepStats()
         synchronize(device)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, adapters=names)
@@ -361,7 +365,7 @@ def run_slora(llm: Any, load: "Workload", device: str) -> list[Run]:
             produced = len(output.outputs[0].token_ids)
             if produced != request.output_len:
                 raise RuntimeError(f"slora produced {produced} tokens for a request of {request.output_len}")
-        runs.append(Run(elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)))
+        runs.append(Run(elapsed, sum(len(o.outputs[0].token_ids) for o in outputs), llm.engine.step_stats.as_dict()))
     return runs
 
 
@@ -406,7 +410,20 @@ class CountResult:
                **self.system("peft", self.peft_runs), "peft_setup_s": self.peft_setup_s,
                "peft_status": self.peft_status}
         row["speedup_req_s"] = row["slora_req_s"] / row["peft_req_s"] if row["peft_req_s"] else None
-        return row
+        return {**row, **decode_roofline(self.slora_runs)}
+
+
+def decode_roofline(runs: list[Run]) -> dict[str, Any]:
+    """The decode steps of slora's runs against the memory roofline (bytes they had to read / their
+    time; the percentage is of the H200's 4.24 TB/s copy bandwidth) and the share of time they took."""
+    stats = [r.steps for r in runs if r.steps]
+    decode_s = sum(s["seconds"]["decode"] for s in stats)
+    if not decode_s:
+        return {"slora_decode_tb_s": None, "slora_decode_pct_copy_bw": None, "slora_decode_time_share": None,
+                "slora_steps": stats}
+    bandwidth = sum(s["decode_bytes"] for s in stats) / decode_s
+    return {"slora_decode_tb_s": bandwidth / 1e12, "slora_decode_pct_copy_bw": 100 * bandwidth / COPY_BANDWIDTH,
+            "slora_decode_time_share": decode_s / sum(r.seconds for r in runs), "slora_steps": stats}
 
 
 @dataclass(frozen=True)
@@ -508,7 +525,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "slora_req_s": r["slora_req_s"], "slora_tok_s": r["slora_tok_s"],
              "peft_req_s": show(r["peft_req_s"]), "peft_tok_s": show(r["peft_tok_s"]),
              "speedup": show(r["speedup_req_s"]), "slora_setup_s": r["slora_setup_s"],
-             "peft_setup_s": show(r["peft_setup_s"])} for r in rows]
+             "peft_setup_s": show(r["peft_setup_s"]), "decode_TB_s": show(r["slora_decode_tb_s"]),
+             "decode_share": show(r["slora_decode_time_share"])} for r in rows]
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:

@@ -30,7 +30,7 @@ from slora.sampler import Sampler
 from slora.sampling_params import SamplingParams
 from slora.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from slora.sequence import AdapterRef, Sequence, SequenceStatus
-from slora.step_stats import StepStats, StepTimer
+from slora.step_stats import DecodeBytes, StepStats, StepTimer
 from slora.stopping import check_stop
 from slora.tokenizer import load_tokenizer
 
@@ -95,6 +95,8 @@ class Engine:
                                    PageAllocator(pool_shape.num_pages, config.page_size))
         self.sampler = Sampler()
         self.step_stats = StepStats()          # wall time of steps by kind (prefill, decode, mixed)
+        self._decode_bytes = DecodeBytes(sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                                         self._page_bytes() // config.page_size, self._adapter_weight_bytes)
         self._salt_secret = os.urandom(32)
         self.num_prompt_tokens_computed = 0   # prompt tokens that went through a forward (cache misses)
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
@@ -118,6 +120,13 @@ class Engine:
                 logger.warning("demo adapter %s not loaded: %s", name, exc)
 
     # ---- sizing -------------------------------------------------------------------------------------
+    def _adapter_weight_bytes(self, version: str) -> int:
+        """Bytes of an adapter version's A and B in the pool's dtype (padding not counted)."""
+        ranks = self.store.versions[version].descriptor.ranks                  # [layers, modules]
+        features = torch.tensor([sum(self.shapes.features(m)) for m in self.shapes.modules])
+        elem = torch.empty((), dtype=self.config.torch_dtype).element_size()
+        return int((ranks.long() * features).sum()) * elem
+
     def _page_bytes(self) -> int:
         cfg = self.model_config
         elem = torch.empty((), dtype=self.config.torch_dtype).element_size()
@@ -340,7 +349,7 @@ class Engine:
             touched[seq.request_id] = self.requests[seq.request_id]
         self.runner.move_pages(out, {v: self.store.versions[v].packed for v, _ in out.adapters_to_load})
         if out.scheduled:
-            with StepTimer(self.step_stats, out.scheduled):
+            with StepTimer(self.step_stats, out.scheduled, self._decode_bytes):
                 self._run(out, touched)
         return [self._finalize(state) for state in touched.values()]
 

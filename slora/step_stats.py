@@ -3,6 +3,7 @@
 A step's time runs from scheduling to the sampled tokens on the host: the sampler's copy to the host
 waits for the step's GPU work, so the time includes it (and any Triton compilation the step caused)."""
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slora.scheduler import ScheduledSeq
@@ -18,6 +19,21 @@ def step_kind(scheduled: list[ScheduledSeq]) -> str:
     return "prefill" if single == 0 else "mixed"
 
 
+@dataclass(frozen=True)
+class DecodeBytes:
+    """The bytes a decode step must read, the numerator of its roofline (the kernels issue's definition):
+    every weight once, the KV of every live token, and each distinct adapter of the step once."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    adapter_bytes: Callable[[str], int]     # by adapter version
+
+    def of(self, scheduled: list[ScheduledSeq]) -> int:
+        context = sum(item.seq.num_computed_tokens + item.num_tokens for item in scheduled)
+        versions = {item.seq.adapter.version for item in scheduled if item.seq.adapter is not None}
+        return self.weight_bytes + context * self.kv_bytes_per_token + sum(map(self.adapter_bytes, versions))
+
+
 @dataclass
 class StepStats:
     steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
@@ -25,9 +41,16 @@ class StepStats:
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
     slowest_seconds: float = 0.0
     slowest_kind: str | None = None
+    decode_bytes: int = 0                  # bytes the decode steps had to read (DecodeBytes)
 
-    def record(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
+    @property
+    def decode_bandwidth(self) -> float | None:
+        """Bytes per second the decode steps achieved against what they had to read."""
+        return self.decode_bytes / self.seconds["decode"] if self.seconds["decode"] > 0 else None
+
+    def record(self, scheduled: list[ScheduledSeq], seconds: float, decode_bytes: int = 0) -> None:
         kind = step_kind(scheduled)
+        self.decode_bytes += decode_bytes
         self.steps[kind] += 1
         self.seconds[kind] += seconds
         self.tokens[kind] += sum(item.num_tokens for item in scheduled)
@@ -36,18 +59,22 @@ class StepStats:
 
     def as_dict(self) -> dict[str, object]:
         return {"steps": dict(self.steps), "seconds": dict(self.seconds), "tokens": dict(self.tokens),
-                "slowest_seconds": self.slowest_seconds, "slowest_kind": self.slowest_kind}
+                "slowest_seconds": self.slowest_seconds, "slowest_kind": self.slowest_kind,
+                "decode_bytes": self.decode_bytes, "decode_bandwidth_bytes_per_s": self.decode_bandwidth}
 
 
 class StepTimer:
-    """`with timer.time(scheduled):` around a step's forward and sampling."""
+    """`with StepTimer(stats, scheduled, decode_bytes):` around a step's forward and sampling."""
 
-    def __init__(self, stats: StepStats, scheduled: list[ScheduledSeq]) -> None:
-        self.stats, self.scheduled = stats, scheduled
+    def __init__(self, stats: StepStats, scheduled: list[ScheduledSeq], decode_bytes: DecodeBytes) -> None:
+        self.stats, self.scheduled, self.decode_bytes = stats, scheduled, decode_bytes
 
     def __enter__(self) -> "StepTimer":
+        # Before the step: its forward moves the sequences' computed-token counts.
+        decode = step_kind(self.scheduled) == "decode"
+        self.bytes = self.decode_bytes.of(self.scheduled) if decode else 0
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stats.record(self.scheduled, time.perf_counter() - self.start)
+        self.stats.record(self.scheduled, time.perf_counter() - self.start, self.bytes)

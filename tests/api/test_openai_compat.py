@@ -201,6 +201,7 @@ def test_metrics_parse_and_counters_move(server, client):
     prefill_steps = 'slora_engine_steps_total{kind="prefill"}'
     assert after[prefill_steps] >= before.get(prefill_steps, 0) + 1   # the request's prompt went through a step
     assert after['slora_engine_step_seconds_total{kind="prefill"}'] > 0
+    assert after["slora_engine_decode_bytes_total"] > before["slora_engine_decode_bytes_total"]   # 2 decode steps
     assert server.log().count('"event": "request"') >= 1
     assert PROMPT not in server.log()                             # request logs never hold prompt text
 

@@ -60,6 +60,10 @@ def test_throughput_structure_and_token_counts(throughput):
         assert row["distinct_adapters"] == len({r.adapter for r in trace}) <= row["num_adapters"]
         assert row["slora_req_s"] > 0 and row["slora_tok_s"] > 0
         assert row["slora_tok_s"] == pytest.approx(row["slora_req_s"] * expected / row["requests"])
+        steps = row["slora_steps"][0]                                # the decode roofline report (item 6)
+        assert sum(steps["tokens"].values()) >= expected                # every output token came from a step
+        assert steps["decode_bytes"] > 0 and row["slora_decode_tb_s"] > 0
+        assert 0 < row["slora_decode_time_share"] <= 1
         if row["peft_req_s"] is None:
             assert row["peft_status"].startswith("not measured")
         else:
@@ -86,3 +90,4 @@ def test_serving_structure_and_sanity(serving):
             assert 0 <= p["p50"] <= p["p90"] <= p["p99"], (metric, p)
         assert row["ttft_s"]["p99"] <= row["latency_s"]["p99"]
         assert 0.0 <= row["slo_attainment"] <= 1.0
+        assert row["decode_tb_s"] > 0 and row["decode_pct_copy_bw"] > 0   # read from the server's /metrics

@@ -16,6 +16,26 @@ def test_steps_are_counted_by_kind(tiny_llama):
     assert stats.slowest_seconds >= max(stats.seconds[k] / stats.steps[k] for k in stats.steps if stats.steps[k])
 
 
+def test_decode_bytes_count_weights_live_kv_and_each_adapter_once(tiny_llama):
+    llm = LLM(str(tiny_llama.model_dir), num_pages=256)
+    llm.load_adapter("r16", str(tiny_llama.adapters["all-r16"]))
+    engine = llm.engine
+    prompts = random_prompts([7, 9], seed=4)
+    llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), adapters=["r16", "r16"])
+    cfg = engine.model_config
+    weights = sum(p.numel() * 4 for p in engine.model.parameters())            # float32
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    version = engine.registry.resolve("r16").version
+    adapter = sum(engine.shapes.features(m)[0] + engine.shapes.features(m)[1] for m in engine.shapes.modules) \
+        * 16 * cfg.num_layers * 4                                                 # rank 16 on all seven, every layer
+    assert engine._adapter_weight_bytes(version) == adapter
+    # Two decode steps; before them the sequences hold 7+1, 9+1 tokens, then one more each.
+    live = (8 + 10) + (9 + 11)
+    assert engine.step_stats.steps["decode"] == 2
+    assert engine.step_stats.decode_bytes == 2 * weights + live * kv_per_token + 2 * adapter
+    assert engine.step_stats.decode_bandwidth > 0
+
+
 def test_step_kind_of_a_batch():
     class Seq:   # step_kind looks only at the token counts
         pass
