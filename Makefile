@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # range so that GPU users get their CUDA build.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install test serve generate gpu-check bench-quick clean
+.PHONY: install test serve generate gpu-check device-vendor bench-quick clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,19 @@ bench-quick: install
 # On a machine with a GPU (through the device tool): install offline, GPU tests, GPU benchmarks.
 gpu-check:
 	bash benchmarks/gpu_check.sh
+
+# The GPU machine has no registry access and no fastapi/uvicorn: fetch them here (Python 3.12 wheels)
+# into .device-vendor, carry that folder with the device tool, and gpu_check.sh puts it on PYTHONPATH.
+DEVICE_PY ?= 3.12
+device-vendor:
+	rm -rf .device-vendor .device-wheels
+	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version $(DEVICE_PY) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .device-wheels fastapi uvicorn
+	mkdir -p .device-vendor
+	for wheel in .device-wheels/*.whl; do case $$wheel in \
+		*typing_extensions*|*idna*|*anyio*|*sniffio*) ;; \
+		*) $(PYTHON) -m zipfile -e $$wheel .device-vendor ;; esac; done
+	rm -rf .device-wheels
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -24,6 +24,9 @@ run() {
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
+# fastapi and uvicorn for the serving step, fetched by `make device-vendor` and carried along (the GPU
+# machine has neither and no registry); the machine's own packages (httpx's anyio, typing_extensions) stay.
+[ -d .device-vendor ] && export PYTHONPATH="$PWD/.device-vendor${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import slora.kernels, slora.adapters" || { echo "slora is not importable after install"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 has tests && run gpu_tests python -m pytest -m gpu -q -rs -x tests/kernels tests/e2e

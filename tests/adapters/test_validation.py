@@ -70,7 +70,7 @@ CASES = {  # case -> (how to break a valid rank-4 attention adapter, words the m
     "not-lora": (lambda f: edit_config(f, peft_type="IA3"), "peft_type"),
     "shape-mismatch": (lambda f: edit_weights(f, widen_first_a), "does not match the base model"),
     "non-finite": (lambda f: edit_weights(f, set_first_a_nan), "non-finite"),
-    "non-finite-inf": (lambda f: edit_weights(f, set_last_b_inf), "lora_B.weight'?: holds non-finite"),
+    "non-finite-inf": (lambda f: edit_weights(f, set_last_b_inf), "lora_B.weight': holds non-finite"),
     "dora-tensor": (lambda f: edit_weights(f, add_magnitude), "lora_magnitude_vector"),
     "bias-tensor": (lambda f: edit_weights(f, add_bias), "lora_B.bias"),
     "pickle": (pickle_only, "pickle files are never loaded"),
