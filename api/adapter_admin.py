@@ -177,6 +177,8 @@ class AdapterService:
         started = time.perf_counter()
 
         def command(engine: Engine) -> dict[str, Any]:
+            # On the engine thread, so two concurrent loads cannot both take the last free name.
+            self._check_quota(engine, namespace, name)
             return describe(engine, engine.register_adapter(name, prepared, owner=namespace, public=public))
         try:
             prepared = await self.engine.prepare_adapter(folder)
@@ -189,6 +191,17 @@ class AdapterService:
         logger.info("adapter %s loaded for %s as %s in %.3fs", name, namespace or "local", info["version"][:12],
                     elapsed)
         return info
+
+    def _check_quota(self, engine: Engine, namespace: str | None, name: str) -> None:
+        """The namespace's tenant may hold at most `max_adapters` names; replacing one of them is allowed."""
+        owner = self.tenants.get(namespace) if namespace is not None else None
+        if owner is None or owner.max_adapters is None:
+            return
+        held = [n for (o, n) in engine.registry.entries if o == namespace]
+        if name not in held and len(held) >= owner.max_adapters:
+            raise APIError(403, f"tenant {namespace!r} may hold at most {owner.max_adapters} adapters and holds "
+                           f"{len(held)}: unload one before loading {name!r}", code="adapter_quota_exceeded",
+                           param="name")
 
     def _check_load(self, tenant: Tenant, name: str, public: bool) -> None:
         if self.engine.info is not None:

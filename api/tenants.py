@@ -7,6 +7,7 @@ The tenants file is TOML, one table per tenant:
     key_sha256 = ["<64 hex chars>"] # sha256 of each API key; a single string is accepted too
     max_concurrent = 4              # requests in the engine at once (default: unlimited)
     max_queued = 8                  # requests waiting for one of those slots (default: 0)
+    max_adapters = 50               # adapter names in its namespace (default: unlimited)
 """
 import hashlib
 import hmac
@@ -34,6 +35,7 @@ class Tenant:
     key_hashes: tuple[bytes, ...] = ()
     max_concurrent: int | None = None
     max_queued: int = 0
+    max_adapters: int | None = None  # adapter names its namespace may hold
     local: bool = False              # the single user of a server without a tenants file
 
     def __post_init__(self) -> None:
@@ -45,6 +47,8 @@ class Tenant:
             raise ValueError(f"tenant {self.id}: max_concurrent must be >= 1, got {self.max_concurrent}")
         if self.max_queued < 0:
             raise ValueError(f"tenant {self.id}: max_queued must be >= 0, got {self.max_queued}")
+        if self.max_adapters is not None and self.max_adapters < 1:
+            raise ValueError(f"tenant {self.id}: max_adapters must be >= 1, got {self.max_adapters}")
 
     @property
     def is_admin(self) -> bool:
@@ -102,7 +106,7 @@ def load_tenants(path: str | Path) -> TenantDirectory:
 def _parse_tenant(tenant_id: str, fields: Any) -> Tenant:
     if not isinstance(fields, dict):
         raise ValueError(f"tenants.{tenant_id} must be a table")
-    unknown = set(fields) - {"role", "key_sha256", "max_concurrent", "max_queued"}
+    unknown = set(fields) - {"role", "key_sha256", "max_concurrent", "max_queued", "max_adapters"}
     if unknown:
         raise ValueError(f"tenants.{tenant_id}: unknown field(s) {', '.join(sorted(unknown))}")
     hashes = fields.get("key_sha256", [])
@@ -115,12 +119,14 @@ def _parse_tenant(tenant_id: str, fields: Any) -> Tenant:
                              "(the SHA-256 of the key, never the key itself)")
     max_concurrent = fields.get("max_concurrent")
     max_queued = fields.get("max_queued", 0)
-    for name, value in (("max_concurrent", max_concurrent), ("max_queued", max_queued)):
+    max_adapters = fields.get("max_adapters")
+    for name, value in (("max_concurrent", max_concurrent), ("max_queued", max_queued),
+                        ("max_adapters", max_adapters)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ValueError(f"tenants.{tenant_id}.{name} must be an integer")
     return Tenant(tenant_id, role=fields.get("role", "tenant"),
                   key_hashes=tuple(bytes.fromhex(h.lower()) for h in hashes),
-                  max_concurrent=max_concurrent, max_queued=max_queued)
+                  max_concurrent=max_concurrent, max_queued=max_queued, max_adapters=max_adapters)
 
 
 def _check_unique_keys(tenants: list[Tenant]) -> None:

@@ -11,7 +11,7 @@ from conftest import BASE_MODEL, assert_error_shape, free_port, greedy, start_se
 from slora.api.tenants import hash_key
 
 PROMPT = "The quick brown fox"
-KEYS = {"ops": "admin-key-123", "acme": "acme-key-456", "globex": "globex-key-789"}
+KEYS = {"ops": "admin-key-123", "acme": "acme-key-456", "globex": "globex-key-789", "initech": "initech-key-000"}
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,10 @@ max_queued = 1
 
 [tenants.globex]
 key_sha256 = "{hash_key(KEYS['globex'])}"
+
+[tenants.initech]
+key_sha256 = "{hash_key(KEYS['initech'])}"
+max_adapters = 2
 """)
     srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root))
     yield srv
@@ -170,3 +174,23 @@ def test_single_user_mode_refuses_non_loopback_without_flag():
                              str(free_port())], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2
     assert "--allow-unauthenticated" in result.stderr
+
+
+def test_adapter_quota_per_tenant(https, clients, offline):
+    initech, ops = https["initech"], https["ops"]
+    for name, path in (("one", "attn-r4"), ("two", "mlp-r8")):
+        assert initech.post("/v1/adapters", json={"name": name, "path": path}).status_code == 200
+    refused = initech.post("/v1/adapters", json={"name": "three", "path": "all-r16"})
+    assert refused.status_code == 403, refused.text
+    assert_error_shape(refused.json(), 403)
+    assert refused.json()["error"]["code"] == "adapter_quota_exceeded" and "at most 2" in refused.json()["error"]["message"]
+    # An admin loading into the tenant's namespace is held to the same quota.
+    assert ops.post("/v1/adapters", json={"name": "three", "path": "all-r16", "owner": "initech"}).status_code == 403
+    assert names(initech) >= {"one", "two"} and "three" not in names(initech)
+    # Replacing a held name is not a new one, and an unload frees a place; serving never stopped.
+    assert initech.post("/v1/adapters", json={"name": "two", "path": "all-r16"}).status_code == 200
+    assert tokens_of(clients["initech"], "two") == greedy(offline, [PROMPT], "all-r16", 4)[0].token_ids
+    assert initech.delete("/v1/adapters/one").status_code == 200
+    assert initech.post("/v1/adapters", json={"name": "three", "path": "mlp-r8"}).status_code == 200
+    # Other tenants are not limited by it.
+    assert https["globex"].post("/v1/adapters", json={"name": "g-extra", "path": "attn-r4"}).status_code == 200

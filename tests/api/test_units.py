@@ -59,13 +59,16 @@ def test_cancelled_waiter_leaves_no_trace():
 def test_tenants_file_validation(tmp_path):
     good = tmp_path / "good.toml"
     good.write_text(f'[tenants.a]\nrole = "admin"\nkey_sha256 = "{hash_key("k1")}"\n'
-                    f'[tenants.b]\nkey_sha256 = ["{hash_key("k2")}"]\nmax_concurrent = 2\n')
+                    f'[tenants.b]\nkey_sha256 = ["{hash_key("k2")}"]\nmax_concurrent = 2\nmax_adapters = 3\n')
     directory = load_tenants(good)
+    assert directory.get("b").max_adapters == 3 and directory.get("a").max_adapters is None
     assert directory.authenticate("k1").is_admin and directory.authenticate("k2").id == "b"
     assert directory.authenticate("wrong") is None and directory.authenticate(None) is None
     for text, words in (('[tenants.a]\nkey_sha256 = "plain-key"\n', "64 hex"),
                         (f'[tenants.a]\nrole = "root"\nkey_sha256 = "{hash_key("x")}"\n', "role"),
                         (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\nmax_concurrent = 0\n', "max_concurrent"),
+                        (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\nmax_adapters = 0\n', "max_adapters"),
+                        (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\nmax_adapters = "5"\n', "max_adapters"),
                         (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\n[tenants.b]\nkey_sha256 = "{hash_key("x")}"\n',
                          "same key"),
                         ("[tenants.a]\nkey = 1\n", "unknown field"), ("not toml =", "tenants file")):
