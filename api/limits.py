@@ -1,8 +1,11 @@
-"""Admission: per-tenant concurrency with a bounded queue, and a bound on the whole server's backlog.
+"""Admission: per-tenant concurrency with a bounded queue, per-tenant tokens per minute, and a bound on the
+whole server's backlog.
 
 Everything here runs on the event loop thread, so plain counters need no lock.
 """
 import asyncio
+import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -16,6 +19,24 @@ class _TenantSlots:
     waiters: deque[asyncio.Future] = field(default_factory=deque)
 
 
+@dataclass
+class TokenBucket:
+    """A tenant's tokens per minute: full at first, refilled continuously at `capacity` per minute."""
+
+    capacity: float
+    tokens: float
+    updated: float                               # time.monotonic() of the last refill
+
+    def take(self, cost: int, now: float) -> float | None:
+        """Take `cost` tokens: None if they were there, else the seconds until they will be."""
+        self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.capacity / 60)
+        self.updated = now
+        if cost <= self.tokens:
+            self.tokens -= cost
+            return None
+        return (cost - self.tokens) * 60 / self.capacity
+
+
 class Admission:
     """`acquire` a slot before a request enters the engine and `release` it when the request ends.
     A tenant at `max_concurrent` waits in a FIFO queue of `max_queued`; beyond that, 429."""
@@ -25,10 +46,34 @@ class Admission:
         self.retry_after_s = retry_after_s
         self.pending = 0                         # active + queued, whole server
         self._slots: dict[str, _TenantSlots] = {}
+        self._buckets: dict[str, TokenBucket] = {}   # one per tenant with a token rate (tenants are few)
 
     @property
     def queued(self) -> int:
         return sum(len(s.waiters) for s in self._slots.values())
+
+    def charge_tokens(self, tenant: Tenant, cost: int) -> None:
+        """Count a request's tokens (prompt tokens + max_tokens for every sample, reserved up front like
+        OpenAI's limits) against the tenant's tokens per minute; 429 with the wait when they are not there."""
+        limit = tenant.max_tokens_per_minute
+        if limit is None:
+            return
+        if cost > limit:
+            raise rate_limited(f"Request too large for this API key's token rate limit: it needs {cost} tokens "
+                               f"(prompt + max_tokens for every sample) and the limit is {limit} per minute; "
+                               "lower max_tokens or n.", self.retry_after_s)
+        now = time.monotonic()
+        bucket = self._buckets.setdefault(tenant.id, TokenBucket(limit, limit, now))
+        wait = bucket.take(cost, now)
+        if wait is not None:
+            raise rate_limited(f"Token rate limit of this API key reached ({limit} tokens per minute); retry in "
+                               f"{math.ceil(wait)} s.", math.ceil(wait))
+
+    def refund_tokens(self, tenant: Tenant, cost: int) -> None:
+        """Give back the tokens of a request that was charged but never admitted."""
+        bucket = self._buckets.get(tenant.id)
+        if bucket is not None:
+            bucket.tokens = min(bucket.capacity, bucket.tokens + cost)
 
     async def acquire(self, tenant: Tenant) -> None:
         if self.pending >= self.max_pending:

@@ -129,6 +129,11 @@ class Job:
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    @property
+    def token_cost(self) -> int:
+        """What the request may use at most: its prompt tokens and max_tokens for every sample of every prompt."""
+        return self.prompt_tokens() + len(self.prompts) * self.params.n * self.params.max_tokens
+
     def cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache."""
         return sum(out.num_cached_tokens for out in self.finals.values())
@@ -278,7 +283,12 @@ class GenerationService:
 
     async def _run(self, job: Job, request: Request) -> Response:
         self._require_ready()
-        await self.admission.acquire(job.tenant)
+        self.admission.charge_tokens(job.tenant, job.token_cost)
+        try:
+            await self.admission.acquire(job.tenant)
+        except BaseException:
+            self.admission.refund_tokens(job.tenant, job.token_cost)   # never admitted: it used nothing
+            raise
         try:
             await self._submit(job)
         except BaseException as exc:

@@ -8,6 +8,7 @@ The tenants file is TOML, one table per tenant:
     max_concurrent = 4              # requests in the engine at once (default: unlimited)
     max_queued = 8                  # requests waiting for one of those slots (default: 0)
     max_adapters = 50               # adapter names in its namespace (default: unlimited)
+    max_tokens_per_minute = 100000  # prompt tokens + max_tokens of its requests (default: unlimited)
 """
 import hashlib
 import hmac
@@ -36,6 +37,7 @@ class Tenant:
     max_concurrent: int | None = None
     max_queued: int = 0
     max_adapters: int | None = None  # adapter names its namespace may hold
+    max_tokens_per_minute: int | None = None   # prompt + max_tokens of admitted requests, per minute
     local: bool = False              # the single user of a server without a tenants file
 
     def __post_init__(self) -> None:
@@ -49,6 +51,8 @@ class Tenant:
             raise ValueError(f"tenant {self.id}: max_queued must be >= 0, got {self.max_queued}")
         if self.max_adapters is not None and self.max_adapters < 1:
             raise ValueError(f"tenant {self.id}: max_adapters must be >= 1, got {self.max_adapters}")
+        if self.max_tokens_per_minute is not None and self.max_tokens_per_minute < 1:
+            raise ValueError(f"tenant {self.id}: max_tokens_per_minute must be >= 1, got {self.max_tokens_per_minute}")
 
     @property
     def is_admin(self) -> bool:
@@ -106,7 +110,8 @@ def load_tenants(path: str | Path) -> TenantDirectory:
 def _parse_tenant(tenant_id: str, fields: Any) -> Tenant:
     if not isinstance(fields, dict):
         raise ValueError(f"tenants.{tenant_id} must be a table")
-    unknown = set(fields) - {"role", "key_sha256", "max_concurrent", "max_queued", "max_adapters"}
+    unknown = set(fields) - {"role", "key_sha256", "max_concurrent", "max_queued", "max_adapters",
+                             "max_tokens_per_minute"}
     if unknown:
         raise ValueError(f"tenants.{tenant_id}: unknown field(s) {', '.join(sorted(unknown))}")
     hashes = fields.get("key_sha256", [])
@@ -120,13 +125,15 @@ def _parse_tenant(tenant_id: str, fields: Any) -> Tenant:
     max_concurrent = fields.get("max_concurrent")
     max_queued = fields.get("max_queued", 0)
     max_adapters = fields.get("max_adapters")
+    max_tpm = fields.get("max_tokens_per_minute")
     for name, value in (("max_concurrent", max_concurrent), ("max_queued", max_queued),
-                        ("max_adapters", max_adapters)):
+                        ("max_adapters", max_adapters), ("max_tokens_per_minute", max_tpm)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ValueError(f"tenants.{tenant_id}.{name} must be an integer")
     return Tenant(tenant_id, role=fields.get("role", "tenant"),
                   key_hashes=tuple(bytes.fromhex(h.lower()) for h in hashes),
-                  max_concurrent=max_concurrent, max_queued=max_queued, max_adapters=max_adapters)
+                  max_concurrent=max_concurrent, max_queued=max_queued, max_adapters=max_adapters,
+                  max_tokens_per_minute=max_tpm)
 
 
 def _check_unique_keys(tenants: list[Tenant]) -> None:

@@ -11,7 +11,8 @@ from conftest import BASE_MODEL, assert_error_shape, free_port, greedy, start_se
 from slora.api.tenants import hash_key
 
 PROMPT = "The quick brown fox"
-KEYS = {"ops": "admin-key-123", "acme": "acme-key-456", "globex": "globex-key-789", "initech": "initech-key-000"}
+KEYS = {"ops": "admin-key-123", "acme": "acme-key-456", "globex": "globex-key-789", "initech": "initech-key-000",
+        "hooli": "hooli-key-111"}
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,10 @@ key_sha256 = "{hash_key(KEYS['globex'])}"
 [tenants.initech]
 key_sha256 = "{hash_key(KEYS['initech'])}"
 max_adapters = 2
+
+[tenants.hooli]
+key_sha256 = "{hash_key(KEYS['hooli'])}"
+max_tokens_per_minute = 60
 """)
     srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root))
     yield srv
@@ -194,3 +199,19 @@ def test_adapter_quota_per_tenant(https, clients, offline):
     assert initech.post("/v1/adapters", json={"name": "three", "path": "mlp-r8"}).status_code == 200
     # Other tenants are not limited by it.
     assert https["globex"].post("/v1/adapters", json={"name": "g-extra", "path": "attn-r4"}).status_code == 200
+
+
+def test_token_rate_limit_per_tenant(https):
+    hooli = https["hooli"]
+    body = {"model": BASE_MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 20, "temperature": 0}
+    assert hooli.post("/v1/completions", json=body).status_code == 200            # 25 of 60 tokens
+    assert hooli.post("/v1/completions", json=body).status_code == 200            # 50 of 60
+    limited = hooli.post("/v1/completions", json=body)                              # 25 more do not fit
+    assert limited.status_code == 429, limited.text
+    assert_error_shape(limited.json(), 429)
+    assert "60 tokens per minute" in limited.json()["error"]["message"]
+    assert 1 <= int(limited.headers["Retry-After"]) <= 60
+    too_large = hooli.post("/v1/completions", json={**body, "max_tokens": 30, "n": 2})   # 65 > 60: never fits
+    assert too_large.status_code == 429 and "Request too large" in too_large.json()["error"]["message"]
+    # Other tenants are not limited by it.
+    assert https["globex"].post("/v1/completions", json=body).status_code == 200

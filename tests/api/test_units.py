@@ -69,6 +69,8 @@ def test_tenants_file_validation(tmp_path):
                         (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\nmax_concurrent = 0\n', "max_concurrent"),
                         (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\nmax_adapters = 0\n', "max_adapters"),
                         (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\nmax_adapters = "5"\n', "max_adapters"),
+                        (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\nmax_tokens_per_minute = 0\n',
+                         "max_tokens_per_minute"),
                         (f'[tenants.a]\nkey_sha256 = "{hash_key("x")}"\n[tenants.b]\nkey_sha256 = "{hash_key("x")}"\n',
                          "same key"),
                         ("[tenants.a]\nkey = 1\n", "unknown field"), ("not toml =", "tenants file")):
@@ -155,3 +157,22 @@ def test_engine_loop_failure_and_stall_are_unhealthy():
             await front.generate("s", [5], SamplingParams(max_tokens=1), None, None)
         await front.shutdown(1)
     asyncio.run(scenario())
+
+
+def test_token_bucket_refills_at_its_rate():
+    from slora.api.limits import TokenBucket
+    bucket = TokenBucket(capacity=120, tokens=120, updated=0.0)
+    assert bucket.take(100, now=0.0) is None                    # 20 left
+    assert bucket.take(50, now=0.0) == pytest.approx(15.0)      # 30 missing at 2 tokens/s
+    assert bucket.take(50, now=15.0) is None                    # refilled 30 in 15 s
+    assert bucket.take(10, now=1e6) is None and bucket.tokens == 110   # never above capacity
+
+
+def test_tokens_of_a_request_refused_for_concurrency_are_refunded():
+    admission = Admission(max_pending=100, retry_after_s=1)
+    tenant = Tenant("t", max_tokens_per_minute=100)
+    admission.charge_tokens(tenant, 80)
+    admission.refund_tokens(tenant, 80)
+    admission.charge_tokens(tenant, 90)                         # fits again: the 80 came back
+    with pytest.raises(APIError, match="Token rate limit"):
+        admission.charge_tokens(tenant, 20)
