@@ -30,6 +30,11 @@ class GraphLimits:
     max_adapter_pages: int     # page-table width: pages of the largest adapter
     max_lora_rank: int
     num_layers: int
+    max_loras: int | None = None   # distinct adapters per batch; the LoRA kernels' grids are sized by it
+
+    def lora_slots(self, batch_size: int) -> int:
+        """Adapter slots a bucket's graph is captured for: fewer slots, fewer programs per LoRA launch."""
+        return batch_size if self.max_loras is None else min(batch_size, self.max_loras)
 
 
 class StaticInputs:
@@ -65,11 +70,12 @@ class DecodeGraphs:
         s = self.static
         lora = None
         if with_lora:
-            lora = LoraBatch(token_slots=s.token_slots[:size], page_tables=s.page_tables[:size],
-                             ranks=s.ranks[:, :, :size], a_offsets=s.a_offsets[:, :, :size],
-                             b_offsets=s.b_offsets[:, :, :size], scalings=s.scalings[:, :, :size],
+            slots = self.limits.lora_slots(size)
+            lora = LoraBatch(token_slots=s.token_slots[:size], page_tables=s.page_tables[:slots],
+                             ranks=s.ranks[:, :, :slots], a_offsets=s.a_offsets[:, :, :slots],
+                             b_offsets=s.b_offsets[:, :, :slots], scalings=s.scalings[:, :, :slots],
                              max_rank=self.limits.max_lora_rank,
-                             ops=self.lora_ops.prepare(s.token_slots[:size], size),
+                             ops=self.lora_ops.prepare(s.token_slots[:size], slots),
                              active=[[True] * len(LORA_MODULES)] * self.limits.num_layers)
         return ForwardBatch(s.input_ids[:size], s.positions[:size], s.slot_mapping[:size], s.block_tables[:size],
                             s.query_start_loc[:size + 1], s.context_lens[:size], s.sample_indices[:size],

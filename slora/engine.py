@@ -91,7 +91,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.page_size, config.watermark,
                                                    config.enable_prefix_caching, config.preemption_mode,
-                                                   swap_pages),
+                                                   swap_pages, max_loras=config.max_loras),
                                    PageAllocator(pool_shape.num_pages, config.page_size))
         self.sampler = Sampler()
         self.step_stats = StepStats()          # wall time of steps by kind (prefill, decode, mixed)
@@ -160,7 +160,7 @@ class Engine:
         return GraphLimits(max_batch=self.config.max_num_seqs,
                            max_blocks=-(-self.max_model_len // self.config.page_size),
                            max_adapter_pages=-(-elems // shape.page_elems), max_lora_rank=rank,
-                           num_layers=self.model_config.num_layers)
+                           num_layers=self.model_config.num_layers, max_loras=self.config.max_loras)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)

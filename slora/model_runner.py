@@ -219,7 +219,13 @@ class ModelRunner:
             return None
         if host.lora is not None and host.lora.page_tables.shape[1] > graphs.limits.max_adapter_pages:
             return None
-        return graphs.bucket_for(len(scheduled))
+        bucket = graphs.bucket_for(len(scheduled))
+        # More adapters than the graph has slots for cannot happen under the scheduler's max_loras; a
+        # graph must still never be replayed for a batch it does not fit.
+        if bucket is not None and host.lora is not None and \
+                host.lora.page_tables.shape[0] > graphs.limits.lora_slots(bucket):
+            return None
+        return bucket
 
     def _replay(self, bucket: int, host: HostInputs, batch_size: int) -> Tensor:
         static, n = self.graphs.static, batch_size

@@ -32,6 +32,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     swap_pages: int = 0              # host swap space, in pages (swap mode)
     prefetch_depth: int = 4          # waiting requests whose adapters are made resident ahead of time
+    max_loras: int | None = None     # distinct adapter versions among running sequences (None: no limit)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -167,10 +168,14 @@ class Scheduler:
     # ---- admission ----------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Sequence] = []
+        versions = self.running_versions()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
             if seq.adapter is not None and not self.adapter_ready(seq.adapter.version):
                 skipped.append(seq)           # its adapter is still loading: others go ahead
+                continue
+            if not self._adapter_fits(seq, versions):
+                skipped.append(seq)           # a new adapter past max_loras: requests of running ones go ahead
                 continue
             if len(self.running) + self._seats(seq) > self.config.max_num_seqs:
                 self.waiting.appendleft(seq)
@@ -183,7 +188,17 @@ class Scheduler:
                 self.waiting.appendleft(seq)
                 break
             budget -= self._admit(seq, matched, budget, out)
+            if seq.adapter is not None:
+                versions.add(seq.adapter.version)
         self.waiting.extendleft(reversed(skipped))
+
+    def running_versions(self) -> set[str]:
+        """The distinct adapter versions of the running sequences."""
+        return {s.adapter.version for s in self.running if s.adapter is not None}
+
+    def _adapter_fits(self, seq: Sequence, versions: set[str]) -> bool:
+        limit = self.config.max_loras
+        return seq.adapter is None or limit is None or seq.adapter.version in versions or len(versions) < limit
 
     @staticmethod
     def _seats(seq: Sequence) -> int:
@@ -343,5 +358,7 @@ class Scheduler:
     def check(self) -> None:
         """The pool's invariants against the block tables and adapters held here."""
         self.allocator.check([s.block_table for s in self.running], self.adapters.page_tables())
+        if self.config.max_loras is not None:
+            assert len(self.running_versions()) <= self.config.max_loras, "more adapters running than max_loras"
         swapped = sum(len(s.swap_slots) for s in self.waiting if s.swap_slots is not None)
         assert swapped + self.swap.num_free == self.swap.num_pages, "swap slots leaked"

@@ -39,6 +39,17 @@ def test_graph_replay_with_another_adapter_mix_equals_eager(tiny_llama):
         assert tokens(graphs, prompts, mix) == tokens(eager, prompts, mix)
 
 
+def test_graphs_captured_for_max_loras_slots_match_cpu(tiny_llama):
+    """With max_loras the LoRA grids of the decode graphs are sized for that many adapters, not one per
+    sequence; the batch of four adapters then runs at most two at a time, with the CPU engine's tokens."""
+    prompts = random_prompts([5, 12, 30, 7, 22, 9, 14, 3], seed=16)
+    cpu = tokens(make_llm(tiny_llama), prompts, NAMES)
+    gpu = make_llm(tiny_llama, device="cuda", dtype="float32", max_loras=2)
+    assert gpu.engine.runner.graphs.limits.lora_slots(16) == 2
+    assert tokens(gpu, prompts, NAMES) == cpu
+    gpu.engine.check()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_and_tracks_float32(tiny_llama, dtype):
     prompts = random_prompts([20, 33], seed=13)

@@ -142,3 +142,29 @@ def test_every_batch_size_has_a_cuda_graph_bucket(max_batch):
     buckets = batch_buckets(max_batch)
     assert buckets == sorted(set(buckets)) and buckets[-1] == max_batch
     assert all(any(b >= size for b in buckets) for size in range(1, max_batch + 1))
+
+
+def test_max_loras_caps_distinct_adapters_in_the_batch_and_others_go_ahead():
+    scheduler = make_scheduler(200, max_num_seqs=8, max_loras=2)
+    adapters = [AdapterRef(f"v{i}", 2) for i in range(3)]
+    # v0, v1, v2, then v0 again: the v2 request waits, the later v0 request is admitted before it.
+    for i, adapter in enumerate([adapters[0], adapters[1], adapters[2], adapters[0], None]):
+        scheduler.add(seq(i, 4, max_tokens=3, adapter=adapter))
+    out = scheduler.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [0, 1, 3, 4]
+    assert scheduler.running_versions() == {"v0", "v1"} and [s.seq_id for s in scheduler.waiting] == [2]
+    scheduler.check()
+    steps = 0
+    while scheduler.has_unfinished():                       # it runs once a place frees up
+        out = scheduler.schedule()
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            if item.completes:
+                item.seq.output_token_ids.append(0)
+                if len(item.seq.output_token_ids) == 3:
+                    scheduler.finish(item.seq, "length")
+        assert len(scheduler.running_versions()) <= 2
+        scheduler.check()
+        steps += 1
+        assert steps < 50
+    assert scheduler.adapters.num_loads == 3

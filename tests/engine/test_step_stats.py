@@ -43,3 +43,4 @@ def test_step_kind_of_a_batch():
     assert step_kind(rows(1, 1, 1)) == "decode"
     assert step_kind(rows(7, 30)) == "prefill"
     assert step_kind(rows(1, 30)) == "mixed"
+

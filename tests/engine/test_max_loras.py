@@ -1,0 +1,38 @@
+"""max_loras: at most that many distinct adapters in a batch; the order of work changes, outputs do not."""
+import pytest
+
+from slora import LLM, SamplingParams
+from slora.config import EngineConfig
+from tiny import random_prompts
+
+
+def test_max_loras_changes_the_order_not_the_outputs(tiny_llama):
+    prompts = random_prompts([12, 30, 7, 21, 16, 9], seed=6)
+    names = ["attn-r4", "mlp-r8", "all-r16", None, "attn-r4", "rs-pattern"]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+    def run(**kwargs) -> tuple[list[list[int]], int]:
+        llm = LLM(str(tiny_llama.model_dir), num_pages=256, **kwargs)
+        for name, path in tiny_llama.adapters.items():
+            llm.load_adapter(name, str(path))
+        peak = 0
+        for i, (prompt, name) in enumerate(zip(prompts, names)):
+            llm.engine.add_request(f"r{i}", prompt, params, name)
+        outputs = {}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+            peak = max(peak, len(llm.engine.scheduler.running_versions()))
+            llm.engine.check()
+        return [outputs[f"r{i}"] for i in range(len(prompts))], peak
+
+    capped, capped_peak = run(max_loras=1)
+    free, free_peak = run()
+    assert capped == free
+    assert capped_peak == 1 and free_peak == 4
+
+
+def test_max_loras_must_be_positive():
+    with pytest.raises(ValueError, match="max_loras"):
+        EngineConfig(max_loras=0)
