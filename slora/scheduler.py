@@ -174,7 +174,7 @@ class Scheduler:
             if seq.adapter is not None and not self.adapter_ready(seq.adapter.version):
                 skipped.append(seq)           # its adapter is still loading: others go ahead
                 continue
-            if not self._adapter_fits(seq, versions):
+            if not self._within_max_loras(seq, versions):
                 skipped.append(seq)           # a new adapter past max_loras: requests of running ones go ahead
                 continue
             if len(self.running) + self._seats(seq) > self.config.max_num_seqs:
@@ -196,7 +196,7 @@ class Scheduler:
         """The distinct adapter versions of the running sequences."""
         return {s.adapter.version for s in self.running if s.adapter is not None}
 
-    def _adapter_fits(self, seq: Sequence, versions: set[str]) -> bool:
+    def _within_max_loras(self, seq: Sequence, versions: set[str]) -> bool:
         limit = self.config.max_loras
         return seq.adapter is None or limit is None or seq.adapter.version in versions or len(versions) < limit
 
