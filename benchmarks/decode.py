@@ -46,7 +46,7 @@ def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
     return buffer_layout(LoadedAdapter(config, weights, "layout"), shapes)
 
 
-def make_runner(max_batch: int, num_adapters: int, page_size: int = 16):
+def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None):
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
@@ -55,7 +55,7 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16):
     kv_pages = max_batch * (CONTEXT // page_size + 1)
     shape = PoolShape(cfg.num_layers, kv_pages + num_adapters * adapter_pages, page_size, cfg.num_kv_heads,
                       cfg.head_dim)
-    limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers)
+    limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras)
     runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits)
     return runner, descriptor, adapter_pages
 
@@ -95,9 +95,11 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
     return max(bytes_read / COPY_BW, flops / BF16_FLOPS)
 
 
-def step_rows(batches: list[int], iters: int) -> list[dict]:
+def step_rows(batches: list[int], iters: int, max_loras: int | None = None) -> list[dict]:
+    """Decode steps per batch size and adapter mix; with max_loras the graphs have that many adapter slots,
+    and the distinct mix runs only at batches that fit it."""
     max_batch = max(batches)
-    runner, descriptor, adapter_pages = make_runner(max_batch, max_batch)
+    runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     adapters = []
     for i in range(max_batch):
@@ -107,6 +109,8 @@ def step_rows(batches: list[int], iters: int) -> list[dict]:
     rows = []
     for batch in batches:
         for mode in ("none", "shared", "distinct"):
+            if mode == "distinct" and max_loras is not None and batch > max_loras:
+                continue
             scheduled, step_adapters = build_step(runner, allocator, batch, adapters, descriptor, mode)
             seconds = time_steps(runner, scheduled, step_adapters, iters)
             for item in scheduled:
@@ -187,6 +191,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--vs-peft", action="store_true")
+    parser.add_argument("--max-loras", type=int, default=None,
+                        help="capture the decode graphs with this many adapter slots (engine max_loras)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
@@ -204,10 +210,11 @@ def main() -> None:
               f"wall {steps['wall_seconds']:.3f} s")
         write_json(Path(args.out or RESULTS / "decode_vs_peft_h200.json"), {"benchmark": "decode-vs-peft", "rows": [row]})
         return
-    rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20)
+    rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras)
     print_table(rows)
     write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
-                                                                "rank": RANK, "rows": rows})
+                                                                "rank": RANK, "max_loras": args.max_loras,
+                                                                "rows": rows})
 
 
 if __name__ == "__main__":
