@@ -33,12 +33,17 @@ class SchedulerConfig:
     swap_pages: int = 0              # host swap space, in pages (swap mode)
     prefetch_depth: int = 4          # waiting requests whose adapters are made resident ahead of time
     max_loras: int | None = None     # distinct adapter versions among running sequences (None: no limit)
+    # Steps a request may be passed over for max_loras before newer requests queue behind it (the running
+    # adapters then drain and it gets a place): requests of busy adapters cannot starve it.
+    max_loras_patience: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 (or None for no limit), got {self.max_loras}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if not 0 <= self.watermark < 1:
@@ -176,6 +181,9 @@ class Scheduler:
                 continue
             if not self._within_max_loras(seq, versions):
                 skipped.append(seq)           # a new adapter past max_loras: requests of running ones go ahead
+                seq.max_loras_waits += 1
+                if seq.max_loras_waits > self.config.max_loras_patience:
+                    break                     # ...but not forever: everything newer waits behind it now
                 continue
             if len(self.running) + self._seats(seq) > self.config.max_num_seqs:
                 self.waiting.appendleft(seq)

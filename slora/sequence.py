@@ -38,6 +38,7 @@ class Sequence:
     num_hashed_pages: int = 0             # block_table pages registered in the prefix cache
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache when first admitted
     swap_slots: list[int] | None = None   # host swap pages holding its KV while swapped out
+    max_loras_waits: int = 0              # steps it was passed over because max_loras adapters were running
 
     @property
     def num_tokens(self) -> int:

@@ -168,3 +168,27 @@ def test_max_loras_caps_distinct_adapters_in_the_batch_and_others_go_ahead():
         steps += 1
         assert steps < 50
     assert scheduler.adapters.num_loads == 3
+
+
+def test_max_loras_does_not_starve_a_request_of_another_adapter():
+    """Requests of the running adapter keep arriving; the one request of another adapter still runs."""
+    scheduler = make_scheduler(400, max_num_seqs=4, max_loras=1, max_loras_patience=4)
+    busy, other = AdapterRef("busy", 2), AdapterRef("other", 2)
+    waiting = seq(0, 4, max_tokens=3, adapter=other)
+    scheduler.add(seq(1, 4, max_tokens=3, adapter=busy))
+    scheduler.schedule()                                    # "busy" runs first
+    scheduler.add(waiting)
+    for step in range(200):
+        scheduler.add(seq(2 + step, 4, max_tokens=3, adapter=busy))    # a new "busy" request every step
+        out = scheduler.schedule()
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            if item.completes:
+                item.seq.output_token_ids.append(0)
+                if len(item.seq.output_token_ids) == 3:
+                    scheduler.finish(item.seq, "length")
+        scheduler.check()
+        if waiting.num_computed_tokens:
+            break
+    assert waiting.num_computed_tokens > 0, "the request of the other adapter never ran"
+    assert step < 20
