@@ -181,6 +181,9 @@ class AdapterService:
             self._check_quota(engine, namespace, name)
             return describe(engine, engine.register_adapter(name, prepared, owner=namespace, public=public))
         try:
+            # A tenant at its quota is refused before the server reads and packs anything; the check is
+            # made again, atomically, when registering.
+            await self.engine.call(lambda engine: self._check_quota(engine, namespace, name))
             prepared = await self.engine.prepare_adapter(folder)
             info = await self.engine.call(command)
         except AdapterError as exc:

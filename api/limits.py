@@ -9,7 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from slora.api.errors import rate_limited
+from slora.api.errors import bad_request, rate_limited
 from slora.api.tenants import Tenant
 
 
@@ -58,10 +58,10 @@ class Admission:
         limit = tenant.max_tokens_per_minute
         if limit is None:
             return
-        if cost > limit:
-            raise rate_limited(f"Request too large for this API key's token rate limit: it needs {cost} tokens "
-                               f"(prompt + max_tokens for every sample) and the limit is {limit} per minute; "
-                               "lower max_tokens or n.", self.retry_after_s)
+        if cost > limit:       # can never fit: a 400, which clients do not retry
+            raise bad_request(f"Request too large for this API key's token rate limit: it needs {cost} tokens "
+                              f"(prompt + max_tokens for every sample) and the limit is {limit} per minute; "
+                              "lower max_tokens or n.", param="max_tokens", code="request_too_large")
         now = time.monotonic()
         bucket = self._buckets.setdefault(tenant.id, TokenBucket(limit, limit, now))
         wait = bucket.take(cost, now)
@@ -69,11 +69,12 @@ class Admission:
             raise rate_limited(f"Token rate limit of this API key reached ({limit} tokens per minute); retry in "
                                f"{math.ceil(wait)} s.", math.ceil(wait))
 
-    def refund_tokens(self, tenant: Tenant, cost: int) -> None:
-        """Give back the tokens of a request that was charged but never admitted."""
+    def settle_tokens(self, tenant: Tenant, reserved: int, used: int) -> None:
+        """A request that was charged `reserved` at admission used `used`: give back the rest, or charge the
+        excess (the balance may go below zero; later requests then wait for the refill)."""
         bucket = self._buckets.get(tenant.id)
         if bucket is not None:
-            bucket.tokens = min(bucket.capacity, bucket.tokens + cost)
+            bucket.tokens = min(bucket.capacity, bucket.tokens + reserved - used)
 
     async def acquire(self, tenant: Tenant) -> None:
         if self.pending >= self.max_pending:

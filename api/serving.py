@@ -28,6 +28,8 @@ from slora.outputs import RequestOutput
 from slora.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# Tokens per sample reserved against a tenant's token rate when a request gives no max_tokens (then settled).
+_UNSPECIFIED_RESERVE = 256
 request_log = logging.getLogger("slora.api.requests")
 T = TypeVar("T")
 
@@ -104,6 +106,7 @@ class Job:
     finals: dict[int, RequestOutput] = field(default_factory=dict)
     outcome: str = "ok"
     closed: bool = False
+    reserved_tokens: int = 0                   # charged to the tenant's token rate at admission
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -129,10 +132,16 @@ class Job:
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    @property
-    def token_cost(self) -> int:
-        """What the request may use at most: its prompt tokens and max_tokens for every sample of every prompt."""
-        return self.prompt_tokens() + len(self.prompts) * self.params.n * self.params.max_tokens
+    def token_reservation(self, max_tokens_given: bool) -> int:
+        """Tokens charged to the tenant's rate at admission: the prompt, and max_tokens for every sample of every
+        prompt. Without an explicit max_tokens (chat's default is the rest of the context) at most
+        _UNSPECIFIED_RESERVE per sample is reserved; the difference to what ran is settled at the end."""
+        per_sample = self.params.max_tokens if max_tokens_given else min(self.params.max_tokens, _UNSPECIFIED_RESERVE)
+        return self.prompt_tokens() + len(self.prompts) * self.params.n * per_sample
+
+    def tokens_used(self) -> int:
+        """What the tenant's token rate is finally charged: nothing for a request refused before it ran."""
+        return 0 if self.outcome == "rejected" else self.prompt_tokens() + self.completion_tokens()
 
     def cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache."""
@@ -243,8 +252,10 @@ class GenerationService:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
-        return Job(kind, body.model, adapter, tenant, prompts, params, body.stream, include_usage,
-                   body.return_token_ids, body.user)
+        job = Job(kind, body.model, adapter, tenant, prompts, params, body.stream, include_usage,
+                  body.return_token_ids, body.user)
+        job.reserved_tokens = job.token_reservation(max_tokens is not None)
+        return job
 
     def _params(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
                 prompt_param: str) -> SamplingParams:
@@ -283,11 +294,11 @@ class GenerationService:
 
     async def _run(self, job: Job, request: Request) -> Response:
         self._require_ready()
-        self.admission.charge_tokens(job.tenant, job.token_cost)
+        self.admission.charge_tokens(job.tenant, job.reserved_tokens)
         try:
             await self.admission.acquire(job.tenant)
         except BaseException:
-            self.admission.refund_tokens(job.tenant, job.token_cost)   # never admitted: it used nothing
+            self.admission.settle_tokens(job.tenant, job.reserved_tokens, 0)   # never admitted: it used nothing
             raise
         try:
             await self._submit(job)
@@ -459,6 +470,7 @@ class GenerationService:
             if index not in job.finals:
                 self.engine.abort(stream.request_id)
         self.admission.release(job.tenant)
+        self.admission.settle_tokens(job.tenant, job.reserved_tokens, job.tokens_used())
         self._record(job)
 
     def _record(self, job: Job) -> None:

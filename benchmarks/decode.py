@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from common import RESULTS, print_table, write_json
-from llama8b import KV_BYTES_PER_TOKEN, LLAMA3_8B, adapter_bytes, target_shapes, weight_bytes, \
+from llama8b import KV_BYTES_PER_TOKEN, LLAMA3_8B, adapter_bytes, decode_weight_bytes, target_shapes, weight_bytes, \
     write_config, write_peft_adapter
 from slora.adapters.packing import AdapterDescriptor, buffer_layout
 from slora.adapters.weights import LoadedAdapter, LoraWeights
@@ -90,7 +90,8 @@ def time_steps(runner: ModelRunner, scheduled, adapters, iters: int) -> float:
 
 def roofline_seconds(batch: int, distinct_adapters: int) -> float:
     cfg = parse_model_config(LLAMA3_8B)
-    bytes_read = weight_bytes() + batch * CONTEXT * KV_BYTES_PER_TOKEN + distinct_adapters * adapter_bytes(RANK)
+    bytes_read = decode_weight_bytes(batch) + batch * CONTEXT * KV_BYTES_PER_TOKEN + \
+        distinct_adapters * adapter_bytes(RANK)
     flops = 2 * weight_bytes() / 2 * batch + 4 * batch * CONTEXT * cfg.num_layers * cfg.q_size
     return max(bytes_read / COPY_BW, flops / BF16_FLOPS)
 

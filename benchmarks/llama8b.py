@@ -30,10 +30,18 @@ def target_shapes(raw: dict = LLAMA3_8B) -> TargetShapes:
 
 
 def weight_bytes(raw: dict = LLAMA3_8B) -> int:
+    """bf16 bytes of every weight (layers, input embedding, lm_head): 16.06 GB for Llama-3-8B."""
     cfg = parse_model_config(raw)
     layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
         + 3 * cfg.hidden_size * cfg.intermediate_size
     return 2 * (cfg.num_layers * layer + 2 * cfg.vocab_size * cfg.hidden_size)
+
+
+def decode_weight_bytes(batch: int, raw: dict = LLAMA3_8B) -> int:
+    """Weight bytes a decode step reads: every weight but the input embedding table, of which only the
+    batch's rows (15.01 GB + batch rows for Llama-3-8B, ../shared/ENVIRONMENT.md's 15.0 GB)."""
+    cfg = parse_model_config(raw)
+    return weight_bytes(raw) - 2 * cfg.vocab_size * cfg.hidden_size + 2 * batch * cfg.hidden_size
 
 
 def adapter_bytes(rank: int, raw: dict = LLAMA3_8B) -> int:

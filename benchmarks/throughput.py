@@ -332,14 +332,17 @@ class SloraState:
         a thread pool (`Engine.prepare_adapter` may run on any thread, as the server runs it), registering
         in order on this thread. Timed apart (wall time of each phase)."""
         engine = self.llm.engine
-        start = time.perf_counter()
         with ThreadPoolExecutor(LOAD_THREADS) as pool:
-            prepared = list(pool.map(lambda i: engine.prepare_adapter(str(self.paths[i])), range(first, end)))
-        middle = time.perf_counter()
-        for index, adapter in zip(range(first, end), prepared):
-            engine.register_adapter(adapter_name(index), adapter)
-        self.prepare_s += middle - start
-        self.register_s += time.perf_counter() - middle
+            # A window of adapters at a time: prepared ones are held (pinned on CUDA) until registered.
+            for window in range(first, end, 4 * LOAD_THREADS):
+                indices = range(window, min(window + 4 * LOAD_THREADS, end))
+                start = time.perf_counter()
+                prepared = list(pool.map(lambda i: engine.prepare_adapter(str(self.paths[i])), indices))
+                middle = time.perf_counter()
+                for index, adapter in zip(indices, prepared):
+                    engine.register_adapter(adapter_name(index), adapter)
+                self.prepare_s += middle - start
+                self.register_s += time.perf_counter() - middle
 
     def max_lora_rank(self) -> int:
         # The embedded engine also registers its demo adapters, the largest of rank 16.

@@ -95,8 +95,7 @@ class Engine:
                                    PageAllocator(pool_shape.num_pages, config.page_size))
         self.sampler = Sampler()
         self.step_stats = StepStats()          # wall time of steps by kind (prefill, decode, mixed)
-        self._decode_bytes = DecodeBytes(sum(p.numel() * p.element_size() for p in self.model.parameters()),
-                                         self._page_bytes() // config.page_size, self._adapter_weight_bytes)
+        self._decode_bytes = self._decode_byte_model()
         self._salt_secret = os.urandom(32)
         self.num_prompt_tokens_computed = 0   # prompt tokens that went through a forward (cache misses)
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
@@ -120,6 +119,16 @@ class Engine:
                 logger.warning("demo adapter %s not loaded: %s", name, exc)
 
     # ---- sizing -------------------------------------------------------------------------------------
+    def _decode_byte_model(self) -> DecodeBytes:
+        """What a decode step reads. A decode step reads only the batch's rows of the input embedding table,
+        unless the table is tied to lm_head, which reads all of it."""
+        embedding = self.model.model.embed_tokens.weight                        # [vocab, hidden]
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tied = self.model.lm_head.weight is embedding
+        untied_table = 0 if tied else embedding.numel() * embedding.element_size()
+        return DecodeBytes(params - untied_table, 0 if tied else embedding.shape[1] * embedding.element_size(),
+                           self._page_bytes() // self.config.page_size, self._adapter_weight_bytes)
+
     def _adapter_weight_bytes(self, version: str) -> int:
         """Bytes of an adapter version's A and B in the pool's dtype (padding not counted)."""
         ranks = self.store.versions[version].descriptor.ranks                  # [layers, modules]

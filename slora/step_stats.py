@@ -22,16 +22,19 @@ def step_kind(scheduled: list[ScheduledSeq]) -> str:
 @dataclass(frozen=True)
 class DecodeBytes:
     """The bytes a decode step must read, the numerator of its roofline (the kernels issue's definition):
-    every weight once, the KV of every live token, and each distinct adapter of the step once."""
+    every weight once (of the input embedding table only the batch's rows), the KV of every live token,
+    and each distinct adapter of the step once."""
 
-    weight_bytes: int
+    weight_bytes: int                       # every weight but the untied input embedding table
+    embedding_row_bytes: int                # one row of the input embedding table
     kv_bytes_per_token: int
     adapter_bytes: Callable[[str], int]     # by adapter version
 
     def of(self, scheduled: list[ScheduledSeq]) -> int:
         context = sum(item.seq.num_computed_tokens + item.num_tokens for item in scheduled)
         versions = {item.seq.adapter.version for item in scheduled if item.seq.adapter is not None}
-        return self.weight_bytes + context * self.kv_bytes_per_token + sum(map(self.adapter_bytes, versions))
+        return (self.weight_bytes + len(scheduled) * self.embedding_row_bytes + context * self.kv_bytes_per_token
+                + sum(map(self.adapter_bytes, versions)))
 
 
 @dataclass

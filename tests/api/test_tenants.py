@@ -12,7 +12,7 @@ from slora.api.tenants import hash_key
 
 PROMPT = "The quick brown fox"
 KEYS = {"ops": "admin-key-123", "acme": "acme-key-456", "globex": "globex-key-789", "initech": "initech-key-000",
-        "hooli": "hooli-key-111"}
+        "hooli": "hooli-key-111", "umbrella": "umbrella-key-222"}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,10 @@ max_adapters = 2
 
 [tenants.hooli]
 key_sha256 = "{hash_key(KEYS['hooli'])}"
+max_tokens_per_minute = 60
+
+[tenants.umbrella]
+key_sha256 = "{hash_key(KEYS['umbrella'])}"
 max_tokens_per_minute = 60
 """)
     srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root))
@@ -212,6 +216,21 @@ def test_token_rate_limit_per_tenant(https):
     assert "60 tokens per minute" in limited.json()["error"]["message"]
     assert 1 <= int(limited.headers["Retry-After"]) <= 60
     too_large = hooli.post("/v1/completions", json={**body, "max_tokens": 30, "n": 2})   # 65 > 60: never fits
-    assert too_large.status_code == 429 and "Request too large" in too_large.json()["error"]["message"]
+    assert too_large.status_code == 400 and "Request too large" in too_large.json()["error"]["message"]
+    assert "Retry-After" not in too_large.headers                                  # retrying cannot help
     # Other tenants are not limited by it.
     assert https["globex"].post("/v1/completions", json=body).status_code == 200
+
+
+def test_token_rate_charges_what_ran(https):
+    """A request refused before it ran costs nothing; one that ran costs its prompt and completion tokens,
+    not its whole max_tokens reservation."""
+    umbrella = https["umbrella"]
+    body = {"model": BASE_MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 50, "temperature": 0}
+    for _ in range(3):                      # 55 reserved each time, refunded each time: the adapter is unknown
+        assert umbrella.post("/v1/completions", json={**body, "model": "no-such-adapter"}).status_code == 404
+    short = umbrella.post("/v1/completions", json={**body, "stop_token_ids": list(range(512))})   # stops at once
+    assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 1
+    # 5 + 1 of its 55 reserved tokens were used, so 54 of the 60 are there: a 50-token request fits (with the
+    # whole reservation kept, about 5 would be, plus the refill of 1 per second).
+    assert umbrella.post("/v1/completions", json={**body, "max_tokens": 45}).status_code == 200

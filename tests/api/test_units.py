@@ -168,11 +168,17 @@ def test_token_bucket_refills_at_its_rate():
     assert bucket.take(10, now=1e6) is None and bucket.tokens == 110   # never above capacity
 
 
-def test_tokens_of_a_request_refused_for_concurrency_are_refunded():
+def test_token_reservations_are_settled_against_what_ran():
     admission = Admission(max_pending=100, retry_after_s=1)
     tenant = Tenant("t", max_tokens_per_minute=100)
     admission.charge_tokens(tenant, 80)
-    admission.refund_tokens(tenant, 80)
+    admission.settle_tokens(tenant, 80, 0)                      # refused before it ran
     admission.charge_tokens(tenant, 90)                         # fits again: the 80 came back
+    admission.settle_tokens(tenant, 90, 30)                     # used 30: 70 left
+    admission.charge_tokens(tenant, 70)
+    admission.settle_tokens(tenant, 70, 100)                    # used more than reserved: a debt of 30
     with pytest.raises(APIError, match="Token rate limit"):
-        admission.charge_tokens(tenant, 20)
+        admission.charge_tokens(tenant, 1)
+    with pytest.raises(APIError, match="Request too large") as too_large:
+        admission.charge_tokens(tenant, 101)
+    assert too_large.value.status == 400

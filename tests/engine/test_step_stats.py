@@ -23,7 +23,10 @@ def test_decode_bytes_count_weights_live_kv_and_each_adapter_once(tiny_llama):
     prompts = random_prompts([7, 9], seed=4)
     llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), adapters=["r16", "r16"])
     cfg = engine.model_config
-    weights = sum(p.numel() * 4 for p in engine.model.parameters())            # float32
+    embed = engine.model.model.embed_tokens.weight
+    assert engine.model.lm_head.weight is not embed                             # untied: only rows are read
+    weights = sum(p.numel() * 4 for p in engine.model.parameters()) - embed.numel() * 4   # float32
+    row = embed.shape[1] * 4
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     version = engine.registry.resolve("r16").version
     adapter = sum(engine.shapes.features(m)[0] + engine.shapes.features(m)[1] for m in engine.shapes.modules) \
@@ -32,7 +35,7 @@ def test_decode_bytes_count_weights_live_kv_and_each_adapter_once(tiny_llama):
     # Two decode steps; before them the sequences hold 7+1, 9+1 tokens, then one more each.
     live = (8 + 10) + (9 + 11)
     assert engine.step_stats.steps["decode"] == 2
-    assert engine.step_stats.decode_bytes == 2 * weights + live * kv_per_token + 2 * adapter
+    assert engine.step_stats.decode_bytes == 2 * (weights + 2 * row) + live * kv_per_token + 2 * adapter
     assert engine.step_stats.decode_bandwidth > 0
 
 
