@@ -16,6 +16,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-lora-rank", type=int, default=64)
+    parser.add_argument("--adapter-host-cache-gib", type=float, default=None,
+                        help="packed adapters kept in host memory (default: a quarter of the machine's memory)")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="distinct adapters in one batch (default: no limit)")
     parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
@@ -27,7 +29,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                 pool_gib=args.pool_gib, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_lora_rank=args.max_lora_rank, max_loras=args.max_loras, load_format=args.load_format,
+                max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+                adapter_host_cache_gib=args.adapter_host_cache_gib, load_format=args.load_format,
                 enforce_eager=args.enforce_eager)
 
 

@@ -1,9 +1,18 @@
 """Engine configuration, validated once at construction."""
+import os
 from dataclasses import dataclass
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FALLBACK_MEMORY_BYTES = 16 << 30      # where the OS does not say how much memory there is
+
+
+def physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return _FALLBACK_MEMORY_BYTES
 
 
 @dataclass
@@ -27,7 +36,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"        # or "swap": preempted KV goes to host memory
     swap_space_gib: float = 1.0               # host swap space in swap mode
-    adapter_host_cache_gib: float = 4.0       # packed adapters kept in host memory (LRU by bytes)
+    adapter_host_cache_gib: float | None = None   # packed adapters kept in host memory (LRU by bytes);
+                                                  # None: a quarter of the machine's memory
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -52,7 +62,7 @@ class EngineConfig:
             raise ValueError(f"max_loras must be >= 1 (or None for no limit), got {self.max_loras}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.adapter_host_cache_gib < 0:
+        if self.adapter_host_cache_gib is not None and self.adapter_host_cache_gib < 0:
             raise ValueError(f"adapter_host_cache_gib must be >= 0, got {self.adapter_host_cache_gib}")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
@@ -60,6 +70,14 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def adapter_host_cache_bytes(self) -> int:
+        """The host tier's size: as configured, or a quarter of physical memory, so that thousands of
+        adapters stay in host memory (as S-LoRA keeps them) on a serving machine without being configured."""
+        if self.adapter_host_cache_gib is not None:
+            return int(self.adapter_host_cache_gib * 2 ** 30)
+        return physical_memory_bytes() // 4
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -100,7 +100,7 @@ class Engine:
         self.num_prompt_tokens_computed = 0   # prompt tokens that went through a forward (cache misses)
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
         self.registry = AdapterRegistry()
-        self.store = AdapterStore(int(config.adapter_host_cache_gib * 2 ** 30))
+        self.store = AdapterStore(config.adapter_host_cache_bytes)
         self.scheduler.adapter_ready = self.adapter_ready
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-adapter-reader")
         self._failed: list[str] = []          # requests aborted because their adapter could not be read

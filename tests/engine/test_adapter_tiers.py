@@ -3,7 +3,10 @@ import shutil
 import threading
 import time
 
+import pytest
+
 from slora import LLM, SamplingParams
+from slora.config import EngineConfig, physical_memory_bytes
 from tiny import random_prompts
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -85,3 +88,10 @@ def test_adapter_files_changed_on_disk_abort_its_waiting_requests(tiny_llama, tm
     assert finished["r"].finish_reason == "abort"
     assert llm.pool_stats()["kv_pages"] == 0
     engine.check()
+
+
+def test_host_cache_defaults_to_a_quarter_of_memory():
+    assert EngineConfig().adapter_host_cache_bytes == physical_memory_bytes() // 4 > 0
+    assert EngineConfig(adapter_host_cache_gib=0.5).adapter_host_cache_bytes == 2 ** 29
+    with pytest.raises(ValueError, match="adapter_host_cache_gib"):
+        EngineConfig(adapter_host_cache_gib=-1)
