@@ -21,7 +21,10 @@ def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], st
 
 def _plain_fast_decode(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether decoding is transformers' fast-tokenizer decode, not overridden by a subclass."""
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    try:       # the class of transformers 5's fast tokenizers; other versions take the plain decode
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return False
     cls = type(tokenizer)
     return (isinstance(tokenizer, TokenizersBackend) and cls._decode is TokenizersBackend._decode
             and cls.decode is TokenizersBackend.decode)
