@@ -126,6 +126,20 @@ def offline(adapter_root) -> LLM:
     return llm
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """An OpenAI client of the test module's `server` fixture."""
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An httpx client of the test module's `server` fixture."""
+    with server.http() as h:
+        yield h
+
+
 def greedy(llm: LLM, prompts: list, adapter: str | None, max_tokens: int, **kwargs) -> list:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
     return llm.generate(prompts, params, adapters=[adapter] * len(prompts))

@@ -20,18 +20,6 @@ def server(tmp_path_factory, adapter_root):
     assert srv.stop() == 0, srv.log()[-3000:]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with server.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as h:
-        yield h
-
-
 def adapters_by_name(http) -> dict[str, dict]:
     response = http.get("/v1/adapters")
     assert response.status_code == 200, response.text

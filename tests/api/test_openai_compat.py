@@ -24,12 +24,6 @@ def server(tmp_path_factory, adapter_root):
     assert srv.stop() == 0, srv.log()[-3000:]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with server.client() as c:
-        yield c
-
-
 MODELS = [BASE_MODEL, "demo-r4-attn", "all-r16"]
 
 

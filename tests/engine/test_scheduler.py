@@ -146,49 +146,36 @@ def test_every_batch_size_has_a_cuda_graph_bucket(max_batch):
 
 def test_max_loras_caps_distinct_adapters_in_the_batch_and_others_go_ahead():
     scheduler = make_scheduler(200, max_num_seqs=8, max_loras=2)
-    adapters = [AdapterRef(f"v{i}", 2) for i in range(3)]
+    v0, v1, v2 = (AdapterRef(f"v{i}", 2) for i in range(3))
     # v0, v1, v2, then v0 again: the v2 request waits, the later v0 request is admitted before it.
-    for i, adapter in enumerate([adapters[0], adapters[1], adapters[2], adapters[0], None]):
-        scheduler.add(seq(i, 4, max_tokens=3, adapter=adapter))
-    out = scheduler.schedule()
-    assert [s.seq.seq_id for s in out.scheduled] == [0, 1, 3, 4]
-    assert scheduler.running_versions() == {"v0", "v1"} and [s.seq_id for s in scheduler.waiting] == [2]
-    scheduler.check()
-    steps = 0
-    while scheduler.has_unfinished():                       # it runs once a place frees up
-        out = scheduler.schedule()
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            if item.completes:
-                item.seq.output_token_ids.append(0)
-                if len(item.seq.output_token_ids) == 3:
-                    scheduler.finish(item.seq, "length")
+    requests = [SimRequest(4, 3, adapter) for adapter in (v0, v1, v2, v0, None)]
+    scheduled: list[list[int]] = []
+
+    def cost(out, scheduler) -> float:
+        scheduled.append([item.seq.seq_id for item in out.scheduled])
         assert len(scheduler.running_versions()) <= 2
-        scheduler.check()
-        steps += 1
-        assert steps < 50
+        return checked_cost(out, scheduler)
+
+    result = simulate(scheduler, requests, cost, max_steps=50)
+    assert scheduled[0] == [0, 1, 3, 4]
+    assert result.output_tokens == 15 and not scheduler.has_unfinished()   # v2's request ran once a place freed
     assert scheduler.adapters.num_loads == 3
 
 
 def test_max_loras_does_not_starve_a_request_of_another_adapter():
     """Requests of the running adapter keep arriving; the one request of another adapter still runs."""
-    scheduler = make_scheduler(400, max_num_seqs=4, max_loras=1, max_loras_patience=4)
+    scheduler = make_scheduler(2000, max_num_seqs=4, max_loras=1, max_loras_patience=4)
     busy, other = AdapterRef("busy", 2), AdapterRef("other", 2)
-    waiting = seq(0, 4, max_tokens=3, adapter=other)
-    scheduler.add(seq(1, 4, max_tokens=3, adapter=busy))
-    scheduler.schedule()                                    # "busy" runs first
-    scheduler.add(waiting)
-    for step in range(200):
-        scheduler.add(seq(2 + step, 4, max_tokens=3, adapter=busy))    # a new "busy" request every step
-        out = scheduler.schedule()
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            if item.completes:
-                item.seq.output_token_ids.append(0)
-                if len(item.seq.output_token_ids) == 3:
-                    scheduler.finish(item.seq, "length")
-        scheduler.check()
-        if waiting.num_computed_tokens:
-            break
-    assert waiting.num_computed_tokens > 0, "the request of the other adapter never ran"
-    assert step < 20
+    # "busy" first, "other" just after it, then a new "busy" request every step (one step costs 1).
+    requests = [SimRequest(4, 3, busy), SimRequest(4, 3, other, arrival=0.5)]
+    requests += [SimRequest(4, 3, busy, arrival=float(step)) for step in range(1, 200)]
+    first_step_of_other: list[int] = []
+
+    def cost(out, scheduler) -> float:
+        if not first_step_of_other and any(item.seq.seq_id == 1 for item in out.scheduled):
+            first_step_of_other.append(scheduler.step_count)
+        return checked_cost(out, scheduler)
+
+    simulate(scheduler, requests, cost, max_steps=5000)
+    assert first_step_of_other, "the request of the other adapter never ran"
+    assert first_step_of_other[0] < 20
