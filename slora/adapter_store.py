@@ -33,6 +33,7 @@ class StoredAdapter:
     descriptor: AdapterDescriptor
     num_pages: int
     num_bytes: int
+    weight_bytes: int                      # A and B in the pool's dtype, alignment padding not counted
     path: Path | None                      # where it is read back from after leaving the host cache
     packed: PackedAdapter | None           # None: on disk only
     requests: int = 0                      # live requests on this version
@@ -59,15 +60,15 @@ class AdapterStore:
     host_cache_bytes: int = 4 << 30
     versions: dict[str, StoredAdapter] = field(default_factory=dict)
     clock: int = 0
-    num_host_evictions: int = 0
     num_reloads: int = 0
 
     def add(self, prepared: PreparedAdapter) -> StoredAdapter:
         stored = self.versions.get(prepared.version)
         if stored is None:
             packed = prepared.packed
+            weights = sum(w.lora_a.numel() + w.lora_b.numel() for w in prepared.loaded.weights.values())
             stored = StoredAdapter(prepared.version, prepared.loaded.config, packed.descriptor, packed.num_pages,
-                                   packed.num_bytes, prepared.path, packed)
+                                   packed.num_bytes, weights * packed.pages.element_size(), prepared.path, packed)
             self.versions[prepared.version] = stored
         elif stored.packed is None:
             stored.packed = prepared.packed
@@ -114,4 +115,3 @@ class AdapterStore:
                 return
             stored.packed = None
             excess -= stored.num_bytes
-            self.num_host_evictions += 1

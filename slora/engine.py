@@ -21,7 +21,7 @@ from slora.config import EngineConfig
 from slora.detokenizer import IncrementalDetokenizer
 from slora.cuda_graphs import GraphLimits
 from slora.kernels.layout import align_up
-from slora.model_runner import ModelRunner, PoolShape, profile_activation_bytes
+from slora.model_runner import ModelRunner, PoolShape, StepAdapters, profile_activation_bytes
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
 from slora.outputs import CompletionOutput, RequestOutput
@@ -130,11 +130,9 @@ class Engine:
                            self._page_bytes() // self.config.page_size, self._adapter_weight_bytes)
 
     def _adapter_weight_bytes(self, version: str) -> int:
-        """Bytes of an adapter version's A and B in the pool's dtype (padding not counted)."""
-        ranks = self.store.versions[version].descriptor.ranks                  # [layers, modules]
-        features = torch.tensor([sum(self.shapes.features(m)) for m in self.shapes.modules])
-        elem = torch.empty((), dtype=self.config.torch_dtype).element_size()
-        return int((ranks.long() * features).sum()) * elem
+        """Bytes of an adapter version's A and B in the pool's dtype (padding not counted), counted once when
+        the version was stored: decode steps ask for it every step."""
+        return self.store.versions[version].weight_bytes
 
     def _page_bytes(self) -> int:
         cfg = self.model_config
@@ -358,14 +356,17 @@ class Engine:
             touched[seq.request_id] = self.requests[seq.request_id]
         self.runner.move_pages(out, {v: self.store.versions[v].packed for v, _ in out.adapters_to_load})
         if out.scheduled:
-            with StepTimer(self.step_stats, out.scheduled, self._decode_bytes):
-                self._run(out, touched)
+            self._run(out, touched)
         return [self._finalize(state) for state in touched.values()]
 
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestState]) -> None:
         resident = self.scheduler.adapters.resident
         versions = {i.seq.adapter.version for i in out.scheduled if i.seq.adapter}
         adapters = {v: (self.store.versions[v].descriptor, resident[v].pages) for v in versions}
+        with StepTimer(self.step_stats, out.scheduled, versions, self._decode_bytes):
+            self._forward_and_sample(out, adapters, touched)
+
+    def _forward_and_sample(self, out: SchedulerOutput, adapters: StepAdapters, touched: dict[str, RequestState]) -> None:
         logits = self.runner.run(out.scheduled, adapters)
         completing = [item.seq for item in out.scheduled if item.completes]
         for item in out.scheduled:
@@ -391,7 +392,7 @@ class Engine:
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)
         state = self.requests[seq.request_id]
-        index = state.seqs.index(seq)
+        index = seq.sample_index                     # its place in state.seqs
         detokenizer = state.detokenizers[index]
         previous_len = len(detokenizer.text)
         result = check_stop(seq, detokenizer.add(token), self.eos_token_ids, self.max_model_len, previous_len)

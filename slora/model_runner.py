@@ -1,6 +1,7 @@
 """Owns the pool tensor and the model; turns a scheduled step into one forward (DESIGN §3)."""
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,6 +40,8 @@ class HostLora:
     a_offsets: Tensor       # [layers, modules, slots] int64
     b_offsets: Tensor
     scalings: Tensor        # float32
+    max_rank: int
+    active: list[list[bool]]   # [layer][module]: whether any adapter of the step targets it
 
 
 @dataclass
@@ -92,8 +95,8 @@ class LoraTables:
         self.capacity = capacity
         self._tables: dict[tuple[str, ...], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 
-    def get(self, versions: tuple[str, ...], adapters: StepAdapters) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(ranks, a_offsets, b_offsets, scalings) of the versions in slot order."""
+    def get(self, versions: tuple[str, ...], adapters: StepAdapters) -> "AdapterTables":
+        """The tables of the versions in slot order, and what follows from them alone."""
         tables = self._tables.pop(versions, None) or self._stack(versions, adapters)
         self._tables[versions] = tables                      # most recent last
         if len(self._tables) > self.capacity:
@@ -101,14 +104,25 @@ class LoraTables:
         return tables
 
     @staticmethod
-    def _stack(versions: tuple[str, ...], adapters: StepAdapters) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _stack(versions: tuple[str, ...], adapters: StepAdapters) -> "AdapterTables":
         descriptors = [adapters[v][0] for v in versions]
         stack = lambda name: torch.stack([getattr(d, name) for d in descriptors], dim=-1)
-        return stack("ranks"), stack("a_offsets"), stack("b_offsets"), stack("scalings")
+        ranks = stack("ranks")                                                    # [layers, modules, slots]
+        return AdapterTables(ranks, stack("a_offsets"), stack("b_offsets"), stack("scalings"),
+                             int(ranks.max()), (ranks.amax(dim=-1) > 0).tolist())
+
+
+class AdapterTables(NamedTuple):
+    ranks: Tensor
+    a_offsets: Tensor
+    b_offsets: Tensor
+    scalings: Tensor
+    max_rank: int
+    active: list[list[bool]]
 
 
 def host_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters, tables: LoraTables) -> HostLora | None:
-    versions = tuple(sorted({item.seq.adapter.version for item in scheduled if item.seq.adapter}))
+    versions = tuple(sorted(adapters))         # the step's adapter versions, one slot each
     if not versions:
         return None
     slot_of = {v: i for i, v in enumerate(versions)}
@@ -206,9 +220,8 @@ class ModelRunner:
         token_slots = move(lora.token_slots)
         return LoraBatch(token_slots=token_slots, page_tables=move(lora.page_tables), ranks=move(lora.ranks),
                          a_offsets=move(lora.a_offsets), b_offsets=move(lora.b_offsets),
-                         scalings=move(lora.scalings), max_rank=int(lora.ranks.max()),
-                         ops=self.lora_ops.prepare(token_slots, lora.page_tables.shape[0]),
-                         active=(lora.ranks.amax(dim=-1) > 0).tolist())
+                         scalings=move(lora.scalings), max_rank=lora.max_rank,
+                         ops=self.lora_ops.prepare(token_slots, lora.page_tables.shape[0]), active=lora.active)
 
     # ---- CUDA graphs --------------------------------------------------------------------------------
     def _graph_bucket(self, scheduled: list[ScheduledSeq], host: HostInputs) -> int | None:
@@ -247,7 +260,7 @@ class ModelRunner:
         static.page_tables[:slots, :lora.page_tables.shape[1]].copy_(lora.page_tables, non_blocking=True)
         for name in ("ranks", "a_offsets", "b_offsets", "scalings"):
             getattr(static, name)[:, :, :slots].copy_(getattr(lora, name), non_blocking=True)
-        static.ranks[:, :, slots:bucket].zero_()
+        static.ranks[:, :, slots:self.graphs.limits.lora_slots(bucket)].zero_()   # the graph's other slots
 
 
 @torch.inference_mode()

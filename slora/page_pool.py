@@ -137,11 +137,6 @@ class PageAllocator:
         self.num_cache_evictions += 1
         self._give_back(page)
 
-    def clear_cache(self) -> None:
-        """Free every cached KV page (live pages keep their hashes)."""
-        while self._cached:
-            self._evict_cached()
-
     def allocate_adapter(self, version: str, count: int) -> list[int]:
         """`count` pages for the weights of adapter `version`; all or nothing."""
         if count > self.num_available:

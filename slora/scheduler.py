@@ -8,6 +8,7 @@ reusing the longest run of cached pages that matches their prompt. Forked sample
 first write into a shared partial page copies it. No torch and no model here: the engine runs the
 model on the output, the simulator a step-cost function.
 """
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -279,7 +280,7 @@ class Scheduler:
     def _prefetch_adapters(self, out: SchedulerOutput) -> None:
         """Copy the adapters of the next waiting requests into free pages before they are scheduled,
         without evicting anything and without touching the admission watermark."""
-        for seq in list(self.waiting)[:self.config.prefetch_depth]:
+        for seq in list(itertools.islice(self.waiting, self.config.prefetch_depth)):   # not the whole queue
             ref = seq.adapter
             if ref is None or self.adapters.is_resident(ref.version) or not self.adapter_ready(ref.version):
                 continue

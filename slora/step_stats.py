@@ -3,7 +3,7 @@
 A step's time runs from scheduling to the sampled tokens on the host: the sampler's copy to the host
 waits for the step's GPU work, so the time includes it (and any Triton compilation the step caused)."""
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from slora.scheduler import ScheduledSeq
@@ -30,9 +30,9 @@ class DecodeBytes:
     kv_bytes_per_token: int
     adapter_bytes: Callable[[str], int]     # by adapter version
 
-    def of(self, scheduled: list[ScheduledSeq]) -> int:
+    def of(self, scheduled: list[ScheduledSeq], versions: Iterable[str]) -> int:
+        """Bytes of a decode step over `scheduled`, whose distinct adapter versions are `versions`."""
         context = sum(item.seq.num_computed_tokens + item.num_tokens for item in scheduled)
-        versions = {item.seq.adapter.version for item in scheduled if item.seq.adapter is not None}
         return (self.weight_bytes + len(scheduled) * self.embedding_row_bytes + context * self.kv_bytes_per_token
                 + sum(map(self.adapter_bytes, versions)))
 
@@ -51,8 +51,7 @@ class StepStats:
         """Bytes per second the decode steps achieved against what they had to read."""
         return self.decode_bytes / self.seconds["decode"] if self.seconds["decode"] > 0 else None
 
-    def record(self, scheduled: list[ScheduledSeq], seconds: float, decode_bytes: int = 0) -> None:
-        kind = step_kind(scheduled)
+    def record(self, kind: str, scheduled: list[ScheduledSeq], seconds: float, decode_bytes: int = 0) -> None:
         self.decode_bytes += decode_bytes
         self.steps[kind] += 1
         self.seconds[kind] += seconds
@@ -67,17 +66,18 @@ class StepStats:
 
 
 class StepTimer:
-    """`with StepTimer(stats, scheduled, decode_bytes):` around a step's forward and sampling."""
+    """`with StepTimer(stats, scheduled, versions, decode_bytes):` around a step's forward and sampling."""
 
-    def __init__(self, stats: StepStats, scheduled: list[ScheduledSeq], decode_bytes: DecodeBytes) -> None:
-        self.stats, self.scheduled, self.decode_bytes = stats, scheduled, decode_bytes
+    def __init__(self, stats: StepStats, scheduled: list[ScheduledSeq], versions: Iterable[str],
+                 decode_bytes: DecodeBytes) -> None:
+        self.stats, self.scheduled = stats, scheduled
+        self.kind = step_kind(scheduled)
+        # Now, before the step: its forward moves the sequences' computed-token counts.
+        self.bytes = decode_bytes.of(scheduled, versions) if self.kind == "decode" else 0
 
     def __enter__(self) -> "StepTimer":
-        # Before the step: its forward moves the sequences' computed-token counts.
-        decode = step_kind(self.scheduled) == "decode"
-        self.bytes = self.decode_bytes.of(self.scheduled) if decode else 0
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stats.record(self.scheduled, time.perf_counter() - self.start, self.bytes)
+        self.stats.record(self.kind, self.scheduled, time.perf_counter() - self.start, self.bytes)
