@@ -1,4 +1,5 @@
 """Adapter tiers: disk -> host cache (LRU by bytes) -> pool, background reads that block no one."""
+import os
 import shutil
 import threading
 import time
@@ -92,6 +93,7 @@ def test_adapter_files_changed_on_disk_abort_its_waiting_requests(tiny_llama, tm
 
 def test_host_cache_defaults_to_a_quarter_of_memory():
     assert EngineConfig().adapter_host_cache_bytes == physical_memory_bytes() // 4 > 0
+    assert physical_memory_bytes() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")   # Linux: no fallback
     assert EngineConfig(adapter_host_cache_gib=0.5).adapter_host_cache_bytes == 2 ** 29
     with pytest.raises(ValueError, match="adapter_host_cache_gib"):
         EngineConfig(adapter_host_cache_gib=-1)

@@ -142,6 +142,8 @@ def test_every_batch_size_has_a_cuda_graph_bucket(max_batch):
     buckets = batch_buckets(max_batch)
     assert buckets == sorted(set(buckets)) and buckets[-1] == max_batch
     assert all(any(b >= size for b in buckets) for size in range(1, max_batch + 1))
+    # ...and a batch is never padded to more than twice its size (nor past 16 more rows).
+    assert all(min(b for b in buckets if b >= size) <= min(2 * size, size + 15) for size in range(1, max_batch + 1))
 
 
 def test_max_loras_caps_distinct_adapters_in_the_batch_and_others_go_ahead():

@@ -14,6 +14,7 @@ def test_steps_are_counted_by_kind(tiny_llama):
     assert stats.steps["prefill"] >= 1 and stats.steps["decode"] >= 1
     assert sum(stats.steps.values()) == llm.engine.scheduler.step_count
     assert stats.slowest_seconds >= max(stats.seconds[k] / stats.steps[k] for k in stats.steps if stats.steps[k])
+    assert stats.slowest_seconds <= sum(stats.seconds.values())
 
 
 def test_decode_bytes_count_weights_live_kv_and_each_adapter_once(tiny_llama):
@@ -29,8 +30,10 @@ def test_decode_bytes_count_weights_live_kv_and_each_adapter_once(tiny_llama):
     row = embed.shape[1] * 4
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     version = engine.registry.resolve("r16").version
-    adapter = sum(engine.shapes.features(m)[0] + engine.shapes.features(m)[1] for m in engine.shapes.modules) \
-        * 16 * cfg.num_layers * 4                                                 # rank 16 on all seven, every layer
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    in_plus_out = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + inter) + (inter + h)   # q k v o gate up down
+    adapter = in_plus_out * 16 * cfg.num_layers * 4                              # rank 16 on all seven, every layer
     assert engine._adapter_weight_bytes(version) == adapter
     # Two decode steps; before them the sequences hold 7+1, 9+1 tokens, then one more each.
     live = (8 + 10) + (9 + 11)
