@@ -11,14 +11,13 @@ adapter bytes / 50 GB/s host-to-device; the decode step also reads each distinct
     python benchmarks/ablation.py [--quick] [--out benchmarks/results/ablation.json] [--plot FILE.png]
 """
 import argparse
-import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import print_table, pyplot, save_figure
+from common import RESULTS, print_table, pyplot, save_figure, write_rows
 from memsim import UNCAPPED_TOKENS, CostModel, PartitionedScheduler, StepMeter, sim_requests
 from workloads import slora_trace
 from slora.page_pool import PageAllocator
@@ -26,7 +25,6 @@ from slora.scheduler import Scheduler, SchedulerConfig
 from slora.sequence import AdapterRef
 from slora.simulator import simulate
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PAGE_SIZE = 16
 WATERMARK = 0.01
 LOG = logging.getLogger("benchmarks.ablation")
@@ -138,9 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     rows = run_ablation(quick_setup() if args.quick else full_setup())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
-    LOG.info("wrote %s", args.out)
+    write_rows(args.out, rows)
     print_table(table_rows(rows))
     plot(rows, args.plot or args.out.with_suffix(".png"))
 

@@ -24,6 +24,13 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     logging.getLogger("benchmarks").info("wrote %s", path)
 
 
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """A bare JSON list of rows (the format simulate.py's issue prescribes), without write_json's envelope."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=2) + "\n")
+    logging.getLogger("benchmarks").info("wrote %s", path)
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     """One right-aligned table; floats get 3 decimals below 10 and 1 above, None prints as "-"."""
     if not rows:

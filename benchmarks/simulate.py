@@ -13,21 +13,19 @@ number of running sequences or the batched tokens: memory is the only bound.
     python benchmarks/simulate.py [--quick] [--out benchmarks/results/simulate.json] [--plot FILE.png]
 """
 import argparse
-import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import print_table, pyplot, save_figure
+from common import RESULTS, print_table, pyplot, save_figure, write_rows
 from memsim import UNCAPPED_TOKENS, CostModel, ReservingScheduler, StepMeter, sim_requests
 from workloads import long_tail_trace
 from slora.page_pool import PageAllocator
 from slora.scheduler import Scheduler, SchedulerConfig
 from slora.simulator import simulate
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MAX_LEN = 4096
 LOG = logging.getLogger("benchmarks.simulate")
 
@@ -137,9 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     rows = run_study(quick_study() if args.quick else full_study())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
-    LOG.info("wrote %s", args.out)
+    write_rows(args.out, rows)
     print_table(table_rows(rows))
     plot(rows, args.plot or args.out.with_suffix(".png"))
 
