@@ -191,7 +191,7 @@ class Engine:
         this name pointed at before keep it until they finish."""
         if not name or not isinstance(name, str):
             raise AdapterError("adapter name must be a non-empty string")
-        usable = self.scheduler.allocator.num_pages - self.scheduler.watermark_pages
+        usable = self.scheduler.usable_pages
         if prepared.packed.num_pages >= usable:
             raise AdapterError(f"adapter needs {prepared.packed.num_pages} pages but the pool has only "
                                f"{usable} usable")
@@ -327,7 +327,7 @@ class Engine:
 
     def _check_fits(self, prompt_len: int, ref: AdapterRef | None) -> None:
         pages = -(-(prompt_len + 1) // self.config.page_size) + (ref.num_pages if ref else 0)
-        usable = self.scheduler.allocator.num_pages - self.scheduler.watermark_pages
+        usable = self.scheduler.usable_pages
         if pages > usable:
             raise ValueError(f"the request needs {pages} pages but the pool has only {usable} usable")
 

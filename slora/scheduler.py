@@ -102,6 +102,11 @@ class Scheduler:
     def watermark_pages(self) -> int:
         return int(self.config.watermark * self.allocator.num_pages)
 
+    @property
+    def usable_pages(self) -> int:
+        """Pages one request (or adapter) may ever get: all but the admission watermark."""
+        return self.allocator.num_pages - self.watermark_pages
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
