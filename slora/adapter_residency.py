@@ -23,13 +23,21 @@ class AdapterResidency:
     # Versions whose pages went back to the pool since the last `take_freed`: a copy into those pages
     # may still be in flight on the GPU's side stream, and the next forward may reuse them.
     freed: list[str] = field(default_factory=list)
+    _idle_pages: int = 0              # pages of resident adapters with no pin (see idle_pages)
 
     def is_resident(self, version: str) -> bool:
         return version in self.resident
 
     def idle_pages(self, exclude: str | None = None) -> int:
-        """Pages of resident adapters that no running sequence uses: reclaimable."""
-        return sum(len(a.pages) for v, a in self.resident.items() if a.pins == 0 and v != exclude)
+        """Pages of resident adapters that no running sequence uses: reclaimable. Asked for every admission
+        candidate, so it is a running count (kept by pin, unpin, make_resident and _free), not a scan."""
+        excluded = self.resident.get(exclude) if exclude is not None else None
+        return self._idle_pages - (len(excluded.pages) if excluded is not None and excluded.pins == 0 else 0)
+
+    def check(self) -> None:
+        """The running count of idle pages equals the sum over idle adapters."""
+        idle = sum(len(a.pages) for a in self.resident.values() if a.pins == 0)
+        assert self._idle_pages == idle, f"idle adapter pages counted {self._idle_pages}, actually {idle}"
 
     def page_tables(self) -> dict[str, list[int]]:
         return {v: a.pages for v, a in self.resident.items()}
@@ -44,6 +52,7 @@ class AdapterResidency:
                 raise OutOfPages(f"adapter {ref.version[:12]} needs {ref.num_pages} pages")
         pages = self.allocator.allocate_adapter(ref.version, ref.num_pages)
         self.resident[ref.version] = ResidentAdapter(ref.version, pages, last_used=step)
+        self._idle_pages += len(pages)
         self.num_loads += 1
         return pages
 
@@ -58,6 +67,8 @@ class AdapterResidency:
 
     def pin(self, version: str, step: int) -> None:
         adapter = self.resident[version]
+        if adapter.pins == 0:
+            self._idle_pages -= len(adapter.pages)
         adapter.pins += 1
         adapter.last_used = step
 
@@ -66,6 +77,8 @@ class AdapterResidency:
         assert adapter.pins > 0, f"adapter {version[:12]} unpinned more often than pinned"
         adapter.pins -= 1
         adapter.last_used = step
+        if adapter.pins == 0:
+            self._idle_pages += len(adapter.pages)
         if adapter.pins == 0 and adapter.retired:
             self._free(adapter)
 
@@ -83,6 +96,8 @@ class AdapterResidency:
         return freed
 
     def _free(self, adapter: ResidentAdapter) -> None:
+        assert adapter.pins == 0, f"adapter {adapter.version[:12]} freed while in use"
+        self._idle_pages -= len(adapter.pages)
         del self.resident[adapter.version]
         self.allocator.release_adapter(adapter.pages)
         self.freed.append(adapter.version)

@@ -179,7 +179,7 @@ class Scheduler:
     # ---- admission ----------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Sequence] = []
-        versions = self.running_versions()
+        versions = self.running_versions() if self.config.max_loras is not None else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
             if seq.adapter is not None and not self.adapter_ready(seq.adapter.version):
@@ -372,6 +372,7 @@ class Scheduler:
     def check(self) -> None:
         """The pool's invariants against the block tables and adapters held here."""
         self.allocator.check([s.block_table for s in self.running], self.adapters.page_tables())
+        self.adapters.check()
         if self.config.max_loras is not None:
             assert len(self.running_versions()) <= self.config.max_loras, "more adapters running than max_loras"
         swapped = sum(len(s.swap_slots) for s in self.waiting if s.swap_slots is not None)

@@ -181,3 +181,18 @@ def test_max_loras_does_not_starve_a_request_of_another_adapter():
     simulate(scheduler, requests, cost, max_steps=5000)
     assert first_step_of_other, "the request of the other adapter never ran"
     assert first_step_of_other[0] < 20
+
+
+def test_idle_adapter_pages_are_counted_through_pins_and_frees():
+    scheduler = make_scheduler(100)
+    adapters = scheduler.adapters
+    for version, pages in (("a", 3), ("b", 5)):
+        adapters.make_resident(AdapterRef(version, pages), step=0)
+    assert adapters.idle_pages() == 8 and adapters.idle_pages(exclude="b") == 3
+    adapters.pin("b", 1)
+    assert adapters.idle_pages() == 3 and adapters.idle_pages(exclude="b") == 3
+    adapters.retire("b")                                    # in use: freed when its last user ends
+    adapters.unpin("b", 2)
+    assert "b" not in adapters.resident and adapters.idle_pages() == 3
+    assert adapters.evict_one_idle() and adapters.idle_pages() == 0
+    adapters.check()
