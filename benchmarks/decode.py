@@ -124,6 +124,34 @@ def step_rows(batches: list[int], iters: int, max_loras: int | None = None) -> l
     return rows
 
 
+def kernel_profile(batch: int, top: int = 30) -> list[dict]:
+    """GPU time by kernel of one eager decode step per adapter mix (torch.profiler): which launches a
+    step spends its time in. Eager, because a graph replay hides its kernels from some profilers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner, descriptor, adapter_pages = make_runner(batch, batch)
+    runner.graphs = None
+    allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
+    adapters = [(f"adapter-{i}", allocator.allocate_adapter(f"adapter-{i}", adapter_pages)) for i in range(batch)]
+    rows = []
+    for mode in ("none", "shared", "distinct"):
+        scheduled, step_adapters = build_step(runner, allocator, batch, adapters, descriptor, mode)
+        time_steps(runner, scheduled, step_adapters, 2)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.run(scheduled, step_adapters)
+            torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in events)
+        launches = sum(e.count for e in events)
+        print(f"{mode}: {launches} kernels, {total / 1e3:.2f} ms of GPU time")  # noqa: T201 - the report
+        rows += [{"adapters": mode, "kernel": e.key[:70], "count": e.count, "total_us": e.device_time_total,
+                  "mean_us": e.device_time_total / e.count} for e in events[:top]]
+        for item in scheduled:
+            for page in item.seq.block_table:
+                allocator.release_kv(page)
+    return rows
+
+
 def peft_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor, new_tokens: int) -> float:
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -194,6 +222,8 @@ def main() -> None:
     parser.add_argument("--vs-peft", action="store_true")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="capture the decode graphs with this many adapter slots (engine max_loras)")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
@@ -210,6 +240,11 @@ def main() -> None:
         print(f"slowest step: {steps['slowest_seconds'] * 1e3:.1f} ms ({steps['slowest_kind']}); "
               f"wall {steps['wall_seconds']:.3f} s")
         write_json(Path(args.out or RESULTS / "decode_vs_peft_h200.json"), {"benchmark": "decode-vs-peft", "rows": [row]})
+        return
+    if args.profile:
+        rows = kernel_profile(8 if args.quick else 64)
+        print_table(rows)
+        write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras)
     print_table(rows)

@@ -199,13 +199,29 @@ def _pack_lora_layer(num_adapters: int, rank: int, page_elems: int, dtype: torch
 LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
-def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, *, split_k: int | None = None,
-               n_tiles: int | None = None, baseline: bool = True) -> Row:
-    """split_k, n_tiles: override the wrappers' choices (the --lora-sweep); baseline: time the torch loop."""
+@dataclass(frozen=True)
+class LoraKnobs:
+    """Overrides of the LoRA wrappers' launch choices (None: the wrapper's default)."""
+    split_k: int | None = None
+    n_tiles: int | None = None
+    shrink_tile: int | None = None
+    expand_tile: int | None = None
+
+    def __str__(self) -> str:
+        auto = lambda v: "auto" if v is None else v
+        return (f"split_k {auto(self.split_k)}, n_tiles {auto(self.n_tiles)}, shrink tile {auto(self.shrink_tile)}, "
+                f"expand tile {auto(self.expand_tile)}")
+
+
+def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, *, knobs: LoraKnobs = LoraKnobs(),
+               baseline: bool = True, table_slots: int | None = None) -> Row:
+    """knobs: override the wrappers' choices (the --lora-sweep); baseline: time the torch loop.
+    table_slots: adapter slots in the tables (a decode graph has one per sequence however many are used)."""
     from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_partials
     dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
-    layer = _pack_lora_layer(num_adapters, rank, page_elems, dtype, gen)
-    slots = (torch.randperm(tokens, generator=gen) % num_adapters).to(torch.int32).cuda()
+    layer = _pack_lora_layer(table_slots or num_adapters, rank, page_elems, dtype, gen)
+    num_adapters, slots_used = table_slots or num_adapters, num_adapters
+    slots = (torch.randperm(tokens, generator=gen) % slots_used).to(torch.int32).cuda()
     inputs = {fin: torch.randn(tokens, fin, device="cuda", dtype=dtype) for fin in (4096, 14336)}
     outs = {name: torch.randn(tokens, fout, device="cuda", dtype=dtype) for name, _, fout in LLAMA3_8B_MODULES}
     segments = lora_segments(slots, num_adapters)   # once per step, shared by all modules and layers
@@ -221,11 +237,11 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
     def run():
         for x, out, sizes, ranks, a_offsets, b_offsets, scalings in groups:
             h = lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
-                                     segments=segments, split_k=split_k)
+                                     segments=segments, split_k=knobs.split_k, tile=knobs.shrink_tile)
             lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
-                        out_sizes=sizes, segments=segments, n_tiles=n_tiles)
+                        out_sizes=sizes, segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile)
 
-    token_ids = [torch.nonzero(slots == a).flatten() for a in range(num_adapters)]
+    token_ids = [torch.nonzero(slots == a).flatten() for a in range(slots_used)]
 
     def torch_loop():
         for name, fin, _ in LLAMA3_8B_MODULES:
@@ -235,12 +251,12 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
                 out.index_add_(0, idx, (x[idx] @ lora_a.T) @ lora_bt, alpha=2.0)
 
     err = _check_lora(layer, slots, inputs, rank)
-    weight_bytes = num_adapters * sum(rank * (fin + fout) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
+    weight_bytes = slots_used * sum(rank * (fin + fout) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
     act_bytes = sum(tokens * (fin + 2 * fout + 2 * rank) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
-    config = f"{tokens} tokens, {num_adapters} adapter(s) rank {rank}, Llama-3-8B layer bf16"
+    config = f"{tokens} tokens, {slots_used} adapter(s) rank {rank}, {num_adapters} slots, Llama-3-8B layer bf16"
     if not baseline:
-        return _bandwidth(Row("lora 7 modules, sweep", f"{config}, split_k {split_k or 'auto'}, "
-                              f"n_tiles {n_tiles or 'auto'}", _time_us(run), _graph_time_us(run), weight_bytes + act_bytes))
+        return _bandwidth(Row("lora 7 modules, sweep", f"{config}, {knobs}", _time_us(run), _graph_time_us(run),
+                              weight_bytes + act_bytes))
     return _bandwidth(Row("lora shrink+expand, 7 modules (4 fused launch pairs)", config, _time_us(run),
                           _graph_time_us(run), weight_bytes + act_bytes,
                           baseline="per-adapter torch matmul loop", baseline_us=_time_us(torch_loop),
@@ -249,9 +265,12 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
 
 
 def lora_sweep(gen: torch.Generator) -> list[Row]:
-    """The LoRA layer at 1 and 64 adapters under other split_k / n_tiles choices than the wrappers'."""
-    return [bench_lora(adapters, 64, 16, gen, split_k=split_k, n_tiles=n_tiles, baseline=False)
-            for adapters in (1, 64) for split_k in (None, 4, 8) for n_tiles in (1, 2, 4, 8)]
+    """The LoRA layer at 1 and 64 adapters over 64 table slots (a decode graph's), under other launch
+    choices than the wrappers': splits of the shrink, tile widths of shrink and expand."""
+    knobs = [LoraKnobs(split_k, None, shrink_tile, expand_tile)
+             for split_k in (None, 4, 8, 16) for shrink_tile in (128, 256, 512) for expand_tile in (128, 256, 512)]
+    return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
+            for adapters in (1, 64) for k in knobs]
 
 
 def _check_lora(layer: LoraLayer, slots: Tensor, inputs: dict[int, Tensor], rank: int) -> float:

@@ -17,7 +17,7 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
   slot's rank exit; expand loops over the slot's real rank. Rows past the rank are never read.
 - A and Bᵀ are read through the slot's page table: element `e` of the logical buffer is
   `pool[page_table[e // page_elems], e % page_elems]`, rows of an `n`-wide matrix start `align_up(n)`
-  apart (offsets must be multiples of ALIGN). A tile row (up to 256 columns, at most a page) lies in
+  apart (offsets must be multiples of ALIGN). A tile row (at most a page) lies in
   at most two pages, so it needs one or two page-table lookups, and its loads stay vectorised.
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
   partial sums; expand sums them in a fixed order as it reads h (deterministic, no atomics, and no
@@ -46,8 +46,11 @@ _MAX_MODULES = 3
 # Output tiles each expand program covers. More means fewer programs that only find a spare block, but
 # on the H200 one was fastest (kernels.py --lora-sweep, benchmarks/results/h200/lora_sweep.json).
 _EXPAND_N_TILES = 1
-# Columns of a row loaded per tile (a power of two >= ALIGN, at most a page).
-_MAX_TILE = 128
+# Columns of a row loaded per tile (a power of two >= ALIGN, at most a page): shrink's reduction
+# chunk and expand's output tile. Wider tiles put more bytes in flight per program and need fewer
+# programs; `tile=` overrides them (kernels.py --lora-sweep).
+_SHRINK_TILE = 128
+_EXPAND_TILE = 128
 # Launch parameters: rank rows per shrink program, 64-column tiles per expand program, warps, stages.
 _SHRINK_BLOCK_R = 16
 _NUM_WARPS = 4
@@ -329,9 +332,11 @@ def _block_m(num_tokens: int, num_slots: int, device: torch.device) -> int:
     return 16
 
 
-def _tile_width(page_elems: int) -> int:
-    """Columns per tile along a row: _MAX_TILE, or less for pages so small that a tile must fit one."""
-    width = _MAX_TILE
+def _tile_width(page_elems: int, tile: int) -> int:
+    """Columns per tile along a row: `tile`, or less for pages so small that a tile must fit one."""
+    if tile < ALIGN or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= {ALIGN}, got {tile}")
+    width = tile
     while width > page_elems:
         width //= 2
     return width
@@ -354,7 +359,7 @@ def _choose_split_k(num_tokens: int, block_m: int, programs_per_split: int, in_f
 
 def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                          a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                         split_k: int | None = None, zero_fill: bool = False) -> Tensor:
+                         split_k: int | None = None, zero_fill: bool = False, tile: int | None = None) -> Tensor:
     """Partial sums of the shrink, `[splits, tokens, modules * max_rank]` float32, for `lora_expand`.
 
     ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read
@@ -373,7 +378,7 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
         split_k = _choose_split_k(num_tokens, segments.block_m, modules * rank_blocks, in_features, x.device)
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
-    block_k = _tile_width(pool.shape[1])
+    block_k = _tile_width(pool.shape[1], tile or _SHRINK_TILE)
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
     split_k = triton.cdiv(in_features, k_per_split)   # no empty split: expand reads every one
     allocate = torch.zeros if zero_fill else torch.empty
@@ -397,16 +402,17 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                 a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                split_k: int | None = None) -> Tensor:
+                split_k: int | None = None, tile: int | None = None) -> Tensor:
     """h[t, :r] = x[t] @ A_sᵀ for s = token_slots[t] of rank r; zero elsewhere. Returns
     `[tokens, modules * max_rank]` in x's dtype (`[tokens, max_rank]` for `[slots]` tables).
 
     x: [tokens, in_features]; pool: [num_pages, page_elems]; token_slots: [tokens] (-1 = no adapter);
     page_tables: [slots, max_pages]; ranks, a_offsets: [slots] or [modules, slots] (element offset of A's
     first row). segments: `lora_segments(token_slots, slots)`, computed here when not given.
-    split_k: force the number of splits of the reduction over in_features."""
+    split_k: force the number of splits of the reduction over in_features.
+    tile: input features per step of the reduction (a power of two >= ALIGN; capped at a page)."""
     partials = lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                    segments=segments, split_k=split_k, zero_fill=True)
+                                    segments=segments, split_k=split_k, zero_fill=True, tile=tile)
     return partials.sum(dim=0).to(x.dtype)
 
 
@@ -433,7 +439,7 @@ def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features
 
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
-                segments: LoraSegments | None = None, n_tiles: int | None = None) -> None:
+                segments: LoraSegments | None = None, n_tiles: int | None = None, tile: int | None = None) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
 
     out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, modules * width]
@@ -441,7 +447,8 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     ranks, b_offsets, scalings: [slots], or [modules, slots] for up to three modules whose outputs lie
     side by side in out, `out_sizes` columns each (q/k/v in the fused qkv output): one launch for all.
     segments: `lora_segments(token_slots, slots)`, computed here when not given.
-    n_tiles: output tiles per program (fewer programs, each doing more; a tuning knob)."""
+    n_tiles: output tiles per program (fewer programs, each doing more; a tuning knob).
+    tile: output columns per tile (a power of two >= ALIGN; capped at a page; a tuning knob)."""
     modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
     partials = _check_partials(h, out.shape[0], modules)
     num_slots = page_tables.shape[0]
@@ -454,7 +461,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     segments = _segments_for(segments, token_slots, num_tokens, num_slots, out.device)
     if num_tokens == 0 or num_slots == 0 or partials.shape[2] == 0:
         return
-    block_n = _tile_width(pool.shape[1])
+    block_n = _tile_width(pool.shape[1], tile or _EXPAND_TILE)
     tiles = sum(triton.cdiv(n, block_n) for n in sizes)
     n_tiles = n_tiles or _EXPAND_N_TILES
     if n_tiles not in (1, 2, 4, 8):

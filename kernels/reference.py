@@ -13,6 +13,7 @@ uses them directly. Conventions:
 - `token_slots[t]` is the step-local adapter slot of token `t`, or -1 for no adapter.
 """
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from slora.kernels.layout import align_up
@@ -152,3 +153,42 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     delta = wide.flatten(1) @ lora_bt.flatten(0, 1)                              # [tokens, out]
     scale = scalings.to(h.dtype)[slots] * has_adapter                            # [tokens]
     out += delta * scale[:, None]
+
+
+def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(weight * rms_norm(x + residual), x + residual) for x, residual `[tokens, hidden]` and weight
+    `[hidden]`. The sum is taken in x's dtype and the norm in float32, then rounded to x's dtype;
+    without residual, the second item is `x` itself."""
+    if residual is not None:
+        x = x + residual
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return weight * normed, x
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x `[tokens, heads, head_dim]` rotated by cos/sin `[tokens, head_dim]` in x's dtype (the
+    half-split layout of HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Rotate the q heads (first `num_heads`) and k heads (next `num_kv_heads`) of the fused qkv output
+    `[tokens, (num_heads + 2 * num_kv_heads) * head_dim]` in place by cos/sin `[tokens, head_dim]`;
+    the v columns are untouched."""
+    for start, heads in ((0, num_heads), (num_heads * head_dim, num_kv_heads)):
+        cols = qkv[:, start:start + heads * head_dim]                             # [tokens, heads * head_dim]
+        cols.copy_(apply_rotary(cols.unflatten(1, (heads, head_dim)), cos, sin).flatten(1))
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for gate_up `[tokens, 2 * inter]` (gate columns first), in gate_up's dtype.
+    Returns a new contiguous `[tokens, inter]` tensor."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate) * up).contiguous()
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """`x @ weightᵀ` for x `[rows, in_features]` and weight `[out_features, in_features]` (no bias)."""
+    return F.linear(x, weight)

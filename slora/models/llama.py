@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from slora.forward_batch import AttentionOps, ForwardBatch
 from slora.kernels.layout import LORA_MODULES
+from slora.models import ops
 from slora.models.config import ModelConfig
 from slora.models.rope import RotaryEmbedding, apply_rotary
 
@@ -21,10 +22,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        # In float32 like Hugging Face's Llama, then the weight in the model's dtype.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(the normed x + residual, x + residual: the residual stream from here on). In float32 like
+        Hugging Face's Llama, then the weight in the model's dtype."""
+        return ops.add_rms_norm(x, self.weight, self.eps, residual)
 
 
 class StepContext:
@@ -74,22 +75,30 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def project_qkv(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v with each token's LoRA added."""
+        """q, k, v with each token's LoRA added, before q/k/v are fused."""
+        return (ctx.lora_one(self.layer, Q, x, self.q_proj(x)), ctx.lora_one(self.layer, K, x, self.k_proj(x)),
+                ctx.lora_one(self.layer, V, x, self.v_proj(x)))
+
+    def rotated_qkv(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k (rotated by position) and v, `[tokens, heads, head_dim]` each."""
+        tokens = x.shape[0]
         if self.qkv_proj is None:
-            return (ctx.lora_one(self.layer, Q, x, self.q_proj(x)), ctx.lora_one(self.layer, K, x, self.k_proj(x)),
-                    ctx.lora_one(self.layer, V, x, self.v_proj(x)))
-        sizes = [self.q_size, self.kv_size, self.kv_size]
+            q, k, v = self.project_qkv(x, ctx)
+            q, k = q.view(tokens, self.num_heads, -1), k.view(tokens, self.num_kv_heads, -1)
+            q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+            return q, k, v.view(tokens, self.num_kv_heads, self.head_dim)
         qkv = self.qkv_proj(x)                                       # [tokens, q_size + 2 * kv_size]
+        sizes = [self.q_size, self.kv_size, self.kv_size]
         # One LoRA call for q, k and v, adding in place into their columns of the fused output.
-        return ctx.lora(self.layer, slice(Q, V + 1), x, qkv, sizes).split(sizes, dim=-1)
+        ctx.lora(self.layer, slice(Q, V + 1), x, qkv, sizes)
+        ops.rotary_qk_(qkv, ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split(sizes, dim=-1)
+        return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
+                v.view(tokens, self.num_kv_heads, self.head_dim))
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
         tokens = x.shape[0]
-        q, k, v = self.project_qkv(x, ctx)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        q, k, v = self.rotated_qkv(x, ctx)
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
         ctx.attention.store_kv(k, v, kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size)
         attn = ctx.attention.attend(q, kv_pool, ctx.batch, self.num_kv_heads, self.scale)
@@ -111,17 +120,18 @@ class MLP(nn.Module):
         self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    def project_gate_up(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor]:
-        """gate, up with each token's LoRA added (one LoRA call for both when they are fused)."""
+    def activated(self, x: Tensor, ctx: StepContext) -> Tensor:
+        """silu(gate) * up `[tokens, intermediate]`, gate and up with each token's LoRA added (one LoRA
+        call and one fused activation for both when they are fused)."""
         if self.gate_up_proj is None:
-            return ctx.lora_one(self.layer, GATE, x, self.gate_proj(x)), ctx.lora_one(self.layer, UP, x, self.up_proj(x))
+            gate = ctx.lora_one(self.layer, GATE, x, self.gate_proj(x))
+            return F.silu(gate) * ctx.lora_one(self.layer, UP, x, self.up_proj(x))
         sizes = [self.intermediate_size] * 2
         gate_up = ctx.lora(self.layer, slice(GATE, UP + 1), x, self.gate_up_proj(x), sizes)   # [tokens, 2 * inter]
-        return gate_up.split(self.intermediate_size, dim=-1)
+        return ops.silu_and_mul(gate_up)
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
-        gate, up = self.project_gate_up(x, ctx)
-        hidden = F.silu(gate) * up                                   # [tokens, intermediate]
+        hidden = self.activated(x, ctx)                              # [tokens, intermediate]
         return ctx.lora_one(self.layer, DOWN, hidden, self.down_proj(hidden))
 
 
@@ -133,9 +143,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layer)
 
-    def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+    def forward(self, x: Tensor, residual: Tensor | None, ctx: StepContext) -> tuple[Tensor, Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two, so the
+        residual additions ride in the norm kernels instead of launches of their own."""
+        normed, residual = self.input_layernorm(x, residual)
+        normed, residual = self.post_attention_layernorm(self.self_attn(normed, ctx), residual)
+        return self.mlp(normed, ctx), residual
 
 
 class LlamaBody(nn.Module):
@@ -168,7 +181,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)                 # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         ctx = StepContext(batch, pool, attention, cos, sin)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, ctx)
-        x = self.model.norm(x[batch.sample_indices])                 # [sampled, hidden]
+            x, residual = layer(x, residual, ctx)
+        rows = batch.sample_indices
+        x, _ = self.model.norm(x[rows], None if residual is None else residual[rows])   # [sampled, hidden]
         return self.lm_head(x).float()

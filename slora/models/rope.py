@@ -4,7 +4,10 @@ import math
 import torch
 from torch import Tensor
 
+from slora.kernels.reference import apply_rotary
 from slora.models.config import RopeConfig
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "inverse_frequencies"]
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
@@ -40,10 +43,3 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [tokens, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate `x` `[tokens, heads, head_dim]` by position (the half-split layout of HF Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -130,11 +130,12 @@ def _fused_case(dtype, pattern, name, seed, device="cpu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k,n_tiles", [(1, 1), (3, 2), (2, 4)])
-def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles):
+@pytest.mark.parametrize("split_k,n_tiles,tile", [(1, 1, None), (3, 2, 64), (2, 4, 256)])
+def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
-    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
+    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k,
+                                    tile=tile)
     assert partials.shape == (split_k, len(slots), len(out_sizes) * 16)
     assert_close(lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k), h_want)
     want = out.clone()
@@ -142,7 +143,7 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles):
     # Expand straight from the partial sums. Shrink leaves the entries of tokens without adapter and of
     # columns past each rank unwritten: make them NaN, so that reading one fails the test.
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
-                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles)
+                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile)
     assert_close(out, want)
 
 
@@ -268,3 +269,14 @@ def test_fused_qkv_gpu(dtype, num_tokens):
                           out_sizes)
     lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
     assert_close(out, want)
+
+
+@pytest.mark.parametrize("tile", [100, 32])
+def test_lora_rejects_bad_tile(tile):
+    x, out, b, slots, out_sizes = _fused_case(torch.float32, "decode", "qkv", seed=6)
+    with pytest.raises(ValueError, match="tile must be a power of two"):
+        lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, tile=tile)
+    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+    with pytest.raises(ValueError, match="tile must be a power of two"):
+        lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
+                    tile=tile)

@@ -1,0 +1,278 @@
+"""add_rms_norm / rotary_qk_ / silu_and_mul (Triton) against the torch reference.
+
+The kernels round to the input dtype wherever the reference's torch ops do, so half-precision results
+are compared in units in the last place (ulps): rotary and the residual sum must be exact, the norm
+and SiLU may differ by rounding-boundary cases of their float32 reductions / exp. bfloat16 runs only on
+the GPU: the Triton interpreter truncates float32 -> bfloat16 casts instead of rounding them.
+"""
+import pytest
+import torch
+from kernel_helpers import make_generator, randn
+from slora.kernels import fused_ops, reference
+from slora.kernels.fused_ops import add_rms_norm, rotary_qk_, silu_and_mul
+from torch import Tensor
+
+CPU_DTYPES = [torch.float32, torch.float16]
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
+EPS = 1e-6
+
+
+def _ulp(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Spacing of `dtype` numbers at |x| (float64); subnormals share the smallest normal's spacing."""
+    tiny = torch.finfo(dtype).tiny
+    _, exponent = torch.frexp(x.double().abs().clamp(min=tiny))       # |x| = m * 2**exponent, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), exponent - 1 - MANTISSA_BITS[dtype])
+
+
+def _assert_matches(actual: Tensor, expected: Tensor, max_ulps: int, max_mismatch: float = 0.01) -> None:
+    """float32: tight tolerance. float16/bfloat16: no element more than `max_ulps` ulps away, and at most
+    a `max_mismatch` fraction (at least one element) not equal: with the reference's rounding steps
+    mimicked only rounding-boundary cases differ (about 1 in 40000 on the CPU), while a kernel that
+    skips one of those steps differs in 10-30% of the elements."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert not torch.isnan(actual).any(), "kernel output holds NaN"
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+        return
+    ulps = (actual.double() - expected.double()).abs() / _ulp(expected, actual.dtype)
+    assert ulps.max().item() <= max_ulps, f"{int((ulps > max_ulps).sum())} elements differ by more than " \
+                                          f"{max_ulps} ulps (worst {ulps.max().item()})"
+    mismatches = int((actual != expected).sum())
+    assert mismatches <= max(1, int(max_mismatch * actual.numel())), \
+        f"{mismatches} of {actual.numel()} elements differ from the reference"
+
+
+def _columns(tokens: int, width: int, dtype: torch.dtype, gen: torch.Generator, device: str, strided: bool,
+             extra: int = 8) -> tuple[Tensor, Tensor]:
+    """(wide, x): x `[tokens, width]` is `wide` itself, or a column slice of a wider `wide` (strided rows,
+    like the engine's fused projection outputs)."""
+    if not strided:
+        wide = randn((tokens, width), dtype, gen, device)
+        return wide, wide
+    wide = randn((tokens, width + extra), dtype, gen, device)
+    return wide, wide[:, 3:3 + width]
+
+
+# --- add_rms_norm ---------------------------------------------------------------------------------
+
+def _rms_case(tokens: int, hidden: int, dtype: torch.dtype, with_residual: bool, strided: bool, seed: int,
+              device: str = "cpu") -> tuple[Tensor, Tensor, Tensor | None]:
+    gen = make_generator(seed)
+    _, x = _columns(tokens, hidden, dtype, gen, device, strided)
+    _, residual = _columns(tokens, hidden, dtype, gen, device, strided)
+    weight = randn((hidden,), dtype, gen, device)
+    return x, weight, residual if with_residual else None
+
+
+def _check_rms(x: Tensor, weight: Tensor, residual: Tensor | None, max_mismatch: float = 0.01) -> None:
+    x_before = x.clone()
+    out, summed = add_rms_norm(x, weight, EPS, residual)
+    expected_out, expected_sum = reference.add_rms_norm(x, weight, EPS, residual)
+    assert torch.equal(x, x_before), "x was modified"
+    assert out.is_contiguous()
+    if residual is None:
+        assert summed is x
+    else:
+        assert summed.is_contiguous()
+        assert torch.equal(summed, expected_sum)            # one rounding of an exact float32 sum
+    # The float32 sum of squares and rsqrt differ from torch's in the last float32 bits, so a normalised
+    # value near a rounding boundary may round the other way (1 ulp), which weight * normed can double.
+    _assert_matches(out, expected_out, max_ulps=2, max_mismatch=max_mismatch)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96, 128])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_reference(dtype, hidden, tokens, with_residual):
+    x, weight, residual = _rms_case(tokens, hidden, dtype, with_residual, strided=False, seed=hidden + tokens)
+    _check_rms(x, weight, residual)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_strided_rows(dtype, with_residual):
+    x, weight, residual = _rms_case(7, 96, dtype, with_residual, strided=True, seed=4)
+    assert not x.is_contiguous()
+    _check_rms(x, weight, residual)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_no_tokens(with_residual):
+    x, weight, residual = _rms_case(0, 64, torch.float16, with_residual, strided=False, seed=5)
+    out, summed = add_rms_norm(x, weight, EPS, residual)
+    assert out.shape == (0, 64) and summed.shape == (0, 64)
+    assert out.dtype == summed.dtype == torch.float16
+
+
+def _meta(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda x, w, r, eps: (x[0], w, r, eps), "x must be"),
+    (lambda x, w, r, eps: (x, w[:-1], r, eps), "weight must be"),
+    (lambda x, w, r, eps: (x, w, r[:, :-1], eps), "residual shape"),
+    (lambda x, w, r, eps: (x, w.half(), r, eps), "weight dtype"),
+    (lambda x, w, r, eps: (x, w, r.half(), eps), "residual dtype"),
+    (lambda x, w, r, eps: (x.double(), w.double(), r.double(), eps), "float16, bfloat16 or float32"),
+    (lambda x, w, r, eps: (x.T.contiguous().T, w, r, eps), "x must be contiguous in its last dim"),
+    (lambda x, w, r, eps: (x, w, r.T.contiguous().T, eps), "residual must be contiguous"),
+    (lambda x, w, r, eps: (x, w, r, -1e-6), "eps must be"),
+    (lambda x, w, r, eps: (x, _meta(w), r, eps), "one device"),
+    (lambda x, w, r, eps: (x[:, :0], w[:0], r[:, :0], eps), "hidden must be"),
+    (lambda x, w, r, eps: (x.new_ones(2, fused_ops.MAX_HIDDEN + 1), w.new_ones(fused_ops.MAX_HIDDEN + 1),
+                           None, eps), "hidden must be"),
+])
+def test_add_rms_norm_rejects_bad_input(change, match):
+    x, weight, residual = _rms_case(4, 32, torch.float32, True, strided=False, seed=6)
+    x, weight, residual, eps = change(x, weight, residual, EPS)
+    with pytest.raises(ValueError, match=match):
+        add_rms_norm(x, weight, eps, residual)
+
+
+# --- rotary_qk_ -----------------------------------------------------------------------------------
+
+def _rotary_case(tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
+                 device: str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(wide, qkv, cos, sin): qkv a column slice of `wide`. cos/sin are random, with different halves,
+    so a kernel that mixes up the halves of the table fails."""
+    gen = make_generator(seed)
+    wide, qkv = _columns(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype, gen, device, strided=True)
+    cos = randn((tokens, head_dim), dtype, gen, device)
+    sin = randn((tokens, head_dim), dtype, gen, device)
+    return wide, qkv, cos, sin
+
+
+def _check_rotary(wide: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int, int]) -> None:
+    expected = wide.clone()
+    start = qkv.storage_offset() - wide.storage_offset()
+    reference.rotary_qk_(expected[:, start:start + qkv.shape[1]], cos, sin, *heads)
+    rotary_qk_(qkv, cos, sin, *heads)
+    # The whole wide tensor: v columns and the columns around the slice must be untouched.
+    assert torch.equal(wide, expected)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("heads", [(4, 1, 16), (2, 2, 32), (4, 1, 32)])
+def test_rotary_qk_matches_reference(dtype, tokens, heads):
+    wide, qkv, cos, sin = _rotary_case(tokens, *heads, dtype, seed=tokens + heads[2])
+    _check_rotary(wide, qkv, cos, sin, heads)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rotary_qk_several_head_blocks(dtype, monkeypatch):
+    # Two heads per program: 5 q/k heads give 3 programs per token, the last one half masked.
+    monkeypatch.setattr(fused_ops, "ROTARY_BLOCK_ELEMS", 32)
+    wide, qkv, cos, sin = _rotary_case(7, 4, 1, 16, dtype, seed=7)
+    _check_rotary(wide, qkv, cos, sin, (4, 1, 16))
+
+
+def test_rotary_qk_no_tokens():
+    _, qkv, cos, sin = _rotary_case(0, 4, 1, 16, torch.float16, seed=8)
+    rotary_qk_(qkv, cos, sin, 4, 1, 16)
+    assert qkv.shape == (0, 96)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda q, c, s, h: (q[0], c, s, h), "qkv must be"),
+    (lambda q, c, s, h: (q[:, :-16], c, s, h), "columns"),
+    (lambda q, c, s, h: (q, c, s, (4, 0, 16)), "multiple of num_kv_heads"),
+    (lambda q, c, s, h: (q, c, s, (3, 2, 16)), "multiple of num_kv_heads"),
+    (lambda q, c, s, h: (q[:, :72], c[:, :12], s[:, :12], (4, 1, 12)), "power of two"),
+    (lambda q, c, s, h: (q[:, :48], c[:, :8], s[:, :8], (4, 1, 8)), "power of two"),
+    (lambda q, c, s, h: (q, c[:, :8], s, h), "cos must be"),
+    (lambda q, c, s, h: (q, c, s[:-1], h), "sin must be"),
+    (lambda q, c, s, h: (q, c, s.half(), h), "sin dtype"),
+    (lambda q, c, s, h: (q.double(), c.double(), s.double(), h), "float16, bfloat16 or float32"),
+    (lambda q, c, s, h: (q.T.contiguous().T, c, s, h), "qkv must be contiguous in its last dim"),
+    (lambda q, c, s, h: (q, c.T.contiguous().T, s, h), "cos must be contiguous"),
+    (lambda q, c, s, h: (q, _meta(c), s, h), "one device"),
+])
+def test_rotary_qk_rejects_bad_input(change, match):
+    _, qkv, cos, sin = _rotary_case(4, 4, 1, 16, torch.float32, seed=9)
+    qkv, cos, sin, heads = change(qkv, cos, sin, (4, 1, 16))
+    with pytest.raises(ValueError, match=match):
+        rotary_qk_(qkv, cos, sin, *heads)
+
+
+# --- silu_and_mul ---------------------------------------------------------------------------------
+
+def _check_silu(gate_up: Tensor, max_mismatch: float = 0.01) -> None:
+    before = gate_up.clone()
+    out = silu_and_mul(gate_up)
+    assert torch.equal(gate_up, before), "gate_up was modified"
+    assert out.is_contiguous()
+    # exp differs from torch's in the last float32 bits, so SiLU near a rounding boundary may round the
+    # other way (1 ulp), which silu * up can double.
+    _assert_matches(out, reference.silu_and_mul(gate_up), max_ulps=2, max_mismatch=max_mismatch)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("inter", [8, 48, 96])
+@pytest.mark.parametrize("strided", [False, True])
+def test_silu_and_mul_matches_reference(dtype, tokens, inter, strided):
+    _, gate_up = _columns(tokens, 2 * inter, dtype, make_generator(inter + tokens), "cpu", strided)
+    _check_silu(gate_up)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_silu_and_mul_several_column_blocks(dtype, monkeypatch):
+    # 16 columns per program: 40 columns give 3 programs per token, the last one half masked.
+    monkeypatch.setattr(fused_ops, "SILU_BLOCK", 16)
+    _, gate_up = _columns(7, 80, dtype, make_generator(10), "cpu", strided=True)
+    _check_silu(gate_up)
+
+
+def test_silu_and_mul_no_tokens():
+    out = silu_and_mul(torch.empty(0, 64, dtype=torch.float16))
+    assert out.shape == (0, 32) and out.dtype == torch.float16
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda g: g[0], "gate_up must be"),
+    (lambda g: g[:, :-1], "positive even number of columns"),
+    (lambda g: g[:, :0], "positive even number of columns"),
+    (lambda g: g.double(), "float16, bfloat16 or float32"),
+    (lambda g: g.T.contiguous().T, "stride 1"),
+])
+def test_silu_and_mul_rejects_bad_input(change, match):
+    _, gate_up = _columns(4, 32, torch.float32, make_generator(11), "cpu", strided=False)
+    with pytest.raises(ValueError, match=match):
+        silu_and_mul(change(gate_up))
+
+
+# --- GPU, real sizes (Llama-8B: hidden 4096, 32 q / 8 kv heads of 128, intermediate 14336) ------------
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_add_rms_norm_gpu(dtype, with_residual, strided):
+    x, weight, residual = _rms_case(64, 4096, dtype, with_residual, strided, seed=12, device="cuda")
+    # rsqrt.approx and the reduction order differ more from torch's CUDA kernel than the interpreter
+    # from torch's CPU one: a wider mismatch allowance, still far below a missing rounding step's.
+    _check_rms(x, weight, residual, max_mismatch=0.02)
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rotary_qk_gpu(dtype):
+    wide, qkv, cos, sin = _rotary_case(64, 32, 8, 128, dtype, seed=13, device="cuda")
+    _check_rotary(wide, qkv, cos, sin, (32, 8, 128))
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_silu_and_mul_gpu(dtype, strided):
+    _, gate_up = _columns(64, 2 * 14336, dtype, make_generator(14), "cuda", strided)
+    # Triton's exp (ex2.approx) differs from torch's expf by a few float32 ulps: a wider mismatch
+    # allowance, still far below a missing rounding step's.
+    _check_silu(gate_up, max_mismatch=0.02)
