@@ -206,12 +206,11 @@ class LoraKnobs:
     n_tiles: int | None = None
     shrink_tile: int | None = None
     expand_tile: int | None = None
-    per_token: bool | None = None
 
     def __str__(self) -> str:
         auto = lambda v: "auto" if v is None else v
         return (f"split_k {auto(self.split_k)}, n_tiles {auto(self.n_tiles)}, shrink tile {auto(self.shrink_tile)}, "
-                f"expand tile {auto(self.expand_tile)}, per-token {auto(self.per_token)}")
+                f"expand tile {auto(self.expand_tile)}")
 
 
 def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, *, knobs: LoraKnobs = LoraKnobs(),
@@ -238,11 +237,9 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
     def run():
         for x, out, sizes, ranks, a_offsets, b_offsets, scalings in groups:
             h = lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
-                                     segments=segments, split_k=knobs.split_k, tile=knobs.shrink_tile,
-                                     per_token=knobs.per_token)
+                                     segments=segments, split_k=knobs.split_k, tile=knobs.shrink_tile)
             lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
-                        out_sizes=sizes, segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile,
-                        per_token=knobs.per_token)
+                        out_sizes=sizes, segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile)
 
     token_ids = [torch.nonzero(slots == a).flatten() for a in range(slots_used)]
 
@@ -260,7 +257,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
     if not baseline:
         return _bandwidth(Row("lora 7 modules, sweep", f"{config}, {knobs}", _time_us(run), _graph_time_us(run),
                               weight_bytes + act_bytes))
-    return _bandwidth(Row("lora shrink+expand, 7 modules (4 fused launch pairs)", f"{config}, {knobs}", _time_us(run),
+    return _bandwidth(Row("lora shrink+expand, 7 modules (4 fused launch pairs)", config, _time_us(run),
                           _graph_time_us(run), weight_bytes + act_bytes,
                           baseline="per-adapter torch matmul loop", baseline_us=_time_us(torch_loop),
                           baseline_graph_us=_graph_time_us(torch_loop),
@@ -270,9 +267,8 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
 def lora_sweep(gen: torch.Generator) -> list[Row]:
     """The LoRA layer at 1 and 64 adapters over 64 table slots (a decode graph's), under other launch
     choices than the wrappers': splits of the shrink, tile widths of shrink and expand."""
-    knobs = [LoraKnobs(per_token=False)] + [
-        LoraKnobs(split_k, None, shrink_tile, expand_tile, per_token=True)
-        for split_k in (None, 4, 16) for shrink_tile in (256, 512) for expand_tile in (128, 256, 512)]
+    knobs = [LoraKnobs(split_k, None, shrink_tile, expand_tile)
+             for split_k in (None, 4, 8, 16) for shrink_tile in (128, 256, 512) for expand_tile in (128, 256, 512)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 
@@ -350,9 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [bench_decode(64, 4096, gen), bench_decode(64, 4096, gen, num_splits=4),
                 bench_decode(1, 32768, gen), bench_decode(1, 32768, gen, num_splits=1),
                 bench_prefill(8, 1024, gen),
-                bench_lora(64, 64, 16, gen), bench_lora(1, 64, 16, gen), bench_lora(1, 64, 16, gen, table_slots=64),
-                bench_lora(64, 64, 16, gen, knobs=LoraKnobs(per_token=False)),
-                bench_lora(1, 64, 16, gen, knobs=LoraKnobs(per_token=False), table_slots=64)]
+                bench_lora(64, 64, 16, gen), bench_lora(1, 64, 16, gen)]
     print(f"device: {device}; bandwidth reference {PEAK_BANDWIDTH / 1e12:.2f} TB/s (a copy's read+write rate, so "
           "pure reads can exceed it); TB/s uses the faster of eager and graph time")
     print_table(rows)

@@ -51,12 +51,6 @@ _EXPAND_N_TILES = 1
 # programs; `tile=` overrides them (kernels.py --lora-sweep).
 _SHRINK_TILE = 128
 _EXPAND_TILE = 128
-# Per-token kernels (decode): used by default for steps of at most this many tokens on the GPU; their
-# tile widths; and the tiles of the reduction each shrink split covers.
-_PER_TOKEN_MAX_TOKENS = 256
-_PER_TOKEN_SHRINK_TILE = 256
-_PER_TOKEN_EXPAND_TILE = 256
-_PER_TOKEN_K_STEPS = 2
 # Launch parameters: rank rows per shrink program, 64-column tiles per expand program, warps, stages.
 _SHRINK_BLOCK_R = 16
 _NUM_WARPS = 4
@@ -254,88 +248,6 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
     tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
-def _lora_shrink_tokens_kernel(
-    x_ptr, pool_ptr, slots_ptr, pt_ptr, ranks_ptr, a_off_ptr, h_ptr,
-    in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
-    stride_xt, stride_pt, stride_rm, stride_am, stride_hsplit, stride_ht,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-):
-    # Per-token shrink (decode): h[split, t, m * max_rank + r] for one token t, module m, BLOCK_R rank rows
-    # and one split of the reduction. The token's slot is one load away, so the weights start streaming
-    # sooner than through segments, and every program has work unless its token has no adapter; tokens
-    # of one adapter read the same A, from L2 after the first.
-    token = tl.program_id(0)
-    module = tl.program_id(1) // rank_blocks
-    r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
-    split = tl.program_id(2)
-    slot = tl.load(slots_ptr + token)
-    if slot < 0:
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), max_rank)
-    if r0 >= rank:
-        return
-    ranks_idx = r0 + tl.arange(0, BLOCK_R)
-    r_mask = ranks_idx < rank
-    a_offset = tl.load(a_off_ptr + module * stride_am + slot)
-    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, in_features)
-    cols = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + token.to(tl.int64) * stride_xt
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_mask = k0 + cols < in_features
-        x = tl.load(x_row + k0 + cols, mask=k_mask, other=0.0).to(tl.float32)                 # [BLOCK_K]
-        a = _load_paged_tile(pool_ptr, pt_row, a_offset, tl.where(r_mask, ranks_idx, 0), row_stride, in_features,
-                             k0, page_elems, r_mask[:, None] & k_mask[None, :], BLOCK_K, ALIGN_ELEMS)
-        acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)                                   # [BLOCK_R]
-    h_ptrs = h_ptr + split * stride_hsplit + token.to(tl.int64) * stride_ht + module * max_rank + ranks_idx
-    tl.store(h_ptrs, acc, mask=r_mask)
-
-
-@triton.jit
-def _lora_expand_tokens_kernel(
-    h_ptr, pool_ptr, slots_ptr, pt_ptr, ranks_ptr, b_off_ptr, scale_ptr, out_ptr,
-    n0, n1, n2, h_rank, num_splits, page_elems,
-    stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-):
-    # Per-token expand (decode): out[t, col_m + n] += scaling * h[t, m-th rank block] @ Bᵀ_{m,slot}[:rank, n]
-    # for one token t and one BLOCK_N-column tile of the modules' columns; h summed over the splits.
-    token = tl.program_id(0)
-    slot = tl.load(slots_ptr + token)
-    if slot < 0:
-        return
-    module, out_col, col0 = _module_of_tile(tl.program_id(1), n0, n1, BLOCK_N)
-    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), h_rank)
-    if rank == 0:
-        return   # the adapter does not target this module
-    out_features = tl.where(module == 0, n0, tl.where(module == 1, n1, n2))
-    b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
-    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
-    row_stride = tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS
-    cols = tl.arange(0, BLOCK_N)
-    n_mask = col0 + cols < out_features
-    h_row = h_ptr + token.to(tl.int64) * stride_ht + module * h_rank
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        ranks_idx = r0 + tl.arange(0, BLOCK_R)
-        r_mask = ranks_idx < rank
-        h = tl.zeros([BLOCK_R], tl.float32)
-        for split in range(num_splits):
-            h += tl.load(h_row + split * stride_hsplit + ranks_idx, mask=r_mask, other=0.0).to(tl.float32)
-        # h in the output's dtype, like a matmul of the two factors would see it.
-        h = h.to(out_ptr.dtype.element_ty).to(tl.float32)                                      # [BLOCK_R]
-        b = _load_paged_tile(pool_ptr, pt_row, b_offset, tl.where(r_mask, ranks_idx, 0), row_stride, out_features,
-                             col0, page_elems, r_mask[:, None] & n_mask[None, :], BLOCK_N, ALIGN_ELEMS)
-        acc += tl.sum(h[:, None] * b.to(tl.float32), axis=0)                                    # [BLOCK_N]
-    o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + out_col + col0 + cols
-    scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
-    base = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Wrappers
 
@@ -447,8 +359,7 @@ def _choose_split_k(num_tokens: int, block_m: int, programs_per_split: int, in_f
 
 def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                          a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                         split_k: int | None = None, zero_fill: bool = False, tile: int | None = None,
-                         per_token: bool | None = None) -> Tensor:
+                         split_k: int | None = None, zero_fill: bool = False, tile: int | None = None) -> Tensor:
     """Partial sums of the shrink, `[splits, tokens, modules * max_rank]` float32, for `lora_expand`.
 
     ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read
@@ -461,9 +372,6 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
         raise ValueError(f"max_rank must be positive, got {max_rank}")
     num_tokens, in_features = x.shape
     num_slots = page_tables.shape[0]
-    if lora_uses_per_token(num_tokens, x.device) if per_token is None else per_token:
-        return _shrink_per_token(x, pool, token_slots.contiguous(), page_tables, ranks, a_offsets, max_rank,
-                                 split_k, torch.zeros if zero_fill else torch.empty, tile)
     segments = _segments_for(segments, token_slots, num_tokens, num_slots, x.device)
     rank_blocks = triton.cdiv(max_rank, _SHRINK_BLOCK_R)
     if split_k is None:
@@ -488,48 +396,13 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     return h
 
 
-def lora_uses_per_token(num_tokens: int, device: torch.device) -> bool:
-    """Whether the wrappers pick the per-token kernels (decode-sized steps on the GPU) over the segmented
-    ones by default; with the per-token kernels no `lora_segments` is needed."""
-    return device.type == "cuda" and num_tokens <= _PER_TOKEN_MAX_TOKENS
-
-
-def _per_token_split_k(in_features: int, block_k: int, device: torch.device) -> int:
-    """Splits that leave each per-token shrink program about _PER_TOKEN_K_STEPS tiles of the reduction."""
-    if device.type != "cuda":
-        return 1
-    return max(1, min(_MAX_SPLIT_K, in_features // (block_k * _PER_TOKEN_K_STEPS)))
-
-
-def _shrink_per_token(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
-                      a_offsets: Tensor, max_rank: int, split_k: int | None, allocate, tile: int | None) -> Tensor:
-    num_tokens, in_features = x.shape
-    modules = 1 if ranks.dim() == 1 else ranks.shape[0]
-    rank_blocks = triton.cdiv(max_rank, _SHRINK_BLOCK_R)
-    block_k = _tile_width(pool.shape[1], tile or _PER_TOKEN_SHRINK_TILE)
-    split_k = _per_token_split_k(in_features, block_k, x.device) if split_k is None else split_k
-    if split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
-    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
-    split_k = triton.cdiv(in_features, k_per_split)   # no empty split: expand reads every one
-    h = allocate((split_k, num_tokens, modules * max_rank), dtype=torch.float32, device=x.device)
-    if num_tokens == 0 or page_tables.shape[0] == 0:
-        return h
-    _lora_shrink_tokens_kernel[(num_tokens, modules * rank_blocks, split_k)](
-        x, pool, token_slots, page_tables, ranks, a_offsets, h, in_features, align_up(in_features), max_rank,
-        rank_blocks, pool.shape[1], k_per_split, x.stride(0), page_tables.stride(0), _module_stride(ranks),
-        _module_stride(a_offsets), h.stride(0), h.stride(1),
-        BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=block_k, ALIGN_ELEMS=ALIGN, num_warps=_NUM_WARPS)
-    return h
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                 a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                split_k: int | None = None, tile: int | None = None, per_token: bool | None = None) -> Tensor:
+                split_k: int | None = None, tile: int | None = None) -> Tensor:
     """h[t, :r] = x[t] @ A_sᵀ for s = token_slots[t] of rank r; zero elsewhere. Returns
     `[tokens, modules * max_rank]` in x's dtype (`[tokens, max_rank]` for `[slots]` tables).
 
@@ -537,12 +410,9 @@ def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tenso
     page_tables: [slots, max_pages]; ranks, a_offsets: [slots] or [modules, slots] (element offset of A's
     first row). segments: `lora_segments(token_slots, slots)`, computed here when not given.
     split_k: force the number of splits of the reduction over in_features.
-    tile: input features per step of the reduction (a power of two >= ALIGN; capped at a page).
-    per_token: force the per-token kernel (True) or the segmented one (False); by default
-    `lora_uses_per_token` decides."""
+    tile: input features per step of the reduction (a power of two >= ALIGN; capped at a page)."""
     partials = lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                    segments=segments, split_k=split_k, zero_fill=True, tile=tile,
-                                    per_token=per_token)
+                                    segments=segments, split_k=split_k, zero_fill=True, tile=tile)
     return partials.sum(dim=0).to(x.dtype)
 
 
@@ -569,8 +439,7 @@ def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features
 
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
-                segments: LoraSegments | None = None, n_tiles: int | None = None, tile: int | None = None,
-                per_token: bool | None = None) -> None:
+                segments: LoraSegments | None = None, n_tiles: int | None = None, tile: int | None = None) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
 
     out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, modules * width]
@@ -579,8 +448,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     side by side in out, `out_sizes` columns each (q/k/v in the fused qkv output): one launch for all.
     segments: `lora_segments(token_slots, slots)`, computed here when not given.
     n_tiles: output tiles per program (fewer programs, each doing more; a tuning knob).
-    tile: output columns per tile (a power of two >= ALIGN; capped at a page; a tuning knob).
-    per_token: as in `lora_shrink` (n_tiles and segments do not apply to the per-token kernel)."""
+    tile: output columns per tile (a power of two >= ALIGN; capped at a page; a tuning knob)."""
     modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
     partials = _check_partials(h, out.shape[0], modules)
     num_slots = page_tables.shape[0]
@@ -590,10 +458,6 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     sizes = _check_out_sizes(out_sizes, modules, out.shape[1])
     _check_devices(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings)
     num_tokens = out.shape[0]
-    if lora_uses_per_token(num_tokens, out.device) if per_token is None else per_token:
-        _expand_per_token(out, partials, pool, token_slots.contiguous(), page_tables, ranks, b_offsets, scalings,
-                          sizes, modules, tile)
-        return
     segments = _segments_for(segments, token_slots, num_tokens, num_slots, out.device)
     if num_tokens == 0 or num_slots == 0 or partials.shape[2] == 0:
         return
@@ -610,17 +474,3 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
-
-
-def _expand_per_token(out: Tensor, partials: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
-                      ranks: Tensor, b_offsets: Tensor, scalings: Tensor, sizes: list[int], modules: int,
-                      tile: int | None) -> None:
-    if out.shape[0] == 0 or page_tables.shape[0] == 0 or partials.shape[2] == 0:
-        return
-    block_n = _tile_width(pool.shape[1], tile or _PER_TOKEN_EXPAND_TILE)
-    tiles = sum(triton.cdiv(n, block_n) for n in sizes)
-    _lora_expand_tokens_kernel[(out.shape[0], tiles)](
-        partials, pool, token_slots, page_tables, ranks, b_offsets, scalings, out, *sizes,
-        partials.shape[2] // modules, partials.shape[0], pool.shape[1], partials.stride(0), partials.stride(1),
-        page_tables.stride(0), _module_stride(ranks), _module_stride(b_offsets), _module_stride(scalings),
-        out.stride(0), BLOCK_R=16, BLOCK_N=block_n, ALIGN_ELEMS=ALIGN, num_warps=_NUM_WARPS)

@@ -58,9 +58,6 @@ class TritonLora:
         self._lora, self.segments = lora, segments
 
     def prepare(self, token_slots: Tensor, num_slots: int) -> "TritonLora":
-        # Decode-sized steps take the per-token kernels, which need no segments (a sort and searches).
-        if self._lora.lora_uses_per_token(token_slots.shape[0], token_slots.device):
-            return TritonLora()
         return TritonLora(self._lora.lora_segments(token_slots, num_slots))
 
     def lora_shrink(self, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,

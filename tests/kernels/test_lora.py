@@ -42,11 +42,9 @@ def _shrink_case(dtype, pattern, in_features, seed, ranks=RANKS, max_rank=16, de
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("in_features", [96, 200])   # not multiples of ALIGN: rows have padding
 @pytest.mark.parametrize("split_k", [None, 2])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_lora_shrink_matches_reference(dtype, pattern, in_features, split_k, per_token):
+def test_lora_shrink_matches_reference(dtype, pattern, in_features, split_k):
     x, b, slots, max_rank = _shrink_case(dtype, pattern, in_features, seed=in_features)
-    got = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, split_k=split_k,
-                      per_token=per_token)
+    got = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, split_k=split_k)
     want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank)
     assert got.shape == (len(slots), max_rank) and got.dtype == dtype
     assert want.abs().sum() > 0
@@ -67,13 +65,12 @@ def _expand_case(dtype, pattern, out_features, seed, ranks=RANKS, max_rank=16, d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("out_features", [72, 160])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_lora_expand_matches_reference(dtype, pattern, out_features, per_token):
+def test_lora_expand_matches_reference(dtype, pattern, out_features):
     out, h, b, slots = _expand_case(dtype, pattern, out_features, seed=out_features)
     want = out.clone()
     reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
     before = out.clone()
-    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, per_token=per_token)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
     assert_close(out, want)
     untouched = (slots < 0) | (b.ranks[slots.long().clamp(min=0)] == 0)
     assert torch.equal(out[untouched], before[untouched])
@@ -96,20 +93,19 @@ def test_lora_ranks_up_to_64_with_shared_segments():
 
 
 @pytest.mark.parametrize("page_elems", [64, 128, 1024])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_lora_small_and_large_pages(page_elems, per_token):
+def test_lora_small_and_large_pages(page_elems):
     # Pages of one or two ALIGN rows force narrow tiles; large pages let tiles cross page boundaries.
     ranks = [2, 16, 5]
     gen = make_generator(page_elems)
     b = make_lora_batch(ranks, 136, 200, page_elems, torch.float32, gen)
     slots = random_token_slots(21, len(ranks), gen)
     x = randn((21, 136), torch.float32, gen)
-    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, per_token=per_token, tile=512)
+    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     assert_close(h, reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16))
     out = randn((21, 200), torch.float32, gen)
     want = out.clone()
     reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
-    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, per_token=per_token, tile=512)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
     assert_close(out, want)
 
 
@@ -135,12 +131,11 @@ def _fused_case(dtype, pattern, name, seed, device="cpu"):
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
 @pytest.mark.parametrize("split_k,n_tiles,tile", [(1, 1, None), (3, 2, 64), (2, 4, 256)])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, per_token):
+def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k,
-                                    tile=tile, per_token=per_token)
+                                    tile=tile)
     assert partials.shape == (split_k, len(slots), len(out_sizes) * 16)
     assert_close(lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k), h_want)
     want = out.clone()
@@ -148,7 +143,7 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
     # Expand straight from the partial sums. Shrink leaves the entries of tokens without adapter and of
     # columns past each rank unwritten: make them NaN, so that reading one fails the test.
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
-                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile, per_token=per_token)
+                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile)
     assert_close(out, want)
 
 
@@ -184,16 +179,15 @@ def test_lora_segments_group_tokens_by_slot():
     assert block_start.tolist() == [2, 4, 20, 21, 24]
 
 
-@pytest.mark.parametrize("per_token", [False, True])
-def test_lora_without_adapters_is_a_no_op(per_token):
+def test_lora_without_adapters_is_a_no_op():
     x, b, _, max_rank = _shrink_case(torch.float32, "decode", 64, seed=12)
     slots = torch.full((x.shape[0],), -1, dtype=torch.int32)
-    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, per_token=per_token)
+    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank)
     assert torch.equal(h, torch.zeros_like(h))
     out = randn((x.shape[0], 8), torch.float32, make_generator(0))
     before = out.clone()
     lora_expand(out, randn(tuple(h.shape), torch.float32, make_generator(1)), b.pool, slots, b.page_tables,
-                b.ranks, b.b_offsets, b.scalings, per_token=per_token)
+                b.ranks, b.b_offsets, b.scalings)
     assert torch.equal(out, before)
 
 
