@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [bench_decode(64, 4096, gen), bench_decode(64, 4096, gen, num_splits=4),
                 bench_decode(1, 32768, gen), bench_decode(1, 32768, gen, num_splits=1),
                 bench_prefill(8, 1024, gen),
-                bench_lora(64, 64, 16, gen), bench_lora(1, 64, 16, gen)]
+                bench_lora(64, 64, 16, gen), bench_lora(1, 64, 16, gen), bench_lora(1, 64, 16, gen, table_slots=64)]
     print(f"device: {device}; bandwidth reference {PEAK_BANDWIDTH / 1e12:.2f} TB/s (a copy's read+write rate, so "
           "pure reads can exceed it); TB/s uses the faster of eager and graph time")
     print_table(rows)
