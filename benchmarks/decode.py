@@ -142,7 +142,8 @@ def kernel_profile(batch: int, top: int = 30) -> list[dict]:
             torch.cuda.synchronize()
         events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in events)
-        launches = sum(e.count for e in events)
+        # Events with GPU time: kernels and copies (the runtime's launch calls are events too, without).
+        launches = sum(e.count for e in events if e.device_time_total > 0)
         print(f"{mode}: {launches} kernels, {total / 1e3:.2f} ms of GPU time")  # noqa: T201 - the report
         rows += [{"adapters": mode, "kernel": e.key[:70], "count": e.count, "total_us": e.device_time_total,
                   "mean_us": e.device_time_total / e.count} for e in events[:top]]

@@ -187,8 +187,3 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     Returns a new contiguous `[tokens, inter]` tensor."""
     gate, up = gate_up.chunk(2, dim=-1)
     return (F.silu(gate) * up).contiguous()
-
-
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """`x @ weightᵀ` for x `[rows, in_features]` and weight `[out_features, in_features]` (no bias)."""
-    return F.linear(x, weight)
