@@ -73,15 +73,22 @@ def filter_logits(logits: Tensor, temperatures: Tensor, top_ks: Tensor, top_ps: 
     outside_k = (top_ks[:, None] > 0) & (ranks >= top_ks[:, None])
     sorted_logits = sorted_logits.masked_fill(outside_k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
-    outside_p = (probs.cumsum(dim=-1) - probs) >= top_ps[:, None]               # keep the first past p
+    # Keep the first token past p. top_p = 1 keeps every token: the float32 running sum over a large
+    # vocabulary can reach 1 before its end, and such a row must equal an unfiltered one (sample's
+    # truncate=False), whatever it is batched with.
+    outside_p = (top_ps[:, None] < 1) & ((probs.cumsum(dim=-1) - probs) >= top_ps[:, None])
     sorted_logits = sorted_logits.masked_fill(outside_p, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample(logits: Tensor, params: SamplingTensors) -> Tensor:
-    """One token per row `[rows]` (on the device): argmax for greedy rows, else Gumbel-max sampling."""
+def sample(logits: Tensor, params: SamplingTensors, truncate: bool = True) -> Tensor:
+    """One token per row `[rows]` (on the device): argmax for greedy rows, else Gumbel-max sampling.
+    truncate=False: no row has top-k or top-p < 1, so the sort over the vocabulary is skipped."""
     greedy = logits.argmax(dim=-1)
-    filtered = filter_logits(logits.float(), params.temperatures, params.top_ks, params.top_ps)
+    if truncate:
+        filtered = filter_logits(logits.float(), params.temperatures, params.top_ks, params.top_ps)
+    else:
+        filtered = logits.float() / params.temperatures.clamp(min=1e-6)[:, None]
     gumbel = -torch.log(-torch.log(uniform_noise(params.seeds, params.steps, logits.shape[-1])))
     sampled = (filtered + gumbel).argmax(dim=-1)
     return torch.where(params.temperatures == 0, greedy, sampled)
@@ -92,4 +99,5 @@ class Sampler:
         """One token per row of `logits` `[seqs, vocab]`; one device-to-host copy for the whole batch."""
         if all(s.params.greedy for s in seqs):
             return logits.argmax(dim=-1).tolist()
-        return sample(logits, SamplingTensors.from_seqs(seqs, logits.device)).tolist()
+        truncate = any(s.params.top_k > 0 or s.params.top_p < 1 for s in seqs)
+        return sample(logits, SamplingTensors.from_seqs(seqs, logits.device), truncate).tolist()

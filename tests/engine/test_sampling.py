@@ -131,3 +131,18 @@ def test_embedded_model_with_a_small_max_lora_rank_skips_larger_demo_adapters():
     llm = LLM(max_lora_rank=8)
     names = {entry.name for entry in llm.engine.registry.visible_to(None)}
     assert names == {"demo-r4-attn", "demo-r8-mlp"}
+
+
+def test_rows_without_top_k_or_top_p_sample_as_if_unfiltered():
+    # A top_p = 1 row among truncated rows must draw what it draws when no row truncates (the sampler then
+    # skips the sort); a vocabulary whose float32 running sum reaches 1 early must not drop its tail.
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50_000, generator=gen) * 3
+    params = SamplingTensors(torch.tensor([0.7, 1.0, 1.3, 0.9]), torch.tensor([0, 5, 0, 0]),
+                             torch.tensor([1.0, 1.0, 0.5, 1.0]), torch.tensor([1, 2, 3, 4]), torch.tensor([0, 3, 7, 9]))
+    mixed = sample_tokens(logits, params, truncate=True)
+    plain = sample_tokens(logits, params, truncate=False)
+    assert mixed[0] == plain[0] and mixed[3] == plain[3]
+    filtered = filter_logits(logits, params.temperatures, params.top_ks, params.top_ps)
+    assert torch.isfinite(filtered[0]).all() and torch.isfinite(filtered[3]).all()
+    assert torch.isfinite(filtered[1]).sum() == 5
