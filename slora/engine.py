@@ -2,6 +2,7 @@
 import dataclasses
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -221,7 +222,9 @@ class Engine:
             if stored.reload.done():
                 del self._reloading[version]
                 self._finish_reload(stored)
-        for seq in self.scheduler.waiting:
+        # Only requests that could be admitted within a step or two: reading the adapters of the whole queue
+        # back would cost a scan per step and let reads for later requests evict those needed first.
+        for seq in itertools.islice(self.scheduler.waiting, self.scheduler.config.max_num_seqs):
             if seq.adapter is not None and not self.adapter_ready(seq.adapter.version):
                 self._start_reload(self.store.versions[seq.adapter.version])
 

@@ -97,3 +97,23 @@ def test_host_cache_defaults_to_a_quarter_of_memory():
     assert EngineConfig(adapter_host_cache_gib=0.5).adapter_host_cache_bytes == 2 ** 29
     with pytest.raises(ValueError, match="adapter_host_cache_gib"):
         EngineConfig(adapter_host_cache_gib=-1)
+
+
+def test_adapters_are_read_back_only_for_requests_near_the_head_of_the_queue(tiny_llama):
+    llm = LLM(str(tiny_llama.model_dir), num_pages=256, adapter_host_cache_gib=300 * 1024 / 2 ** 30, max_num_seqs=1)
+    engine = llm.engine
+    on_disk = llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
+    llm.load_adapter("rs-pattern", str(tiny_llama.adapters["rs-pattern"]))
+    stored = engine.store.versions[on_disk]
+    assert stored.tier == "disk"
+    prompts = random_prompts([10, 10], seed=33)
+    engine.add_request("first", prompts[0], GREEDY, "rs-pattern")
+    engine.add_request("second", prompts[1], GREEDY, "all-r16")      # behind one request, one seat
+    engine.step()
+    assert stored.reload is None and stored.tier == "disk" and engine.store.num_reloads == 0
+    engine.step()                                                    # now at the head: its read starts
+    assert stored.reload is not None or stored.tier == "host"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.store.num_reloads == 1
+    engine.check()
