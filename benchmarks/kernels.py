@@ -206,18 +206,20 @@ class LoraKnobs:
     n_tiles: int | None = None
     shrink_tile: int | None = None
     expand_tile: int | None = None
+    accumulate: bool = True     # the engine's shrink (lora_shrink_into) rather than split partial sums
 
     def __str__(self) -> str:
         auto = lambda v: "auto" if v is None else v
-        return (f"split_k {auto(self.split_k)}, n_tiles {auto(self.n_tiles)}, shrink tile {auto(self.shrink_tile)}, "
-                f"expand tile {auto(self.expand_tile)}")
+        shrink = "into one h" if self.accumulate else "partials"
+        return (f"shrink {shrink}, split_k {auto(self.split_k)}, n_tiles {auto(self.n_tiles)}, "
+                f"shrink tile {auto(self.shrink_tile)}, expand tile {auto(self.expand_tile)}")
 
 
 def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, *, knobs: LoraKnobs = LoraKnobs(),
                baseline: bool = True, table_slots: int | None = None) -> Row:
     """knobs: override the wrappers' choices (the --lora-sweep); baseline: time the torch loop.
     table_slots: adapter slots in the tables (a decode graph has one per sequence however many are used)."""
-    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_partials
+    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_into, lora_shrink_partials
     dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
     layer = _pack_lora_layer(table_slots or num_adapters, rank, page_elems, dtype, gen)
     num_adapters, slots_used = table_slots or num_adapters, num_adapters
@@ -234,10 +236,24 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
                        torch.stack([layer.offsets[n][0] for n in names]),
                        torch.stack([layer.offsets[n][1] for n in names]), torch.stack([layer.scalings] * len(names))))
 
+    # As the engine does: one float32 workspace zeroed per step, a slice of it per shrink.
+    workspace = torch.zeros(tokens * rank * len(LLAMA3_8B_MODULES), device="cuda")
+
+    def shrink(x, ranks, a_offsets, width, used):
+        if not knobs.accumulate:
+            return lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
+                                        segments=segments, split_k=knobs.split_k, tile=knobs.shrink_tile)
+        h = workspace[used:used + tokens * width].view(tokens, width)
+        lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
+                         split_k=knobs.split_k, tile=knobs.shrink_tile)
+        return h
+
     def run():
+        workspace.zero_()
+        used = 0
         for x, out, sizes, ranks, a_offsets, b_offsets, scalings in groups:
-            h = lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
-                                     segments=segments, split_k=knobs.split_k, tile=knobs.shrink_tile)
+            h = shrink(x, ranks, a_offsets, len(sizes) * rank, used)
+            used += tokens * len(sizes) * rank
             lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
                         out_sizes=sizes, segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile)
 
@@ -257,7 +273,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
     if not baseline:
         return _bandwidth(Row("lora 7 modules, sweep", f"{config}, {knobs}", _time_us(run), _graph_time_us(run),
                               weight_bytes + act_bytes))
-    return _bandwidth(Row("lora shrink+expand, 7 modules (4 fused launch pairs)", config, _time_us(run),
+    return _bandwidth(Row("lora shrink+expand, 7 modules (4 fused launch pairs)", f"{config}, {knobs}", _time_us(run),
                           _graph_time_us(run), weight_bytes + act_bytes,
                           baseline="per-adapter torch matmul loop", baseline_us=_time_us(torch_loop),
                           baseline_graph_us=_graph_time_us(torch_loop),
@@ -267,8 +283,8 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
 def lora_sweep(gen: torch.Generator) -> list[Row]:
     """The LoRA layer at 1 and 64 adapters over 64 table slots (a decode graph's), under other launch
     choices than the wrappers': splits of the shrink, tile widths of shrink and expand."""
-    knobs = [LoraKnobs(split_k, None, shrink_tile, expand_tile)
-             for split_k in (None, 4, 8, 16) for shrink_tile in (128, 256, 512) for expand_tile in (128, 256, 512)]
+    knobs = [LoraKnobs(accumulate=False)] + [LoraKnobs(split_k) for split_k in (None, 8, 16, 32)] + \
+        [LoraKnobs(None, None, 256), LoraKnobs(16, None, 256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 
@@ -346,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = [bench_decode(64, 4096, gen), bench_decode(64, 4096, gen, num_splits=4),
                 bench_decode(1, 32768, gen), bench_decode(1, 32768, gen, num_splits=1),
                 bench_prefill(8, 1024, gen),
-                bench_lora(64, 64, 16, gen), bench_lora(1, 64, 16, gen), bench_lora(1, 64, 16, gen, table_slots=64)]
+                bench_lora(64, 64, 16, gen), bench_lora(1, 64, 16, gen), bench_lora(1, 64, 16, gen, table_slots=64),
+                bench_lora(64, 64, 16, gen, knobs=LoraKnobs(accumulate=False)),
+                bench_lora(1, 64, 16, gen, knobs=LoraKnobs(accumulate=False), table_slots=64)]
     print(f"device: {device}; bandwidth reference {PEAK_BANDWIDTH / 1e12:.2f} TB/s (a copy's read+write rate, so "
           "pure reads can exceed it); TB/s uses the faster of eager and graph time")
     print_table(rows)

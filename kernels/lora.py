@@ -41,6 +41,8 @@ _PROGRAMS_PER_SM = 2
 # _MAX_SPLIT_K splits (expand sums the partial results of every split when it reads h).
 _MIN_K_PER_SPLIT = 256
 _MAX_SPLIT_K = 8
+# With lora_shrink_into the splits add into one h atomically, so expand's cost does not grow with them.
+_MAX_ACCUMULATE_SPLIT_K = 32
 # Modules fused into one launch: up to three that share their input (q/k/v, gate/up).
 _MAX_MODULES = 3
 # Output tiles each expand program covers. More means fewer programs that only find a spare block, but
@@ -138,8 +140,9 @@ def _lora_shrink_kernel(
     in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
     stride_xt, stride_pt, stride_rm, stride_am, stride_hsplit, stride_ht,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
+    # ACCUMULATE: every split adds into h[token, m * max_rank + r] (atomically; stride_hsplit is 0). Else:
     # h[split, token, m * max_rank + r] = sum over this split's k of x[token, k] * A_{m,slot}[r, k], for
     # one block of BLOCK_M tokens of one slot, module m and BLOCK_R rank rows. Modules share x (q/k/v).
     # x: [T, in]; h: [splits, T, modules * max_rank] float32.
@@ -170,7 +173,10 @@ def _lora_shrink_kernel(
         acc += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
     h_cols = module * max_rank + ranks_idx
     h_ptrs = h_ptr + split * stride_hsplit + tokens[:, None] * stride_ht + h_cols[None, :]
-    tl.store(h_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :])
+    if ACCUMULATE:
+        tl.atomic_add(h_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")
+    else:
+        tl.store(h_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
@@ -343,7 +349,7 @@ def _tile_width(page_elems: int, tile: int) -> int:
 
 
 def _choose_split_k(num_tokens: int, block_m: int, programs_per_split: int, in_features: int,
-                    device: torch.device) -> int:
+                    device: torch.device, max_split_k: int = _MAX_SPLIT_K) -> int:
     """Splits of the shrink reduction. The fewest programs a step can have (every token on one adapter)
     is cdiv(tokens, block_m) per module and rank block; decode (a handful of tokens per block) needs
     splits to keep the multiprocessors busy, a long prefill none. The interpreter runs programs one by
@@ -354,7 +360,7 @@ def _choose_split_k(num_tokens: int, block_m: int, programs_per_split: int, in_f
     target = _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     if fewest >= target:
         return 1
-    return max(1, min(triton.cdiv(target, fewest), _MAX_SPLIT_K, in_features // _MIN_K_PER_SPLIT))
+    return max(1, min(triton.cdiv(target, fewest), max_split_k, in_features // _MIN_K_PER_SPLIT))
 
 
 def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
@@ -385,15 +391,57 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     h = allocate((split_k, num_tokens, modules * max_rank), dtype=torch.float32, device=x.device)
     if num_tokens == 0 or num_slots == 0:
         return h
-    _lora_shrink_kernel[(num_tokens // segments.block_m + num_slots, modules * rank_blocks, split_k)](
+    _launch_shrink(x, pool, segments, page_tables, ranks, a_offsets, h, h.stride(0), max_rank, split_k,
+                   k_per_split, block_k, accumulate=False)
+    return h
+
+
+def _launch_shrink(x: Tensor, pool: Tensor, segments: LoraSegments, page_tables: Tensor, ranks: Tensor,
+                   a_offsets: Tensor, h: Tensor, stride_hsplit: int, max_rank: int, split_k: int, k_per_split: int,
+                   block_k: int, accumulate: bool) -> None:
+    num_tokens, in_features = x.shape
+    rank_blocks = triton.cdiv(max_rank, _SHRINK_BLOCK_R)
+    modules = 1 if ranks.dim() == 1 else ranks.shape[0]
+    _lora_shrink_kernel[(num_tokens // segments.block_m + page_tables.shape[0], modules * rank_blocks, split_k)](
         x, pool, segments.token_order, segments.seg_starts, segments.block_slot, segments.block_start,
         page_tables, ranks, a_offsets, h, in_features, align_up(in_features), max_rank, rank_blocks, pool.shape[1],
         k_per_split, x.stride(0), page_tables.stride(0), _module_stride(ranks), _module_stride(a_offsets),
-        h.stride(0), h.stride(1),
+        stride_hsplit, h.stride(-2),
         BLOCK_M=segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=block_k, ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        DOT_PRECISION=_dot_precision(x.dtype), ACCUMULATE=accumulate, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
-    return h
+
+
+def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
+                     a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
+                     split_k: int | None = None, tile: int | None = None) -> None:
+    """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
+
+    h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
+    for every layer). The splits of the reduction add into h atomically, so expand reads one h instead of
+    summing partials, and decode can split the reduction finely; the float32 sum order of the splits is
+    not fixed (results may differ in the last bits between runs). Other arguments as `lora_shrink`."""
+    modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
+    _check_devices(x, h, pool, token_slots, page_tables, ranks, a_offsets)
+    if max_rank <= 0:
+        raise ValueError(f"max_rank must be positive, got {max_rank}")
+    num_tokens, in_features = x.shape
+    if h.shape != (num_tokens, modules * max_rank) or h.dtype != torch.float32 or h.stride(1) != 1:
+        raise ValueError(f"h must be float32 [tokens={num_tokens}, modules * max_rank={modules * max_rank}] with "
+                         f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
+    segments = _segments_for(segments, token_slots, num_tokens, page_tables.shape[0], x.device)
+    block_k = _tile_width(pool.shape[1], tile or _SHRINK_TILE)
+    if split_k is None:
+        programs = modules * triton.cdiv(max_rank, _SHRINK_BLOCK_R)
+        split_k = _choose_split_k(num_tokens, segments.block_m, programs, in_features, x.device,
+                                  _MAX_ACCUMULATE_SPLIT_K)
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+    if num_tokens == 0 or page_tables.shape[0] == 0:
+        return
+    _launch_shrink(x, pool, segments, page_tables, ranks, a_offsets, h, 0, max_rank,
+                   triton.cdiv(in_features, k_per_split), k_per_split, block_k, accumulate=True)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

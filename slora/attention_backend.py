@@ -1,8 +1,10 @@
 """Kernels behind the model: torch references on the CPU, Triton kernels on CUDA (DESIGN §4)."""
+import torch
 from torch import Tensor
 
 from slora.forward_batch import ForwardBatch
 from slora.kernels import reference
+from slora.kernels.layout import LORA_MODULES
 
 
 class ReferenceAttention:
@@ -19,7 +21,7 @@ class ReferenceAttention:
 
 
 class ReferenceLora:
-    def prepare(self, token_slots: Tensor, num_slots: int) -> "ReferenceLora":
+    def prepare(self, token_slots: Tensor, num_slots: int, num_layers: int) -> "ReferenceLora":
         return self
 
     lora_shrink = staticmethod(reference.lora_shrink)
@@ -51,20 +53,38 @@ class TritonAttention:
 
 
 class TritonLora:
-    """Batched LoRA kernels; the tokens are grouped by adapter once per step and reused by every call."""
+    """Batched LoRA kernels for one step: the tokens are grouped by adapter once and reused by every call,
+    and every shrink adds into a slice of one float32 workspace that the step's first shrink zeroes (one
+    memset per step, inside the captured graph for decode)."""
 
-    def __init__(self, segments: object | None = None) -> None:
+    def __init__(self, segments: object | None = None, num_layers: int = 0) -> None:
         from slora.kernels import lora
-        self._lora, self.segments = lora, segments
+        self._lora, self.segments, self._num_layers = lora, segments, num_layers
+        self._workspace: Tensor | None = None
+        self._used = 0
 
-    def prepare(self, token_slots: Tensor, num_slots: int) -> "TritonLora":
-        return TritonLora(self._lora.lora_segments(token_slots, num_slots))
+    def prepare(self, token_slots: Tensor, num_slots: int, num_layers: int) -> "TritonLora":
+        return TritonLora(self._lora.lora_segments(token_slots, num_slots), num_layers)
 
     def lora_shrink(self, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                     a_offsets: Tensor, max_rank: int) -> Tensor:
-        # The split partial sums go straight to expand, which adds them up as it reads them.
-        return self._lora.lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                               segments=self.segments)
+        modules = 1 if ranks.dim() == 1 else ranks.shape[0]
+        h = self._zeroed(x.shape[0], modules * max_rank, max_rank, x.device)
+        self._lora.lora_shrink_into(h, x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
+                                    segments=self.segments)
+        return h
+
+    def _zeroed(self, rows: int, width: int, max_rank: int, device: torch.device) -> Tensor:
+        """A zeroed float32 `[rows, width]` slice of the step's workspace, sized at the first call for every
+        module of every layer (seven rank blocks per layer)."""
+        if self._workspace is None:
+            capacity = self._num_layers * len(LORA_MODULES) * rows * max_rank
+            self._workspace = torch.zeros(capacity, dtype=torch.float32, device=device)
+        if self._used + rows * width > self._workspace.numel():   # not sized for this call: a buffer of its own
+            return torch.zeros(rows, width, dtype=torch.float32, device=device)
+        chunk = self._workspace[self._used:self._used + rows * width].view(rows, width)
+        self._used += rows * width
+        return chunk
 
     def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:

@@ -75,7 +75,7 @@ class DecodeGraphs:
                              ranks=s.ranks[:, :, :slots], a_offsets=s.a_offsets[:, :, :slots],
                              b_offsets=s.b_offsets[:, :, :slots], scalings=s.scalings[:, :, :slots],
                              max_rank=self.limits.max_lora_rank,
-                             ops=self.lora_ops.prepare(s.token_slots[:size], slots),
+                             ops=self.lora_ops.prepare(s.token_slots[:size], slots, self.limits.num_layers),
                              active=[[True] * len(LORA_MODULES)] * self.limits.num_layers)
         return ForwardBatch(s.input_ids[:size], s.positions[:size], s.slot_mapping[:size], s.block_tables[:size],
                             s.query_start_loc[:size + 1], s.context_lens[:size], s.sample_indices[:size],

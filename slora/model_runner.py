@@ -221,7 +221,8 @@ class ModelRunner:
         return LoraBatch(token_slots=token_slots, page_tables=move(lora.page_tables), ranks=move(lora.ranks),
                          a_offsets=move(lora.a_offsets), b_offsets=move(lora.b_offsets),
                          scalings=move(lora.scalings), max_rank=lora.max_rank,
-                         ops=self.lora_ops.prepare(token_slots, lora.page_tables.shape[0]), active=lora.active)
+                         ops=self.lora_ops.prepare(token_slots, lora.page_tables.shape[0], lora.ranks.shape[0]),
+                         active=lora.active)
 
     # ---- CUDA graphs --------------------------------------------------------------------------------
     def _graph_bucket(self, scheduled: list[ScheduledSeq], host: HostInputs) -> int | None:

@@ -10,7 +10,7 @@ from kernel_helpers import (
     random_token_slots,
 )
 from slora.kernels import reference
-from slora.kernels.lora import lora_expand, lora_segments, lora_shrink, lora_shrink_partials
+from slora.kernels.lora import lora_expand, lora_segments, lora_shrink, lora_shrink_into, lora_shrink_partials
 
 
 def _decode_slots(num_slots: int, gen: torch.Generator) -> torch.Tensor:
@@ -280,3 +280,26 @@ def test_lora_rejects_bad_tile(tile):
     with pytest.raises(ValueError, match="tile must be a power of two"):
         lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
                     tile=tile)
+
+
+@pytest.mark.parametrize("pattern", ["decode", "prefill"])
+@pytest.mark.parametrize("name", sorted(FUSED_CASES))
+@pytest.mark.parametrize("split_k", [None, 1, 3])
+def test_shrink_into_adds_every_split_into_h(pattern, name, split_k):
+    x, out, b, slots, out_sizes = _fused_case(torch.float32, pattern, name, seed=7 + (split_k or 0))
+    h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+    start = randn(tuple(h_want.shape), torch.float32, make_generator(3))
+    h = start.clone()                      # not zero: the shrink must add to what h holds
+    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k, tile=64)
+    assert_close(h, start + h_want)
+    want = out.clone()
+    reference.lora_expand(want, h_want, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
+    lora_expand(out, h - start, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
+    assert_close(out, want)
+
+
+def test_shrink_into_rejects_a_bad_h():
+    x, _, b, slots, _ = _fused_case(torch.float32, "decode", "qkv", seed=8)
+    for h in (torch.zeros(len(slots), 47), torch.zeros(len(slots), 48, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="h must be float32"):
+            lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
