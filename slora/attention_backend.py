@@ -52,10 +52,17 @@ class TritonAttention:
                              batch.page_size, num_kv_heads, scale)
 
 
+# Steps of at most this many tokens shrink into one h (lora_shrink_into: the reduction split finely, the
+# splits added atomically); larger ones keep split partial sums that expand adds up. On the H200 the
+# first was 5-8% faster per decode step at batch 1-64 and 1-5% slower at 128-256 with distinct adapters
+# (benchmarks/README.md, decode step).
+ACCUMULATE_MAX_TOKENS = 64
+
+
 class TritonLora:
-    """Batched LoRA kernels for one step: the tokens are grouped by adapter once and reused by every call,
-    and every shrink adds into a slice of one float32 workspace that the step's first shrink zeroes (one
-    memset per step, inside the captured graph for decode)."""
+    """Batched LoRA kernels for one step: the tokens are grouped by adapter once and reused by every call.
+    In small steps every shrink adds into a slice of one float32 workspace that the step's first shrink
+    zeroes (one memset per step, inside the captured graph for decode)."""
 
     def __init__(self, segments: object | None = None, num_layers: int = 0) -> None:
         from slora.kernels import lora
@@ -68,6 +75,10 @@ class TritonLora:
 
     def lora_shrink(self, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                     a_offsets: Tensor, max_rank: int) -> Tensor:
+        if x.shape[0] > ACCUMULATE_MAX_TOKENS:
+            # The split partial sums go straight to expand, which adds them up as it reads them.
+            return self._lora.lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
+                                                   segments=self.segments)
         modules = 1 if ranks.dim() == 1 else ranks.shape[0]
         h = self._zeroed(x.shape[0], modules * max_rank, max_rank, x.device)
         self._lora.lora_shrink_into(h, x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from slora import LLM, SamplingParams
+from slora import attention_backend
 from slora.attention_backend import TritonAttention, TritonLora
 from tiny import random_prompts
 
@@ -13,7 +14,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs Triton kernels in the interpreter, on CPU-only machines")
 
 
-def test_triton_backends_match_the_reference_backends(tiny_llama):
+@pytest.mark.parametrize("accumulate_max_tokens", [64, 0])   # shrink into one h, or split partial sums
+def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, accumulate_max_tokens):
+    monkeypatch.setattr(attention_backend, "ACCUMULATE_MAX_TOKENS", accumulate_max_tokens)
     prompts = random_prompts([3, 18, 9], seed=40)
     names = ["all-r16", None, "rs-pattern"]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
