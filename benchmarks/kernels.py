@@ -209,10 +209,13 @@ class LoraKnobs:
     accumulate: bool = True     # the engine's shrink (lora_shrink_into) rather than split partial sums
 
     def __str__(self) -> str:
-        auto = lambda v: "auto" if v is None else v
         shrink = "into one h" if self.accumulate else "partials"
-        return (f"shrink {shrink}, split_k {auto(self.split_k)}, n_tiles {auto(self.n_tiles)}, "
-                f"shrink tile {auto(self.shrink_tile)}, expand tile {auto(self.expand_tile)}")
+        return (f"shrink {shrink}, split_k {_auto(self.split_k)}, n_tiles {_auto(self.n_tiles)}, "
+                f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}")
+
+
+def _auto(value: int | None) -> str:
+    return "auto" if value is None else str(value)
 
 
 def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, *, knobs: LoraKnobs = LoraKnobs(),
@@ -221,12 +224,12 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
     table_slots: adapter slots in the tables (a decode graph has one per sequence however many are used)."""
     from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_into, lora_shrink_partials
     dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
-    layer = _pack_lora_layer(table_slots or num_adapters, rank, page_elems, dtype, gen)
-    num_adapters, slots_used = table_slots or num_adapters, num_adapters
-    slots = (torch.randperm(tokens, generator=gen) % slots_used).to(torch.int32).cuda()
+    num_slots = table_slots or num_adapters
+    layer = _pack_lora_layer(num_slots, rank, page_elems, dtype, gen)
+    slots = (torch.randperm(tokens, generator=gen) % num_adapters).to(torch.int32).cuda()
     inputs = {fin: torch.randn(tokens, fin, device="cuda", dtype=dtype) for fin in (4096, 14336)}
     outs = {name: torch.randn(tokens, fout, device="cuda", dtype=dtype) for name, _, fout in LLAMA3_8B_MODULES}
-    segments = lora_segments(slots, num_adapters)   # once per step, shared by all modules and layers
+    segments = lora_segments(slots, num_slots)   # once per step, shared by all modules and layers
     shapes = {name: (fin, fout) for name, fin, fout in LLAMA3_8B_MODULES}
     groups = []
     for names in LORA_GROUPS:
@@ -249,7 +252,8 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
         return h
 
     def run():
-        workspace.zero_()
+        if knobs.accumulate:
+            workspace.zero_()
         used = 0
         for x, out, sizes, ranks, a_offsets, b_offsets, scalings in groups:
             h = shrink(x, ranks, a_offsets, len(sizes) * rank, used)
@@ -257,7 +261,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
             lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
                         out_sizes=sizes, segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile)
 
-    token_ids = [torch.nonzero(slots == a).flatten() for a in range(slots_used)]
+    token_ids = [torch.nonzero(slots == a).flatten() for a in range(num_adapters)]
 
     def torch_loop():
         for name, fin, _ in LLAMA3_8B_MODULES:
@@ -266,10 +270,10 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
                 lora_a, lora_bt = layer.dense[a][name]
                 out.index_add_(0, idx, (x[idx] @ lora_a.T) @ lora_bt, alpha=2.0)
 
-    err = _check_lora(layer, slots, inputs, rank)
-    weight_bytes = slots_used * sum(rank * (fin + fout) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
+    err = _check_lora(layer, slots, inputs, rank, lambda x, ranks, a_offsets: shrink(x, ranks, a_offsets, rank, 0))
+    weight_bytes = num_adapters * sum(rank * (fin + fout) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
     act_bytes = sum(tokens * (fin + 2 * fout + 2 * rank) for _, fin, fout in LLAMA3_8B_MODULES) * dtype.itemsize
-    config = f"{tokens} tokens, {slots_used} adapter(s) rank {rank}, {num_adapters} slots, Llama-3-8B layer bf16"
+    config = f"{tokens} tokens, {num_adapters} adapter(s) rank {rank}, {num_slots} slots, Llama-3-8B layer bf16"
     if not baseline:
         return _bandwidth(Row("lora 7 modules, sweep", f"{config}, {knobs}", _time_us(run), _graph_time_us(run),
                               weight_bytes + act_bytes))
@@ -283,16 +287,18 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
 def lora_sweep(gen: torch.Generator) -> list[Row]:
     """The LoRA layer at 1 and 64 adapters over 64 table slots (a decode graph's), under other launch
     choices than the wrappers': splits of the shrink, tile widths of shrink and expand."""
-    knobs = [LoraKnobs(accumulate=False)] + [LoraKnobs(split_k) for split_k in (None, 8, 16, 32)] + \
-        [LoraKnobs(None, None, 256), LoraKnobs(16, None, 256)]
+    knobs = [LoraKnobs(accumulate=False)] + [LoraKnobs(split_k=split_k) for split_k in (None, 8, 16, 32)] + \
+        [LoraKnobs(shrink_tile=256), LoraKnobs(split_k=16, shrink_tile=256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 
 
-def _check_lora(layer: LoraLayer, slots: Tensor, inputs: dict[int, Tensor], rank: int) -> float:
-    from slora.kernels.lora import lora_shrink
+def _check_lora(layer: LoraLayer, slots: Tensor, inputs: dict[int, Tensor], rank: int,
+                shrink: Callable[[Tensor, Tensor, Tensor], Tensor]) -> float:
+    """Max error of the timed shrink (its h, partial sums added up) for q_proj against the reference."""
     a_off, _ = layer.offsets["q_proj"]
-    got = lora_shrink(inputs[4096], layer.pool, slots, layer.page_tables, layer.ranks, a_off, rank)
+    h = shrink(inputs[4096], layer.ranks, a_off)
+    got = h.sum(dim=0) if h.dim() == 3 else h.clone()
     want = reference.lora_shrink(inputs[4096].float(), layer.pool.float(), slots, layer.page_tables, layer.ranks,
                                  a_off, rank)
     return (got.float() - want).abs().max().item()

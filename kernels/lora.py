@@ -21,7 +21,10 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
   at most two pages, so it needs one or two page-table lookups, and its loads stay vectorised.
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
   partial sums; expand sums them in a fixed order as it reads h (deterministic, no atomics, and no
-  launch of its own: decode LoRA is bound by launch latency, not bytes).
+  launch of its own: decode LoRA is bound by launch latency, not bytes). `lora_shrink_into` instead
+  adds every split into one caller-zeroed h with atomics, so the reduction can be split finer (up to
+  32) at no cost to expand; the float32 order of those additions is not fixed. The engine uses it for
+  steps of at most 64 tokens (slora.attention_backend).
 - Fused modules: the tables may be `[modules, slots]` for up to three modules that share an input
   (q/k/v, gate/up), so one shrink launch and one expand launch (into the fused qkv or gate_up output,
   `out_sizes` columns per module) serve them all: 8 launches per layer for seven projections.
@@ -53,6 +56,7 @@ _EXPAND_N_TILES = 1
 # programs; `tile=` overrides them (kernels.py --lora-sweep).
 _SHRINK_TILE = 128
 _EXPAND_TILE = 128
+_MAX_TILE = 512
 # Launch parameters: rank rows per shrink program, 64-column tiles per expand program, warps, stages.
 _SHRINK_BLOCK_R = 16
 _NUM_WARPS = 4
@@ -266,6 +270,8 @@ def _check_common(name: str, act: Tensor, pool: Tensor, token_slots: Tensor, pag
         raise ValueError(f"{name} must be [tokens, features], got shape {tuple(act.shape)}")
     if act.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"{name} must be float16, bfloat16 or float32, got {act.dtype}")
+    if act.shape[1] == 0:
+        raise ValueError(f"{name} has no features (shape {tuple(act.shape)})")
     if act.stride(1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride 1)")
     if pool.dim() != 2 or not pool.is_floating_point():
@@ -338,10 +344,12 @@ def _block_m(num_tokens: int, num_slots: int, device: torch.device) -> int:
     return 16
 
 
-def _tile_width(page_elems: int, tile: int) -> int:
-    """Columns per tile along a row: `tile`, or less for pages so small that a tile must fit one."""
-    if tile < ALIGN or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two >= {ALIGN}, got {tile}")
+def _tile_width(page_elems: int, tile: int | None, default: int) -> int:
+    """Columns per tile along a row: `tile` (or the default), less for pages so small that a tile must
+    fit one."""
+    tile = default if tile is None else tile
+    if not ALIGN <= tile <= _MAX_TILE or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two in [{ALIGN}, {_MAX_TILE}], got {tile}")
     width = tile
     while width > page_elems:
         width //= 2
@@ -384,7 +392,7 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
         split_k = _choose_split_k(num_tokens, segments.block_m, modules * rank_blocks, in_features, x.device)
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
-    block_k = _tile_width(pool.shape[1], tile or _SHRINK_TILE)
+    block_k = _tile_width(pool.shape[1], tile, _SHRINK_TILE)
     k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
     split_k = triton.cdiv(in_features, k_per_split)   # no empty split: expand reads every one
     allocate = torch.zeros if zero_fill else torch.empty
@@ -430,7 +438,7 @@ def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, pa
         raise ValueError(f"h must be float32 [tokens={num_tokens}, modules * max_rank={modules * max_rank}] with "
                          f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
     segments = _segments_for(segments, token_slots, num_tokens, page_tables.shape[0], x.device)
-    block_k = _tile_width(pool.shape[1], tile or _SHRINK_TILE)
+    block_k = _tile_width(pool.shape[1], tile, _SHRINK_TILE)
     if split_k is None:
         programs = modules * triton.cdiv(max_rank, _SHRINK_BLOCK_R)
         split_k = _choose_split_k(num_tokens, segments.block_m, programs, in_features, x.device,
@@ -509,7 +517,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     segments = _segments_for(segments, token_slots, num_tokens, num_slots, out.device)
     if num_tokens == 0 or num_slots == 0 or partials.shape[2] == 0:
         return
-    block_n = _tile_width(pool.shape[1], tile or _EXPAND_TILE)
+    block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
     tiles = sum(triton.cdiv(n, block_n) for n in sizes)
     n_tiles = n_tiles or _EXPAND_N_TILES
     if n_tiles not in (1, 2, 4, 8):

@@ -53,9 +53,10 @@ class TritonAttention:
 
 
 # Steps of at most this many tokens shrink into one h (lora_shrink_into: the reduction split finely, the
-# splits added atomically); larger ones keep split partial sums that expand adds up. On the H200 the
-# first was 5-8% faster per decode step at batch 1-64 and 1-5% slower at 128-256 with distinct adapters
-# (benchmarks/README.md, decode step).
+# splits added atomically); larger ones keep split partial sums that expand adds up. Decode steps on
+# the H200 with the first against the second (benchmarks/README.md): one shared adapter 7.8% / 7.7% /
+# 5.5% / 3.5% / 1.1% faster at batch 1 / 16 / 64 / 128 / 256; a distinct adapter per request 8.0% / 4.6%
+# faster at 1 / 16, then 1.3% / 3.9% / 4.7% slower at 64 / 128 / 256. Batch 64 is the trade-off.
 ACCUMULATE_MAX_TOKENS = 64
 
 
@@ -87,12 +88,11 @@ class TritonLora:
 
     def _zeroed(self, rows: int, width: int, max_rank: int, device: torch.device) -> Tensor:
         """A zeroed float32 `[rows, width]` slice of the step's workspace, sized at the first call for every
-        module of every layer (seven rank blocks per layer)."""
+        module of every layer (max_rank columns for each of the seven modules)."""
         if self._workspace is None:
             capacity = self._num_layers * len(LORA_MODULES) * rows * max_rank
             self._workspace = torch.zeros(capacity, dtype=torch.float32, device=device)
-        if self._used + rows * width > self._workspace.numel():   # not sized for this call: a buffer of its own
-            return torch.zeros(rows, width, dtype=torch.float32, device=device)
+        assert self._used + rows * width <= self._workspace.numel(), "more shrinks in a step than modules"
         chunk = self._workspace[self._used:self._used + rows * width].view(rows, width)
         self._used += rows * width
         return chunk

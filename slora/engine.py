@@ -222,8 +222,9 @@ class Engine:
             if stored.reload.done():
                 del self._reloading[version]
                 self._finish_reload(stored)
-        # Only requests that could be admitted within a step or two: reading the adapters of the whole queue
-        # back would cost a scan per step and let reads for later requests evict those needed first.
+        # Only the requests that could be admitted within a step or two: reading back the adapters of the
+        # whole queue would cost a scan per step, and a long queue's reads would crowd the host cache
+        # with adapters needed much later.
         for seq in itertools.islice(self.scheduler.waiting, self.scheduler.config.max_num_seqs):
             if seq.adapter is not None and not self.adapter_ready(seq.adapter.version):
                 self._start_reload(self.store.versions[seq.adapter.version])

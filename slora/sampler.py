@@ -2,7 +2,8 @@
 
 Random draws come from a counter-based hash of (seed, output position, vocabulary index), computed with
 tensor ops on the logits' device: no per-request generator, no host round trip per request, and the same
-draw on the CPU and on CUDA. A seeded sample is reproduced exactly, also after preemption and recompute.
+draw on the CPU and on CUDA. A seeded sample is reproduced exactly, also after preemption and recompute,
+given the same logits (on CUDA those can differ in their last bits with the batch and between runs).
 """
 from dataclasses import dataclass
 

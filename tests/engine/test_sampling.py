@@ -51,6 +51,13 @@ def test_top_k_one_is_greedy(llm):
     assert sample(llm, "a", temperature=1.5, top_k=1, seed=3).token_ids == sample(llm, "a", temperature=0).token_ids
 
 
+def test_a_tiny_top_p_alone_is_greedy(llm):
+    # The only truncating row of its batch truncates by top_p alone: the sampler must not skip the filter.
+    greedy = sample(llm, "a", temperature=0).token_ids
+    assert sample(llm, "a", temperature=1.5, top_p=1e-6, seed=3).token_ids == greedy
+    assert sample(llm, "a", temperature=1.5, seed=3).token_ids != greedy       # the seed alone would not do
+
+
 def test_filter_logits_top_k_and_top_p_per_row():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
     probs = torch.softmax(logits[0], 0)

@@ -271,7 +271,7 @@ def test_fused_qkv_gpu(dtype, num_tokens):
     assert_close(out, want)
 
 
-@pytest.mark.parametrize("tile", [100, 32])
+@pytest.mark.parametrize("tile", [100, 32, 0, 1024])
 def test_lora_rejects_bad_tile(tile):
     x, out, b, slots, out_sizes = _fused_case(torch.float32, "decode", "qkv", seed=6)
     with pytest.raises(ValueError, match="tile must be a power of two"):
@@ -282,24 +282,55 @@ def test_lora_rejects_bad_tile(tile):
                     tile=tile)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k", [None, 1, 3])
-def test_shrink_into_adds_every_split_into_h(pattern, name, split_k):
-    x, out, b, slots, out_sizes = _fused_case(torch.float32, pattern, name, seed=7 + (split_k or 0))
-    h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k):
+    x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=7 + split_k)
+    h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 16)
     start = randn(tuple(h_want.shape), torch.float32, make_generator(3))
     h = start.clone()                      # not zero: the shrink must add to what h holds
     lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k, tile=64)
     assert_close(h, start + h_want)
-    want = out.clone()
-    reference.lora_expand(want, h_want, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
+    want = out.float()
+    reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
+                          out_sizes)
     lora_expand(out, h - start, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
     assert_close(out, want)
 
 
-def test_shrink_into_rejects_a_bad_h():
+def test_shrink_into_rejects_bad_input():
     x, _, b, slots, _ = _fused_case(torch.float32, "decode", "qkv", seed=8)
-    for h in (torch.zeros(len(slots), 47), torch.zeros(len(slots), 48, dtype=torch.float16)):
+    for h in (torch.zeros(len(slots), 47), torch.zeros(len(slots), 48, dtype=torch.float16),
+              torch.zeros(1, len(slots), 48), torch.zeros(len(slots), 96)[:, ::2]):
         with pytest.raises(ValueError, match="h must be float32"):
             lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+    h = torch.zeros(len(slots), 48)
+    for kwargs, match in (({"split_k": 0}, "split_k"), ({"tile": 0}, "tile"), ({"tile": 1024}, "tile")):
+        with pytest.raises(ValueError, match=match):
+            lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, **kwargs)
+    with pytest.raises(ValueError, match="max_rank"):
+        lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 0)
+    with pytest.raises(ValueError, match="no features"):
+        lora_shrink_into(h, x[:, :0], b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [None, 32])
+@pytest.mark.parametrize("in_features", [4096, 14336])
+def test_shrink_into_gpu(dtype, split_k, in_features):
+    # The engine's shrink for steps of up to 64 tokens, at Llama-3-8B sizes: the automatic split (many
+    # splits added atomically) and the most splits.
+    gen = make_generator(in_features + (split_k or 0))
+    module_ranks = [GPU_RANKS, GPU_RANKS[::-1]]
+    b = make_fused_lora_batch(module_ranks, in_features, [4096, 4096], 2 * 16 * 8 * 128, dtype, gen, "cuda",
+                              weight_scale=0.02)
+    slots = random_token_slots(64, len(GPU_RANKS), gen, device="cuda")
+    x = randn((64, in_features), dtype, gen, "cuda")
+    h = torch.zeros(64, 2 * 128, dtype=torch.float32, device="cuda")
+    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, split_k=split_k)
+    want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
+    assert_close(h, want)
