@@ -153,3 +153,17 @@ def test_rows_without_top_k_or_top_p_sample_as_if_unfiltered():
     filtered = filter_logits(logits, params.temperatures, params.top_ks, params.top_ps)
     assert torch.isfinite(filtered[0]).all() and torch.isfinite(filtered[3]).all()
     assert torch.isfinite(filtered[1]).sum() == 5
+
+
+def test_step_only_finished_returns_each_request_once_when_it_ends(llm):
+    engine = llm.engine
+    prompts = random_prompts([6, 9], seed=8)
+    for request_id, prompt, max_tokens in (("short", prompts[0], 2), ("long", prompts[1], 5)):
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    seen, steps = [], 0
+    while engine.has_unfinished():
+        outputs = engine.step(only_finished=True)
+        steps += 1
+        assert all(o.finished for o in outputs)
+        seen += [(o.request_id, len(o.token_ids)) for o in outputs]
+    assert sorted(seen) == [("long", 5), ("short", 2)] and steps >= 5
