@@ -52,6 +52,12 @@ class IncrementalDetokenizer:
             self._read_offset = len(self.token_ids)
         return self.text
 
+    def hold(self, token_id: int) -> str:
+        """Append a token without decoding it (the text is wanted only at the end); returns the text so
+        far, which stays as it was."""
+        self.token_ids.append(token_id)
+        return self.text
+
     def final_text(self) -> str:
         """The exact decode of every token, once the sequence has ended."""
         if self.tokenizer is None:

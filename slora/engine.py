@@ -51,6 +51,7 @@ class RequestState:
     texts: list[str] = field(default_factory=list)
     num_samples: int = 1              # samples 1.. are forked from sample 0 after its prefill
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
+    stream_text: bool = True          # False: the text is decoded once, when a sample ends
 
     @property
     def finished(self) -> bool:
@@ -269,8 +270,10 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    adapter: str | None = None, owner: str | None = None) -> None:
-        """Queue a request. Raises ValueError (UnknownAdapterError for a bad adapter) on bad input."""
+                    adapter: str | None = None, owner: str | None = None, stream: bool = True) -> None:
+        """Queue a request. Raises ValueError (UnknownAdapterError for a bad adapter) on bad input.
+        stream=False: the caller reads the text only once the request has ended, so unless a stop string
+        needs it the text is decoded then, not token by token (an output's text is "" until it ends)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n > self.config.max_num_seqs:
@@ -285,7 +288,8 @@ class Engine:
         parent = self._new_seq(request_id, prompt_token_ids, params, ref, 0, self.cache_salt(owner))
         self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent], version, [""],
                                                  num_samples=params.n,
-                                                 detokenizers=[IncrementalDetokenizer(self.tokenizer)])
+                                                 detokenizers=[IncrementalDetokenizer(self.tokenizer)],
+                                                 stream_text=stream or bool(params.stop))
         self.scheduler.add(parent)
 
     def cache_salt(self, owner: str | None) -> bytes:
@@ -401,7 +405,8 @@ class Engine:
         index = seq.sample_index                     # its place in state.seqs
         detokenizer = state.detokenizers[index]
         previous_len = len(detokenizer.text)
-        result = check_stop(seq, detokenizer.add(token), self.eos_token_ids, self.max_model_len, previous_len)
+        text = detokenizer.add(token) if state.stream_text else detokenizer.hold(token)
+        result = check_stop(seq, text, self.eos_token_ids, self.max_model_len, previous_len)
         state.texts[index] = result.text
         if result.reason is None:
             return

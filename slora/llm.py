@@ -53,7 +53,7 @@ class LLM:
 
     def _submit(self, prompt: Prompt, params: SamplingParams, adapter: str | None) -> str:
         request_id = f"offline-{next(self._ids)}"
-        self.engine.add_request(request_id, self.encode(prompt), params, adapter)
+        self.engine.add_request(request_id, self.encode(prompt), params, adapter, stream=False)
         return request_id
 
     def encode(self, prompt: Prompt) -> list[int]:

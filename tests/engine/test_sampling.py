@@ -167,3 +167,20 @@ def test_step_only_finished_returns_each_request_once_when_it_ends(llm):
         assert all(o.finished for o in outputs)
         seen += [(o.request_id, len(o.token_ids)) for o in outputs]
     assert sorted(seen) == [("long", 5), ("short", 2)] and steps >= 5
+
+
+@pytest.mark.parametrize("stop_string", [False, True])
+def test_unstreamed_requests_decode_their_text_once_at_the_end(llm, stop_string):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    streamed_text = sample(llm, temperature=0, max_tokens=12).text
+    if stop_string:        # a stop string needs the text as it grows: decoded token by token after all
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[streamed_text[5:7]])
+    engine.add_request("quiet", PROMPT, params, stream=False)
+    texts = []
+    while engine.has_unfinished():
+        texts += [(o.finished, o.text) for o in engine.step()]
+    running = [text for finished, text in texts if not finished]
+    assert running and all(text == "" for text in running) != stop_string
+    expected = streamed_text[:streamed_text.find(streamed_text[5:7])] if stop_string else streamed_text
+    assert texts[-1] == (True, expected)
