@@ -3,6 +3,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -73,17 +74,26 @@ def host_inputs(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size
         if item.completes:
             sample_rows.append(starts[-1] - 1)
     return HostInputs(
-        torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-        torch.tensor(slots, dtype=torch.long), padded_rows([i.seq.block_table for i in scheduled]),
-        torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-        torch.tensor(sample_rows, dtype=torch.long), max(i.num_tokens for i in scheduled), max(lens),
-        host_lora(scheduled, adapters, lora_tables or LoraTables()))
+        int_tensor(input_ids, np.int64), int_tensor(positions, np.int64), int_tensor(slots, np.int64),
+        padded_rows([i.seq.block_table for i in scheduled]), int_tensor(starts, np.int32),
+        int_tensor(lens, np.int32), int_tensor(sample_rows, np.int64), max(i.num_tokens for i in scheduled),
+        max(lens), host_lora(scheduled, adapters, lora_tables or LoraTables()))
+
+
+def int_tensor(values: list[int], dtype: type[np.integer]) -> Tensor:
+    """A 1-D int tensor from a list. Through numpy, which converts a list of ints two to three times
+    faster than torch.tensor (a step builds several on the host: 8.2 against 2.9 µs for 64 ints here)."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
 
 
 def padded_rows(rows: list[list[int]]) -> Tensor:
     """A list of int lists as one zero-padded int32 matrix (one tensor construction, not one per row)."""
     width = max(len(r) for r in rows)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+    flat: list[int] = []
+    for row in rows:
+        flat += row
+        flat += [0] * (width - len(row))
+    return torch.from_numpy(np.array(flat, dtype=np.int32).reshape(len(rows), width))
 
 
 class LoraTables:
@@ -128,7 +138,7 @@ def host_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters, tables: Lor
     slot_of = {v: i for i, v in enumerate(versions)}
     token_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1
                    for item in scheduled for _ in range(item.num_tokens)]
-    return HostLora(torch.tensor(token_slots, dtype=torch.int32), padded_rows([adapters[v][1] for v in versions]),
+    return HostLora(int_tensor(token_slots, np.int32), padded_rows([adapters[v][1] for v in versions]),
                     *tables.get(versions, adapters))
 
 
