@@ -207,11 +207,13 @@ class LoraKnobs:
     shrink_tile: int | None = None
     expand_tile: int | None = None
     accumulate: bool = True     # the engine's shrink (lora_shrink_into) rather than split partial sums
+    hoist_pages: bool = False   # page-table lookups of the shrink before its reduction loop
 
     def __str__(self) -> str:
         shrink = "into one h" if self.accumulate else "partials"
         return (f"shrink {shrink}, split_k {_auto(self.split_k)}, n_tiles {_auto(self.n_tiles)}, "
-                f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}")
+                f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
+                f"hoisted pages {self.hoist_pages}")
 
 
 def _auto(value: int | None) -> str:
@@ -245,10 +247,11 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
     def shrink(x, ranks, a_offsets, width, used):
         if not knobs.accumulate:
             return lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
-                                        segments=segments, split_k=knobs.split_k, tile=knobs.shrink_tile)
+                                        segments=segments, split_k=knobs.split_k, tile=knobs.shrink_tile,
+                                        hoist_pages=knobs.hoist_pages)
         h = workspace[used:used + tokens * width].view(tokens, width)
         lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
-                         split_k=knobs.split_k, tile=knobs.shrink_tile)
+                         split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages)
         return h
 
     def run():
@@ -286,9 +289,10 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
 
 def lora_sweep(gen: torch.Generator) -> list[Row]:
     """The LoRA layer at 1 and 64 adapters over 64 table slots (a decode graph's), under other launch
-    choices than the wrappers': splits of the shrink, tile widths of shrink and expand."""
-    knobs = [LoraKnobs(accumulate=False)] + [LoraKnobs(split_k=split_k) for split_k in (None, 8, 16, 32)] + \
-        [LoraKnobs(shrink_tile=256), LoraKnobs(split_k=16, shrink_tile=256)]
+    choices than the wrappers': which shrink, its splits, tile width and hoisted page lookups."""
+    knobs = [LoraKnobs(accumulate=False), LoraKnobs(accumulate=False, hoist_pages=True)] + \
+        [LoraKnobs(split_k=split_k, hoist_pages=hoist) for split_k in (None, 8, 16, 32) for hoist in (False, True)] + \
+        [LoraKnobs(shrink_tile=256), LoraKnobs(shrink_tile=256, hoist_pages=True)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 

@@ -139,12 +139,28 @@ def _load_paged_tile(pool_ptr, pt_row, offset, rows, row_stride, row_len, col0, 
 
 
 @triton.jit
+def _split_pages(pt_row, offset, rows, row_stride, col0, length, page_elems, ALIGN_ELEMS: tl.constexpr):
+    # Where columns col0 .. col0 + length of the given rows of a paged matrix lie, when length <= a page:
+    # each row's run crosses at most one page boundary. Returns, per row, the physical offset of col0
+    # (`first`), that of the boundary minus `room` (`second`: column col0 + c, c >= room, is at
+    # second + c) and `room`, the columns before the boundary. Read once, before a loop over the run,
+    # so the loop's weight loads do not wait on page-table loads.
+    start = offset + rows.to(tl.int64) * row_stride + col0             # [R] logical element
+    page_idx = start // page_elems
+    in_page = start - page_idx * page_elems
+    room = tl.multiple_of(page_elems - in_page, ALIGN_ELEMS)
+    first = tl.load(pt_row + page_idx).to(tl.int64) * page_elems + in_page
+    second = tl.load(pt_row + page_idx + 1, mask=room < length, other=0).to(tl.int64) * page_elems - room
+    return tl.multiple_of(first, ALIGN_ELEMS), tl.multiple_of(second, ALIGN_ELEMS), room
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr, pool_ptr, order_ptr, seg_ptr, block_slot_ptr, block_start_ptr, pt_ptr, ranks_ptr, a_off_ptr, h_ptr,
     in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
     stride_xt, stride_pt, stride_rm, stride_am, stride_hsplit, stride_ht,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HOIST_PAGES: tl.constexpr,
 ):
     # ACCUMULATE: every split adds into h[token, m * max_rank + r] (atomically; stride_hsplit is 0). Else:
     # h[split, token, m * max_rank + r] = sum over this split's k of x[token, k] * A_{m,slot}[r, k], for
@@ -169,11 +185,20 @@ def _lora_shrink_kernel(
     cols = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tokens * stride_xt                       # [BLOCK_M] row pointers
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    if HOIST_PAGES:
+        first, second, room = _split_pages(pt_row, a_offset, rows_in, row_stride, k_lo, k_hi - k_lo, page_elems,
+                                           ALIGN_ELEMS)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_mask = k0 + cols < in_features
         x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows_in, row_stride, in_features, k0, page_elems,
-                             r_mask[:, None] & k_mask[None, :], BLOCK_K, ALIGN_ELEMS)   # [BLOCK_R, BLOCK_K]
+        a_mask = r_mask[:, None] & k_mask[None, :]
+        if HOIST_PAGES:
+            rel = k0 - k_lo + cols                                             # [BLOCK_K] from k_lo
+            base = tl.where(rel[None, :] < room[:, None], first[:, None], second[:, None])
+            a = tl.load(pool_ptr + base + rel[None, :], mask=a_mask, other=0.0)    # [BLOCK_R, BLOCK_K]
+        else:
+            a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows_in, row_stride, in_features, k0, page_elems,
+                                 a_mask, BLOCK_K, ALIGN_ELEMS)                      # [BLOCK_R, BLOCK_K]
         acc += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
     h_cols = module * max_rank + ranks_idx
     h_ptrs = h_ptr + split * stride_hsplit + tokens[:, None] * stride_ht + h_cols[None, :]
@@ -373,8 +398,11 @@ def _choose_split_k(num_tokens: int, block_m: int, programs_per_split: int, in_f
 
 def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                          a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                         split_k: int | None = None, zero_fill: bool = False, tile: int | None = None) -> Tensor:
+                         split_k: int | None = None, zero_fill: bool = False, tile: int | None = None,
+                         hoist_pages: bool = False) -> Tensor:
     """Partial sums of the shrink, `[splits, tokens, modules * max_rank]` float32, for `lora_expand`.
+    hoist_pages: look up each row's pages once before the reduction loop instead of in every step of it
+    (where a split's run of a row fits in a page; a launch choice under evaluation, off by default).
 
     ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read
     the same x (q/k/v, gate/up): one launch for all. Module m's h is in columns m*max_rank onwards.
@@ -400,13 +428,13 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     if num_tokens == 0 or num_slots == 0:
         return h
     _launch_shrink(x, pool, segments, page_tables, ranks, a_offsets, h, h.stride(0), max_rank, split_k,
-                   k_per_split, block_k, accumulate=False)
+                   k_per_split, block_k, accumulate=False, hoist_pages=hoist_pages)
     return h
 
 
 def _launch_shrink(x: Tensor, pool: Tensor, segments: LoraSegments, page_tables: Tensor, ranks: Tensor,
                    a_offsets: Tensor, h: Tensor, stride_hsplit: int, max_rank: int, split_k: int, k_per_split: int,
-                   block_k: int, accumulate: bool) -> None:
+                   block_k: int, accumulate: bool, hoist_pages: bool) -> None:
     num_tokens, in_features = x.shape
     rank_blocks = triton.cdiv(max_rank, _SHRINK_BLOCK_R)
     modules = 1 if ranks.dim() == 1 else ranks.shape[0]
@@ -416,19 +444,22 @@ def _launch_shrink(x: Tensor, pool: Tensor, segments: LoraSegments, page_tables:
         k_per_split, x.stride(0), page_tables.stride(0), _module_stride(ranks), _module_stride(a_offsets),
         stride_hsplit, h.stride(-2),
         BLOCK_M=segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=block_k, ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION=_dot_precision(x.dtype), ACCUMULATE=accumulate, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        DOT_PRECISION=_dot_precision(x.dtype), ACCUMULATE=accumulate,
+        # A split's run of a row must fit in two pages for its page lookups to be hoisted.
+        HOIST_PAGES=hoist_pages and k_per_split <= pool.shape[1], num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
 
 
 def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                      a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                     split_k: int | None = None, tile: int | None = None) -> None:
+                     split_k: int | None = None, tile: int | None = None, hoist_pages: bool = False) -> None:
     """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
 
     h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
     for every layer). The splits of the reduction add into h atomically, so expand reads one h instead of
     summing partials, and decode can split the reduction finely; the float32 sum order of the splits is
-    not fixed (results may differ in the last bits between runs). Other arguments as `lora_shrink`."""
+    not fixed (results may differ in the last bits between runs). Other arguments as `lora_shrink` and
+    `lora_shrink_partials`."""
     modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
     _check_devices(x, h, pool, token_slots, page_tables, ranks, a_offsets)
     if max_rank <= 0:
@@ -449,7 +480,8 @@ def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, pa
     if num_tokens == 0 or page_tables.shape[0] == 0:
         return
     _launch_shrink(x, pool, segments, page_tables, ranks, a_offsets, h, 0, max_rank,
-                   triton.cdiv(in_features, k_per_split), k_per_split, block_k, accumulate=True)
+                   triton.cdiv(in_features, k_per_split), k_per_split, block_k, accumulate=True,
+                   hoist_pages=hoist_pages)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

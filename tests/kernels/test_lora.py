@@ -93,14 +93,16 @@ def test_lora_ranks_up_to_64_with_shared_segments():
 
 
 @pytest.mark.parametrize("page_elems", [64, 128, 1024])
-def test_lora_small_and_large_pages(page_elems):
+@pytest.mark.parametrize("hoist_pages", [False, True])   # runs longer than a page fall back to the loop's lookups
+def test_lora_small_and_large_pages(page_elems, hoist_pages):
     # Pages of one or two ALIGN rows force narrow tiles; large pages let tiles cross page boundaries.
     ranks = [2, 16, 5]
     gen = make_generator(page_elems)
     b = make_lora_batch(ranks, 136, 200, page_elems, torch.float32, gen)
     slots = random_token_slots(21, len(ranks), gen)
     x = randn((21, 136), torch.float32, gen)
-    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+    h = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, zero_fill=True,
+                             hoist_pages=hoist_pages).sum(dim=0)
     assert_close(h, reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16))
     out = randn((21, 200), torch.float32, gen)
     want = out.clone()
@@ -286,12 +288,14 @@ def test_lora_rejects_bad_tile(tile):
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k):
+@pytest.mark.parametrize("hoist_pages", [False, True])
+def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hoist_pages):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=7 + split_k)
     h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 16)
     start = randn(tuple(h_want.shape), torch.float32, make_generator(3))
     h = start.clone()                      # not zero: the shrink must add to what h holds
-    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k, tile=64)
+    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k, tile=64,
+                     hoist_pages=hoist_pages)
     assert_close(h, start + h_want)
     want = out.float()
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
@@ -321,7 +325,8 @@ def test_shrink_into_rejects_bad_input():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split_k", [None, 32])
 @pytest.mark.parametrize("in_features", [4096, 14336])
-def test_shrink_into_gpu(dtype, split_k, in_features):
+@pytest.mark.parametrize("hoist_pages", [False, True])
+def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages):
     # The engine's shrink for steps of up to 64 tokens, at Llama-3-8B sizes: the automatic split (many
     # splits added atomically) and the most splits.
     gen = make_generator(in_features + (split_k or 0))
@@ -331,6 +336,7 @@ def test_shrink_into_gpu(dtype, split_k, in_features):
     slots = random_token_slots(64, len(GPU_RANKS), gen, device="cuda")
     x = randn((64, in_features), dtype, gen, "cuda")
     h = torch.zeros(64, 2 * 128, dtype=torch.float32, device="cuda")
-    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, split_k=split_k)
+    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, split_k=split_k,
+                     hoist_pages=hoist_pages)
     want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
     assert_close(h, want)
