@@ -2,12 +2,12 @@
 # `make gpu-check`: on a machine with CUDA (the device tool runs it over a copy of the tree). Installs the
 # project offline, runs the GPU tests, then the kernel and decode benchmarks; results go under $OUT
 # (default: benchmarks/results/gpu). QUICK=1: small sizes. PEFT=0: skip the PEFT comparison.
-# STEPS picks steps (default "tests kernels decode profile peft"; also "sharing", "throughput", "serving", which pass
+# STEPS picks steps (default "tests kernels sweep decode profile peft"; also "sharing", "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu}"
-STEPS="${STEPS:-tests kernels decode profile peft}"
+STEPS="${STEPS:-tests kernels sweep decode profile peft}"
 mkdir -p "$OUT"
 status=0
 quick=(); [ "${QUICK:-0}" = 1 ] && quick=(--quick)
@@ -31,6 +31,7 @@ python -c "import slora.kernels, slora.adapters" || { echo "slora is not importa
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 has tests && run gpu_tests python -m pytest -m gpu -q -rs -x tests/kernels tests/e2e
 has kernels && run kernels python benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels.json"
+has sweep && run lora_sweep python benchmarks/kernels.py --lora-sweep --out "$OUT/lora_sweep.json"
 has decode && run decode python benchmarks/decode.py "${quick[@]}" --out "$OUT/decode.json"
 has profile && run decode_profile python benchmarks/decode.py "${quick[@]}" --profile --out "$OUT/decode_profile.json"
 has peft && [ "${PEFT:-1}" = 1 ] && run vs_peft python benchmarks/decode.py "${quick[@]}" --vs-peft --out "$OUT/decode_vs_peft.json"
