@@ -117,34 +117,14 @@ def _block_rows(seg_ptr, order_ptr, block_slot_ptr, block_start_ptr, block, BLOC
 
 
 @triton.jit
-def _load_paged_tile(pool_ptr, pt_row, offset, rows, row_stride, row_len, col0, page_elems, mask,
-                     TILE: tl.constexpr, ALIGN_ELEMS: tl.constexpr):
-    # Load columns col0 .. col0 + TILE of the given rows of a paged matrix: [len(rows), TILE].
-    # Row i starts at logical element offset + i * row_stride, a multiple of ALIGN (the layout's
-    # contract), and TILE <= page_elems, so a tile row lies in at most two pages: one page-table
-    # lookup for the page it starts in and, only if its valid part runs past that page, one for the
-    # next. Every base and the page split are multiples of ALIGN; telling the compiler so lets it
-    # keep 16-byte vector loads despite the gather.
-    start = offset + rows.to(tl.int64) * row_stride + col0             # [R] logical element
-    page_idx = start // page_elems
-    in_page = start - page_idx * page_elems
-    room = tl.multiple_of(page_elems - in_page, ALIGN_ELEMS)            # columns left in the first page
-    crosses = room < row_len - col0
-    first = tl.load(pt_row + page_idx).to(tl.int64) * page_elems + in_page
-    second = tl.load(pt_row + page_idx + 1, mask=crosses, other=0).to(tl.int64) * page_elems - room
-    cols = tl.arange(0, TILE)
-    base = tl.where(cols[None, :] < room[:, None], tl.multiple_of(first, ALIGN_ELEMS)[:, None],
-                    tl.multiple_of(second, ALIGN_ELEMS)[:, None])
-    return tl.load(pool_ptr + base + cols[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
 def _split_pages(pt_row, offset, rows, row_stride, col0, length, page_elems, ALIGN_ELEMS: tl.constexpr):
-    # Where columns col0 .. col0 + length of the given rows of a paged matrix lie, when length <= a page:
-    # each row's run crosses at most one page boundary. Returns, per row, the physical offset of col0
-    # (`first`), that of the boundary minus `room` (`second`: column col0 + c, c >= room, is at
-    # second + c) and `room`, the columns before the boundary. Read once, before a loop over the run,
-    # so the loop's weight loads do not wait on page-table loads.
+    # Where columns col0 .. col0 + length of the given rows of a paged matrix lie, for length <= a page.
+    # Row i starts at logical element offset + i * row_stride, a multiple of ALIGN (the layout's
+    # contract), so each row's run crosses at most one page boundary: one page-table lookup for the page
+    # it starts in and, only if the run goes past that page, one for the next. Returns, per row [R], the
+    # physical offset of col0 (`first`), that of the boundary minus `room` (`second`: column col0 + c,
+    # c >= room, is at second + c) and `room`, the columns before the boundary. Every one is a multiple
+    # of ALIGN; telling the compiler so keeps 16-byte vector loads despite the gather.
     start = offset + rows.to(tl.int64) * row_stride + col0             # [R] logical element
     page_idx = start // page_elems
     in_page = start - page_idx * page_elems
@@ -152,6 +132,23 @@ def _split_pages(pt_row, offset, rows, row_stride, col0, length, page_elems, ALI
     first = tl.load(pt_row + page_idx).to(tl.int64) * page_elems + in_page
     second = tl.load(pt_row + page_idx + 1, mask=room < length, other=0).to(tl.int64) * page_elems - room
     return tl.multiple_of(first, ALIGN_ELEMS), tl.multiple_of(second, ALIGN_ELEMS), room
+
+
+@triton.jit
+def _load_run(pool_ptr, first, second, room, cols, mask):
+    # Columns `cols` (counted from the run's col0) of the rows located by _split_pages: [R, len(cols)].
+    base = tl.where(cols[None, :] < room[:, None], first[:, None], second[:, None])
+    return tl.load(pool_ptr + base + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_paged_tile(pool_ptr, pt_row, offset, rows, row_stride, row_len, col0, page_elems, mask,
+                     TILE: tl.constexpr, ALIGN_ELEMS: tl.constexpr):
+    # Load columns col0 .. col0 + TILE (TILE <= page_elems) of the given rows of a paged matrix whose rows
+    # have row_len valid columns: [len(rows), TILE].
+    first, second, room = _split_pages(pt_row, offset, rows, row_stride, col0, row_len - col0, page_elems,
+                                       ALIGN_ELEMS)
+    return _load_run(pool_ptr, first, second, room, tl.arange(0, TILE), mask)
 
 
 @triton.jit
@@ -192,10 +189,8 @@ def _lora_shrink_kernel(
         k_mask = k0 + cols < in_features
         x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         a_mask = r_mask[:, None] & k_mask[None, :]
-        if HOIST_PAGES:
-            rel = k0 - k_lo + cols                                             # [BLOCK_K] from k_lo
-            base = tl.where(rel[None, :] < room[:, None], first[:, None], second[:, None])
-            a = tl.load(pool_ptr + base + rel[None, :], mask=a_mask, other=0.0)    # [BLOCK_R, BLOCK_K]
+        if HOIST_PAGES:   # columns counted from k_lo, where the hoisted lookups start
+            a = _load_run(pool_ptr, first, second, room, k0 - k_lo + cols, a_mask)   # [BLOCK_R, BLOCK_K]
         else:
             a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows_in, row_stride, in_features, k0, page_elems,
                                  a_mask, BLOCK_K, ALIGN_ELEMS)                      # [BLOCK_R, BLOCK_K]
@@ -396,6 +391,34 @@ def _choose_split_k(num_tokens: int, block_m: int, programs_per_split: int, in_f
     return max(1, min(triton.cdiv(target, fewest), max_split_k, in_features // _MIN_K_PER_SPLIT))
 
 
+class _ShrinkPlan(NamedTuple):
+    """What both shrinks launch with, after their shared checks."""
+    modules: int
+    segments: LoraSegments
+    split_k: int           # splits launched (none empty)
+    k_per_split: int
+    block_k: int
+
+
+def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
+                 a_offsets: Tensor, max_rank: int, segments: LoraSegments | None, split_k: int | None,
+                 tile: int | None, max_split_k: int) -> _ShrinkPlan:
+    modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
+    _check_devices(x, pool, token_slots, page_tables, ranks, a_offsets)
+    if max_rank <= 0:
+        raise ValueError(f"max_rank must be positive, got {max_rank}")
+    num_tokens, in_features = x.shape
+    segments = _segments_for(segments, token_slots, num_tokens, page_tables.shape[0], x.device)
+    block_k = _tile_width(pool.shape[1], tile, _SHRINK_TILE)
+    if split_k is None:
+        programs = modules * triton.cdiv(max_rank, _SHRINK_BLOCK_R)
+        split_k = _choose_split_k(num_tokens, segments.block_m, programs, in_features, x.device, max_split_k)
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+    return _ShrinkPlan(modules, segments, triton.cdiv(in_features, k_per_split), k_per_split, block_k)
+
+
 def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                          a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
                          split_k: int | None = None, zero_fill: bool = False, tile: int | None = None,
@@ -408,46 +431,13 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     the same x (q/k/v, gate/up): one launch for all. Module m's h is in columns m*max_rank onwards.
     Only the entries of tokens with an adapter and columns below their rank are written; the rest is
     left as allocated unless `zero_fill`. Summing over the first dimension gives h."""
-    modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
-    _check_devices(x, pool, token_slots, page_tables, ranks, a_offsets)
-    if max_rank <= 0:
-        raise ValueError(f"max_rank must be positive, got {max_rank}")
-    num_tokens, in_features = x.shape
-    num_slots = page_tables.shape[0]
-    segments = _segments_for(segments, token_slots, num_tokens, num_slots, x.device)
-    rank_blocks = triton.cdiv(max_rank, _SHRINK_BLOCK_R)
-    if split_k is None:
-        split_k = _choose_split_k(num_tokens, segments.block_m, modules * rank_blocks, in_features, x.device)
-    if split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
-    block_k = _tile_width(pool.shape[1], tile, _SHRINK_TILE)
-    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
-    split_k = triton.cdiv(in_features, k_per_split)   # no empty split: expand reads every one
+    plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k, tile,
+                        _MAX_SPLIT_K)
     allocate = torch.zeros if zero_fill else torch.empty
-    h = allocate((split_k, num_tokens, modules * max_rank), dtype=torch.float32, device=x.device)
-    if num_tokens == 0 or num_slots == 0:
-        return h
-    _launch_shrink(x, pool, segments, page_tables, ranks, a_offsets, h, h.stride(0), max_rank, split_k,
-                   k_per_split, block_k, accumulate=False, hoist_pages=hoist_pages)
+    h = allocate((plan.split_k, x.shape[0], plan.modules * max_rank), dtype=torch.float32, device=x.device)
+    _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, h.stride(0), max_rank, accumulate=False,
+                   hoist_pages=hoist_pages)
     return h
-
-
-def _launch_shrink(x: Tensor, pool: Tensor, segments: LoraSegments, page_tables: Tensor, ranks: Tensor,
-                   a_offsets: Tensor, h: Tensor, stride_hsplit: int, max_rank: int, split_k: int, k_per_split: int,
-                   block_k: int, accumulate: bool, hoist_pages: bool) -> None:
-    num_tokens, in_features = x.shape
-    rank_blocks = triton.cdiv(max_rank, _SHRINK_BLOCK_R)
-    modules = 1 if ranks.dim() == 1 else ranks.shape[0]
-    _lora_shrink_kernel[(num_tokens // segments.block_m + page_tables.shape[0], modules * rank_blocks, split_k)](
-        x, pool, segments.token_order, segments.seg_starts, segments.block_slot, segments.block_start,
-        page_tables, ranks, a_offsets, h, in_features, align_up(in_features), max_rank, rank_blocks, pool.shape[1],
-        k_per_split, x.stride(0), page_tables.stride(0), _module_stride(ranks), _module_stride(a_offsets),
-        stride_hsplit, h.stride(-2),
-        BLOCK_M=segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=block_k, ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION=_dot_precision(x.dtype), ACCUMULATE=accumulate,
-        # A split's run of a row must fit in two pages for its page lookups to be hoisted.
-        HOIST_PAGES=hoist_pages and k_per_split <= pool.shape[1], num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
-    )
 
 
 def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
@@ -460,28 +450,35 @@ def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, pa
     summing partials, and decode can split the reduction finely; the float32 sum order of the splits is
     not fixed (results may differ in the last bits between runs). Other arguments as `lora_shrink` and
     `lora_shrink_partials`."""
-    modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
-    _check_devices(x, h, pool, token_slots, page_tables, ranks, a_offsets)
-    if max_rank <= 0:
-        raise ValueError(f"max_rank must be positive, got {max_rank}")
-    num_tokens, in_features = x.shape
-    if h.shape != (num_tokens, modules * max_rank) or h.dtype != torch.float32 or h.stride(1) != 1:
-        raise ValueError(f"h must be float32 [tokens={num_tokens}, modules * max_rank={modules * max_rank}] with "
+    plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k, tile,
+                        _MAX_ACCUMULATE_SPLIT_K)
+    width = plan.modules * max_rank
+    if h.shape != (x.shape[0], width) or h.dtype != torch.float32 or h.stride(1) != 1:
+        raise ValueError(f"h must be float32 [tokens={x.shape[0]}, modules * max_rank={width}] with "
                          f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
-    segments = _segments_for(segments, token_slots, num_tokens, page_tables.shape[0], x.device)
-    block_k = _tile_width(pool.shape[1], tile, _SHRINK_TILE)
-    if split_k is None:
-        programs = modules * triton.cdiv(max_rank, _SHRINK_BLOCK_R)
-        split_k = _choose_split_k(num_tokens, segments.block_m, programs, in_features, x.device,
-                                  _MAX_ACCUMULATE_SPLIT_K)
-    if split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
-    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+    _check_devices(h, x)
+    _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, 0, max_rank, accumulate=True,
+                   hoist_pages=hoist_pages)
+
+
+def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tensor, ranks: Tensor,
+                   a_offsets: Tensor, h: Tensor, stride_hsplit: int, max_rank: int, accumulate: bool,
+                   hoist_pages: bool) -> None:
+    num_tokens, in_features = x.shape
     if num_tokens == 0 or page_tables.shape[0] == 0:
         return
-    _launch_shrink(x, pool, segments, page_tables, ranks, a_offsets, h, 0, max_rank,
-                   triton.cdiv(in_features, k_per_split), k_per_split, block_k, accumulate=True,
-                   hoist_pages=hoist_pages)
+    rank_blocks = triton.cdiv(max_rank, _SHRINK_BLOCK_R)
+    grid = (num_tokens // plan.segments.block_m + page_tables.shape[0], plan.modules * rank_blocks, plan.split_k)
+    _lora_shrink_kernel[grid](
+        x, pool, plan.segments.token_order, plan.segments.seg_starts, plan.segments.block_slot,
+        plan.segments.block_start, page_tables, ranks, a_offsets, h, in_features, align_up(in_features), max_rank,
+        rank_blocks, pool.shape[1], plan.k_per_split, x.stride(0), page_tables.stride(0), _module_stride(ranks),
+        _module_stride(a_offsets), stride_hsplit, h.stride(-2),
+        BLOCK_M=plan.segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=plan.block_k, ALIGN_ELEMS=ALIGN,
+        DOT_PRECISION=_dot_precision(x.dtype), ACCUMULATE=accumulate,
+        # A split's run of a row must fit in two pages for its page lookups to be hoisted.
+        HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
