@@ -62,5 +62,5 @@ class IncrementalDetokenizer:
         """The exact decode of every token, once the sequence has ended."""
         if self.tokenizer is None:
             return ""
-        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        self.text = self._decode(self.token_ids)
         return self.text

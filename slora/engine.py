@@ -51,7 +51,7 @@ class RequestState:
     texts: list[str] = field(default_factory=list)
     num_samples: int = 1              # samples 1.. are forked from sample 0 after its prefill
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
-    stream_text: bool = True          # False: the text is decoded once, when a sample ends
+    stream: bool = True               # the caller reads outputs while it runs (False: only the final one)
 
     @property
     def finished(self) -> bool:
@@ -272,8 +272,8 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     adapter: str | None = None, owner: str | None = None, stream: bool = True) -> None:
         """Queue a request. Raises ValueError (UnknownAdapterError for a bad adapter) on bad input.
-        stream=False: the caller reads the text only once the request has ended, so unless a stop string
-        needs it the text is decoded then, not token by token (an output's text is "" until it ends)."""
+        stream=False: the caller reads only the final output, so `step` returns the request only when it
+        ends, and unless a stop string needs it the text is decoded then, not token by token."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n > self.config.max_num_seqs:
@@ -289,7 +289,7 @@ class Engine:
         self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent], version, [""],
                                                  num_samples=params.n,
                                                  detokenizers=[IncrementalDetokenizer(self.tokenizer)],
-                                                 stream_text=stream or bool(params.stop))
+                                                 stream=stream)
         self.scheduler.add(parent)
 
     def cache_salt(self, owner: str | None) -> bytes:
@@ -353,10 +353,10 @@ class Engine:
         return bool(self.requests)
 
     # ---- the step -----------------------------------------------------------------------------------
-    def step(self, only_finished: bool = False) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; outputs of the requests that changed. only_finished: of those
-        that ended only (offline generation reads nothing else, and building the output of every running
-        request each step was about a tenth of the host work per step at batch 64)."""
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; outputs of the requests that changed, of those added with
+        stream=False only once they end (building every running request's output each step was about a
+        tenth of the host work per step at batch 64, for a caller that reads none of them)."""
         self._refresh_host_tier()
         out = self.scheduler.schedule()
         touched: dict[str, RequestState] = {rid: self.requests[rid] for rid in self._failed}
@@ -367,7 +367,7 @@ class Engine:
         self.runner.move_pages(out, {v: self.store.versions[v].packed for v, _ in out.adapters_to_load})
         if out.scheduled:
             self._run(out, touched)
-        return [self._finalize(state) for state in touched.values() if state.finished or not only_finished]
+        return [self._finalize(state) for state in touched.values() if state.stream or state.finished]
 
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestState]) -> None:
         resident = self.scheduler.adapters.resident
@@ -405,7 +405,8 @@ class Engine:
         index = seq.sample_index                     # its place in state.seqs
         detokenizer = state.detokenizers[index]
         previous_len = len(detokenizer.text)
-        text = detokenizer.add(token) if state.stream_text else detokenizer.hold(token)
+        decode_now = state.stream or seq.params.stop     # stop strings are matched against the text as it grows
+        text = detokenizer.add(token) if decode_now else detokenizer.hold(token)
         result = check_stop(seq, text, self.eos_token_ids, self.max_model_len, previous_len)
         state.texts[index] = result.text
         if result.reason is None:

@@ -44,7 +44,7 @@ class LLM:
             for prompt, sampling, adapter in zip(prompts, params_list, adapter_list):
                 ids.append(self._submit(prompt, sampling, adapter))
             while self.engine.has_unfinished():
-                finished.update({o.request_id: o for o in self.engine.step(only_finished=True)})
+                finished.update({o.request_id: o for o in self.engine.step()})
         finally:                                 # a bad prompt, or an interrupt: nothing stays queued
             for request_id in ids:
                 if request_id not in finished:

@@ -155,14 +155,15 @@ def test_rows_without_top_k_or_top_p_sample_as_if_unfiltered():
     assert torch.isfinite(filtered[1]).sum() == 5
 
 
-def test_step_only_finished_returns_each_request_once_when_it_ends(llm):
+def test_unstreamed_requests_are_returned_once_when_they_end(llm):
     engine = llm.engine
     prompts = random_prompts([6, 9], seed=8)
     for request_id, prompt, max_tokens in (("short", prompts[0], 2), ("long", prompts[1], 5)):
-        engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                           stream=False)
     seen, steps = [], 0
     while engine.has_unfinished():
-        outputs = engine.step(only_finished=True)
+        outputs = engine.step()
         steps += 1
         assert all(o.finished for o in outputs)
         seen += [(o.request_id, len(o.token_ids)) for o in outputs]
@@ -179,7 +180,8 @@ def test_unstreamed_requests_decode_their_text_once_at_the_end(llm, stop_string)
     engine.add_request("quiet", PROMPT, params, stream=False)
     texts = []
     while engine.has_unfinished():
-        texts += [(o.finished, o.text) for o in engine.step()]
+        outputs = engine.step()          # an unstreamed request comes back only when it ends: read its state
+        texts += [(o.finished, o.text) for o in outputs] or [(False, engine.requests["quiet"].texts[0])]
     running = [text for finished, text in texts if not finished]
     assert running and all(text == "" for text in running) != stop_string
     expected = streamed_text[:streamed_text.find(streamed_text[5:7])] if stop_string else streamed_text
