@@ -200,10 +200,10 @@ class AdapterService:
         owner = self.tenants.get(namespace) if namespace is not None else None
         if owner is None or owner.max_adapters is None:
             return
-        held = [n for (o, n) in engine.registry.entries if o == namespace]
-        if name not in held and len(held) >= owner.max_adapters:
+        held = sum(1 for (o, _) in engine.registry.entries if o == namespace)
+        if (namespace, name) not in engine.registry.entries and held >= owner.max_adapters:
             raise APIError(403, f"tenant {namespace!r} may hold at most {owner.max_adapters} adapters and holds "
-                           f"{len(held)}: unload one before loading {name!r}", code="adapter_quota_exceeded",
+                           f"{held}: unload one before loading {name!r}", code="adapter_quota_exceeded",
                            param="name")
 
     def _check_load(self, tenant: Tenant, name: str, public: bool) -> None:

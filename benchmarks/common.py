@@ -7,6 +7,16 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# The H200's measured device-to-device copy rate (../shared/ENVIRONMENT.md), the roofline's bandwidth.
+COPY_BANDWIDTH = 4.24e12
+
+
+def bandwidth_columns(bytes_read: float, seconds: float, prefix: str) -> dict[str, float | None]:
+    """`{prefix}_tb_s` (bytes read / time) and `{prefix}_pct_copy_bw` (of COPY_BANDWIDTH); None without time."""
+    if seconds <= 0:
+        return {f"{prefix}_tb_s": None, f"{prefix}_pct_copy_bw": None}
+    bandwidth = bytes_read / seconds
+    return {f"{prefix}_tb_s": bandwidth / 1e12, f"{prefix}_pct_copy_bw": 100 * bandwidth / COPY_BANDWIDTH}
 
 
 def machine() -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS, print_table, write_json
+from common import COPY_BANDWIDTH, RESULTS, print_table, write_json
 from llama8b import KV_BYTES_PER_TOKEN, LLAMA3_8B, adapter_bytes, decode_weight_bytes, target_shapes, weight_bytes, \
     write_config, write_peft_adapter
 from slora.adapters.packing import AdapterDescriptor, buffer_layout
@@ -33,7 +33,7 @@ from slora.sampling_params import SamplingParams
 from slora.scheduler import ScheduledSeq
 from slora.sequence import AdapterRef, Sequence
 
-COPY_BW, BF16_FLOPS = 4.24e12, 810e12
+BF16_FLOPS = 810e12
 CONTEXT, RANK = 1024, 16
 
 
@@ -77,6 +77,23 @@ def build_step(runner: ModelRunner, allocator: PageAllocator, batch: int, adapte
     return seqs, step_adapters
 
 
+def place_adapters(runner: ModelRunner, allocator: PageAllocator, count: int,
+                   adapter_pages: int) -> list[tuple[str, list[int]]]:
+    """`count` rank-16 adapters' pages in the pool, filled with small random weights: (version, pages)."""
+    adapters = []
+    for i in range(count):
+        pages = allocator.allocate_adapter(f"adapter-{i}", adapter_pages)
+        runner.pool[:, pages].normal_(0.0, 0.01)
+        adapters.append((f"adapter-{i}", pages))
+    return adapters
+
+
+def release_kv(allocator: PageAllocator, scheduled: list[ScheduledSeq]) -> None:
+    for item in scheduled:
+        for page in item.seq.block_table:
+            allocator.release_kv(page)
+
+
 def time_steps(runner: ModelRunner, scheduled, adapters, iters: int) -> float:
     for _ in range(3):
         runner.run(scheduled, adapters)
@@ -93,7 +110,7 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
     bytes_read = decode_weight_bytes(batch) + batch * CONTEXT * KV_BYTES_PER_TOKEN + \
         distinct_adapters * adapter_bytes(RANK)
     flops = 2 * weight_bytes() / 2 * batch + 4 * batch * CONTEXT * cfg.num_layers * cfg.q_size
-    return max(bytes_read / COPY_BW, flops / BF16_FLOPS)
+    return max(bytes_read / COPY_BANDWIDTH, flops / BF16_FLOPS)
 
 
 def step_rows(batches: list[int], iters: int, max_loras: int | None = None) -> list[dict]:
@@ -102,11 +119,7 @@ def step_rows(batches: list[int], iters: int, max_loras: int | None = None) -> l
     max_batch = max(batches)
     runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
-    adapters = []
-    for i in range(max_batch):
-        pages = allocator.allocate_adapter(f"adapter-{i}", adapter_pages)
-        runner.pool[:, pages].normal_(0.0, 0.01)
-        adapters.append((f"adapter-{i}", pages))
+    adapters = place_adapters(runner, allocator, max_batch, adapter_pages)
     rows = []
     for batch in batches:
         for mode in ("none", "shared", "distinct"):
@@ -114,9 +127,7 @@ def step_rows(batches: list[int], iters: int, max_loras: int | None = None) -> l
                 continue
             scheduled, step_adapters = build_step(runner, allocator, batch, adapters, descriptor, mode)
             seconds = time_steps(runner, scheduled, step_adapters, iters)
-            for item in scheduled:
-                for page in item.seq.block_table:
-                    allocator.release_kv(page)
+            release_kv(allocator, scheduled)
             distinct = {"none": 0, "shared": 1, "distinct": batch}[mode]
             roof = roofline_seconds(batch, distinct)
             rows.append({"batch": batch, "adapters": mode, "step_ms": seconds * 1e3,
@@ -132,7 +143,7 @@ def kernel_profile(batch: int, top: int = 30) -> list[dict]:
     runner, descriptor, adapter_pages = make_runner(batch, batch)
     runner.graphs = None
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
-    adapters = [(f"adapter-{i}", allocator.allocate_adapter(f"adapter-{i}", adapter_pages)) for i in range(batch)]
+    adapters = place_adapters(runner, allocator, batch, adapter_pages)
     rows = []
     for mode in ("none", "shared", "distinct"):
         scheduled, step_adapters = build_step(runner, allocator, batch, adapters, descriptor, mode)
@@ -147,9 +158,7 @@ def kernel_profile(batch: int, top: int = 30) -> list[dict]:
         print(f"{mode}: {launches} kernels, {total / 1e3:.2f} ms of GPU time")  # noqa: T201 - the report
         rows += [{"adapters": mode, "kernel": e.key[:70], "count": e.count, "total_us": e.device_time_total,
                   "mean_us": e.device_time_total / e.count} for e in events[:top]]
-        for item in scheduled:
-            for page in item.seq.block_table:
-                allocator.release_kv(page)
+        release_kv(allocator, scheduled)
     return rows
 
 

@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from common import COPY_BANDWIDTH
 from slora.kernels import reference
 from slora.kernels.layout import align_up
 from torch import Tensor
 
-PEAK_BANDWIDTH = 4.24e12     # bytes/s, H200 device-to-device copy measured on these machines
 LLAMA3_8B_MODULES = (("q_proj", 4096, 4096), ("k_proj", 4096, 1024), ("v_proj", 4096, 1024),
                      ("o_proj", 4096, 4096), ("gate_proj", 4096, 14336), ("up_proj", 4096, 14336),
                      ("down_proj", 14336, 4096))
@@ -43,7 +43,7 @@ class Row:
     graph_time_us: float | None = None     # replayed from a CUDA graph (no launch overhead)
     bytes_moved: int | None = None
     bandwidth_tbs: float | None = None
-    roofline_frac: float | None = None     # of PEAK_BANDWIDTH
+    roofline_frac: float | None = None     # of COPY_BANDWIDTH
     tflops: float | None = None
     baseline: str | None = None
     baseline_us: float | None = None
@@ -57,7 +57,7 @@ def _bandwidth(row: Row) -> Row:
     best = min(t for t in (row.time_us, row.graph_time_us) if t is not None)
     if row.bytes_moved is not None:
         row.bandwidth_tbs = row.bytes_moved / (best * 1e-6) / 1e12
-        row.roofline_frac = row.bandwidth_tbs * 1e12 / PEAK_BANDWIDTH
+        row.roofline_frac = row.bandwidth_tbs * 1e12 / COPY_BANDWIDTH
     if row.baseline_us is not None:
         row.speedup = row.baseline_us / row.time_us
     if row.baseline_graph_us is not None and row.graph_time_us is not None:
@@ -375,12 +375,12 @@ def main(argv: list[str] | None = None) -> int:
                 bench_lora(64, 64, 16, gen), bench_lora(1, 64, 16, gen), bench_lora(1, 64, 16, gen, table_slots=64),
                 bench_lora(64, 64, 16, gen, knobs=LoraKnobs(accumulate=False)),
                 bench_lora(1, 64, 16, gen, knobs=LoraKnobs(accumulate=False), table_slots=64)]
-    print(f"device: {device}; bandwidth reference {PEAK_BANDWIDTH / 1e12:.2f} TB/s (a copy's read+write rate, so "
+    print(f"device: {device}; bandwidth reference {COPY_BANDWIDTH / 1e12:.2f} TB/s (a copy's read+write rate, so "
           "pure reads can exceed it); TB/s uses the faster of eager and graph time")
     print_table(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": device, "seed": args.seed, "peak_bandwidth_bytes_per_s": PEAK_BANDWIDTH,
+    out.write_text(json.dumps({"device": device, "seed": args.seed, "peak_bandwidth_bytes_per_s": COPY_BANDWIDTH,
                                "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, indent=2))
     print(f"wrote {out}")
     return 0

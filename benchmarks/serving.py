@@ -43,10 +43,9 @@ from urllib.parse import urlparse
 
 import httpx
 import numpy as np
-from common import RESULTS, print_table, pyplot, save_figure, write_json
+from common import RESULTS, bandwidth_columns, print_table, pyplot, save_figure, write_json
 from throughput import (
     ATTENTION,
-    COPY_BANDWIDTH,
     MLP,
     SLORA_LENGTHS,
     ModelSetup,
@@ -350,10 +349,7 @@ def decode_roofline(before: dict[str, float], after: dict[str, float]) -> dict[s
     """Achieved bandwidth of the decode steps during one rate (bytes they had to read / their time), and its
     percentage of the H200's 4.24 TB/s copy bandwidth."""
     seconds = after.get("seconds", 0.0) - before.get("seconds", 0.0)
-    if seconds <= 0:
-        return {"decode_tb_s": None, "decode_pct_copy_bw": None}
-    bandwidth = (after["bytes"] - before["bytes"]) / seconds
-    return {"decode_tb_s": bandwidth / 1e12, "decode_pct_copy_bw": 100 * bandwidth / COPY_BANDWIDTH}
+    return bandwidth_columns(after.get("bytes", 0.0) - before.get("bytes", 0.0), seconds, "decode")
 
 
 def warm_up(url: str, vocab_size: int) -> None:

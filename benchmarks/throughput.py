@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import RESULTS, print_table, pyplot, save_figure, write_json
+from common import RESULTS, bandwidth_columns, print_table, pyplot, save_figure, write_json
 from llama8b import LLAMA3_8B, target_shapes, write_config
 from safetensors.torch import save_file
 from workloads import Request, adapter_ranks, slora_trace
@@ -51,7 +51,6 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 SLORA_LENGTHS = (8, 512)
 LOAD_THREADS = 8           # threads that write adapter files, and that prepare them for slora
-COPY_BANDWIDTH = 4.24e12   # bytes/s: the H200's measured device-to-device copy rate (../shared/ENVIRONMENT.md)
 WARM_UP_TOKENS = 4
 
 
@@ -428,12 +427,9 @@ def decode_roofline(runs: list[Run]) -> dict[str, Any]:
     time; the percentage is of the H200's 4.24 TB/s copy bandwidth) and the share of time they took."""
     stats = [r.steps for r in runs if r.steps]
     decode_s = sum(s["seconds"]["decode"] for s in stats)
-    if not decode_s:
-        return {"slora_decode_tb_s": None, "slora_decode_pct_copy_bw": None, "slora_decode_time_share": None,
-                "slora_steps": stats}
-    bandwidth = sum(s["decode_bytes"] for s in stats) / decode_s
-    return {"slora_decode_tb_s": bandwidth / 1e12, "slora_decode_pct_copy_bw": 100 * bandwidth / COPY_BANDWIDTH,
-            "slora_decode_time_share": decode_s / sum(r.seconds for r in runs), "slora_steps": stats}
+    share = decode_s / sum(r.seconds for r in runs) if decode_s else None
+    return {**bandwidth_columns(sum(s["decode_bytes"] for s in stats), decode_s, "slora_decode"),
+            "slora_decode_time_share": share, "slora_steps": stats}
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ class LoraTables:
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
-        self._tables: dict[tuple[str, ...], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._tables: dict[tuple[str, ...], "AdapterTables"] = {}
 
     def get(self, versions: tuple[str, ...], adapters: StepAdapters) -> "AdapterTables":
         """The tables of the versions in slot order, and what follows from them alone."""

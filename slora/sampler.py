@@ -66,9 +66,14 @@ class SamplingTensors:
         return SamplingTensors(*(t.to(device, non_blocking=True) for t in self.__dict__.values()))
 
 
+def scale_logits(logits: Tensor, temperatures: Tensor) -> Tensor:
+    """Logits `[rows, vocab]` divided by each row's temperature (greedy rows' 0 clamped; argmax decides them)."""
+    return logits / temperatures.clamp(min=1e-6)[:, None]
+
+
 def filter_logits(logits: Tensor, temperatures: Tensor, top_ks: Tensor, top_ps: Tensor) -> Tensor:
     """Scaled logits `[rows, vocab]`, with everything outside each row's top-k and top-p nucleus -inf."""
-    logits = logits / temperatures.clamp(min=1e-6)[:, None]
+    logits = scale_logits(logits, temperatures)
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     outside_k = (top_ks[:, None] > 0) & (ranks >= top_ks[:, None])
@@ -89,7 +94,7 @@ def sample(logits: Tensor, params: SamplingTensors, truncate: bool = True) -> Te
     if truncate:
         filtered = filter_logits(logits.float(), params.temperatures, params.top_ks, params.top_ps)
     else:
-        filtered = logits.float() / params.temperatures.clamp(min=1e-6)[:, None]
+        filtered = scale_logits(logits.float(), params.temperatures)
     gumbel = -torch.log(-torch.log(uniform_noise(params.seeds, params.steps, logits.shape[-1])))
     sampled = (filtered + gumbel).argmax(dim=-1)
     return torch.where(params.temperatures == 0, greedy, sampled)

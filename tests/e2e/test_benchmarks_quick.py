@@ -91,3 +91,21 @@ def test_ablation_unified_pool_batches_at_least_as_many(ablation_rows):
         rows = [r for r in ablation_rows if r["num_adapters"] == count]
         unified = next(r for r in rows if r["variant"] == "unified")
         assert all(unified["mean_batch"] >= r["mean_batch"] for r in rows)
+
+
+@pytest.mark.parametrize("script", ["kernels.py", "sharing.py", "offline.py"])
+def test_other_benchmarks_quick_modes_run_and_write_rows(script, tmp_path):
+    # The README says every script's --quick runs in CI: these too, on the CPU (kernels.py times the
+    # torch references there).
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text())["rows"]
+
+
+def test_decode_benchmark_quick_says_it_needs_a_gpu_on_the_cpu(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "decode.py"), "--quick", "--out", str(tmp_path / "d.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "no GPU here" in done.stderr and not (tmp_path / "d.json").exists()
