@@ -208,12 +208,17 @@ class LoraKnobs:
     expand_tile: int | None = None
     accumulate: bool = True     # the engine's shrink (lora_shrink_into) rather than split partial sums
     hoist_pages: bool = False   # page-table lookups of the shrink before its reduction loop
+    part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
+
+    def __post_init__(self) -> None:
+        if self.part not in ("both", "shrink", "expand"):
+            raise ValueError(f"part must be both, shrink or expand, got {self.part!r}")
 
     def __str__(self) -> str:
         shrink = "into one h" if self.accumulate else "partials"
         return (f"shrink {shrink}, split_k {_auto(self.split_k)}, n_tiles {_auto(self.n_tiles)}, "
                 f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
-                f"hoisted pages {self.hoist_pages}")
+                f"hoisted pages {self.hoist_pages}, timed {self.part}")
 
 
 def _auto(value: int | None) -> str:
@@ -254,15 +259,25 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
                          split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages)
         return h
 
-    def run():
+    def shrink_all() -> list[Tensor]:
         if knobs.accumulate:
             workspace.zero_()
-        used = 0
-        for x, out, sizes, ranks, a_offsets, b_offsets, scalings in groups:
-            h = shrink(x, ranks, a_offsets, len(sizes) * rank, used)
+        hs, used = [], 0
+        for x, _, sizes, ranks, a_offsets, _, _ in groups:
+            hs.append(shrink(x, ranks, a_offsets, len(sizes) * rank, used))
             used += tokens * len(sizes) * rank
+        return hs
+
+    def expand_all(hs: list[Tensor]) -> None:
+        for h, (_, out, sizes, ranks, _, b_offsets, scalings) in zip(hs, groups):
             lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
                         out_sizes=sizes, segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile)
+
+    # Timing one kind alone: the shrinks of the layer, or its expands of h computed once beforehand. Both
+    # interleaved is what the engine runs (an expand waits for its shrink).
+    shrunk = shrink_all() if knobs.part == "expand" else []
+    run = {"both": lambda: expand_all(shrink_all()), "shrink": shrink_all,
+           "expand": lambda: expand_all(shrunk)}[knobs.part]
 
     token_ids = [torch.nonzero(slots == a).flatten() for a in range(num_adapters)]
 
@@ -290,9 +305,11 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
 def lora_sweep(gen: torch.Generator) -> list[Row]:
     """The LoRA layer at 1 and 64 adapters over 64 table slots (a decode graph's), under other launch
     choices than the wrappers': which shrink, its splits, tile width and hoisted page lookups."""
-    knobs = [LoraKnobs(accumulate=False), LoraKnobs(accumulate=False, hoist_pages=True)] + \
-        [LoraKnobs(split_k=split_k, hoist_pages=hoist) for split_k in (None, 8, 16, 32) for hoist in (False, True)] + \
-        [LoraKnobs(shrink_tile=256), LoraKnobs(shrink_tile=256, hoist_pages=True)]
+    knobs = [LoraKnobs(), LoraKnobs(part="shrink"), LoraKnobs(part="expand"), LoraKnobs(accumulate=False),
+             LoraKnobs(hoist_pages=True), LoraKnobs(split_k=16), LoraKnobs(split_k=16, hoist_pages=True),
+             LoraKnobs(shrink_tile=64), LoraKnobs(expand_tile=256), LoraKnobs(expand_tile=512),
+             LoraKnobs(expand_tile=256, part="expand"), LoraKnobs(expand_tile=512, part="expand"),
+             LoraKnobs(expand_tile=512, n_tiles=2, part="expand")]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 
