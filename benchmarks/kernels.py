@@ -207,7 +207,8 @@ class LoraKnobs:
     shrink_tile: int | None = None
     expand_tile: int | None = None
     accumulate: bool = True     # the engine's shrink (lora_shrink_into) rather than split partial sums
-    hoist_pages: bool = False   # page-table lookups of the shrink before its reduction loop
+    hoist_pages: bool = True    # page-table lookups of the shrink before its reduction loop
+    expand_warps: int | None = None
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
 
     def __post_init__(self) -> None:
@@ -218,7 +219,7 @@ class LoraKnobs:
         shrink = "into one h" if self.accumulate else "partials"
         return (f"shrink {shrink}, split_k {_auto(self.split_k)}, n_tiles {_auto(self.n_tiles)}, "
                 f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
-                f"hoisted pages {self.hoist_pages}, timed {self.part}")
+                f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}")
 
 
 def _auto(value: int | None) -> str:
@@ -271,7 +272,8 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
     def expand_all(hs: list[Tensor]) -> None:
         for h, (_, out, sizes, ranks, _, b_offsets, scalings) in zip(hs, groups):
             lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
-                        out_sizes=sizes, segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile)
+                        out_sizes=sizes, segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile,
+                        num_warps=knobs.expand_warps)
 
     # Timing one kind alone: the shrinks of the layer, or its expands of h computed once beforehand. Both
     # interleaved is what the engine runs (an expand waits for its shrink).
@@ -305,11 +307,11 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
 def lora_sweep(gen: torch.Generator) -> list[Row]:
     """The LoRA layer at 1 and 64 adapters over 64 table slots (a decode graph's), under other launch
     choices than the wrappers': which shrink, its splits, tile width and hoisted page lookups."""
-    knobs = [LoraKnobs(), LoraKnobs(part="shrink"), LoraKnobs(part="expand"), LoraKnobs(accumulate=False),
-             LoraKnobs(hoist_pages=True), LoraKnobs(split_k=16), LoraKnobs(split_k=16, hoist_pages=True),
-             LoraKnobs(shrink_tile=64), LoraKnobs(expand_tile=256), LoraKnobs(expand_tile=512),
-             LoraKnobs(expand_tile=256, part="expand"), LoraKnobs(expand_tile=512, part="expand"),
-             LoraKnobs(expand_tile=512, n_tiles=2, part="expand")]
+    expand_only = [LoraKnobs(part="expand", expand_tile=tile, expand_warps=warps)
+                   for tile, warps in ((128, 2), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8))]
+    knobs = [LoraKnobs(), LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"), LoraKnobs(accumulate=False),
+             LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8),
+             LoraKnobs(expand_tile=256, expand_warps=8)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 

@@ -166,19 +166,23 @@ def test_fused_expand_rejects_bad_out_sizes():
     with pytest.raises(ValueError, match="n_tiles"):
         lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
                     n_tiles=3)
+    with pytest.raises(ValueError, match="num_warps"):
+        lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
+                    num_warps=3)
     with pytest.raises(ValueError, match="offsets must have the shape of ranks"):
         lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets[0], 16)
 
 
 def test_lora_segments_group_tokens_by_slot():
     slots = torch.tensor([2, -1, 0, 2, 2, -1, 0] + [1] * 17, dtype=torch.int32)
-    order, starts, block_slot, block_start, block_m = lora_segments(slots, 4)
+    order, starts, block_slot, block_start, block_end, block_m = lora_segments(slots, 4)
     assert block_m == 16
     assert starts.tolist() == [2, 4, 21, 24, 24]
     assert order.tolist()[:2] == [1, 5] and order.tolist()[2:4] == [2, 6] and order.tolist()[21:] == [0, 3, 4]
     # Blocks (24 // 16 + 4 = 5): slot 0 from token 2, slot 1 in two blocks, slot 2, slot 3 (empty).
     assert block_slot.tolist() == [0, 1, 1, 2, 3]
     assert block_start.tolist() == [2, 4, 20, 21, 24]
+    assert block_end.tolist() == [4, 20, 21, 24, 24]   # the last block is spare
 
 
 def test_lora_without_adapters_is_a_no_op():
