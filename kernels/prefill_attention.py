@@ -67,7 +67,9 @@ def _attend_block(q, q_pos, kv_head_ptr, bt_row, n0, kv_end, page_elems, scale_l
     return m_new, l_i, acc
 
 
-@triton.jit
+# Ints that change from step to step are not specialised (on == 1 or % 16 == 0): each new combination
+# would compile the kernel again in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_btb"])
 def _prefill_kernel(
     q_ptr, kv_ptr, bt_ptr, start_loc_ptr, ctx_ptr, out_ptr,
     scale_log2, num_seqs,

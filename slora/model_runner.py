@@ -11,11 +11,19 @@ from slora.adapters.packing import AdapterDescriptor, PackedAdapter
 from slora.attention_backend import backends_for
 from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.forward_batch import ForwardBatch, LoraBatch
+from slora.kernels.layout import LORA_MODULES
 from slora.models.llama import LlamaForCausalLM
 from slora.scheduler import ScheduledSeq, SchedulerOutput
 
 # version -> (where its weights lie in its buffer, its pages in the pool)
 StepAdapters = dict[str, tuple[AdapterDescriptor, list[int]]]
+
+# Steps that take other compile-time choices in the Triton kernels than the captured decode steps, as
+# (sequences, tokens each, adapter slots): prefill row blocks of 64 (1 x 128) and 32 (4 x 8), LoRA token
+# blocks of 64 (1 slot, 128 tokens) and 16, the shrink into one h (<= 64 tokens) and into split partial
+# sums (160). Run once at start so that the first real steps of these kinds do not stall to compile: on
+# the H200, compiling in the middle of an offline run cost it seconds (benchmarks/README.md).
+WARM_UP_STEPS = ((1, 128, 1), (4, 8, 4), (4, 40, 4))
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,36 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.pool, self.attention, self.lora_ops, shape.page_size,
                                        graph_limits)
             self.graphs.capture()
+            self.warm_up(graph_limits)
+
+    @torch.inference_mode()
+    def warm_up(self, limits: GraphLimits) -> None:
+        """Run the WARM_UP_STEPS with every adapter module active at rank 0: kernels compile, nothing is
+        written to the pool (no token has a KV slot) and no adapter weight is read."""
+        for num_seqs, tokens_each, slots in WARM_UP_STEPS:
+            self.model(self._warm_up_batch(num_seqs, tokens_each, slots, limits), self.pool, self.attention)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _warm_up_batch(self, num_seqs: int, tokens_each: int, slots: int, limits: GraphLimits) -> ForwardBatch:
+        tokens, device = num_seqs * tokens_each, self.device
+        zeros = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=device)
+        token_slots = torch.arange(tokens, dtype=torch.int32, device=device) // tokens_each % slots
+        tables = (limits.num_layers, len(LORA_MODULES), slots)
+        lora = LoraBatch(token_slots=token_slots, page_tables=zeros(slots, limits.max_adapter_pages),
+                         ranks=zeros(*tables), a_offsets=zeros(*tables, dtype=torch.long),
+                         b_offsets=zeros(*tables, dtype=torch.long), scalings=zeros(*tables, dtype=torch.float32),
+                         max_rank=limits.max_lora_rank, ops=self.lora_ops.prepare(token_slots, slots, limits.num_layers),
+                         active=[[True] * len(LORA_MODULES)] * limits.num_layers)
+        pages_each = -(-tokens_each // self.shape.page_size)
+        return ForwardBatch(zeros(tokens, dtype=torch.long),
+                            torch.arange(tokens_each, device=device).repeat(num_seqs),   # positions
+                            zeros(tokens, dtype=torch.long) - 1,                         # slot -1: K/V not stored
+                            zeros(num_seqs, pages_each),                                 # every page is page 0
+                            torch.arange(0, tokens + 1, tokens_each, dtype=torch.int32, device=device),
+                            torch.full((num_seqs,), tokens_each, dtype=torch.int32, device=device),
+                            torch.arange(tokens_each - 1, tokens, tokens_each, device=device),
+                            self.shape.page_size, tokens_each, tokens_each, lora)
 
     def move_pages(self, out: SchedulerOutput, packed: dict[str, PackedAdapter]) -> None:
         """The step's page moves, before its forward: swap-outs first (their pages may be reused by
