@@ -154,9 +154,10 @@ def _load_paged_tile(pool_ptr, pt_row, offset, rows, row_stride, row_len, col0, 
     return _load_run(pool_ptr, first, second, room, tl.arange(0, TILE), mask)
 
 
-# Ints that change with the step's size are not specialised (on == 1 or % 16 == 0), so a new step size
-# does not compile the kernel again in the middle of serving.
-@triton.jit(do_not_specialize=["k_per_split", "stride_hsplit"])
+# Ints that change with the step's size (k_per_split, stride_hsplit) stay specialised: without it
+# (do_not_specialize) decode steps on the H200 took 2-40% longer (benchmarks/README.md). The variants that
+# mixed steps need are compiled at start (ModelRunner.warm_up).
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, a_off_ptr, h_ptr,
     in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
@@ -220,7 +221,7 @@ def _module_of_tile(tile, n0, n1, BLOCK_N: tl.constexpr):
     return module, out_col, (tile - first_tile) * BLOCK_N
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_hsplit"])   # as the shrink's
+@triton.jit   # specialised as the shrink is
 def _lora_expand_kernel(
     h_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, b_off_ptr,
     scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, num_tiles, page_elems,

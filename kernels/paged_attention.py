@@ -41,9 +41,7 @@ def _split_chunk(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
 
 
-# The block table's width changes from step to step outside CUDA graphs: not specialised, so it
-# compiles once.
-@triton.jit(do_not_specialize=["stride_btb"])
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, kv_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2,
