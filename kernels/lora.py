@@ -442,7 +442,10 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k, tile,
                         _MAX_SPLIT_K)
     allocate = torch.zeros if zero_fill else torch.empty
-    h = allocate((plan.split_k, x.shape[0], plan.modules * max_rank), dtype=torch.float32, device=x.device)
+    # Token rows padded to a multiple of 16, so the split stride is one too whatever the step's size: Triton
+    # specialises ints on divisibility by 16, and a stride that changed it would compile the kernels again.
+    rows = triton.cdiv(x.shape[0], 16) * 16
+    h = allocate((plan.split_k, rows, plan.modules * max_rank), dtype=torch.float32, device=x.device)[:, :x.shape[0]]
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, h.stride(0), max_rank, accumulate=False,
                    hoist_pages=hoist_pages)
     return h
@@ -522,6 +525,11 @@ def _check_partials(h: Tensor, num_tokens: int, modules: int) -> Tensor:
     return partials
 
 
+def _split_stride(partials: Tensor) -> int:
+    """The stride between splits, 0 for one split (unused then): a constant, so it compiles no new variant."""
+    return partials.stride(0) if partials.shape[0] > 1 else 0
+
+
 def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features: int) -> list[int]:
     sizes = [out_features] if out_sizes is None and modules == 1 else list(out_sizes or [])
     if len(sizes) != modules or any(n <= 0 for n in sizes) or sum(sizes) != out_features:
@@ -567,7 +575,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, triton.cdiv(tiles, n_tiles))](
         partials, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end,
         page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0],
-        tiles, pool.shape[1], partials.stride(0), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
+        tiles, pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), num_warps=num_warps, num_stages=_NUM_STAGES,
