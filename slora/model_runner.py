@@ -24,6 +24,9 @@ StepAdapters = dict[str, tuple[AdapterDescriptor, list[int]]]
 # sums (160). Run once at start so that the first real steps of these kinds do not stall to compile: on
 # the H200, compiling in the middle of an offline run cost it seconds (benchmarks/README.md).
 WARM_UP_STEPS = ((1, 128, 1), (4, 8, 4), (4, 40, 4))
+# Step max ranks are multiples of this (step_max_rank); the warm-up runs one of them (one rank block) and
+# the engine's largest.
+RANK_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,15 @@ class LoraTables:
         stack = lambda name: torch.stack([getattr(d, name) for d in descriptors], dim=-1)
         ranks = stack("ranks")                                                    # [layers, modules, slots]
         return AdapterTables(ranks, stack("a_offsets"), stack("b_offsets"), stack("scalings"),
-                             int(ranks.max()), (ranks.amax(dim=-1) > 0).tolist())
+                             step_max_rank(int(ranks.max())), (ranks.amax(dim=-1) > 0).tolist())
+
+
+def step_max_rank(highest_rank: int) -> int:
+    """The LoRA kernels' max_rank for a step whose highest adapter rank is `highest_rank`: rounded up to a
+    multiple of RANK_ALIGN. Triton specialises integer arguments on divisibility by 16, and max_rank sets
+    several (h's width and strides), so rank 8 and rank 16 steps would otherwise compile different kernel
+    variants, each in the middle of serving. Columns past an adapter's rank are never read."""
+    return -(-highest_rank // RANK_ALIGN) * RANK_ALIGN
 
 
 class AdapterTables(NamedTuple):
@@ -173,12 +184,15 @@ class ModelRunner:
     def warm_up(self, limits: GraphLimits) -> None:
         """Run the WARM_UP_STEPS with every adapter module active at rank 0: kernels compile, nothing is
         written to the pool (no token has a KV slot) and no adapter weight is read."""
-        for num_seqs, tokens_each, slots in WARM_UP_STEPS:
-            self.model(self._warm_up_batch(num_seqs, tokens_each, slots, limits), self.pool, self.attention)
+        for max_rank in sorted({RANK_ALIGN, step_max_rank(limits.max_lora_rank)}):
+            for num_seqs, tokens_each, slots in WARM_UP_STEPS:
+                batch = self._warm_up_batch(num_seqs, tokens_each, slots, limits, max_rank)
+                self.model(batch, self.pool, self.attention)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _warm_up_batch(self, num_seqs: int, tokens_each: int, slots: int, limits: GraphLimits) -> ForwardBatch:
+    def _warm_up_batch(self, num_seqs: int, tokens_each: int, slots: int, limits: GraphLimits,
+                       max_rank: int) -> ForwardBatch:
         tokens, device = num_seqs * tokens_each, self.device
         zeros = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=device)
         token_slots = torch.arange(tokens, dtype=torch.int32, device=device) // tokens_each % slots
@@ -186,7 +200,7 @@ class ModelRunner:
         lora = LoraBatch(token_slots=token_slots, page_tables=zeros(slots, limits.max_adapter_pages),
                          ranks=zeros(*tables), a_offsets=zeros(*tables, dtype=torch.long),
                          b_offsets=zeros(*tables, dtype=torch.long), scalings=zeros(*tables, dtype=torch.float32),
-                         max_rank=limits.max_lora_rank, ops=self.lora_ops.prepare(token_slots, slots, limits.num_layers),
+                         max_rank=max_rank, ops=self.lora_ops.prepare(token_slots, slots, limits.num_layers),
                          active=[[True] * len(LORA_MODULES)] * limits.num_layers)
         pages_each = -(-tokens_each // self.shape.page_size)
         return ForwardBatch(zeros(tokens, dtype=torch.long),

@@ -10,6 +10,7 @@ from slora import LLM, SamplingParams
 from slora import attention_backend
 from slora.attention_backend import TritonAttention, TritonLora
 from slora.cuda_graphs import GraphLimits
+from slora.model_runner import step_max_rank
 from tiny import random_prompts
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -58,3 +59,10 @@ def _limits_for(llm: LLM) -> GraphLimits:
     rank = engine.config.max_lora_rank
     return GraphLimits(max_batch=4, max_blocks=8, max_adapter_pages=4, max_lora_rank=rank,
                        num_layers=engine.model_config.num_layers)
+
+
+@pytest.mark.parametrize("highest,expected", [(0, 0), (1, 16), (8, 16), (16, 16), (17, 32), (64, 64), (65, 80)])
+def test_step_max_rank_is_a_multiple_of_16(highest, expected):
+    """Triton specialises ints on divisibility by 16: steps of rank-8 and rank-16 adapters must give the
+    LoRA kernels the same kind of max_rank, or each compiles its own variant while serving."""
+    assert step_max_rank(highest) == expected
