@@ -114,3 +114,26 @@ def test_many_adapter_loads_and_evictions_match_cpu(tiny_llama, tmp_path):
     gpu, llm = run(device="cuda", dtype="float32")
     assert gpu == cpu
     assert llm.engine.scheduler.adapters.num_evictions > 0
+
+
+def test_no_kernel_compiles_while_serving(tiny_llama):
+    """Graph capture and the start-up warm-up compile every Triton kernel variant that later steps need
+    (prefill and mixed steps of other sizes, other adapter mixes and ranks): a compile in the middle of
+    serving stalls its step for up to seconds (benchmarks/README.md, throughput on the H200)."""
+    triton = pytest.importorskip("triton")
+    if not hasattr(triton, "knobs"):
+        pytest.skip("this Triton has no compile hooks (triton.knobs)")
+    llm = make_llm(tiny_llama, device="cuda", dtype="bfloat16")
+    compiled = []
+
+    def record(**kwargs) -> None:   # returns None: the compile goes ahead
+        compiled.append(kwargs.get("repr"))
+
+    triton.knobs.runtime.jit_post_compile_hook = record
+    try:
+        for seed, lengths in enumerate(([1, 9, 16, 17, 40, 100, 3, 64], [200, 5], [33] * 12)):
+            prompts = random_prompts(lengths, seed=20 + seed)
+            tokens(llm, prompts, (NAMES * 2)[:len(prompts)])
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
