@@ -210,16 +210,20 @@ class LoraKnobs:
     hoist_pages: bool = True    # page-table lookups of the shrink before its reduction loop
     expand_warps: int | None = None
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
+    fused: bool = False         # lora_fused (one launch) for the groups that read a hidden-sized x; not down_proj
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
             raise ValueError(f"part must be both, shrink or expand, got {self.part!r}")
+        if self.fused and self.part != "both":
+            raise ValueError("fused kernels can only be timed whole (part='both')")
 
     def __str__(self) -> str:
         shrink = "into one h" if self.accumulate else "partials"
         return (f"shrink {shrink}, split_k {_auto(self.split_k)}, n_tiles {_auto(self.n_tiles)}, "
                 f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
-                f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}")
+                f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}"
+                + (", shrink+expand fused but down_proj" if self.fused else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -230,7 +234,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
                baseline: bool = True, table_slots: int | None = None) -> Row:
     """knobs: override the wrappers' choices (the --lora-sweep); baseline: time the torch loop.
     table_slots: adapter slots in the tables (a decode graph has one per sequence however many are used)."""
-    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_into, lora_shrink_partials
+    from slora.kernels.lora import lora_expand, lora_fused, lora_segments, lora_shrink_into, lora_shrink_partials
     dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
     num_slots = table_slots or num_adapters
     layer = _pack_lora_layer(num_slots, rank, page_elems, dtype, gen)
@@ -277,9 +281,24 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
 
     # Timing one kind alone: the shrinks of the layer, or its expands of h computed once beforehand. Both
     # interleaved is what the engine runs (an expand waits for its shrink).
+    def fused_all() -> None:
+        # down_proj (x 14336 wide) keeps shrink + expand: each of its tiles would re-read 3.5x more x and A.
+        if knobs.accumulate:
+            workspace.zero_()
+        for x, out, sizes, ranks, a_offsets, b_offsets, scalings in groups:
+            if x.shape[1] > 4096:
+                h = shrink(x, ranks, a_offsets, len(sizes) * rank, 0)
+                lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
+                            out_sizes=sizes, segments=segments, tile=knobs.expand_tile)
+            else:
+                lora_fused(out, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, b_offsets, scalings,
+                           out_sizes=sizes, segments=segments, tile=knobs.expand_tile)
+
     shrunk = shrink_all() if knobs.part == "expand" else []
     run = {"both": lambda: expand_all(shrink_all()), "shrink": shrink_all,
            "expand": lambda: expand_all(shrunk)}[knobs.part]
+    if knobs.fused:
+        run = fused_all
 
     token_ids = [torch.nonzero(slots == a).flatten() for a in range(num_adapters)]
 
@@ -311,7 +330,7 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
                    for tile, warps in ((128, 2), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8))]
     knobs = [LoraKnobs(), LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"), LoraKnobs(accumulate=False),
              LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8),
-             LoraKnobs(expand_tile=256, expand_warps=8)]
+             LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True), LoraKnobs(fused=True, expand_tile=256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 

@@ -284,6 +284,67 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
     tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _lora_fused_kernel(
+    x_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, a_off_ptr,
+    b_off_ptr, scale_ptr, out_ptr, in_features, n0, n1, n2, page_elems,
+    stride_xt, stride_pt, stride_rm, stride_am, stride_bm, stride_sm, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # out[token, col_m + n] += scaling_{m,slot} * ((x[token] @ A_{m,slot}ᵀ) @ Bᵀ_{m,slot})[n] for one block of
+    # BLOCK_M tokens of one slot and one BLOCK_N tile of module m's columns. Every tile of a block computes
+    # the block's h again (x and A come from L2 after the first): no h in memory and one launch instead of
+    # two, for steps whose tokens share few adapters.
+    block = tl.program_id(0)
+    slot, tokens, row_mask, empty = _block_rows(order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, block,
+                                                BLOCK_M)
+    module, out_col, col0 = _module_of_tile(tl.program_id(1), n0, n1, BLOCK_N)
+    rank = tl.load(ranks_ptr + module * stride_rm + slot)
+    if empty | (rank == 0):
+        return   # a spare block, or the adapter does not target this module
+    out_features = tl.where(module == 0, n0, tl.where(module == 1, n1, n2))
+    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
+    a_offset = tl.load(a_off_ptr + module * stride_am + slot)
+    b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
+    cols_n = tl.arange(0, BLOCK_N)
+    n_mask = col0 + cols_n < out_features
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        ranks_idx = r0 + tl.arange(0, BLOCK_R)
+        r_mask = ranks_idx < rank
+        rows = tl.where(r_mask, ranks_idx, 0)                  # clamp: masked rows read row 0's page entry
+        h = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask,
+                         in_features, page_elems, BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION)
+        b = _load_paged_tile(pool_ptr, pt_row, b_offset, rows, tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS,
+                             out_features, col0, page_elems, r_mask[:, None] & n_mask[None, :],
+                             BLOCK_N, ALIGN_ELEMS)                                   # [BLOCK_R, BLOCK_N]
+        # h rounded to the output's dtype, like expand reading a shrink's h.
+        acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
+    o_ptrs = out_ptr + (tokens * stride_ot + out_col)[:, None] + col0 + cols_n[None, :]
+    o_mask = row_mask[:, None] & n_mask[None, :]
+    base = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
+    tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _shrink_rows(x_rows, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, in_features, page_elems,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    # x[tokens] @ A[rows]ᵀ over all in_features: [BLOCK_M, BLOCK_R] float32. x_rows: [BLOCK_M] row pointers.
+    cols = tl.arange(0, BLOCK_K)
+    row_stride = tl.cdiv(in_features, ALIGN_ELEMS) * ALIGN_ELEMS
+    h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k_mask = k0 + cols < in_features
+        x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows, row_stride, in_features, k0, page_elems,
+                             r_mask[:, None] & k_mask[None, :], BLOCK_K, ALIGN_ELEMS)   # [BLOCK_R, BLOCK_K]
+        h += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
+    return h
+
+
 # ----------------------------------------------------------------------------------------------------
 # Wrappers
 
@@ -525,6 +586,12 @@ def _check_partials(h: Tensor, num_tokens: int, modules: int) -> Tensor:
     return partials
 
 
+def _check_scalings(scalings: Tensor, ranks: Tensor) -> None:
+    if scalings.shape != ranks.shape or not scalings.is_floating_point() or scalings.stride(-1) != 1:
+        raise ValueError(f"scalings must be a floating-point tensor shaped like ranks {tuple(ranks.shape)}, "
+                         f"got {scalings.dtype} of shape {tuple(scalings.shape)}")
+
+
 def _split_stride(partials: Tensor) -> int:
     """The stride between splits, 0 for one split (unused then): a constant, so it compiles no new variant."""
     return partials.stride(0) if partials.shape[0] > 1 else 0
@@ -555,9 +622,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
     partials = _check_partials(h, out.shape[0], modules)
     num_slots = page_tables.shape[0]
-    if scalings.shape != ranks.shape or not scalings.is_floating_point() or scalings.stride(-1) != 1:
-        raise ValueError(f"scalings must be a floating-point tensor shaped like ranks {tuple(ranks.shape)}, "
-                         f"got {scalings.dtype} of shape {tuple(scalings.shape)}")
+    _check_scalings(scalings, ranks)
     sizes = _check_out_sizes(out_sizes, modules, out.shape[1])
     _check_devices(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings)
     num_tokens = out.shape[0]
@@ -579,4 +644,36 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), num_warps=num_warps, num_stages=_NUM_STAGES,
+    )
+
+
+def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
+               a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
+               segments: LoraSegments | None = None, tile: int | None = None) -> None:
+    """out[t] += ((x[t] @ A_sᵀ) @ Bᵀ_s) * scaling_s for s = token_slots[t]: shrink and expand in one launch.
+
+    Every output tile of a block of tokens computes the block's h again, reading x and A once per tile
+    (from L2 after the first), so it suits steps whose tokens share few adapters and whose in_features
+    are moderate; with an adapter per token it reads A once per tile and token. Arguments as
+    `lora_shrink` and `lora_expand`; ranks may go up to any value (there is no h to size). A launch choice
+    under evaluation (benchmarks/kernels.py --lora-sweep); the engine does not use it yet."""
+    modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
+    _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)   # rows: those of token_slots
+    _check_scalings(scalings, ranks)
+    sizes = _check_out_sizes(out_sizes, modules, out.shape[1])
+    _check_devices(out, x, pool, token_slots, page_tables, ranks, a_offsets, b_offsets, scalings)
+    num_tokens, num_slots = x.shape[0], page_tables.shape[0]
+    segments = _segments_for(segments, token_slots, num_tokens, num_slots, x.device)
+    if num_tokens == 0 or num_slots == 0:
+        return
+    block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
+    tiles = sum(triton.cdiv(n, block_n) for n in sizes)
+    _lora_fused_kernel[(num_tokens // segments.block_m + num_slots, tiles)](
+        x, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end, page_tables,
+        ranks, a_offsets, b_offsets, scalings, out, x.shape[1], *sizes, pool.shape[1],
+        x.stride(0), page_tables.stride(0), _module_stride(ranks), _module_stride(a_offsets),
+        _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
+        BLOCK_M=segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=_tile_width(pool.shape[1], None, _SHRINK_TILE),
+        BLOCK_N=block_n, ALIGN_ELEMS=ALIGN, DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )

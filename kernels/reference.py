@@ -155,6 +155,15 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     out += delta * scale[:, None]
 
 
+def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
+               a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int] | None = None) -> None:
+    """out[t] += ((x[t] @ A_sᵀ) @ Bᵀ_s) * scaling_s for s = token_slots[t]: lora_shrink then lora_expand, with
+    h rounded to x's dtype in between."""
+    max_rank = max(int(ranks.max()), 1)
+    h = lora_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank)
+    lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings, out_sizes)
+
+
 def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(weight * rms_norm(x + residual), x + residual) for x, residual `[tokens, hidden]` and weight
     `[hidden]`. The sum is taken in x's dtype and the norm in float32, then rounded to x's dtype;

@@ -10,7 +10,14 @@ from kernel_helpers import (
     random_token_slots,
 )
 from slora.kernels import reference
-from slora.kernels.lora import lora_expand, lora_segments, lora_shrink, lora_shrink_into, lora_shrink_partials
+from slora.kernels.lora import (
+    lora_expand,
+    lora_fused,
+    lora_segments,
+    lora_shrink,
+    lora_shrink_into,
+    lora_shrink_partials,
+)
 
 
 def _decode_slots(num_slots: int, gen: torch.Generator) -> torch.Tensor:
@@ -157,6 +164,49 @@ def _unwritten_as_nan(partials, slots, ranks, max_rank):
     return torch.where(written[None], partials, float("nan"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pattern", ["decode", "prefill"])
+@pytest.mark.parametrize("name", sorted(FUSED_CASES))
+@pytest.mark.parametrize("tile", [None, 64])
+def test_lora_fused_matches_shrink_then_expand(dtype, pattern, name, tile):
+    x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=31)
+    want = out.clone()
+    reference.lora_fused(want, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings,
+                         out_sizes)
+    before = out.clone()
+    lora_fused(out, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings,
+               out_sizes=out_sizes, tile=tile)
+    assert_close(out, want)
+    assert not torch.equal(out, before)
+    assert torch.equal(out[slots < 0], before[slots < 0])     # tokens without adapter untouched
+
+
+def test_lora_fused_one_module_ranks_up_to_64():
+    ranks = [64, 1, 33, 0, 16]
+    gen = make_generator(32)
+    b = make_lora_batch(ranks, 72, 136, 1024, torch.float32, gen)
+    slots = random_token_slots(24, len(ranks), gen)
+    x, out = randn((24, 72), torch.float32, gen), randn((24, 136), torch.float32, gen)
+    want = out.clone()
+    reference.lora_fused(want, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings)
+    lora_fused(out, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings)
+    assert_close(out, want)
+
+
+def test_lora_fused_rejects_bad_inputs():
+    x, out, b, slots, out_sizes = _fused_case(torch.float32, "decode", "qkv", seed=33)
+    args = (b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets)
+    with pytest.raises(ValueError, match="token_slots must be"):
+        lora_fused(out[:-1], x, *args, b.scalings, out_sizes=out_sizes)
+    with pytest.raises(ValueError, match="offsets must have the shape of ranks"):
+        lora_fused(out, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets[0], b.scalings,
+                   out_sizes=out_sizes)
+    with pytest.raises(ValueError, match="scalings"):
+        lora_fused(out, x, *args, b.scalings[0], out_sizes=out_sizes)
+    with pytest.raises(ValueError, match="out_sizes"):
+        lora_fused(out, x, *args, b.scalings, out_sizes=out_sizes[:2])
+
+
 def test_fused_expand_rejects_bad_out_sizes():
     x, out, b, slots, out_sizes = _fused_case(torch.float32, "decode", "qkv", seed=5)
     h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
@@ -274,6 +324,27 @@ def test_fused_qkv_gpu(dtype, num_tokens):
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                           out_sizes)
     lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
+    assert_close(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shared", [True, False])
+def test_lora_fused_gpu(dtype, shared):
+    """Llama-3-8B's q/k/v sizes, 64 decode tokens on one shared adapter or on mixed ranks up to 128."""
+    gen = make_generator(71 + shared)
+    module_ranks = [GPU_RANKS, GPU_RANKS[::-1], GPU_RANKS[2:] + GPU_RANKS[:2]]
+    out_sizes = [4096, 1024, 1024]
+    b = make_fused_lora_batch(module_ranks, 4096, out_sizes, 2 * 16 * 8 * 128, dtype, gen, "cuda", weight_scale=0.02)
+    slots = random_token_slots(64, 1 if shared else len(GPU_RANKS), gen, device="cuda")
+    x = randn((64, 4096), dtype, gen, "cuda")
+    out = randn((64, sum(out_sizes)), dtype, gen, "cuda")
+    want = out.float()
+    reference.lora_fused(want, x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets,
+                         b.scalings, out_sizes)
+    lora_fused(out, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings,
+               out_sizes=out_sizes)
     assert_close(out, want)
 
 
