@@ -46,7 +46,8 @@ def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
     return buffer_layout(LoadedAdapter(config, weights, "layout"), shapes)
 
 
-def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None):
+def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None,
+                fused_max_adapters: int = 0):
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
@@ -55,7 +56,8 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_lora
     kv_pages = max_batch * (CONTEXT // page_size + 1)
     shape = PoolShape(cfg.num_layers, kv_pages + num_adapters * adapter_pages, page_size, cfg.num_kv_heads,
                       cfg.head_dim)
-    limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras)
+    limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras,
+                         fused_max_adapters)
     runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits)
     return runner, descriptor, adapter_pages
 
@@ -113,11 +115,12 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
     return max(bytes_read / COPY_BANDWIDTH, flops / BF16_FLOPS)
 
 
-def step_rows(batches: list[int], iters: int, max_loras: int | None = None) -> list[dict]:
+def step_rows(batches: list[int], iters: int, max_loras: int | None = None, fused_max_adapters: int = 0) -> list[dict]:
     """Decode steps per batch size and adapter mix; with max_loras the graphs have that many adapter slots,
     and the distinct mix runs only at batches that fit it."""
     max_batch = max(batches)
-    runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras)
+    runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras,
+                                                    fused_max_adapters=fused_max_adapters)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     adapters = place_adapters(runner, allocator, max_batch, adapter_pages)
     rows = []
@@ -232,6 +235,8 @@ def main() -> None:
     parser.add_argument("--vs-peft", action="store_true")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="capture the decode graphs with this many adapter slots (engine max_loras)")
+    parser.add_argument("--lora-fused-max-adapters", type=int, default=0,
+                        help="decode graphs fuse LoRA shrink + expand for steps with at most this many adapters")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
     parser.add_argument("--out", default=None)
@@ -256,10 +261,12 @@ def main() -> None:
         print_table(rows)
         write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
         return
-    rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras)
+    rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras,
+                     args.lora_fused_max_adapters)
     print_table(rows)
     write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
                                                                 "rank": RANK, "max_loras": args.max_loras,
+                                                                "lora_fused_max_adapters": args.lora_fused_max_adapters,
                                                                 "rows": rows})
 
 

@@ -21,7 +21,9 @@ class ReferenceAttention:
 
 
 class ReferenceLora:
-    def prepare(self, token_slots: Tensor, num_slots: int, num_layers: int) -> "ReferenceLora":
+    fused = False
+
+    def prepare(self, token_slots: Tensor, num_slots: int, num_layers: int, fused: bool = False) -> "ReferenceLora":
         return self
 
     lora_shrink = staticmethod(reference.lora_shrink)
@@ -65,14 +67,22 @@ class TritonLora:
     In small steps every shrink adds into a slice of one float32 workspace that the step's first shrink
     zeroes (one memset per step, inside the captured graph for decode)."""
 
-    def __init__(self, segments: object | None = None, num_layers: int = 0) -> None:
+    def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False) -> None:
         from slora.kernels import lora
         self._lora, self.segments, self._num_layers = lora, segments, num_layers
+        self.fused = fused
         self._workspace: Tensor | None = None
         self._used = 0
 
-    def prepare(self, token_slots: Tensor, num_slots: int, num_layers: int) -> "TritonLora":
-        return TritonLora(self._lora.lora_segments(token_slots, num_slots), num_layers)
+    def prepare(self, token_slots: Tensor, num_slots: int, num_layers: int, fused: bool = False) -> "TritonLora":
+        """The ops of one step; fused: groups run lora_fused (LoraBatch.apply says which)."""
+        return TritonLora(self._lora.lora_segments(token_slots, num_slots), num_layers, fused)
+
+    def lora_fused(self, out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
+                   ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
+                   out_sizes: list[int]) -> None:
+        self._lora.lora_fused(out, x, pool, token_slots, page_tables, ranks, a_offsets, b_offsets, scalings,
+                              out_sizes=out_sizes, segments=self.segments)
 
     def lora_shrink(self, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                     a_offsets: Tensor, max_rank: int) -> Tensor:

@@ -169,7 +169,8 @@ class Engine:
         return GraphLimits(max_batch=self.config.max_num_seqs,
                            max_blocks=-(-self.max_model_len // self.config.page_size),
                            max_adapter_pages=-(-elems // shape.page_elems), max_lora_rank=rank,
-                           num_layers=self.model_config.num_layers, max_loras=self.config.max_loras)
+                           num_layers=self.model_config.num_layers, max_loras=self.config.max_loras,
+                           fused_max_adapters=self.config.lora_fused_max_adapters)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)

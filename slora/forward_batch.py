@@ -24,6 +24,13 @@ class LoraOps(Protocol):
     def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None: ...
 
+    # Whether this step's groups whose input is no wider than their output run lora_fused (one launch).
+    fused: bool
+
+    def lora_fused(self, out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
+                   ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
+                   out_sizes: list[int]) -> None: ...
+
 
 @dataclass
 class LoraBatch:
@@ -47,6 +54,11 @@ class LoraBatch:
         if not any(self.active[layer][modules]):
             return
         ranks = self.ranks[layer, modules]                                          # [modules, slots]
+        # Fused, every output tile re-reads x and A: not for down_proj, whose x is 3.5x wider than its output.
+        if self.ops.fused and x.shape[1] <= out.shape[1]:
+            self.ops.lora_fused(out, x, pool, self.token_slots, self.page_tables, ranks, self.a_offsets[layer, modules],
+                                self.b_offsets[layer, modules], self.scalings[layer, modules], out_sizes)
+            return
         h = self.ops.lora_shrink(x, pool, self.token_slots, self.page_tables, ranks,
                                  self.a_offsets[layer, modules], self.max_rank)
         self.ops.lora_expand(out, h, pool, self.token_slots, self.page_tables, ranks,

@@ -50,6 +50,18 @@ def test_graphs_captured_for_max_loras_slots_match_cpu(tiny_llama):
     gpu.engine.check()
 
 
+def test_fused_lora_graphs_match_cpu(tiny_llama):
+    """Decode steps with at most two adapters replay the graphs captured with lora_fused, others the split
+    ones: both give the CPU engine's tokens."""
+    cpu_llm = make_llm(tiny_llama)
+    gpu = make_llm(tiny_llama, device="cuda", dtype="float32", lora_fused_max_adapters=2)
+    assert (16, True, True) in gpu.engine.runner.graphs.graphs
+    prompts = random_prompts([5, 12, 30, 7, 22], seed=17)
+    for mix in (["all-r16"] * 5, [None, "rs-pattern", "all-r16", None, "rs-pattern"], NAMES[:5]):
+        assert tokens(gpu, prompts, mix) == tokens(cpu_llm, prompts, mix)
+    gpu.engine.check()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_and_tracks_float32(tiny_llama, dtype):
     prompts = random_prompts([20, 33], seed=13)

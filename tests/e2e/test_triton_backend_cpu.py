@@ -17,9 +17,15 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs Triton kernels in the interpreter, on CPU-only machines")
 
 
-@pytest.mark.parametrize("accumulate_max_tokens", [64, 0])   # shrink into one h, or split partial sums
-def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, accumulate_max_tokens):
+@pytest.mark.parametrize("accumulate_max_tokens,fused", [(64, False), (0, False), (64, True)])
+def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, accumulate_max_tokens, fused):
+    """Shrink into one h or split partial sums; fused: every step runs lora_fused where LoraBatch.apply
+    allows it (the CUDA engine does so only in decode graphs with few adapters)."""
     monkeypatch.setattr(attention_backend, "ACCUMULATE_MAX_TOKENS", accumulate_max_tokens)
+    if fused:
+        prepare = TritonLora.prepare
+        monkeypatch.setattr(TritonLora, "prepare", lambda self, slots, n, layers, fused=False:
+                            prepare(self, slots, n, layers, fused=True))
     prompts = random_prompts([3, 18, 9], seed=40)
     names = ["all-r16", None, "rs-pattern"]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)

@@ -36,3 +36,8 @@ def test_max_loras_changes_the_order_not_the_outputs(tiny_llama):
 def test_max_loras_must_be_positive():
     with pytest.raises(ValueError, match="max_loras"):
         EngineConfig(max_loras=0)
+
+
+def test_lora_fused_max_adapters_must_not_be_negative():
+    with pytest.raises(ValueError, match="lora_fused_max_adapters"):
+        EngineConfig(lora_fused_max_adapters=-1)
