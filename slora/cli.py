@@ -33,7 +33,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 pool_gib=args.pool_gib, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
-                lora_fused_max_adapters=args.lora_fused_max_adapters, adapter_host_cache_gib=args.adapter_host_cache_gib, load_format=args.load_format,
+                lora_fused_max_adapters=args.lora_fused_max_adapters,
+                adapter_host_cache_gib=args.adapter_host_cache_gib, load_format=args.load_format,
                 enforce_eager=args.enforce_eager)
 
 
