@@ -210,7 +210,7 @@ class LoraKnobs:
     hoist_pages: bool = True    # page-table lookups of the shrink before its reduction loop
     expand_warps: int | None = None
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
-    fused: bool = False         # lora_fused (one launch) for the groups that read a hidden-sized x; not down_proj
+    fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
@@ -223,7 +223,7 @@ class LoraKnobs:
         return (f"shrink {shrink}, split_k {_auto(self.split_k)}, n_tiles {_auto(self.n_tiles)}, "
                 f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
                 f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}"
-                + (", shrink+expand fused but down_proj" if self.fused else ""))
+                + (", shrink+expand fused where lora_fusable" if self.fused else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -234,6 +234,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
                baseline: bool = True, table_slots: int | None = None) -> Row:
     """knobs: override the wrappers' choices (the --lora-sweep); baseline: time the torch loop.
     table_slots: adapter slots in the tables (a decode graph has one per sequence however many are used)."""
+    from slora.forward_batch import lora_fusable
     from slora.kernels.lora import lora_expand, lora_fused, lora_segments, lora_shrink_into, lora_shrink_partials
     dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
     num_slots = table_slots or num_adapters
@@ -264,41 +265,40 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
                          split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages)
         return h
 
+    def expand(h: Tensor, group: tuple) -> None:
+        _, out, sizes, ranks, _, b_offsets, scalings = group
+        lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings, out_sizes=sizes,
+                    segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile, num_warps=knobs.expand_warps)
+
+    # The groups that run as lora_fused, as the engine would choose them (none unless knobs.fused).
+    fusing = [knobs.fused and lora_fusable(x.shape[1], out.shape[1]) for x, out, *_ in groups]
+
     def shrink_all() -> list[Tensor]:
+        """h of every group that does not run fused."""
         if knobs.accumulate:
             workspace.zero_()
         hs, used = [], 0
-        for x, _, sizes, ranks, a_offsets, _, _ in groups:
-            hs.append(shrink(x, ranks, a_offsets, len(sizes) * rank, used))
-            used += tokens * len(sizes) * rank
+        for (x, _, sizes, ranks, a_offsets, _, _), fused in zip(groups, fusing):
+            if not fused:
+                hs.append(shrink(x, ranks, a_offsets, len(sizes) * rank, used))
+                used += tokens * len(sizes) * rank
         return hs
 
-    def expand_all(hs: list[Tensor]) -> None:
-        for h, (_, out, sizes, ranks, _, b_offsets, scalings) in zip(hs, groups):
-            lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
-                        out_sizes=sizes, segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile,
-                        num_warps=knobs.expand_warps)
-
-    # Timing one kind alone: the shrinks of the layer, or its expands of h computed once beforehand. Both
-    # interleaved is what the engine runs (an expand waits for its shrink).
-    def fused_all() -> None:
-        # down_proj (x 14336 wide) keeps shrink + expand: each of its tiles would re-read 3.5x more x and A.
-        if knobs.accumulate:
-            workspace.zero_()
-        for x, out, sizes, ranks, a_offsets, b_offsets, scalings in groups:
-            if x.shape[1] > 4096:
-                h = shrink(x, ranks, a_offsets, len(sizes) * rank, 0)
-                lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
-                            out_sizes=sizes, segments=segments, tile=knobs.expand_tile)
-            else:
+    def layer_lora() -> None:
+        # The layer's LoRA: its shrinks, then its expands, lora_fused in one launch for the fused groups.
+        hs = iter(shrink_all())
+        for group, fused in zip(groups, fusing):
+            if fused:
+                x, out, sizes, ranks, a_offsets, b_offsets, scalings = group
                 lora_fused(out, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, b_offsets, scalings,
                            out_sizes=sizes, segments=segments, tile=knobs.expand_tile)
+            else:
+                expand(next(hs), group)
 
+    # Timing one kind alone: the shrinks of the layer, or its expands of h computed once beforehand.
     shrunk = shrink_all() if knobs.part == "expand" else []
-    run = {"both": lambda: expand_all(shrink_all()), "shrink": shrink_all,
-           "expand": lambda: expand_all(shrunk)}[knobs.part]
-    if knobs.fused:
-        run = fused_all
+    run = {"both": layer_lora, "shrink": shrink_all,
+           "expand": lambda: [expand(h, group) for h, group in zip(shrunk, groups)]}[knobs.part]
 
     token_ids = [torch.nonzero(slots == a).flatten() for a in range(num_adapters)]
 

@@ -154,6 +154,40 @@ def _load_paged_tile(pool_ptr, pt_row, offset, rows, row_stride, row_len, col0, 
     return _load_run(pool_ptr, first, second, room, tl.arange(0, TILE), mask)
 
 
+@triton.jit
+def _shrink_rows(x_rows, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, k_lo, k_hi, in_features, row_stride,
+                 page_elems, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, HOIST_PAGES: tl.constexpr):
+    # x[tokens, k_lo:k_hi] @ A[rows, k_lo:k_hi]ᵀ: [BLOCK_M, BLOCK_R] float32. x_rows: [BLOCK_M] row pointers.
+    # HOIST_PAGES (the run k_lo..k_hi of a row fits in a page): each row's pages are looked up once, before
+    # the loop, instead of in every step of it.
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    if HOIST_PAGES:
+        first, second, room = _split_pages(pt_row, a_offset, rows, row_stride, k_lo, k_hi - k_lo, page_elems,
+                                           ALIGN_ELEMS)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_mask = k0 + cols < in_features
+        x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a_mask = r_mask[:, None] & k_mask[None, :]
+        if HOIST_PAGES:   # columns counted from k_lo, where the hoisted lookups start
+            a = _load_run(pool_ptr, first, second, room, k0 - k_lo + cols, a_mask)   # [BLOCK_R, BLOCK_K]
+        else:
+            a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows, row_stride, in_features, k0, page_elems,
+                                 a_mask, BLOCK_K, ALIGN_ELEMS)                      # [BLOCK_R, BLOCK_K]
+        acc += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling):
+    # out[rows, col0 + cols] += scaling * acc, in float32 and rounded once to out's dtype.
+    o_ptrs = out_ptr + out_rows[:, None] + col0 + cols[None, :]
+    o_mask = row_mask[:, None] & n_mask[None, :]
+    base = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
 # Ints that change with the step's size (k_per_split, stride_hsplit) stay specialised: without it
 # (do_not_specialize) decode steps on the H200 took 2-40% longer (benchmarks/README.md). The variants that
 # mixed steps need are compiled at start (ModelRunner.warm_up).
@@ -184,23 +218,9 @@ def _lora_shrink_kernel(
     a_offset = tl.load(a_off_ptr + module * stride_am + slot)
     pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, in_features)
-    cols = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + tokens * stride_xt                       # [BLOCK_M] row pointers
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    if HOIST_PAGES:
-        first, second, room = _split_pages(pt_row, a_offset, rows_in, row_stride, k_lo, k_hi - k_lo, page_elems,
-                                           ALIGN_ELEMS)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_mask = k0 + cols < in_features
-        x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        a_mask = r_mask[:, None] & k_mask[None, :]
-        if HOIST_PAGES:   # columns counted from k_lo, where the hoisted lookups start
-            a = _load_run(pool_ptr, first, second, room, k0 - k_lo + cols, a_mask)   # [BLOCK_R, BLOCK_K]
-        else:
-            a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows_in, row_stride, in_features, k0, page_elems,
-                                 a_mask, BLOCK_K, ALIGN_ELEMS)                      # [BLOCK_R, BLOCK_K]
-        acc += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
+    acc = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows_in, r_mask, k_lo,
+                       tl.minimum(k_lo + k_per_split, in_features), in_features, row_stride, page_elems,
+                       BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES)   # [BLOCK_M, BLOCK_R]
     h_cols = module * max_rank + ranks_idx
     h_ptrs = h_ptr + split * stride_hsplit + tokens[:, None] * stride_ht + h_cols[None, :]
     if ACCUMULATE:
@@ -278,10 +298,7 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
         # h in the output's dtype, like a matmul of the two factors would see it.
         acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty),
                       input_precision=DOT_PRECISION)
-    o_ptrs = out_ptr + out_rows[:, None] + col0 + cols[None, :]
-    o_mask = row_mask[:, None] & n_mask[None, :]
-    base = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=o_mask)
+    _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling)
 
 
 @triton.jit
@@ -290,12 +307,12 @@ def _lora_fused_kernel(
     b_off_ptr, scale_ptr, out_ptr, in_features, n0, n1, n2, page_elems,
     stride_xt, stride_pt, stride_rm, stride_am, stride_bm, stride_sm, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, HOIST_PAGES: tl.constexpr,
 ):
     # out[token, col_m + n] += scaling_{m,slot} * ((x[token] @ A_{m,slot}ᵀ) @ Bᵀ_{m,slot})[n] for one block of
     # BLOCK_M tokens of one slot and one BLOCK_N tile of module m's columns. Every tile of a block computes
-    # the block's h again (x and A come from L2 after the first): no h in memory and one launch instead of
-    # two, for steps whose tokens share few adapters.
+    # the block's h again (x and A are meant to come from L2 after the first tile; not measured): no h in
+    # memory and one launch instead of two, for steps whose tokens share few adapters.
     block = tl.program_id(0)
     slot, tokens, row_mask, empty = _block_rows(order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, block,
                                                 BLOCK_M)
@@ -314,35 +331,16 @@ def _lora_fused_kernel(
         ranks_idx = r0 + tl.arange(0, BLOCK_R)
         r_mask = ranks_idx < rank
         rows = tl.where(r_mask, ranks_idx, 0)                  # clamp: masked rows read row 0's page entry
-        h = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask,
-                         in_features, page_elems, BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION)
+        h = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, 0,
+                         in_features, in_features, tl.cdiv(in_features, ALIGN_ELEMS) * ALIGN_ELEMS, page_elems,
+                         BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES)   # [BLOCK_M, BLOCK_R]
         b = _load_paged_tile(pool_ptr, pt_row, b_offset, rows, tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS,
                              out_features, col0, page_elems, r_mask[:, None] & n_mask[None, :],
                              BLOCK_N, ALIGN_ELEMS)                                   # [BLOCK_R, BLOCK_N]
         # h rounded to the output's dtype, like expand reading a shrink's h.
         acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
-    o_ptrs = out_ptr + (tokens * stride_ot + out_col)[:, None] + col0 + cols_n[None, :]
-    o_mask = row_mask[:, None] & n_mask[None, :]
-    base = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-    scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
-    tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
-def _shrink_rows(x_rows, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, in_features, page_elems,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    # x[tokens] @ A[rows]ᵀ over all in_features: [BLOCK_M, BLOCK_R] float32. x_rows: [BLOCK_M] row pointers.
-    cols = tl.arange(0, BLOCK_K)
-    row_stride = tl.cdiv(in_features, ALIGN_ELEMS) * ALIGN_ELEMS
-    h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        k_mask = k0 + cols < in_features
-        x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows, row_stride, in_features, k0, page_elems,
-                             r_mask[:, None] & k_mask[None, :], BLOCK_K, ALIGN_ELEMS)   # [BLOCK_R, BLOCK_K]
-        h += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
-    return h
+    _add_scaled(out_ptr, tokens * stride_ot + out_col, col0, cols_n, row_mask, n_mask, acc,
+                tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -652,11 +650,12 @@ def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_t
                segments: LoraSegments | None = None, tile: int | None = None) -> None:
     """out[t] += ((x[t] @ A_sᵀ) @ Bᵀ_s) * scaling_s for s = token_slots[t]: shrink and expand in one launch.
 
-    Every output tile of a block of tokens computes the block's h again, reading x and A once per tile
-    (from L2 after the first), so it suits steps whose tokens share few adapters and whose in_features
-    are moderate; with an adapter per token it reads A once per tile and token. Arguments as
-    `lora_shrink` and `lora_expand`; ranks may go up to any value (there is no h to size). A launch choice
-    under evaluation (benchmarks/kernels.py --lora-sweep); the engine does not use it yet."""
+    Every output tile of a block of tokens computes the block's h again, reading x and A once per tile,
+    so it is meant for steps whose tokens share few adapters and whose in_features are moderate; with an
+    adapter per token it reads A once per tile and token. Arguments as `lora_shrink` and `lora_expand`;
+    ranks may go up to any value (there is no h to size). Not yet measured on a GPU: the engine uses it
+    only in decode graphs with `lora_fused_max_adapters` set (off by default), and
+    benchmarks/kernels.py --lora-sweep times it."""
     modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
     _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)   # rows: those of token_slots
     _check_scalings(scalings, ranks)
@@ -675,5 +674,6 @@ def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_t
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=_tile_width(pool.shape[1], None, _SHRINK_TILE),
         BLOCK_N=block_n, ALIGN_ELEMS=ALIGN, DOT_PRECISION=_dot_precision(x.dtype),
+        HOIST_PAGES=x.shape[1] <= pool.shape[1],   # a row of A fits in two pages
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )

@@ -28,6 +28,7 @@ class ReferenceLora:
 
     lora_shrink = staticmethod(reference.lora_shrink)
     lora_expand = staticmethod(reference.lora_expand)
+    lora_fused = staticmethod(reference.lora_fused)   # the LoraOps protocol's; never called while fused is False
 
 
 class TritonAttention:

@@ -40,6 +40,10 @@ class GraphLimits:
             return min(batch_size, self.fused_max_adapters)
         return batch_size if self.max_loras is None else min(batch_size, self.max_loras)
 
+    def fuses(self, num_adapters: int) -> bool:
+        """Whether a decode step with this many distinct adapters replays a lora_fused graph."""
+        return 0 < num_adapters <= self.fused_max_adapters
+
     def graph_kinds(self) -> list[tuple[bool, bool]]:
         """(with LoRA, fused) of the graphs captured for every bucket."""
         return [(False, False), (True, False)] + ([(True, True)] if self.fused_max_adapters > 0 else [])

@@ -186,31 +186,27 @@ class ModelRunner:
         written to the pool (no token has a KV slot) and no adapter weight is read."""
         for max_rank in sorted({RANK_ALIGN, step_max_rank(limits.max_lora_rank)}):
             for num_seqs, tokens_each, slots in WARM_UP_STEPS:
-                batch = self._warm_up_batch(num_seqs, tokens_each, slots, limits, max_rank)
-                self.model(batch, self.pool, self.attention)
+                host = self._warm_up_inputs(num_seqs, tokens_each, slots, limits, max_rank)
+                self.model(self.to_device(host), self.pool, self.attention)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _warm_up_batch(self, num_seqs: int, tokens_each: int, slots: int, limits: GraphLimits,
-                       max_rank: int) -> ForwardBatch:
-        tokens, device = num_seqs * tokens_each, self.device
-        zeros = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=device)
-        token_slots = torch.arange(tokens, dtype=torch.int32, device=device) // tokens_each % slots
+    def _warm_up_inputs(self, num_seqs: int, tokens_each: int, slots: int, limits: GraphLimits,
+                        max_rank: int) -> HostInputs:
+        """A prefill of num_seqs sequences of tokens_each tokens over `slots` adapters of rank 0."""
+        tokens = num_seqs * tokens_each
         tables = (limits.num_layers, len(LORA_MODULES), slots)
-        lora = LoraBatch(token_slots=token_slots, page_tables=zeros(slots, limits.max_adapter_pages),
-                         ranks=zeros(*tables), a_offsets=zeros(*tables, dtype=torch.long),
-                         b_offsets=zeros(*tables, dtype=torch.long), scalings=zeros(*tables, dtype=torch.float32),
-                         max_rank=max_rank, ops=self.lora_ops.prepare(token_slots, slots, limits.num_layers),
-                         active=[[True] * len(LORA_MODULES)] * limits.num_layers)
-        pages_each = -(-tokens_each // self.shape.page_size)
-        return ForwardBatch(zeros(tokens, dtype=torch.long),
-                            torch.arange(tokens_each, device=device).repeat(num_seqs),   # positions
-                            zeros(tokens, dtype=torch.long) - 1,                         # slot -1: K/V not stored
-                            zeros(num_seqs, pages_each),                                 # every page is page 0
-                            torch.arange(0, tokens + 1, tokens_each, dtype=torch.int32, device=device),
-                            torch.full((num_seqs,), tokens_each, dtype=torch.int32, device=device),
-                            torch.arange(tokens_each - 1, tokens, tokens_each, device=device),
-                            self.shape.page_size, tokens_each, tokens_each, lora)
+        lora = HostLora(torch.arange(tokens, dtype=torch.int32) // tokens_each % slots,
+                        torch.zeros(slots, limits.max_adapter_pages, dtype=torch.int32),
+                        torch.zeros(tables, dtype=torch.int32), torch.zeros(tables, dtype=torch.long),
+                        torch.zeros(tables, dtype=torch.long), torch.zeros(tables), max_rank,
+                        [[True] * len(LORA_MODULES)] * limits.num_layers)
+        starts = torch.arange(0, tokens + 1, tokens_each, dtype=torch.int32)
+        return HostInputs(torch.zeros(tokens, dtype=torch.long), torch.arange(tokens_each).repeat(num_seqs),
+                          torch.full((tokens,), -1),                                    # slot -1: K/V not stored
+                          torch.zeros(num_seqs, -(-tokens_each // self.shape.page_size), dtype=torch.int32),
+                          starts, torch.full((num_seqs,), tokens_each, dtype=torch.int32),
+                          starts[1:].long() - 1, tokens_each, tokens_each, lora)
 
     def move_pages(self, out: SchedulerOutput, packed: dict[str, PackedAdapter]) -> None:
         """The step's page moves, before its forward: swap-outs first (their pages may be reused by
@@ -312,7 +308,7 @@ class ModelRunner:
         static.context_lens[:bucket].zero_()
         static.context_lens[:n].copy_(host.context_lens, non_blocking=True)
         static.block_tables[:n, :host.block_tables.shape[1]].copy_(host.block_tables, non_blocking=True)
-        fused = host.lora is not None and host.lora.page_tables.shape[0] <= self.graphs.limits.fused_max_adapters
+        fused = host.lora is not None and self.graphs.limits.fuses(host.lora.page_tables.shape[0])
         if host.lora is not None:
             self._fill_lora(host.lora, bucket, n, fused)
         return self.graphs.replay(bucket, host.lora is not None, n, fused)

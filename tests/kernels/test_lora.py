@@ -116,6 +116,12 @@ def test_lora_small_and_large_pages(page_elems, hoist_pages):
     reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
     lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
     assert_close(out, want)
+    # lora_fused hoists its page lookups only where a row of A (136 wide) fits in a page: 1024, not 64 or 128.
+    fused = randn((21, 200), torch.float32, gen)
+    want = fused.clone()
+    reference.lora_fused(want, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings)
+    lora_fused(fused, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings)
+    assert_close(fused, want)
 
 
 # Fused modules: q/k/v-like (three outputs, widths not multiples of a tile) and gate/up-like (two).
