@@ -23,6 +23,7 @@ from llama8b import KV_BYTES_PER_TOKEN, LLAMA3_8B, adapter_bytes, decode_weight_
 from slora.adapters.packing import AdapterDescriptor, buffer_layout
 from slora.adapters.weights import LoadedAdapter, LoraWeights
 from slora.adapters.config import AdapterConfig
+from slora.config import EngineConfig
 from slora.cuda_graphs import GraphLimits
 from slora.kernels.layout import LORA_MODULES
 from slora.model_runner import ModelRunner, PoolShape
@@ -47,7 +48,7 @@ def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
 
 
 def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None,
-                fused_max_adapters: int = 0):
+                few_adapters: int = 0, lora_fused: bool = False):
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
@@ -57,7 +58,7 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_lora
     shape = PoolShape(cfg.num_layers, kv_pages + num_adapters * adapter_pages, page_size, cfg.num_kv_heads,
                       cfg.head_dim)
     limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras,
-                         fused_max_adapters)
+                         few_adapters=few_adapters, lora_fused=lora_fused)
     runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits)
     return runner, descriptor, adapter_pages
 
@@ -115,12 +116,13 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
     return max(bytes_read / COPY_BANDWIDTH, flops / BF16_FLOPS)
 
 
-def step_rows(batches: list[int], iters: int, max_loras: int | None = None, fused_max_adapters: int = 0) -> list[dict]:
+def step_rows(batches: list[int], iters: int, max_loras: int | None = None, few_adapters: int = 0,
+              lora_fused: bool = False) -> list[dict]:
     """Decode steps per batch size and adapter mix; with max_loras the graphs have that many adapter slots,
     and the distinct mix runs only at batches that fit it."""
     max_batch = max(batches)
     runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras,
-                                                    fused_max_adapters=fused_max_adapters)
+                                                    few_adapters=few_adapters, lora_fused=lora_fused)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     adapters = place_adapters(runner, allocator, max_batch, adapter_pages)
     rows = []
@@ -235,8 +237,10 @@ def main() -> None:
     parser.add_argument("--vs-peft", action="store_true")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="capture the decode graphs with this many adapter slots (engine max_loras)")
-    parser.add_argument("--lora-fused-max-adapters", type=int, default=0,
-                        help="decode graphs fuse LoRA shrink + expand for steps with at most this many adapters")
+    parser.add_argument("--graph-few-adapters", type=int, default=EngineConfig.graph_few_adapters,
+                        help="steps with at most this many adapters replay graphs sized for that many (0: never)")
+    parser.add_argument("--lora-fused", action="store_true",
+                        help="the few-adapter graphs run LoRA shrink + expand as one launch")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
     parser.add_argument("--out", default=None)
@@ -262,11 +266,12 @@ def main() -> None:
         write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras,
-                     args.lora_fused_max_adapters)
+                     args.graph_few_adapters, args.lora_fused)
     print_table(rows)
     write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
                                                                 "rank": RANK, "max_loras": args.max_loras,
-                                                                "lora_fused_max_adapters": args.lora_fused_max_adapters,
+                                                                "graph_few_adapters": args.graph_few_adapters,
+                                                                "lora_fused": args.lora_fused,
                                                                 "rows": rows})
 
 

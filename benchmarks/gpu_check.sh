@@ -2,13 +2,13 @@
 # `make gpu-check`: on a machine with CUDA (the device tool runs it over a copy of the tree). Installs the
 # project offline, runs the GPU tests, then the kernel and decode benchmarks; results go under $OUT
 # (default: benchmarks/results/gpu). QUICK=1: small sizes. PEFT=0: skip the PEFT comparison.
-# STEPS picks steps (default "tests kernels sweep decode fused profile peft"; "fused" is the decode step with LoRA
-# shrink + expand fused for steps of at most 4 adapters; also "sharing", "throughput", "serving", which pass
+# STEPS picks steps (default "tests kernels sweep decode full profile peft"; "full" is the decode step without
+# the few-adapter graphs, --graph-few-adapters 0; also "sharing", "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on). At most 8 files come back from the device tool: pick steps to fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu}"
-STEPS="${STEPS:-tests kernels sweep decode fused profile peft}"
+STEPS="${STEPS:-tests kernels sweep decode full profile peft}"
 mkdir -p "$OUT"
 status=0
 quick=(); [ "${QUICK:-0}" = 1 ] && quick=(--quick)
@@ -34,8 +34,8 @@ has tests && run gpu_tests python -m pytest -m gpu -q -rs -x tests/kernels tests
 has kernels && run kernels python benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels.json"
 has sweep && run lora_sweep python benchmarks/kernels.py --lora-sweep --out "$OUT/lora_sweep.json"
 has decode && run decode python benchmarks/decode.py "${quick[@]}" --out "$OUT/decode.json"
-has fused && run decode_fused python benchmarks/decode.py "${quick[@]}" --lora-fused-max-adapters 4 \
-  --out "$OUT/decode_fused.json"
+has full && run decode_full python benchmarks/decode.py "${quick[@]}" --graph-few-adapters 0 \
+  --out "$OUT/decode_full.json"
 has profile && run decode_profile python benchmarks/decode.py "${quick[@]}" --profile --out "$OUT/decode_profile.json"
 has peft && [ "${PEFT:-1}" = 1 ] && run vs_peft python benchmarks/decode.py "${quick[@]}" --vs-peft --out "$OUT/decode_vs_peft.json"
 has sharing && run sharing python benchmarks/sharing.py --device cuda --out "$OUT/sharing_cuda.json"

@@ -190,8 +190,14 @@ def _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling):
 
 # Ints that change with the step's size (k_per_split, stride_hsplit) stay specialised: without it
 # (do_not_specialize) decode steps on the H200 took 2-40% longer (benchmarks/README.md). The variants that
-# mixed steps need are compiled at start (ModelRunner.warm_up).
-@triton.jit
+# mixed steps need are compiled at start (ModelRunner.warm_up). What changes with the step's adapter mix
+# (the per-slot tables' pointers, whose 16-byte alignment depends on the layer and the slot count, and
+# their strides) is read once per program, so it is not specialised: each mix would compile its own
+# variant in the middle of serving.
+_TABLE_ARGS = ["pt_ptr", "ranks_ptr", "stride_pt", "stride_rm"]
+
+
+@triton.jit(do_not_specialize=_TABLE_ARGS + ["a_off_ptr", "stride_am"])
 def _lora_shrink_kernel(
     x_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, a_off_ptr, h_ptr,
     in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
@@ -241,7 +247,9 @@ def _module_of_tile(tile, n0, n1, BLOCK_N: tl.constexpr):
     return module, out_col, (tile - first_tile) * BLOCK_N
 
 
-@triton.jit   # specialised as the shrink is
+# num_splits: 1 or the shrink's split count, which changes with the step's size (a loop bound).
+@triton.jit(do_not_specialize=_TABLE_ARGS + ["b_off_ptr", "scale_ptr", "stride_bm", "stride_sm", "num_splits",
+                                             "num_tiles"])
 def _lora_expand_kernel(
     h_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, b_off_ptr,
     scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, num_tiles, page_elems,
@@ -301,7 +309,8 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
     _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_TABLE_ARGS + ["a_off_ptr", "b_off_ptr", "scale_ptr", "stride_am", "stride_bm",
+                                             "stride_sm"])
 def _lora_fused_kernel(
     x_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, a_off_ptr,
     b_off_ptr, scale_ptr, out_ptr, in_features, n0, n1, n2, page_elems,
@@ -653,9 +662,9 @@ def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_t
     Every output tile of a block of tokens computes the block's h again, reading x and A once per tile,
     so it is meant for steps whose tokens share few adapters and whose in_features are moderate; with an
     adapter per token it reads A once per tile and token. Arguments as `lora_shrink` and `lora_expand`;
-    ranks may go up to any value (there is no h to size). Not yet measured on a GPU: the engine uses it
-    only in decode graphs with `lora_fused_max_adapters` set (off by default), and
-    benchmarks/kernels.py --lora-sweep times it."""
+    ranks may go up to any value (there is no h to size). On the H200 it was slower than shrink + expand
+    (benchmarks/README.md): the engine uses it only when asked (`lora_fused`, in the few-adapter decode
+    graphs); benchmarks/kernels.py --lora-sweep times it."""
     modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
     _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)   # rows: those of token_slots
     _check_scalings(scalings, ranks)

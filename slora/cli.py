@@ -20,9 +20,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="packed adapters kept in host memory (default: a quarter of the machine's memory)")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="distinct adapters in one batch (default: no limit)")
-    parser.add_argument("--lora-fused-max-adapters", type=int, default=0,
-                        help="CUDA graphs: decode steps with at most this many adapters fuse each LoRA shrink "
-                             "and expand into one launch (default 0: never)")
+    parser.add_argument("--graph-few-adapters", type=int, default=4,
+                        help="CUDA graphs: decode steps with at most this many distinct adapters replay graphs "
+                             "sized for that many, with fewer LoRA programs (0: never)")
+    parser.add_argument("--lora-fused", action="store_true",
+                        help="those graphs run each LoRA shrink and expand as one launch (slower on the H200)")
     parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                         help="dummy: random weights from config.json (benchmarks)")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
@@ -33,7 +35,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 pool_gib=args.pool_gib, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
-                lora_fused_max_adapters=args.lora_fused_max_adapters,
+                graph_few_adapters=args.graph_few_adapters, lora_fused=args.lora_fused,
                 adapter_host_cache_gib=args.adapter_host_cache_gib, load_format=args.load_format,
                 enforce_eager=args.enforce_eager)
 

@@ -28,8 +28,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_lora_rank: int = 64
     max_loras: int | None = None              # distinct adapters in one batch (None: as many as sequences)
-    lora_fused_max_adapters: int = 0          # CUDA graphs: decode steps with at most this many adapters run
-                                              # each LoRA shrink + expand as one launch (0: never; unmeasured)
+    graph_few_adapters: int = 4               # CUDA graphs: decode steps with at most this many distinct
+                                              # adapters replay graphs sized for that many (0: never)
+    lora_fused: bool = False                  # those graphs run each LoRA shrink + expand as one launch
+                                              # (slower on the H200: benchmarks/README.md)
     max_model_len: int | None = None          # default: what the model supports
     watermark: float = 0.01
     seed: int = 0
@@ -62,8 +64,8 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1 (or None for no limit), got {self.max_loras}")
-        if self.lora_fused_max_adapters < 0:
-            raise ValueError(f"lora_fused_max_adapters must be >= 0, got {self.lora_fused_max_adapters}")
+        if self.graph_few_adapters < 0:
+            raise ValueError(f"graph_few_adapters must be >= 0, got {self.graph_few_adapters}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.adapter_host_cache_gib is not None and self.adapter_host_cache_gib < 0:

@@ -31,22 +31,22 @@ class GraphLimits:
     max_lora_rank: int
     num_layers: int
     max_loras: int | None = None   # distinct adapters per batch; the LoRA kernels' grids are sized by it
-    # Decode steps with at most this many adapters replay graphs captured with lora_fused (0: none are).
-    fused_max_adapters: int = 0
+    # Decode steps with at most this many distinct adapters replay graphs captured for that many adapter
+    # slots: the LoRA grids have a spare block per slot, so fewer slots launch fewer idle programs (0: none).
+    few_adapters: int = 0
+    lora_fused: bool = False       # the few-adapter graphs run lora_fused (one launch per group)
 
-    def lora_slots(self, batch_size: int, fused: bool = False) -> int:
+    def lora_slots(self, batch_size: int, few: bool = False) -> int:
         """Adapter slots a bucket's graph is captured for: fewer slots, fewer programs per LoRA launch."""
-        if fused:
-            return min(batch_size, self.fused_max_adapters)
-        return batch_size if self.max_loras is None else min(batch_size, self.max_loras)
+        slots = batch_size if self.max_loras is None else min(batch_size, self.max_loras)
+        return min(slots, self.few_adapters) if few else slots
 
-    def fuses(self, num_adapters: int) -> bool:
-        """Whether a decode step with this many distinct adapters replays a lora_fused graph."""
-        return 0 < num_adapters <= self.fused_max_adapters
-
-    def graph_kinds(self) -> list[tuple[bool, bool]]:
-        """(with LoRA, fused) of the graphs captured for every bucket."""
-        return [(False, False), (True, False)] + ([(True, True)] if self.fused_max_adapters > 0 else [])
+    def graph_kinds(self, batch_size: int) -> list[tuple[bool, bool]]:
+        """(with LoRA, few adapters) of the graphs captured for a bucket: a few-adapter graph only where it
+        has fewer slots than the full one (or runs other kernels)."""
+        few = self.few_adapters > 0 and (self.lora_fused or self.lora_slots(batch_size, True) <
+                                         self.lora_slots(batch_size))
+        return [(False, False), (True, False)] + ([(True, True)] if few else [])
 
 
 class StaticInputs:
@@ -77,17 +77,18 @@ class DecodeGraphs:
         self.buckets = batch_buckets(limits.max_batch)
         self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
-    def batch(self, size: int, with_lora: bool, fused: bool = False) -> ForwardBatch:
+    def batch(self, size: int, with_lora: bool, few: bool = False) -> ForwardBatch:
         """The ForwardBatch of a bucket, as views of the static buffers."""
         s = self.static
         lora = None
         if with_lora:
-            slots = self.limits.lora_slots(size, fused)
+            slots = self.limits.lora_slots(size, few)
             lora = LoraBatch(token_slots=s.token_slots[:size], page_tables=s.page_tables[:slots],
                              ranks=s.ranks[:, :, :slots], a_offsets=s.a_offsets[:, :, :slots],
                              b_offsets=s.b_offsets[:, :, :slots], scalings=s.scalings[:, :, :slots],
                              max_rank=self.limits.max_lora_rank,
-                             ops=self.lora_ops.prepare(s.token_slots[:size], slots, self.limits.num_layers, fused),
+                             ops=self.lora_ops.prepare(s.token_slots[:size], slots, self.limits.num_layers,
+                                                       few and self.limits.lora_fused),
                              active=[[True] * len(LORA_MODULES)] * self.limits.num_layers)
         return ForwardBatch(s.input_ids[:size], s.positions[:size], s.slot_mapping[:size], s.block_tables[:size],
                             s.query_start_loc[:size + 1], s.context_lens[:size], s.sample_indices[:size],
@@ -97,22 +98,26 @@ class DecodeGraphs:
         """Capture every bucket, largest first, sharing one memory pool."""
         mempool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
-            for with_lora, fused in self.limits.graph_kinds():
-                self._forward(size, with_lora, fused)      # warm-up: compiles kernels outside the capture
+            for with_lora, few in self.limits.graph_kinds(size):
+                self._forward(size, with_lora, few)      # warm-up: compiles kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool):
-                    logits = self._forward(size, with_lora, fused)
-                self.graphs[(size, with_lora, fused)] = (graph, logits)
+                    logits = self._forward(size, with_lora, few)
+                self.graphs[(size, with_lora, few)] = (graph, logits)
         torch.cuda.synchronize()
         logger.info("captured %d decode graphs for batch sizes %s", len(self.graphs), self.buckets)
 
-    def _forward(self, size: int, with_lora: bool, fused: bool) -> Tensor:
-        return self.model(self.batch(size, with_lora, fused), self.pool, self.attention)
+    def _forward(self, size: int, with_lora: bool, few: bool) -> Tensor:
+        return self.model(self.batch(size, with_lora, few), self.pool, self.attention)
 
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def replay(self, size: int, with_lora: bool, batch_size: int, fused: bool = False) -> Tensor:
-        graph, logits = self.graphs[(size, with_lora, fused)]
+    def uses_few(self, size: int, num_adapters: int) -> bool:
+        """Whether a decode step of this bucket with this many distinct adapters replays a few-adapter graph."""
+        return 0 < num_adapters <= self.limits.few_adapters and (size, True, True) in self.graphs
+
+    def replay(self, size: int, with_lora: bool, batch_size: int, few: bool = False) -> Tensor:
+        graph, logits = self.graphs[(size, with_lora, few)]
         graph.replay()
         return logits[:batch_size]

@@ -164,13 +164,17 @@ class Engine:
     def _graph_limits(self, shape: PoolShape) -> GraphLimits | None:
         if self.config.device == "cpu" or self.config.enforce_eager:
             return None
+        return self.graph_limits(shape)
+
+    def graph_limits(self, shape: PoolShape) -> GraphLimits:
+        """The decode-graph and warm-up limits of a CUDA engine with this config over this pool shape."""
         rank = self.config.max_lora_rank
         elems = sum(rank * (align_up(i) + align_up(o)) for i, o in map(self.shapes.features, self.shapes.modules))
         return GraphLimits(max_batch=self.config.max_num_seqs,
                            max_blocks=-(-self.max_model_len // self.config.page_size),
                            max_adapter_pages=-(-elems // shape.page_elems), max_lora_rank=rank,
                            num_layers=self.model_config.num_layers, max_loras=self.config.max_loras,
-                           fused_max_adapters=self.config.lora_fused_max_adapters)
+                           few_adapters=self.config.graph_few_adapters, lora_fused=self.config.lora_fused)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)

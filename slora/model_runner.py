@@ -308,19 +308,19 @@ class ModelRunner:
         static.context_lens[:bucket].zero_()
         static.context_lens[:n].copy_(host.context_lens, non_blocking=True)
         static.block_tables[:n, :host.block_tables.shape[1]].copy_(host.block_tables, non_blocking=True)
-        fused = host.lora is not None and self.graphs.limits.fuses(host.lora.page_tables.shape[0])
+        few = host.lora is not None and self.graphs.uses_few(bucket, host.lora.page_tables.shape[0])
         if host.lora is not None:
-            self._fill_lora(host.lora, bucket, n, fused)
-        return self.graphs.replay(bucket, host.lora is not None, n, fused)
+            self._fill_lora(host.lora, bucket, n, few)
+        return self.graphs.replay(bucket, host.lora is not None, n, few)
 
-    def _fill_lora(self, lora: HostLora, bucket: int, n: int, fused: bool) -> None:
+    def _fill_lora(self, lora: HostLora, bucket: int, n: int, few: bool) -> None:
         static, slots = self.graphs.static, lora.page_tables.shape[0]
         static.token_slots[:bucket].fill_(-1)
         static.token_slots[:n].copy_(lora.token_slots, non_blocking=True)
         static.page_tables[:slots, :lora.page_tables.shape[1]].copy_(lora.page_tables, non_blocking=True)
         for name in ("ranks", "a_offsets", "b_offsets", "scalings"):
             getattr(static, name)[:, :, :slots].copy_(getattr(lora, name), non_blocking=True)
-        static.ranks[:, :, slots:self.graphs.limits.lora_slots(bucket, fused)].zero_()   # the graph's other slots
+        static.ranks[:, :, slots:self.graphs.limits.lora_slots(bucket, few)].zero_()   # the graph's other slots
 
 
 @torch.inference_mode()

@@ -1,10 +1,13 @@
 """The engine's CUDA-path wiring (Triton attention and LoRA backends) run through the Triton interpreter
 on the CPU: same greedy tokens as the reference backends, for a mixed-adapter batch with prefill and
 decode steps. (CUDA graphs need a GPU: tests/e2e/test_gpu_engine.py.)"""
+import inspect
 import os
 
 import pytest
 import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from slora import LLM, SamplingParams
 from slora import attention_backend
@@ -72,3 +75,72 @@ def test_step_max_rank_is_a_multiple_of_16(highest, expected):
     """Triton specialises ints on divisibility by 16: steps of rank-8 and rank-16 adapters must give the
     LoRA kernels the same kind of max_rank, or each compiles its own variant while serving."""
     assert step_max_rank(highest) == expected
+
+
+class VariantRecorder:
+    """The kernel variants Triton would compile for the launches it sees, emulating its specialisation on
+    the GPU: an int argument is specialised on being 1 and on divisibility by 16, a tensor on its data
+    pointer's 16-byte alignment, unless the kernel's do_not_specialize(_on_alignment) names it; constexprs
+    and launch options by value. A variant first seen while serving is a compile in the middle of a step."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple] = set()
+        self.new: list[tuple] = []
+        self.checking = False
+
+    def see(self, kernel: InterpretedFunction, args: tuple, kwargs: dict) -> None:
+        key = variant_key(kernel, args, kwargs)
+        if self.checking and key not in self.seen:
+            self.new.append(key)
+        self.seen.add(key)
+
+
+def variant_key(kernel: InterpretedFunction, args: tuple, kwargs: dict) -> tuple:
+    params = inspect.signature(kernel.fn).parameters
+    unspecialised = set(kernel.kwargs.get("do_not_specialize") or ())
+    unaligned = set(kernel.kwargs.get("do_not_specialize_on_alignment") or ())
+    key: list[object] = [kernel.fn.__name__]
+    for index, (name, value) in enumerate([*zip(kernel.arg_names, args), *sorted(kwargs.items())]):
+        if name in params and params[name].annotation is tl.constexpr or name not in params:
+            key.append((name, value))
+            continue
+        fixed = name in unspecialised or index in unspecialised
+        aligned = not fixed and name not in unaligned and index not in unaligned
+        if isinstance(value, torch.Tensor):
+            key.append((name, str(value.dtype), aligned and value.data_ptr() % 16 == 0))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            key.append((name, -2 ** 31 <= value < 2 ** 31, not fixed and value == 1, aligned and value % 16 == 0))
+        else:
+            key.append((name, type(value).__name__))
+    return tuple(key)
+
+
+def test_serving_launches_no_kernel_variant_the_warm_up_did_not(tiny_llama, monkeypatch):
+    """On the GPU, a Triton kernel variant first needed by a prefill or mixed step compiles in the middle of
+    serving and stalls that step for up to seconds (benchmarks/README.md). The start-up warm-up must launch
+    every variant such steps need, whatever their sizes, adapter mixes, ranks and page-table widths. Here
+    the variants are emulated on the CPU (VariantRecorder); decode steps are skipped (the GPU replays
+    graphs for them, captured at start), and their variants count as known."""
+    recorder = VariantRecorder()
+    run = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, grid, warmup, **kwargs: (
+        recorder.see(self, args, kwargs), run(self, *args, grid=grid, warmup=warmup, **kwargs))[1])
+    llm = LLM(str(tiny_llama.model_dir), num_pages=512, max_num_seqs=16)
+    for name, path in tiny_llama.adapters.items():
+        llm.load_adapter(name, str(path))
+    runner = llm.engine.runner
+    runner.attention, runner.lora_ops = TritonAttention(), TritonLora()
+    runner.warm_up(llm.engine.graph_limits(runner.shape))
+    forward = runner.run
+
+    def checked_run(scheduled, adapters):
+        recorder.checking = any(item.num_tokens > 1 for item in scheduled)
+        return forward(scheduled, adapters)
+
+    monkeypatch.setattr(runner, "run", checked_run)
+    names = ["attn-r4", None, "mlp-r8", "all-r16", "rs-pattern", "all-r16"]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for seed, (lengths, mix) in enumerate((([1, 9, 17, 40], names[:4]), ([33, 20, 5], names[3:]),
+                                           ([12, 30], ["attn-r4", "attn-r4"]), ([70], ["mlp-r8"]))):
+        llm.generate(random_prompts(lengths, seed=50 + seed), params, adapters=mix)
+    assert recorder.new == [], "\n".join(map(str, recorder.new))

@@ -3,6 +3,7 @@ import pytest
 
 from slora import LLM, SamplingParams
 from slora.config import EngineConfig
+from slora.cuda_graphs import GraphLimits
 from tiny import random_prompts
 
 
@@ -38,6 +39,22 @@ def test_max_loras_must_be_positive():
         EngineConfig(max_loras=0)
 
 
-def test_lora_fused_max_adapters_must_not_be_negative():
-    with pytest.raises(ValueError, match="lora_fused_max_adapters"):
-        EngineConfig(lora_fused_max_adapters=-1)
+def test_graph_few_adapters_must_not_be_negative():
+    with pytest.raises(ValueError, match="graph_few_adapters"):
+        EngineConfig(graph_few_adapters=-1)
+
+
+@pytest.mark.parametrize("max_loras,few,fused,batch,expected", [
+    (None, 4, False, 64, [(False, False), (True, False), (True, True)]),
+    (None, 4, False, 4, [(False, False), (True, False)]),          # the full graph has 4 slots already
+    (2, 4, False, 64, [(False, False), (True, False)]),            # max_loras leaves 2 slots
+    (None, 0, False, 64, [(False, False), (True, False)]),
+    (None, 4, True, 4, [(False, False), (True, False), (True, True)]),   # other kernels: captured anyway
+])
+def test_few_adapter_graphs_only_where_they_differ(max_loras, few, fused, batch, expected):
+    """A bucket gets a few-adapter graph only where it has fewer adapter slots than its full graph, or
+    runs lora_fused: another graph costs capture time and memory."""
+    limits = GraphLimits(max_batch=64, max_blocks=8, max_adapter_pages=4, max_lora_rank=16, num_layers=2,
+                         max_loras=max_loras, few_adapters=few, lora_fused=fused)
+    assert limits.graph_kinds(batch) == expected
+    assert limits.lora_slots(batch, few=True) == min(batch, max_loras or batch, few)
