@@ -167,6 +167,57 @@ def kernel_profile(batch: int, top: int = 30) -> list[dict]:
     return rows
 
 
+MIXED_PREFILLS = (280, 280)   # a mixed step of the throughput trace: ~600 tokens, 64 of them decoding
+
+
+def mixed_step(runner: ModelRunner, allocator: PageAllocator, adapters: list[tuple[str, list[int]]],
+               descriptor: AdapterDescriptor, batch: int, num_adapters: int) -> tuple[list[ScheduledSeq], dict]:
+    """A mixed step: `batch` decoding sequences at context CONTEXT and MIXED_PREFILLS new prompts, every
+    sequence on adapter `i % num_adapters`."""
+    scheduled, step_adapters = build_step(runner, allocator, batch, adapters, descriptor, "distinct")
+    for item in scheduled:
+        version, pages = adapters[item.seq.seq_id % num_adapters]
+        item.seq.adapter = AdapterRef(version, len(pages))
+    for j, length in enumerate(MIXED_PREFILLS):
+        version, pages = adapters[(batch + j) % num_adapters]
+        seq = Sequence(batch + j, f"p{j}", [2] * length, SamplingParams(max_tokens=2), AdapterRef(version, len(pages)))
+        seq.block_table = [allocator.allocate_kv() for _ in range(-(-length // runner.shape.page_size))]
+        scheduled.append(ScheduledSeq(seq, length))
+    used = {item.seq.adapter.version for item in scheduled}
+    return scheduled, {v: (descriptor, pages) for v, pages in adapters if v in used}
+
+
+def mixed_rows(batch: int, iters: int, top: int = 12) -> list[dict]:
+    """Eager mixed steps (decode graphs do not cover them) on 5 adapters and on one adapter per sequence,
+    the latter also with every LoRA block forced to 64 tokens: step time and the GPU time of the top
+    kernels (the throughput benchmark's mixed steps took 44.7 ms at 5 adapters, 57.7 ms at 2,000)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from slora.kernels import lora
+
+    count = batch + len(MIXED_PREFILLS)
+    runner, descriptor, adapter_pages = make_runner(batch, count)
+    runner.graphs = None
+    allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
+    adapters = place_adapters(runner, allocator, count, adapter_pages)
+    rows, block_m = [], lora._block_m
+    for label, num_adapters, forced_block_m in (("5 adapters", 5, None), ("distinct", count, None),
+                                                ("distinct, block_m 64", count, 64)):
+        lora._block_m = block_m if forced_block_m is None else (lambda *_: forced_block_m)
+        scheduled, step_adapters = mixed_step(runner, allocator, adapters, descriptor, batch, num_adapters)
+        seconds = time_steps(runner, scheduled, step_adapters, iters)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.run(scheduled, step_adapters)
+            torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
+        rows.append({"mix": label, "kernel": "(whole step, wall)", "count": 1, "total_us": seconds * 1e6})
+        rows += [{"mix": label, "kernel": e.key[:60], "count": e.count, "total_us": e.device_time_total}
+                 for e in events]
+        release_kv(allocator, scheduled)
+    lora._block_m = block_m
+    return rows
+
+
 def peft_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor, new_tokens: int) -> float:
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -241,6 +292,8 @@ def main() -> None:
                         help="steps with at most this many adapters replay graphs sized for that many (0: never)")
     parser.add_argument("--lora-fused", action="store_true",
                         help="the few-adapter graphs run LoRA shrink + expand as one launch")
+    parser.add_argument("--mixed", action="store_true",
+                        help="eager mixed steps (64 decoding + 2 prefills) on 5 vs distinct adapters, by kernel")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
     parser.add_argument("--out", default=None)
@@ -259,6 +312,11 @@ def main() -> None:
         print(f"slowest step: {steps['slowest_seconds'] * 1e3:.1f} ms ({steps['slowest_kind']}); "
               f"wall {steps['wall_seconds']:.3f} s")
         write_json(Path(args.out or RESULTS / "decode_vs_peft_h200.json"), {"benchmark": "decode-vs-peft", "rows": [row]})
+        return
+    if args.mixed:
+        rows = mixed_rows(8 if args.quick else 64, 3 if args.quick else 10)
+        print_table(rows)
+        write_json(Path(args.out or RESULTS / "decode_mixed_h200.json"), {"benchmark": "decode-mixed", "rows": rows})
         return
     if args.profile:
         rows = kernel_profile(8 if args.quick else 64)
