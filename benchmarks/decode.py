@@ -26,7 +26,7 @@ from slora.adapters.config import AdapterConfig
 from slora.config import EngineConfig
 from slora.cuda_graphs import GraphLimits
 from slora.kernels.layout import LORA_MODULES
-from slora.model_runner import ModelRunner, PoolShape
+from slora.model_runner import ModelRunner, PoolShape, host_inputs
 from slora.models.config import parse_model_config
 from slora.models.loader import random_model
 from slora.page_pool import PageAllocator
@@ -187,6 +187,24 @@ def mixed_step(runner: ModelRunner, allocator: PageAllocator, adapters: list[tup
     return scheduled, {v: (descriptor, pages) for v, pages in adapters if v in used}
 
 
+def host_rows(runner: ModelRunner, scheduled: list[ScheduledSeq], step_adapters: dict, iters: int,
+              label: str) -> list[dict]:
+    """Host time of a step: building its inputs, and returning from run() before the GPU is waited for
+    (the whole step if something inside synchronises)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        host_inputs(scheduled, step_adapters, runner.shape.page_size, runner._lora_tables)
+    inputs = (time.perf_counter() - start) / iters
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    runner.run(scheduled, step_adapters)
+    enqueue = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return [{"mix": label, "kernel": "(host) host_inputs", "count": iters, "total_us": inputs * 1e6},
+            {"mix": label, "kernel": "(host) run() returns after", "count": 1, "total_us": enqueue * 1e6}]
+
+
 def mixed_rows(batch: int, iters: int, top: int = 12) -> list[dict]:
     """Eager mixed steps (decode graphs do not cover them) on 5 adapters and on one adapter per sequence,
     the latter also with every LoRA block forced to 64 tokens: step time and the GPU time of the top
@@ -206,11 +224,15 @@ def mixed_rows(batch: int, iters: int, top: int = 12) -> list[dict]:
         lora._block_m = block_m if forced_block_m is None else (lambda *_: forced_block_m)
         scheduled, step_adapters = mixed_step(runner, allocator, adapters, descriptor, batch, num_adapters)
         seconds = time_steps(runner, scheduled, step_adapters, iters)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             runner.run(scheduled, step_adapters)
             torch.cuda.synchronize()
-        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
+        averages = prof.key_averages()
+        events = sorted(averages, key=lambda e: -e.device_time_total)[:top]
         rows.append({"mix": label, "kernel": "(whole step, wall)", "count": 1, "total_us": seconds * 1e6})
+        rows += host_rows(runner, scheduled, step_adapters, iters, label)
+        rows += [{"mix": label, "kernel": f"(host) {e.key[:50]}", "count": e.count, "total_us": e.cpu_time_total}
+                 for e in averages if "Synchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")]
         rows += [{"mix": label, "kernel": e.key[:60], "count": e.count, "total_us": e.device_time_total}
                  for e in events]
         release_kv(allocator, scheduled)
