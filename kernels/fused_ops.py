@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from slora.kernels.checks import check_one_device, is_power_of_two
+from slora.kernels.layout import cdiv, next_power_of_2
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -138,7 +139,7 @@ def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
     summed = x if residual is None else torch.empty_like(out)
     if tokens == 0:
         return out, summed
-    block = triton.next_power_of_2(hidden)
+    block = next_power_of_2(hidden)
     _add_rms_norm_kernel[(tokens,)](
         x, x if residual is None else residual, weight, out, summed,
         x.stride(0), x.stride(0) if residual is None else residual.stride(0), hidden, eps,
@@ -179,9 +180,9 @@ def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
     if tokens == 0:
         return
     rot_heads = num_heads + num_kv_heads
-    block_h = min(triton.next_power_of_2(rot_heads), max(1, ROTARY_BLOCK_ELEMS // head_dim))
+    block_h = min(next_power_of_2(rot_heads), max(1, ROTARY_BLOCK_ELEMS // head_dim))
     # No FMA: the reference rounds x * cos before adding rot * sin (this matters in float32).
-    _rotary_qk_kernel[(tokens, triton.cdiv(rot_heads, block_h))](
+    _rotary_qk_kernel[(tokens, cdiv(rot_heads, block_h))](
         qkv, cos, sin,
         qkv.stride(0), cos.stride(0), sin.stride(0), rot_heads,
         HEAD_DIM=head_dim, BLOCK_H=block_h,
@@ -206,8 +207,8 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if tokens == 0:
         return out
-    block = min(SILU_BLOCK, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(tokens, triton.cdiv(inter, block))](
+    block = min(SILU_BLOCK, next_power_of_2(inter))
+    _silu_and_mul_kernel[(tokens, cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), inter,
         BLOCK=block, num_warps=4,
     )

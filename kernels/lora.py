@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from slora.kernels.layout import ALIGN, align_up
+from slora.kernels.layout import ALIGN, align_up, cdiv
 from torch import Tensor
 
 # Programs we aim for per multiprocessor when splitting the shrink reduction (decode: few tokens).
@@ -459,11 +459,11 @@ def _choose_split_k(num_tokens: int, block_m: int, programs_per_split: int, in_f
     one, so there splitting only adds work."""
     if device.type != "cuda":
         return 1
-    fewest = max(triton.cdiv(num_tokens, block_m) * programs_per_split, 1)
+    fewest = max(cdiv(num_tokens, block_m) * programs_per_split, 1)
     target = _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     if fewest >= target:
         return 1
-    return max(1, min(triton.cdiv(target, fewest), max_split_k, in_features // _MIN_K_PER_SPLIT))
+    return max(1, min(cdiv(target, fewest), max_split_k, in_features // _MIN_K_PER_SPLIT))
 
 
 class _ShrinkPlan(NamedTuple):
@@ -486,12 +486,12 @@ def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tens
     segments = _segments_for(segments, token_slots, num_tokens, page_tables.shape[0], x.device)
     block_k = _tile_width(pool.shape[1], tile, _SHRINK_TILE)
     if split_k is None:
-        programs = modules * triton.cdiv(max_rank, _SHRINK_BLOCK_R)
+        programs = modules * cdiv(max_rank, _SHRINK_BLOCK_R)
         split_k = _choose_split_k(num_tokens, segments.block_m, programs, in_features, x.device, max_split_k)
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
-    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
-    return _ShrinkPlan(modules, segments, triton.cdiv(in_features, k_per_split), k_per_split, block_k)
+    k_per_split = cdiv(cdiv(in_features, split_k), block_k) * block_k
+    return _ShrinkPlan(modules, segments, cdiv(in_features, k_per_split), k_per_split, block_k)
 
 
 def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
@@ -512,7 +512,7 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     allocate = torch.zeros if zero_fill else torch.empty
     # Token rows padded to a multiple of 16, so the split stride is one too whatever the step's size: Triton
     # specialises ints on divisibility by 16, and a stride that changed it would compile the kernels again.
-    rows = triton.cdiv(x.shape[0], 16) * 16
+    rows = cdiv(x.shape[0], 16) * 16
     h = allocate((plan.split_k, rows, plan.modules * max_rank), dtype=torch.float32, device=x.device)[:, :x.shape[0]]
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, h.stride(0), max_rank, accumulate=False,
                    hoist_pages=hoist_pages)
@@ -546,7 +546,7 @@ def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tens
     num_tokens, in_features = x.shape
     if num_tokens == 0 or page_tables.shape[0] == 0:
         return
-    rank_blocks = triton.cdiv(max_rank, _SHRINK_BLOCK_R)
+    rank_blocks = cdiv(max_rank, _SHRINK_BLOCK_R)
     grid = (num_tokens // plan.segments.block_m + page_tables.shape[0], plan.modules * rank_blocks, plan.split_k)
     _lora_shrink_kernel[grid](
         x, pool, plan.segments.token_order, plan.segments.block_slot, plan.segments.block_start,
@@ -637,14 +637,14 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     if num_tokens == 0 or num_slots == 0 or partials.shape[2] == 0:
         return
     block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
-    tiles = sum(triton.cdiv(n, block_n) for n in sizes)
+    tiles = sum(cdiv(n, block_n) for n in sizes)
     n_tiles = n_tiles or _EXPAND_N_TILES
     if n_tiles not in (1, 2, 4, 8):
         raise ValueError(f"n_tiles must be 1, 2, 4 or 8, got {n_tiles}")
     num_warps = num_warps or _NUM_WARPS
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
-    _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, triton.cdiv(tiles, n_tiles))](
+    _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, cdiv(tiles, n_tiles))](
         partials, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end,
         page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0],
         tiles, pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
@@ -675,7 +675,7 @@ def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_t
     if num_tokens == 0 or num_slots == 0:
         return
     block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
-    tiles = sum(triton.cdiv(n, block_n) for n in sizes)
+    tiles = sum(cdiv(n, block_n) for n in sizes)
     _lora_fused_kernel[(num_tokens // segments.block_m + num_slots, tiles)](
         x, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end, page_tables,
         ranks, a_offsets, b_offsets, scalings, out, x.shape[1], *sizes, pool.shape[1],

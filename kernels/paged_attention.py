@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
+from slora.kernels.layout import next_power_of_2
 
 _LOG2E = 1.4426950408889634
 # Below this many context tokens per split, the merge costs more than the parallelism brings.
@@ -200,7 +201,7 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
         query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         kv_pool.shape[1],
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
@@ -208,7 +209,7 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, context_lens, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
+            SPLITS_PAD=next_power_of_2(num_splits), BLOCK_N=block_n,
             num_warps=4,
         )
     return out

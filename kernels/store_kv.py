@@ -6,6 +6,7 @@ a CUDA-graph batch) is skipped.
 import torch
 import triton
 import triton.language as tl
+from slora.kernels.layout import next_power_of_2
 from torch import Tensor
 
 
@@ -73,7 +74,7 @@ def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, 
     tokens, num_kv_heads, head_dim = key.shape
     if tokens == 0:
         return
-    block = triton.next_power_of_2(num_kv_heads * head_dim)
+    block = next_power_of_2(num_kv_heads * head_dim)
     _store_kv_kernel[(tokens,)](
         key, value, kv_pool, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -1,5 +1,5 @@
 """The flat batch of one engine step, as the model sees it, and the per-step LoRA table."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from torch import Tensor
@@ -52,6 +52,7 @@ class LoraBatch:
     max_rank: int
     ops: LoraOps
     active: list[list[bool]]   # [layer][module]: whether any adapter of the step targets it (host side)
+    _views: dict[tuple[int, int], list] = field(default_factory=dict, init=False, repr=False)
 
     def apply(self, layer: int, modules: slice, x: Tensor, out: Tensor, pool: Tensor,
               out_sizes: list[int]) -> None:
@@ -59,15 +60,22 @@ class LoraBatch:
         their outputs side by side in out, `out_sizes` columns each), each token through its own adapter."""
         if not any(self.active[layer][modules]):
             return
-        ranks = self.ranks[layer, modules]                                          # [modules, slots]
+        ranks, a_offsets, b_offsets, scalings = self._group_tables(modules)[layer]   # each [modules, slots]
         if self.ops.fused and lora_fusable(x.shape[1], out.shape[1]):
-            self.ops.lora_fused(out, x, pool, self.token_slots, self.page_tables, ranks, self.a_offsets[layer, modules],
-                                self.b_offsets[layer, modules], self.scalings[layer, modules], out_sizes)
+            self.ops.lora_fused(out, x, pool, self.token_slots, self.page_tables, ranks, a_offsets, b_offsets,
+                                scalings, out_sizes)
             return
-        h = self.ops.lora_shrink(x, pool, self.token_slots, self.page_tables, ranks,
-                                 self.a_offsets[layer, modules], self.max_rank)
-        self.ops.lora_expand(out, h, pool, self.token_slots, self.page_tables, ranks,
-                             self.b_offsets[layer, modules], self.scalings[layer, modules], out_sizes)
+        h = self.ops.lora_shrink(x, pool, self.token_slots, self.page_tables, ranks, a_offsets, self.max_rank)
+        self.ops.lora_expand(out, h, pool, self.token_slots, self.page_tables, ranks, b_offsets, scalings, out_sizes)
+
+    def _group_tables(self, modules: slice) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """Per layer, the views of the four tables for a group of modules, made once per step and group: in
+        eager steps the host bounds the step, and indexing four tables per call was a share of it."""
+        key = (modules.start, modules.stop)
+        if key not in self._views:
+            tables = (self.ranks, self.a_offsets, self.b_offsets, self.scalings)
+            self._views[key] = list(zip(*(t[:, modules].unbind(0) for t in tables)))
+        return self._views[key]
 
 
 @dataclass

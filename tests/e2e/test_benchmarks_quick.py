@@ -109,3 +109,16 @@ def test_decode_benchmark_quick_says_it_needs_a_gpu_on_the_cpu(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no GPU here" in done.stderr and not (tmp_path / "d.json").exists()
+
+
+def test_host_overhead_quick_times_every_step_kind(tmp_path):
+    """benchmarks/host_overhead.py (the LoRA wrappers' host time with the kernels stubbed) runs on the CPU."""
+    out = tmp_path / "host.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "host_overhead.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["step"] for r in rows] == ["decode, 64 adapters", "mixed, 5 adapters", "mixed, 66 adapters"]
+    for row in rows:
+        assert row["host_ms"] > 0 and row["layers"] == 2
+        assert abs(row["per_call_us"] * 2 * 4 * 2 - row["host_ms"] * 1e3) < 1e-6 * row["host_ms"] * 1e3 + 1e-9

@@ -1,0 +1,90 @@
+"""Host (Python) time of the batched-LoRA calls of one eager step, with the Triton kernels stubbed out.
+
+On the H200, mixed steps (prefill chunks beside decoding sequences; decode graphs do not cover them) are
+bound by the host: decode.py --mixed measured 25-27 ms of GPU time in steps of 53-90 ms, and run() took
+82-101 ms to return (benchmarks/results/h200/decode_mixed_host.txt). This script times what slora's own
+Python adds around the LoRA launches of such a step (the engine's LoraBatch.apply and TritonLora down to
+the wrappers in slora.kernels.lora, for the 4 groups of 32 Llama-3-8B layers), on any machine: the
+kernels are replaced by no-ops, so neither the GPU nor Triton's launcher is timed. On the CPU the split
+and block choices skip their CUDA branch."""
+import argparse
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from common import RESULTS, print_table, write_json
+from llama8b import LLAMA3_8B
+from slora.attention_backend import TritonLora
+from slora.forward_batch import LoraBatch
+from slora.kernels import lora
+from slora.kernels.layout import LORA_MODULES
+from slora.models.config import parse_model_config
+
+PAGE_ELEMS = 2 * 16 * 8 * 128          # a 16-token page of Llama-3-8B's KV (8 KV heads of 128)
+ADAPTER_PAGES = 40                     # pages of a rank-16 adapter on all seven projections
+RANK = 16
+
+
+class NoLaunch:
+    """Stands in for a @triton.jit kernel: `kernel[grid](...)` does nothing."""
+
+    def __getitem__(self, grid: tuple) -> object:
+        return lambda *args, **kwargs: None
+
+
+def lora_batch(tokens: int, slots: int, num_layers: int) -> LoraBatch:
+    """A step's LoRA tables for `tokens` tokens spread over `slots` adapters, every module at rank RANK."""
+    token_slots = (torch.arange(tokens) % slots).to(torch.int32)
+    tables = (num_layers, len(LORA_MODULES), slots)
+    ops = TritonLora().prepare(token_slots, slots, num_layers)
+    return LoraBatch(token_slots, torch.arange(slots * ADAPTER_PAGES, dtype=torch.int32).view(slots, -1),
+                     torch.full(tables, RANK, dtype=torch.int32), torch.zeros(tables, dtype=torch.long),
+                     torch.zeros(tables, dtype=torch.long), torch.ones(tables), RANK, ops,
+                     [[True] * len(LORA_MODULES)] * num_layers)
+
+
+def step_seconds(tokens: int, slots: int, num_layers: int, repeats: int) -> float:
+    """Host seconds of one step's LoRA calls (4 groups per layer), best of `repeats`."""
+    cfg = parse_model_config(LLAMA3_8B)
+    pool = torch.zeros(slots * ADAPTER_PAGES, PAGE_ELEMS, dtype=torch.bfloat16)
+    hidden = torch.zeros(tokens, cfg.hidden_size, dtype=torch.bfloat16)
+    wide = torch.zeros(tokens, cfg.intermediate_size, dtype=torch.bfloat16)
+    qkv = torch.zeros(tokens, cfg.q_size + 2 * cfg.kv_size, dtype=torch.bfloat16)
+    gate_up = torch.zeros(tokens, 2 * cfg.intermediate_size, dtype=torch.bfloat16)
+    groups = ((slice(0, 3), hidden, qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size]),
+              (slice(3, 4), hidden, hidden.clone(), [cfg.hidden_size]),
+              (slice(4, 6), hidden, gate_up, [cfg.intermediate_size] * 2),
+              (slice(6, 7), wide, hidden.clone(), [cfg.hidden_size]))
+    best = float("inf")
+    for _ in range(repeats):
+        batch = lora_batch(tokens, slots, num_layers)     # a new step: its own workspace, as in the engine
+        start = time.perf_counter()
+        for layer in range(num_layers):
+            for modules, x, out, sizes in groups:
+                batch.apply(layer, modules, x, out, pool, sizes)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="2 layers, 2 repeats (CI)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    num_layers, repeats = (2, 2) if args.quick else (32, 20)
+    lora._lora_shrink_kernel = lora._lora_expand_kernel = NoLaunch()
+    rows = []
+    for label, tokens, slots in (("decode, 64 adapters", 64, 64), ("mixed, 5 adapters", 624, 5),
+                                 ("mixed, 66 adapters", 624, 66)):
+        seconds = step_seconds(tokens, slots, num_layers, repeats)
+        rows.append({"step": label, "tokens": tokens, "adapters": slots, "layers": num_layers,
+                     "host_ms": seconds * 1e3, "per_call_us": seconds * 1e6 / (num_layers * 4 * 2)})
+    print_table(rows)
+    write_json(Path(args.out or RESULTS / "host_overhead.json"), {"benchmark": "host-overhead", "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
