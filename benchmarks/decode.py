@@ -4,13 +4,16 @@ Step time at batch 1, 16, 64, 128, 256 with context 1,024: no adapter, all reque
 adapter, each request on its own rank-16 adapter (all seven projections). Roofline time = max(bytes /
 4.24 TB/s, FLOPs / 810 TFLOP/s), bytes = weights + live KV + each distinct adapter once.
 With --vs-peft: end-to-end generation (prompt 128, 64 new tokens, batch 64, 32 rank-16 adapters) of
-slora against transformers + PEFT on the same GPU, in the same run.
+slora against transformers + PEFT on the same GPU, in the same run. --profile: GPU time by kernel of one
+eager decode step; --mixed: eager mixed steps (decoding sequences beside prefills) timed and profiled;
+--host-profile: cProfile of the host side of such steps.
 
-    python benchmarks/decode.py [--quick] [--vs-peft] [--out FILE]
+    python benchmarks/decode.py [--quick] [--vs-peft | --profile | --mixed | --host-profile] [--out FILE]
 """
 import argparse
 import gc
 import logging
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -145,10 +148,7 @@ def kernel_profile(batch: int, top: int = 30) -> list[dict]:
     step spends its time in. Eager, because a graph replay hides its kernels from some profilers."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner, descriptor, adapter_pages = make_runner(batch, batch)
-    runner.graphs = None
-    allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
-    adapters = place_adapters(runner, allocator, batch, adapter_pages)
+    runner, allocator, adapters, descriptor = eager_setup(batch, batch)
     rows = []
     for mode in ("none", "shared", "distinct"):
         scheduled, step_adapters = build_step(runner, allocator, batch, adapters, descriptor, mode)
@@ -168,6 +168,14 @@ def kernel_profile(batch: int, top: int = 30) -> list[dict]:
 
 
 MIXED_PREFILLS = (280, 280)   # a mixed step of the throughput trace: ~600 tokens, 64 of them decoding
+
+
+def eager_setup(batch: int, num_adapters: int) -> tuple[ModelRunner, PageAllocator, list, AdapterDescriptor]:
+    """A runner without decode graphs (every step eager) and `num_adapters` rank-16 adapters in its pool."""
+    runner, descriptor, adapter_pages = make_runner(batch, num_adapters)
+    runner.graphs = None
+    allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
+    return runner, allocator, place_adapters(runner, allocator, num_adapters, adapter_pages), descriptor
 
 
 def mixed_step(runner: ModelRunner, allocator: PageAllocator, adapters: list[tuple[str, list[int]]],
@@ -214,10 +222,7 @@ def mixed_rows(batch: int, iters: int, top: int = 12) -> list[dict]:
     from slora.kernels import lora
 
     count = batch + len(MIXED_PREFILLS)
-    runner, descriptor, adapter_pages = make_runner(batch, count)
-    runner.graphs = None
-    allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
-    adapters = place_adapters(runner, allocator, count, adapter_pages)
+    runner, allocator, adapters, descriptor = eager_setup(batch, count)
     rows, block_m = [], lora._block_m
     for label, num_adapters, forced_block_m in (("5 adapters", 5, None), ("distinct", count, None),
                                                 ("distinct, block_m 64", count, 64)):
@@ -238,6 +243,27 @@ def mixed_rows(batch: int, iters: int, top: int = 12) -> list[dict]:
         release_kv(allocator, scheduled)
     lora._block_m = block_m
     return rows
+
+
+def host_profile(batch: int) -> str:
+    """cProfile of the host side of three eager mixed steps on one adapter per sequence: where run() spends
+    its Python time (the mixed steps are bound by the host, mixed_rows)."""
+    import cProfile
+    import io
+    import pstats
+
+    runner, allocator, adapters, descriptor = eager_setup(batch, batch + len(MIXED_PREFILLS))
+    scheduled, step_adapters = mixed_step(runner, allocator, adapters, descriptor, batch, len(adapters))
+    time_steps(runner, scheduled, step_adapters, 3)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(3):
+        runner.run(scheduled, step_adapters)
+    torch.cuda.synchronize()
+    profiler.disable()
+    report = io.StringIO()
+    pstats.Stats(profiler, stream=report).sort_stats("tottime").print_stats(40)
+    return report.getvalue()
 
 
 def peft_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor, new_tokens: int) -> float:
@@ -316,6 +342,8 @@ def main() -> None:
                         help="the few-adapter graphs run LoRA shrink + expand as one launch")
     parser.add_argument("--mixed", action="store_true",
                         help="eager mixed steps (64 decoding + 2 prefills) on 5 vs distinct adapters, by kernel")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="cProfile of the host side of eager mixed steps (text report to --out or stdout)")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
     parser.add_argument("--out", default=None)
@@ -334,6 +362,13 @@ def main() -> None:
         print(f"slowest step: {steps['slowest_seconds'] * 1e3:.1f} ms ({steps['slowest_kind']}); "
               f"wall {steps['wall_seconds']:.3f} s")
         write_json(Path(args.out or RESULTS / "decode_vs_peft_h200.json"), {"benchmark": "decode-vs-peft", "rows": [row]})
+        return
+    if args.host_profile:
+        report = host_profile(8 if args.quick else 64)
+        if args.out:
+            Path(args.out).write_text(report)
+        else:
+            sys.stdout.write(report)
         return
     if args.mixed:
         rows = mixed_rows(8 if args.quick else 64, 3 if args.quick else 10)
