@@ -27,7 +27,8 @@ from slora.adapters.packing import AdapterDescriptor, buffer_layout
 from slora.adapters.weights import LoadedAdapter, LoraWeights
 from slora.adapters.config import AdapterConfig
 from slora.config import EngineConfig
-from slora.cuda_graphs import GraphLimits
+from slora.attention_backend import TritonLora
+from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.kernels.layout import LORA_MODULES
 from slora.model_runner import ModelRunner, PoolShape, host_inputs
 from slora.models.config import parse_model_config
@@ -51,7 +52,8 @@ def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
 
 
 def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None,
-                few_adapters: int = 0, lora_fused: bool = False):
+                few_adapters: int = 0, lora_fused: bool = False, per_token_expand: bool = False):
+    """A runner with decode graphs; per_token_expand: they run lora_expand_per_token (not an engine option)."""
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
@@ -62,7 +64,11 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_lora
                       cfg.head_dim)
     limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras,
                          few_adapters=few_adapters, lora_fused=lora_fused)
-    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits)
+    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), None if per_token_expand else limits)
+    if per_token_expand:
+        runner.lora_ops = TritonLora(per_token_expand=True)
+        runner.graphs = DecodeGraphs(model, runner.pool, runner.attention, runner.lora_ops, page_size, limits)
+        runner.graphs.capture()
     return runner, descriptor, adapter_pages
 
 
@@ -120,12 +126,13 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
 
 
 def step_rows(batches: list[int], iters: int, max_loras: int | None = None, few_adapters: int = 0,
-              lora_fused: bool = False) -> list[dict]:
+              lora_fused: bool = False, per_token_expand: bool = False) -> list[dict]:
     """Decode steps per batch size and adapter mix; with max_loras the graphs have that many adapter slots,
     and the distinct mix runs only at batches that fit it."""
     max_batch = max(batches)
     runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras,
-                                                    few_adapters=few_adapters, lora_fused=lora_fused)
+                                                    few_adapters=few_adapters, lora_fused=lora_fused,
+                                                    per_token_expand=per_token_expand)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     adapters = place_adapters(runner, allocator, max_batch, adapter_pages)
     rows = []
@@ -340,6 +347,8 @@ def main() -> None:
                         help="steps with at most this many adapters replay graphs sized for that many (0: never)")
     parser.add_argument("--lora-fused", action="store_true",
                         help="the few-adapter graphs run LoRA shrink + expand as one launch")
+    parser.add_argument("--per-token-expand", action="store_true",
+                        help="decode graphs run lora_expand_per_token (one program per token and tile)")
     parser.add_argument("--mixed", action="store_true",
                         help="eager mixed steps (64 decoding + 2 prefills) on 5 vs distinct adapters, by kernel")
     parser.add_argument("--host-profile", action="store_true",
@@ -381,12 +390,13 @@ def main() -> None:
         write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras,
-                     args.graph_few_adapters, args.lora_fused)
+                     args.graph_few_adapters, args.lora_fused, args.per_token_expand)
     print_table(rows)
     write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
                                                                 "rank": RANK, "max_loras": args.max_loras,
                                                                 "graph_few_adapters": args.graph_few_adapters,
                                                                 "lora_fused": args.lora_fused,
+                                                                "per_token_expand": args.per_token_expand,
                                                                 "rows": rows})
 
 

@@ -309,6 +309,48 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
     _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling)
 
 
+# One program per token and output tile (BGMV-style): no segments to read first, and no 16-row tile of which
+# a decode step with an adapter per token fills one row; the product is a broadcast multiply summed over the
+# rank. Tokens sharing an adapter each read its Bᵀ (from L2 after the first).
+@triton.jit(do_not_specialize=_TABLE_ARGS + ["b_off_ptr", "scale_ptr", "stride_bm", "stride_sm", "num_splits"])
+def _lora_expand_token_kernel(
+    h_ptr, pool_ptr, slots_ptr, pt_ptr, ranks_ptr, b_off_ptr, scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits,
+    page_elems, stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
+):
+    # out[token, col_m + n] += scaling_{m,slot} * sum over r < rank of h[token, m * h_rank + r] * Bᵀ_{m,slot}[r, n]
+    # for one token and one BLOCK_N tile of module m's columns; h: [splits, T, modules * h_rank].
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token)
+    module, out_col, col0 = _module_of_tile(tl.program_id(1), n0, n1, BLOCK_N)
+    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + tl.maximum(slot, 0)), h_rank)
+    if (slot < 0) | (rank == 0):
+        return   # no adapter, or one that does not target this module
+    out_features = tl.where(module == 0, n0, tl.where(module == 1, n1, n2))
+    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
+    b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
+    h_row = h_ptr + token.to(tl.int64) * stride_ht + module * h_rank
+    cols = tl.arange(0, BLOCK_N)
+    n_mask = col0 + cols < out_features
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        ranks_idx = r0 + tl.arange(0, BLOCK_R)
+        r_mask = ranks_idx < rank
+        h = tl.zeros([BLOCK_R], tl.float32)
+        for split in range(num_splits):
+            h += tl.load(h_row + split * stride_hsplit + ranks_idx, mask=r_mask, other=0.0).to(tl.float32)
+        b = _load_paged_tile(pool_ptr, pt_row, b_offset, tl.where(r_mask, ranks_idx, 0),
+                             tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS, out_features, col0, page_elems,
+                             r_mask[:, None] & n_mask[None, :], BLOCK_N, ALIGN_ELEMS)      # [BLOCK_R, BLOCK_N]
+        # Both factors in the output's dtype, as lora_expand's matmul sees them; products summed in float32.
+        h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc += tl.sum(h[:, None] * b.to(out_ptr.dtype.element_ty).to(tl.float32), axis=0)
+    o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + out_col + col0 + cols
+    base = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
+    tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 @triton.jit(do_not_specialize=_TABLE_ARGS + ["a_off_ptr", "b_off_ptr", "scale_ptr", "stride_am", "stride_bm",
                                              "stride_sm"])
 def _lora_fused_kernel(
@@ -641,9 +683,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     n_tiles = n_tiles or _EXPAND_N_TILES
     if n_tiles not in (1, 2, 4, 8):
         raise ValueError(f"n_tiles must be 1, 2, 4 or 8, got {n_tiles}")
-    num_warps = num_warps or _NUM_WARPS
-    if num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
+    num_warps = _check_warps(num_warps)
     _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, cdiv(tiles, n_tiles))](
         partials, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end,
         page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0],
@@ -651,6 +691,38 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), num_warps=num_warps, num_stages=_NUM_STAGES,
+    )
+
+
+def _check_warps(num_warps: int | None) -> int:
+    num_warps = num_warps or _NUM_WARPS
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
+    return num_warps
+
+
+def lora_expand_per_token(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
+                          ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
+                          tile: int | None = None, num_warps: int | None = None) -> None:
+    """`lora_expand` with one program per token and output tile instead of per block of a slot's tokens
+    (BGMV-style, which Punica uses for decode): no segments, and no 16-row tiles of which a decode step with
+    an adapter per token fills one row. Tokens that share an adapter each read its Bᵀ, so it is meant for
+    steps whose tokens have their own adapters. Same arguments and result as lora_expand (less segments
+    and n_tiles). Not yet measured on a GPU, and the engine does not use it: benchmarks/kernels.py
+    --lora-sweep times it against lora_expand."""
+    modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
+    partials = _check_partials(h, out.shape[0], modules)
+    _check_scalings(scalings, ranks)
+    sizes = _check_out_sizes(out_sizes, modules, out.shape[1])
+    _check_devices(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings)
+    if out.shape[0] == 0 or page_tables.shape[0] == 0 or partials.shape[2] == 0:
+        return
+    block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
+    _lora_expand_token_kernel[(out.shape[0], sum(cdiv(n, block_n) for n in sizes))](
+        partials, pool, token_slots, page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules,
+        partials.shape[0], pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0),
+        _module_stride(ranks), _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
+        BLOCK_R=16, BLOCK_N=block_n, ALIGN_ELEMS=ALIGN, num_warps=_check_warps(num_warps), num_stages=_NUM_STAGES,
     )
 
 

@@ -68,16 +68,19 @@ class TritonLora:
     In small steps every shrink adds into a slice of one float32 workspace that the step's first shrink
     zeroes (one memset per step, inside the captured graph for decode)."""
 
-    def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False) -> None:
+    def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False,
+                 per_token_expand: bool = False) -> None:
         from slora.kernels import lora
         self._lora, self.segments, self._num_layers = lora, segments, num_layers
         self.fused = fused
+        # lora_expand_per_token instead of lora_expand (benchmarks/decode.py --per-token-expand; unmeasured).
+        self.per_token_expand = per_token_expand
         self._workspace: Tensor | None = None
         self._used = 0
 
     def prepare(self, token_slots: Tensor, num_slots: int, num_layers: int, fused: bool = False) -> "TritonLora":
         """The ops of one step; fused: groups run lora_fused (LoraBatch.apply says which)."""
-        return TritonLora(self._lora.lora_segments(token_slots, num_slots), num_layers, fused)
+        return TritonLora(self._lora.lora_segments(token_slots, num_slots), num_layers, fused, self.per_token_expand)
 
     def lora_fused(self, out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                    ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
@@ -110,6 +113,10 @@ class TritonLora:
 
     def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:
+        if self.per_token_expand:
+            self._lora.lora_expand_per_token(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
+                                             out_sizes=out_sizes)
+            return
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
                                out_sizes=out_sizes, segments=self.segments)
 
