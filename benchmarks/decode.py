@@ -30,7 +30,7 @@ from slora.config import EngineConfig
 from slora.attention_backend import TritonLora
 from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.kernels.layout import LORA_MODULES
-from slora.model_runner import ModelRunner, PoolShape, host_inputs
+from slora.model_runner import ModelRunner, PoolShape
 from slora.models.config import parse_model_config
 from slora.models.loader import random_model
 from slora.page_pool import PageAllocator
@@ -209,14 +209,14 @@ def host_rows(runner: ModelRunner, scheduled: list[ScheduledSeq], step_adapters:
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
-        host_inputs(scheduled, step_adapters, runner.shape.page_size, runner._lora_tables)
+        runner.inputs_for(scheduled, step_adapters)
     inputs = (time.perf_counter() - start) / iters
     torch.cuda.synchronize()
     start = time.perf_counter()
     runner.run(scheduled, step_adapters)
     enqueue = time.perf_counter() - start
     torch.cuda.synchronize()
-    return [{"mix": label, "kernel": "(host) host_inputs", "count": iters, "total_us": inputs * 1e6},
+    return [{"mix": label, "kernel": "(host) inputs_for", "count": iters, "total_us": inputs * 1e6},
             {"mix": label, "kernel": "(host) run() returns after", "count": 1, "total_us": enqueue * 1e6}]
 
 
@@ -224,32 +224,40 @@ def mixed_rows(batch: int, iters: int, top: int = 12) -> list[dict]:
     """Eager mixed steps (decode graphs do not cover them) on 5 adapters and on one adapter per sequence,
     the latter also with every LoRA block forced to 64 tokens: step time and the GPU time of the top
     kernels (the throughput benchmark's mixed steps took 44.7 ms at 5 adapters, 57.7 ms at 2,000)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from slora.kernels import lora
 
     count = batch + len(MIXED_PREFILLS)
     runner, allocator, adapters, descriptor = eager_setup(batch, count)
     rows, block_m = [], lora._block_m
-    for label, num_adapters, forced_block_m in (("5 adapters", 5, None), ("distinct", count, None),
-                                                ("distinct, block_m 64", count, 64)):
-        lora._block_m = block_m if forced_block_m is None else (lambda *_: forced_block_m)
-        scheduled, step_adapters = mixed_step(runner, allocator, adapters, descriptor, batch, num_adapters)
-        seconds = time_steps(runner, scheduled, step_adapters, iters)
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            runner.run(scheduled, step_adapters)
-            torch.cuda.synchronize()
-        averages = prof.key_averages()
-        events = sorted(averages, key=lambda e: -e.device_time_total)[:top]
-        rows.append({"mix": label, "kernel": "(whole step, wall)", "count": 1, "total_us": seconds * 1e6})
-        rows += host_rows(runner, scheduled, step_adapters, iters, label)
-        rows += [{"mix": label, "kernel": f"(host) {e.key[:50]}", "count": e.count, "total_us": e.cpu_time_total}
-                 for e in averages if "Synchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")]
-        rows += [{"mix": label, "kernel": e.key[:60], "count": e.count, "total_us": e.device_time_total}
-                 for e in events]
-        release_kv(allocator, scheduled)
-    lora._block_m = block_m
+    try:
+        for label, num_adapters, forced_block_m in (("5 adapters", 5, None), ("distinct", count, None),
+                                                    ("distinct, block_m 64", count, 64)):
+            lora._block_m = block_m if forced_block_m is None else (lambda *_: forced_block_m)
+            scheduled, step_adapters = mixed_step(runner, allocator, adapters, descriptor, batch, num_adapters)
+            rows += mixed_step_rows(runner, scheduled, step_adapters, iters, top, label)
+            release_kv(allocator, scheduled)
+    finally:
+        lora._block_m = block_m
     return rows
+
+
+def mixed_step_rows(runner: ModelRunner, scheduled: list[ScheduledSeq], step_adapters: dict, iters: int, top: int,
+                    label: str) -> list[dict]:
+    """One mix's rows: wall time of the step, its host rows, the host's synchronisations and its top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seconds = time_steps(runner, scheduled, step_adapters, iters)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        runner.run(scheduled, step_adapters)
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    events = sorted(averages, key=lambda e: -e.device_time_total)[:top]
+    rows = [{"mix": label, "kernel": "(whole step, wall)", "count": 1, "total_us": seconds * 1e6}]
+    rows += host_rows(runner, scheduled, step_adapters, iters, label)
+    rows += [{"mix": label, "kernel": f"(host) {e.key[:50]}", "count": e.count, "total_us": e.cpu_time_total}
+             for e in averages if "Synchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")]
+    return rows + [{"mix": label, "kernel": e.key[:60], "count": e.count, "total_us": e.device_time_total}
+                   for e in events]
 
 
 def host_profile(batch: int) -> str:
@@ -340,7 +348,8 @@ def vs_peft(batch: int, num_adapters: int, new_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--vs-peft", action="store_true")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--vs-peft", action="store_true")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="capture the decode graphs with this many adapter slots (engine max_loras)")
     parser.add_argument("--graph-few-adapters", type=int, default=EngineConfig.graph_few_adapters,
@@ -349,11 +358,11 @@ def main() -> None:
                         help="the few-adapter graphs run LoRA shrink + expand as one launch")
     parser.add_argument("--per-token-expand", action="store_true",
                         help="decode graphs run lora_expand_per_token (one program per token and tile)")
-    parser.add_argument("--mixed", action="store_true",
+    modes.add_argument("--mixed", action="store_true",
                         help="eager mixed steps (64 decoding + 2 prefills) on 5 vs distinct adapters, by kernel")
-    parser.add_argument("--host-profile", action="store_true",
+    modes.add_argument("--host-profile", action="store_true",
                         help="cProfile of the host side of eager mixed steps (text report to --out or stdout)")
-    parser.add_argument("--profile", action="store_true",
+    modes.add_argument("--profile", action="store_true",
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -194,10 +194,10 @@ def _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling):
 # (the per-slot tables' pointers, whose 16-byte alignment depends on the layer and the slot count, and
 # their strides) is read once per program, so it is not specialised: each mix would compile its own
 # variant in the middle of serving.
-_TABLE_ARGS = ["pt_ptr", "ranks_ptr", "stride_pt", "stride_rm"]
+_TABLE_ARGS = ("pt_ptr", "ranks_ptr", "stride_pt", "stride_rm")
 
 
-@triton.jit(do_not_specialize=_TABLE_ARGS + ["a_off_ptr", "stride_am"])
+@triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "stride_am"))
 def _lora_shrink_kernel(
     x_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, a_off_ptr, h_ptr,
     in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
@@ -248,8 +248,7 @@ def _module_of_tile(tile, n0, n1, BLOCK_N: tl.constexpr):
 
 
 # num_splits: 1 or the shrink's split count, which changes with the step's size (a loop bound).
-@triton.jit(do_not_specialize=_TABLE_ARGS + ["b_off_ptr", "scale_ptr", "stride_bm", "stride_sm", "num_splits",
-                                             "num_tiles"])
+@triton.jit(do_not_specialize=_TABLE_ARGS + ("b_off_ptr", "scale_ptr", "stride_bm", "stride_sm", "num_splits"))
 def _lora_expand_kernel(
     h_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, b_off_ptr,
     scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, num_tiles, page_elems,
@@ -312,7 +311,7 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
 # One program per token and output tile (BGMV-style): no segments to read first, and no 16-row tile of which
 # a decode step with an adapter per token fills one row; the product is a broadcast multiply summed over the
 # rank. Tokens sharing an adapter each read its Bᵀ (from L2 after the first).
-@triton.jit(do_not_specialize=_TABLE_ARGS + ["b_off_ptr", "scale_ptr", "stride_bm", "stride_sm", "num_splits"])
+@triton.jit(do_not_specialize=_TABLE_ARGS + ("b_off_ptr", "scale_ptr", "stride_bm", "stride_sm", "num_splits"))
 def _lora_expand_token_kernel(
     h_ptr, pool_ptr, slots_ptr, pt_ptr, ranks_ptr, b_off_ptr, scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits,
     page_elems, stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
@@ -351,8 +350,8 @@ def _lora_expand_token_kernel(
     tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-@triton.jit(do_not_specialize=_TABLE_ARGS + ["a_off_ptr", "b_off_ptr", "scale_ptr", "stride_am", "stride_bm",
-                                             "stride_sm"])
+@triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "b_off_ptr", "scale_ptr", "stride_am", "stride_bm",
+                                             "stride_sm"))
 def _lora_fused_kernel(
     x_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, a_off_ptr,
     b_off_ptr, scale_ptr, out_ptr, in_features, n0, n1, n2, page_elems,

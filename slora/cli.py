@@ -7,6 +7,7 @@ from slora.sampling_params import SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from slora.config import EngineConfig   # imported in the functions, as the commands do
     parser.add_argument("--model", default=None, help="Hugging Face folder (default: the embedded tiny model)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
@@ -20,7 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="packed adapters kept in host memory (default: a quarter of the machine's memory)")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="distinct adapters in one batch (default: no limit)")
-    parser.add_argument("--graph-few-adapters", type=int, default=4,
+    parser.add_argument("--graph-few-adapters", type=int, default=EngineConfig.graph_few_adapters,
                         help="CUDA graphs: decode steps with at most this many distinct adapters replay graphs "
                              "sized for that many, with fewer LoRA programs (0: never)")
     parser.add_argument("--lora-fused", action="store_true",

@@ -66,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"max_loras must be >= 1 (or None for no limit), got {self.max_loras}")
         if self.graph_few_adapters < 0:
             raise ValueError(f"graph_few_adapters must be >= 0, got {self.graph_few_adapters}")
+        if self.lora_fused and self.graph_few_adapters == 0:
+            raise ValueError("lora_fused runs in the few-adapter decode graphs: it needs graph_few_adapters > 0")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.adapter_host_cache_gib is not None and self.adapter_host_cache_gib < 0:

@@ -115,7 +115,7 @@ class DecodeGraphs:
 
     def uses_few(self, size: int, num_adapters: int) -> bool:
         """Whether a decode step of this bucket with this many distinct adapters replays a few-adapter graph."""
-        return 0 < num_adapters <= self.limits.few_adapters and (size, True, True) in self.graphs
+        return 0 < num_adapters <= self.limits.lora_slots(size, few=True) and (size, True, True) in self.graphs
 
     def replay(self, size: int, with_lora: bool, batch_size: int, few: bool = False) -> Tensor:
         graph, logits = self.graphs[(size, with_lora, few)]

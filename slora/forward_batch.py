@@ -52,7 +52,8 @@ class LoraBatch:
     max_rank: int
     ops: LoraOps
     active: list[list[bool]]   # [layer][module]: whether any adapter of the step targets it (host side)
-    _views: dict[tuple[int, int], list] = field(default_factory=dict, init=False, repr=False)
+    _views: dict[tuple[int, int], list[tuple[Tensor, Tensor, Tensor, Tensor]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def apply(self, layer: int, modules: slice, x: Tensor, out: Tensor, pool: Tensor,
               out_sizes: list[int]) -> None:
@@ -71,6 +72,7 @@ class LoraBatch:
     def _group_tables(self, modules: slice) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
         """Per layer, the views of the four tables for a group of modules, made once per step and group: in
         eager steps the host bounds the step, and indexing four tables per call was a share of it."""
+        assert modules.step is None, "a group is consecutive modules"
         key = (modules.start, modules.stop)
         if key not in self._views:
             tables = (self.ranks, self.a_offsets, self.b_offsets, self.scalings)

@@ -257,12 +257,16 @@ class ModelRunner:
 
     def run(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> Tensor:
         """One forward over the scheduled tokens; logits `[sampled, vocab]` of the completing sequences."""
-        host = host_inputs(scheduled, adapters, self.shape.page_size, self._lora_tables)
+        host = self.inputs_for(scheduled, adapters)
         self._wait_for_adapters(adapters)
         bucket = self._graph_bucket(scheduled, host)
         if bucket is not None:
             return self._replay(bucket, host, len(scheduled))
         return self.model(self.to_device(host), self.pool, self.attention)
+
+    def inputs_for(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> HostInputs:
+        """A step's inputs on the host (adapter tables of recent mixes come from a cache)."""
+        return host_inputs(scheduled, adapters, self.shape.page_size, self._lora_tables)
 
     def to_device(self, host: HostInputs) -> ForwardBatch:
         move = lambda t: t.to(self.device, non_blocking=True)

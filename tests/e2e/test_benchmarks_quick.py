@@ -119,6 +119,4 @@ def test_host_overhead_quick_times_every_step_kind(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["step"] for r in rows] == ["decode, 64 adapters", "mixed, 5 adapters", "mixed, 66 adapters"]
-    for row in rows:
-        assert row["host_ms"] > 0 and row["layers"] == 2
-        assert abs(row["per_call_us"] * 2 * 4 * 2 - row["host_ms"] * 1e3) < 1e-6 * row["host_ms"] * 1e3 + 1e-9
+    assert [(r["tokens"], r["adapters"], r["layers"]) for r in rows] == [(64, 64, 2), (624, 5, 2), (624, 66, 2)]

@@ -58,9 +58,17 @@ def test_few_adapter_graphs_match_cpu(tiny_llama, lora_fused):
     gpu = make_llm(tiny_llama, device="cuda", dtype="float32", graph_few_adapters=2, lora_fused=lora_fused)
     graphs = gpu.engine.runner.graphs
     assert (8, True, True) in graphs.graphs and graphs.uses_few(8, 2) and not graphs.uses_few(8, 3)
+    replayed = []
+    replay = graphs.replay
+    graphs.replay = lambda size, with_lora, batch_size, few=False: (
+        replayed.append((with_lora, few)), replay(size, with_lora, batch_size, few))[1]
     prompts = random_prompts([5, 12, 30, 7, 22], seed=17)
-    for mix in (["all-r16"] * 5, [None, "rs-pattern", "all-r16", None, "rs-pattern"], NAMES[:5]):
+    two = [None, "rs-pattern", "all-r16", None, "rs-pattern"]
+    for mix, kind in ((["all-r16"] * 5, (True, True)), (two, (True, True)),
+                      (NAMES[:5], (True, False))):     # 4 adapters: the full graphs
+        replayed.clear()
         assert tokens(gpu, prompts, mix) == tokens(cpu_llm, prompts, mix)
+        assert kind in replayed
     gpu.engine.check()
 
 

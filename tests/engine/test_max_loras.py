@@ -58,3 +58,8 @@ def test_few_adapter_graphs_only_where_they_differ(max_loras, few, fused, batch,
                          max_loras=max_loras, few_adapters=few, lora_fused=fused)
     assert limits.graph_kinds(batch) == expected
     assert limits.lora_slots(batch, few=True) == min(batch, max_loras or batch, few)
+
+
+def test_lora_fused_needs_the_few_adapter_graphs():
+    with pytest.raises(ValueError, match="graph_few_adapters"):
+        EngineConfig(lora_fused=True, graph_few_adapters=0)
