@@ -52,8 +52,9 @@ def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
 
 
 def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None,
-                few_adapters: int = 0, lora_fused: bool = False, per_token_expand: bool = False):
-    """A runner with decode graphs; per_token_expand: they run lora_expand_per_token (not an engine option)."""
+                few_adapters: int = 0, lora_fused: bool = False, per_token: tuple[bool, bool] = (False, False)):
+    """A runner with decode graphs; per_token: (expand, shrink) in them run the per-token kernels (not an
+    engine option)."""
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
@@ -64,9 +65,9 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_lora
                       cfg.head_dim)
     limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras,
                          few_adapters=few_adapters, lora_fused=lora_fused)
-    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), None if per_token_expand else limits)
-    if per_token_expand:
-        runner.lora_ops = TritonLora(per_token_expand=True)
+    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), None if any(per_token) else limits)
+    if any(per_token):
+        runner.lora_ops = TritonLora(per_token_expand=per_token[0], per_token_shrink=per_token[1])
         runner.graphs = DecodeGraphs(model, runner.pool, runner.attention, runner.lora_ops, page_size, limits)
         runner.graphs.capture()
     return runner, descriptor, adapter_pages
@@ -126,13 +127,13 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
 
 
 def step_rows(batches: list[int], iters: int, max_loras: int | None = None, few_adapters: int = 0,
-              lora_fused: bool = False, per_token_expand: bool = False) -> list[dict]:
+              lora_fused: bool = False, per_token: tuple[bool, bool] = (False, False)) -> list[dict]:
     """Decode steps per batch size and adapter mix; with max_loras the graphs have that many adapter slots,
     and the distinct mix runs only at batches that fit it."""
     max_batch = max(batches)
     runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras,
                                                     few_adapters=few_adapters, lora_fused=lora_fused,
-                                                    per_token_expand=per_token_expand)
+                                                    per_token=per_token)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     adapters = place_adapters(runner, allocator, max_batch, adapter_pages)
     rows = []
@@ -358,6 +359,8 @@ def main() -> None:
                         help="the few-adapter graphs run LoRA shrink + expand as one launch")
     parser.add_argument("--per-token-expand", action="store_true",
                         help="decode graphs run lora_expand_per_token (one program per token and tile)")
+    parser.add_argument("--per-token-shrink", action="store_true",
+                        help="decode graphs run lora_shrink_into(per_token=True) (one program per token)")
     modes.add_argument("--mixed", action="store_true",
                         help="eager mixed steps (64 decoding + 2 prefills) on 5 vs distinct adapters, by kernel")
     modes.add_argument("--host-profile", action="store_true",
@@ -399,13 +402,14 @@ def main() -> None:
         write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras,
-                     args.graph_few_adapters, args.lora_fused, args.per_token_expand)
+                     args.graph_few_adapters, args.lora_fused, (args.per_token_expand, args.per_token_shrink))
     print_table(rows)
     write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
                                                                 "rank": RANK, "max_loras": args.max_loras,
                                                                 "graph_few_adapters": args.graph_few_adapters,
                                                                 "lora_fused": args.lora_fused,
                                                                 "per_token_expand": args.per_token_expand,
+                                                                "per_token_shrink": args.per_token_shrink,
                                                                 "rows": rows})
 
 

@@ -212,6 +212,7 @@ class LoraKnobs:
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
     per_token: bool = False     # lora_expand_per_token (a program per token and tile) instead of lora_expand
+    per_token_shrink: bool = False   # lora_shrink_into(per_token=True): a program per token
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
@@ -220,6 +221,8 @@ class LoraKnobs:
             raise ValueError("fused kernels can only be timed whole (part='both')")
         if self.per_token and self.n_tiles is not None:
             raise ValueError("the per-token expand has no n_tiles")
+        if self.per_token_shrink and not self.accumulate:
+            raise ValueError("the per-token shrink adds into one h (accumulate)")
 
     def __str__(self) -> str:
         shrink = "into one h" if self.accumulate else "partials"
@@ -227,7 +230,8 @@ class LoraKnobs:
                 f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
                 f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}"
                 + (", shrink+expand fused where lora_fusable" if self.fused else "")
-                + (", per-token expand" if self.per_token else ""))
+                + (", per-token expand" if self.per_token else "")
+                + (", per-token shrink" if self.per_token_shrink else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -267,7 +271,8 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
                                         hoist_pages=knobs.hoist_pages)
         h = workspace[used:used + tokens * width].view(tokens, width)
         lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
-                         split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages)
+                         split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages,
+                         per_token=knobs.per_token_shrink)
         return h
 
     def expand(h: Tensor, group: tuple) -> None:
@@ -342,7 +347,10 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
     knobs = [LoraKnobs(), LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"), LoraKnobs(accumulate=False),
              LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8),
              LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True), LoraKnobs(fused=True, expand_tile=256),
-             *per_token, LoraKnobs(per_token=True), LoraKnobs(per_token=True, accumulate=False)]
+             *per_token, LoraKnobs(per_token=True), LoraKnobs(per_token=True, accumulate=False),
+             LoraKnobs(part="shrink", per_token_shrink=True),
+             LoraKnobs(part="shrink", per_token_shrink=True, split_k=16),
+             LoraKnobs(per_token=True, per_token_shrink=True)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 

@@ -235,6 +235,51 @@ def _lora_shrink_kernel(
         tl.store(h_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :])
 
 
+# The shrink of one token (BGMV-style, like _lora_expand_token_kernel): no segments, no 16-row tile of which a
+# decode step with an adapter per token fills one row; always adds into one h atomically (decode steps).
+@triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "stride_am"))
+def _lora_shrink_token_kernel(
+    x_ptr, pool_ptr, slots_ptr, pt_ptr, ranks_ptr, a_off_ptr, h_ptr,
+    in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
+    stride_xt, stride_pt, stride_rm, stride_am, stride_ht,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr, HOIST_PAGES: tl.constexpr,
+):
+    # h[token, m * max_rank + r] += sum over this split's k of x[token, k] * A_{m,slot}[r, k], for one token,
+    # module m and BLOCK_R rank rows. x: [T, in]; h: [T, modules * max_rank] float32.
+    token = tl.program_id(0)
+    module = tl.program_id(1) // rank_blocks
+    r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
+    slot = tl.load(slots_ptr + token)
+    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + tl.maximum(slot, 0)), max_rank)
+    if (slot < 0) | (r0 >= rank):
+        return   # no adapter, or past this slot's rank: nothing read
+    ranks_idx = r0 + tl.arange(0, BLOCK_R)
+    r_mask = ranks_idx < rank
+    rows = tl.where(r_mask, ranks_idx, 0)                    # clamp: masked rows read row 0's page entry
+    a_offset = tl.load(a_off_ptr + module * stride_am + slot)
+    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
+    x_row = x_ptr + token.to(tl.int64) * stride_xt
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, in_features)
+    cols = tl.arange(0, BLOCK_K)
+    if HOIST_PAGES:
+        first, second, room = _split_pages(pt_row, a_offset, rows, row_stride, k_lo, k_hi - k_lo, page_elems,
+                                           ALIGN_ELEMS)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_mask = k0 + cols < in_features
+        x = tl.load(x_row + k0 + cols, mask=k_mask, other=0.0)                            # [BLOCK_K]
+        a_mask = r_mask[:, None] & k_mask[None, :]
+        if HOIST_PAGES:
+            a = _load_run(pool_ptr, first, second, room, k0 - k_lo + cols, a_mask)         # [BLOCK_R, BLOCK_K]
+        else:
+            a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows, row_stride, in_features, k0, page_elems,
+                                 a_mask, BLOCK_K, ALIGN_ELEMS)
+        acc += tl.sum(a.to(x.dtype).to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.atomic_add(h_ptr + token.to(tl.int64) * stride_ht + module * max_rank + ranks_idx, acc, mask=r_mask,
+                  sem="relaxed")
+
+
 @triton.jit
 def _module_of_tile(tile, n0, n1, BLOCK_N: tl.constexpr):
     # Which of up to three column ranges (widths n0, n1, n2 side by side in `out`) output tile `tile`
@@ -416,8 +461,9 @@ def _check_common(name: str, act: Tensor, pool: Tensor, token_slots: Tensor, pag
         raise ValueError(f"pool page_elems {pool.shape[1]} must be a multiple of ALIGN={ALIGN}")
     if not pool.is_contiguous():
         raise ValueError("pool must be contiguous")
-    if token_slots.dim() != 1 or token_slots.shape[0] != act.shape[0]:
-        raise ValueError(f"token_slots must be [tokens={act.shape[0]}], got shape {tuple(token_slots.shape)}")
+    if token_slots.dim() != 1 or token_slots.shape[0] != act.shape[0] or token_slots.stride(0) != 1:
+        raise ValueError(f"token_slots must be a contiguous [tokens={act.shape[0]}] tensor, got shape "
+                         f"{tuple(token_slots.shape)}")
     if page_tables.dim() != 2 or page_tables.stride(1) != 1:
         raise ValueError(f"page_tables must be [slots, max_pages] with stride 1 in its rows, "
                          f"got shape {tuple(page_tables.shape)}")
@@ -518,7 +564,7 @@ class _ShrinkPlan(NamedTuple):
 
 def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                  a_offsets: Tensor, max_rank: int, segments: LoraSegments | None, split_k: int | None,
-                 tile: int | None, max_split_k: int) -> _ShrinkPlan:
+                 tile: int | None, max_split_k: int, per_token: bool = False) -> _ShrinkPlan:
     modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
     _check_devices(x, pool, token_slots, page_tables, ranks, a_offsets)
     if max_rank <= 0:
@@ -528,7 +574,8 @@ def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tens
     block_k = _tile_width(pool.shape[1], tile, _SHRINK_TILE)
     if split_k is None:
         programs = modules * cdiv(max_rank, _SHRINK_BLOCK_R)
-        split_k = _choose_split_k(num_tokens, segments.block_m, programs, in_features, x.device, max_split_k)
+        block_m = 1 if per_token else segments.block_m    # tokens per program
+        split_k = _choose_split_k(num_tokens, block_m, programs, in_features, x.device, max_split_k)
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
     k_per_split = cdiv(cdiv(in_features, split_k), block_k) * block_k
@@ -562,23 +609,43 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
 
 def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                      a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                     split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True) -> None:
+                     split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True,
+                     per_token: bool = False) -> None:
     """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
 
     h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
     for every layer). The splits of the reduction add into h atomically, so expand reads one h instead of
     summing partials, and decode can split the reduction finely; the float32 sum order of the splits is
     not fixed (results may differ in the last bits between runs). Other arguments as `lora_shrink` and
-    `lora_shrink_partials`."""
+    `lora_shrink_partials`. per_token: one program per token (BGMV-style, like lora_expand_per_token) instead
+    of per block of a slot's tokens; not yet measured on a GPU, and the engine does not use it."""
     plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k, tile,
-                        _MAX_ACCUMULATE_SPLIT_K)
+                        _MAX_ACCUMULATE_SPLIT_K, per_token)
     width = plan.modules * max_rank
     if h.shape != (x.shape[0], width) or h.dtype != torch.float32 or h.stride(1) != 1:
         raise ValueError(f"h must be float32 [tokens={x.shape[0]}, modules * max_rank={width}] with "
                          f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
     _check_devices(h, x)
+    if per_token:
+        _launch_shrink_per_token(x, pool, plan, token_slots, page_tables, ranks, a_offsets, h, max_rank, hoist_pages)
+        return
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, 0, max_rank, accumulate=True,
                    hoist_pages=hoist_pages)
+
+
+def _launch_shrink_per_token(x: Tensor, pool: Tensor, plan: _ShrinkPlan, token_slots: Tensor, page_tables: Tensor,
+                             ranks: Tensor, a_offsets: Tensor, h: Tensor, max_rank: int, hoist_pages: bool) -> None:
+    num_tokens, in_features = x.shape
+    if num_tokens == 0 or page_tables.shape[0] == 0:
+        return
+    rank_blocks = cdiv(max_rank, _SHRINK_BLOCK_R)
+    _lora_shrink_token_kernel[(num_tokens, plan.modules * rank_blocks, plan.split_k)](
+        x, pool, token_slots, page_tables, ranks, a_offsets, h, in_features, align_up(in_features), max_rank,
+        rank_blocks, pool.shape[1], plan.k_per_split, x.stride(0), page_tables.stride(0), _module_stride(ranks),
+        _module_stride(a_offsets), h.stride(0),
+        BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=plan.block_k, ALIGN_ELEMS=ALIGN,
+        HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
 
 
 def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tensor, ranks: Tensor,

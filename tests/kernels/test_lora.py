@@ -395,13 +395,14 @@ def test_lora_rejects_bad_tile(tile):
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("hoist_pages", [False, True])
-def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hoist_pages):
+@pytest.mark.parametrize("per_token", [False, True])
+def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hoist_pages, per_token):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=7 + split_k)
     h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 16)
     start = randn(tuple(h_want.shape), torch.float32, make_generator(3))
     h = start.clone()                      # not zero: the shrink must add to what h holds
     lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k, tile=64,
-                     hoist_pages=hoist_pages)
+                     hoist_pages=hoist_pages, per_token=per_token)
     assert_close(h, start + h_want)
     want = out.float()
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
@@ -432,7 +433,8 @@ def test_shrink_into_rejects_bad_input():
 @pytest.mark.parametrize("split_k", [None, 32])
 @pytest.mark.parametrize("in_features", [4096, 14336])
 @pytest.mark.parametrize("hoist_pages", [False, True])
-def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages):
+@pytest.mark.parametrize("per_token", [False, True])
+def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages, per_token):
     # The engine's shrink for steps of up to 64 tokens, at Llama-3-8B sizes: the automatic split (many
     # splits added atomically) and the most splits.
     gen = make_generator(in_features + (split_k or 0))
@@ -443,6 +445,6 @@ def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages):
     x = randn((64, in_features), dtype, gen, "cuda")
     h = torch.zeros(64, 2 * 128, dtype=torch.float32, device="cuda")
     lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, split_k=split_k,
-                     hoist_pages=hoist_pages)
+                     hoist_pages=hoist_pages, per_token=per_token)
     want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
     assert_close(h, want)
