@@ -27,9 +27,8 @@ from slora.adapters.packing import AdapterDescriptor, buffer_layout
 from slora.adapters.weights import LoadedAdapter, LoraWeights
 from slora.adapters.config import AdapterConfig
 from slora.config import EngineConfig
-from slora.attention_backend import TritonLora
-from slora.cuda_graphs import DecodeGraphs, GraphLimits
-from slora.kernels.layout import LORA_MODULES
+from slora.cuda_graphs import GraphLimits
+from slora.kernels.layout import LORA_MODULES, cdiv
 from slora.model_runner import ModelRunner, PoolShape
 from slora.models.config import parse_model_config
 from slora.models.loader import random_model
@@ -52,9 +51,7 @@ def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
 
 
 def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None,
-                few_adapters: int = 0, lora_fused: bool = False, per_token: tuple[bool, bool] = (False, False)):
-    """A runner with decode graphs; per_token: (expand, shrink) in them run the per-token kernels (not an
-    engine option)."""
+                few_adapters: int = 0, lora_fused: bool = False):
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
@@ -65,11 +62,7 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_lora
                       cfg.head_dim)
     limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras,
                          few_adapters=few_adapters, lora_fused=lora_fused)
-    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), None if any(per_token) else limits)
-    if any(per_token):
-        runner.lora_ops = TritonLora(per_token_expand=per_token[0], per_token_shrink=per_token[1])
-        runner.graphs = DecodeGraphs(model, runner.pool, runner.attention, runner.lora_ops, page_size, limits)
-        runner.graphs.capture()
+    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits)
     return runner, descriptor, adapter_pages
 
 
@@ -127,13 +120,12 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
 
 
 def step_rows(batches: list[int], iters: int, max_loras: int | None = None, few_adapters: int = 0,
-              lora_fused: bool = False, per_token: tuple[bool, bool] = (False, False)) -> list[dict]:
+              lora_fused: bool = False) -> list[dict]:
     """Decode steps per batch size and adapter mix; with max_loras the graphs have that many adapter slots,
     and the distinct mix runs only at batches that fit it."""
     max_batch = max(batches)
     runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras,
-                                                    few_adapters=few_adapters, lora_fused=lora_fused,
-                                                    per_token=per_token)
+                                                    few_adapters=few_adapters, lora_fused=lora_fused)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     adapters = place_adapters(runner, allocator, max_batch, adapter_pages)
     rows = []
@@ -197,7 +189,7 @@ def mixed_step(runner: ModelRunner, allocator: PageAllocator, adapters: list[tup
     for j, length in enumerate(MIXED_PREFILLS):
         version, pages = adapters[(batch + j) % num_adapters]
         seq = Sequence(batch + j, f"p{j}", [2] * length, SamplingParams(max_tokens=2), AdapterRef(version, len(pages)))
-        seq.block_table = [allocator.allocate_kv() for _ in range(-(-length // runner.shape.page_size))]
+        seq.block_table = [allocator.allocate_kv() for _ in range(cdiv(length, runner.shape.page_size))]
         scheduled.append(ScheduledSeq(seq, length))
     used = {item.seq.adapter.version for item in scheduled}
     return scheduled, {v: (descriptor, pages) for v, pages in adapters if v in used}
@@ -357,10 +349,6 @@ def main() -> None:
                         help="steps with at most this many adapters replay graphs sized for that many (0: never)")
     parser.add_argument("--lora-fused", action="store_true",
                         help="the few-adapter graphs run LoRA shrink + expand as one launch")
-    parser.add_argument("--per-token-expand", action="store_true",
-                        help="decode graphs run lora_expand_per_token (one program per token and tile)")
-    parser.add_argument("--per-token-shrink", action="store_true",
-                        help="decode graphs run lora_shrink_into(per_token=True) (one program per token)")
     modes.add_argument("--mixed", action="store_true",
                         help="eager mixed steps (64 decoding + 2 prefills) on 5 vs distinct adapters, by kernel")
     modes.add_argument("--host-profile", action="store_true",
@@ -402,14 +390,12 @@ def main() -> None:
         write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras,
-                     args.graph_few_adapters, args.lora_fused, (args.per_token_expand, args.per_token_shrink))
+                     args.graph_few_adapters, args.lora_fused)
     print_table(rows)
     write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
                                                                 "rank": RANK, "max_loras": args.max_loras,
                                                                 "graph_few_adapters": args.graph_few_adapters,
                                                                 "lora_fused": args.lora_fused,
-                                                                "per_token_expand": args.per_token_expand,
-                                                                "per_token_shrink": args.per_token_shrink,
                                                                 "rows": rows})
 
 

@@ -3,8 +3,7 @@
 # project offline, runs the GPU tests, then the kernel and decode benchmarks; results go under $OUT
 # (default: benchmarks/results/gpu). QUICK=1: small sizes. PEFT=0: skip the PEFT comparison.
 # STEPS picks steps (default "tests kernels sweep decode full profile peft"; "full" is the decode step without
-# the few-adapter graphs, --graph-few-adapters 0; also "pertoken" (decode graphs with the per-token LoRA kernels),
-# "mixed" (eager mixed steps by kernel, decode.py --mixed),
+# the few-adapter graphs, --graph-few-adapters 0; also "mixed" (eager mixed steps by kernel, decode.py --mixed),
 # "sharing", "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on). At most 8 files come back from the device tool: pick steps to fit.
 set -uo pipefail
@@ -38,8 +37,6 @@ has sweep && run lora_sweep python benchmarks/kernels.py --lora-sweep --out "$OU
 has decode && run decode python benchmarks/decode.py "${quick[@]}" --out "$OUT/decode.json"
 has full && run decode_full python benchmarks/decode.py "${quick[@]}" --graph-few-adapters 0 \
   --out "$OUT/decode_full.json"
-has pertoken && run decode_per_token python benchmarks/decode.py "${quick[@]}" --per-token-expand \
-  --per-token-shrink --out "$OUT/decode_per_token.json"
 has mixed && run decode_mixed python benchmarks/decode.py "${quick[@]}" --mixed --out "$OUT/decode_mixed.json"
 has profile && run decode_profile python benchmarks/decode.py "${quick[@]}" --profile --out "$OUT/decode_profile.json"
 has peft && [ "${PEFT:-1}" = 1 ] && run vs_peft python benchmarks/decode.py "${quick[@]}" --vs-peft --out "$OUT/decode_vs_peft.json"

@@ -28,10 +28,16 @@ RANK = 16
 
 
 class NoLaunch:
-    """Stands in for a @triton.jit kernel: `kernel[grid](...)` does nothing."""
+    """Stands in for a @triton.jit kernel: `kernel[grid](...)` only counts the launch."""
+
+    def __init__(self) -> None:
+        self.launches = 0
 
     def __getitem__(self, grid: tuple) -> object:
-        return lambda *args, **kwargs: None
+        return self._launch
+
+    def _launch(self, *args: object, **kwargs: object) -> None:
+        self.launches += 1
 
 
 def lora_batch(tokens: int, slots: int, num_layers: int) -> LoraBatch:
@@ -76,13 +82,15 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     num_layers, repeats = (2, 2) if args.quick else (32, 20)
     # Stubbed for the rest of this process: the script runs alone, never inside the engine or the tests.
-    lora._lora_shrink_kernel = lora._lora_expand_kernel = NoLaunch()
+    kernels = lora._lora_shrink_kernel = lora._lora_expand_kernel = NoLaunch()
     rows = []
     for label, tokens, slots in (("decode, 64 adapters", 64, 64), ("mixed, 5 adapters", 624, 5),
                                  ("mixed, 66 adapters", 624, 66)):
+        before = kernels.launches
         seconds = step_seconds(tokens, slots, num_layers, repeats)
         rows.append({"step": label, "tokens": tokens, "adapters": slots, "layers": num_layers,
-                     "host_ms": seconds * 1e3, "per_call_us": seconds * 1e6 / (num_layers * 4 * 2)})
+                     "launches": (kernels.launches - before) // repeats, "host_ms": seconds * 1e3,
+                     "per_call_us": seconds * 1e6 / (num_layers * 4 * 2)})
     print_table(rows)
     write_json(Path(args.out or RESULTS / "host_overhead.json"), {"benchmark": "host-overhead", "rows": rows})
 

@@ -211,27 +211,19 @@ class LoraKnobs:
     expand_warps: int | None = None
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
-    per_token: bool = False     # lora_expand_per_token (a program per token and tile) instead of lora_expand
-    per_token_shrink: bool = False   # lora_shrink_into(per_token=True): a program per token
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
             raise ValueError(f"part must be both, shrink or expand, got {self.part!r}")
         if self.fused and self.part != "both":
             raise ValueError("fused kernels can only be timed whole (part='both')")
-        if self.per_token and self.n_tiles is not None:
-            raise ValueError("the per-token expand has no n_tiles")
-        if self.per_token_shrink and not self.accumulate:
-            raise ValueError("the per-token shrink adds into one h (accumulate)")
 
     def __str__(self) -> str:
         shrink = "into one h" if self.accumulate else "partials"
         return (f"shrink {shrink}, split_k {_auto(self.split_k)}, n_tiles {_auto(self.n_tiles)}, "
                 f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
                 f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}"
-                + (", shrink+expand fused where lora_fusable" if self.fused else "")
-                + (", per-token expand" if self.per_token else "")
-                + (", per-token shrink" if self.per_token_shrink else ""))
+                + (", shrink+expand fused where lora_fusable" if self.fused else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -243,8 +235,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
     """knobs: override the wrappers' choices (the --lora-sweep); baseline: time the torch loop.
     table_slots: adapter slots in the tables (a decode graph has one per sequence however many are used)."""
     from slora.forward_batch import lora_fusable
-    from slora.kernels.lora import (lora_expand, lora_expand_per_token, lora_fused, lora_segments, lora_shrink_into,
-                                    lora_shrink_partials)
+    from slora.kernels.lora import lora_expand, lora_fused, lora_segments, lora_shrink_into, lora_shrink_partials
     dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
     num_slots = table_slots or num_adapters
     layer = _pack_lora_layer(num_slots, rank, page_elems, dtype, gen)
@@ -271,16 +262,11 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
                                         hoist_pages=knobs.hoist_pages)
         h = workspace[used:used + tokens * width].view(tokens, width)
         lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
-                         split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages,
-                         per_token=knobs.per_token_shrink)
+                         split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages)
         return h
 
     def expand(h: Tensor, group: tuple) -> None:
         _, out, sizes, ranks, _, b_offsets, scalings = group
-        if knobs.per_token:
-            lora_expand_per_token(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings,
-                                  out_sizes=sizes, tile=knobs.expand_tile, num_warps=knobs.expand_warps)
-            return
         lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings, out_sizes=sizes,
                     segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile, num_warps=knobs.expand_warps)
 
@@ -342,15 +328,9 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
     choices than the wrappers': which shrink, its splits, tile width and hoisted page lookups."""
     expand_only = [LoraKnobs(part="expand", expand_tile=tile, expand_warps=warps)
                    for tile, warps in ((128, 2), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8))]
-    per_token = [LoraKnobs(part="expand", per_token=True, expand_tile=tile, expand_warps=warps)
-                 for tile, warps in ((128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8))]
     knobs = [LoraKnobs(), LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"), LoraKnobs(accumulate=False),
              LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8),
-             LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True), LoraKnobs(fused=True, expand_tile=256),
-             *per_token, LoraKnobs(per_token=True), LoraKnobs(per_token=True, accumulate=False),
-             LoraKnobs(part="shrink", per_token_shrink=True),
-             LoraKnobs(part="shrink", per_token_shrink=True, split_k=16),
-             LoraKnobs(per_token=True, per_token_shrink=True)]
+             LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True), LoraKnobs(fused=True, expand_tile=256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 

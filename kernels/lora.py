@@ -180,6 +180,15 @@ def _shrink_rows(x_rows, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, k_l
 
 
 @triton.jit
+def _rank_rows(r0, rank, BLOCK_R: tl.constexpr):
+    # Rank rows r0 .. r0 + BLOCK_R: their indices [BLOCK_R], which lie below the rank, and the indices with
+    # the others clamped to row 0, so that their page-table lookups stay inside the table.
+    idx = r0 + tl.arange(0, BLOCK_R)
+    mask = idx < rank
+    return idx, mask, tl.where(mask, idx, 0)
+
+
+@triton.jit
 def _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling):
     # out[rows, col0 + cols] += scaling * acc, in float32 and rounded once to out's dtype.
     o_ptrs = out_ptr + out_rows[:, None] + col0 + cols[None, :]
@@ -218,9 +227,7 @@ def _lora_shrink_kernel(
     rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), max_rank)
     if (r0 >= rank) | empty:
         return   # past this slot's rank (or rank 0), or a spare block: no work, nothing read
-    ranks_idx = r0 + tl.arange(0, BLOCK_R)
-    r_mask = ranks_idx < rank
-    rows_in = tl.where(r_mask, ranks_idx, 0)                 # clamp: masked rows read row 0's page entry
+    ranks_idx, r_mask, rows_in = _rank_rows(r0, rank, BLOCK_R)
     a_offset = tl.load(a_off_ptr + module * stride_am + slot)
     pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     k_lo = split * k_per_split
@@ -233,51 +240,6 @@ def _lora_shrink_kernel(
         tl.atomic_add(h_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")
     else:
         tl.store(h_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :])
-
-
-# The shrink of one token (BGMV-style, like _lora_expand_token_kernel): no segments, no 16-row tile of which a
-# decode step with an adapter per token fills one row; always adds into one h atomically (decode steps).
-@triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "stride_am"))
-def _lora_shrink_token_kernel(
-    x_ptr, pool_ptr, slots_ptr, pt_ptr, ranks_ptr, a_off_ptr, h_ptr,
-    in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
-    stride_xt, stride_pt, stride_rm, stride_am, stride_ht,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr, HOIST_PAGES: tl.constexpr,
-):
-    # h[token, m * max_rank + r] += sum over this split's k of x[token, k] * A_{m,slot}[r, k], for one token,
-    # module m and BLOCK_R rank rows. x: [T, in]; h: [T, modules * max_rank] float32.
-    token = tl.program_id(0)
-    module = tl.program_id(1) // rank_blocks
-    r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
-    slot = tl.load(slots_ptr + token)
-    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + tl.maximum(slot, 0)), max_rank)
-    if (slot < 0) | (r0 >= rank):
-        return   # no adapter, or past this slot's rank: nothing read
-    ranks_idx = r0 + tl.arange(0, BLOCK_R)
-    r_mask = ranks_idx < rank
-    rows = tl.where(r_mask, ranks_idx, 0)                    # clamp: masked rows read row 0's page entry
-    a_offset = tl.load(a_off_ptr + module * stride_am + slot)
-    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
-    x_row = x_ptr + token.to(tl.int64) * stride_xt
-    k_lo = tl.program_id(2) * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, in_features)
-    cols = tl.arange(0, BLOCK_K)
-    if HOIST_PAGES:
-        first, second, room = _split_pages(pt_row, a_offset, rows, row_stride, k_lo, k_hi - k_lo, page_elems,
-                                           ALIGN_ELEMS)
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_mask = k0 + cols < in_features
-        x = tl.load(x_row + k0 + cols, mask=k_mask, other=0.0)                            # [BLOCK_K]
-        a_mask = r_mask[:, None] & k_mask[None, :]
-        if HOIST_PAGES:
-            a = _load_run(pool_ptr, first, second, room, k0 - k_lo + cols, a_mask)         # [BLOCK_R, BLOCK_K]
-        else:
-            a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows, row_stride, in_features, k0, page_elems,
-                                 a_mask, BLOCK_K, ALIGN_ELEMS)
-        acc += tl.sum(a.to(x.dtype).to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.atomic_add(h_ptr + token.to(tl.int64) * stride_ht + module * max_rank + ranks_idx, acc, mask=r_mask,
-                  sem="relaxed")
 
 
 @triton.jit
@@ -337,62 +299,19 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
     n_mask = col0 + cols < out_features
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r0 in range(0, rank, BLOCK_R):
-        ranks_idx = r0 + tl.arange(0, BLOCK_R)
-        r_mask = ranks_idx < rank
+        ranks_idx, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
         h_mask = row_mask[:, None] & r_mask[None, :]
         h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
         for split in range(num_splits):
             h += tl.load(h_rows[:, None] + split * stride_hsplit + ranks_idx[None, :], mask=h_mask,
                          other=0.0).to(tl.float32)                # [BLOCK_M, BLOCK_R]
-        b = _load_paged_tile(pool_ptr, pt_row, b_offset, tl.where(r_mask, ranks_idx, 0), row_stride,
+        b = _load_paged_tile(pool_ptr, pt_row, b_offset, rows, row_stride,
                              out_features, col0, page_elems, r_mask[:, None] & n_mask[None, :],
                              BLOCK_N, ALIGN_ELEMS)                  # [BLOCK_R, BLOCK_N]
         # h in the output's dtype, like a matmul of the two factors would see it.
         acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty),
                       input_precision=DOT_PRECISION)
     _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling)
-
-
-# One program per token and output tile (BGMV-style): no segments to read first, and no 16-row tile of which
-# a decode step with an adapter per token fills one row; the product is a broadcast multiply summed over the
-# rank. Tokens sharing an adapter each read its Bᵀ (from L2 after the first).
-@triton.jit(do_not_specialize=_TABLE_ARGS + ("b_off_ptr", "scale_ptr", "stride_bm", "stride_sm", "num_splits"))
-def _lora_expand_token_kernel(
-    h_ptr, pool_ptr, slots_ptr, pt_ptr, ranks_ptr, b_off_ptr, scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits,
-    page_elems, stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-):
-    # out[token, col_m + n] += scaling_{m,slot} * sum over r < rank of h[token, m * h_rank + r] * Bᵀ_{m,slot}[r, n]
-    # for one token and one BLOCK_N tile of module m's columns; h: [splits, T, modules * h_rank].
-    token = tl.program_id(0)
-    slot = tl.load(slots_ptr + token)
-    module, out_col, col0 = _module_of_tile(tl.program_id(1), n0, n1, BLOCK_N)
-    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + tl.maximum(slot, 0)), h_rank)
-    if (slot < 0) | (rank == 0):
-        return   # no adapter, or one that does not target this module
-    out_features = tl.where(module == 0, n0, tl.where(module == 1, n1, n2))
-    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
-    b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
-    h_row = h_ptr + token.to(tl.int64) * stride_ht + module * h_rank
-    cols = tl.arange(0, BLOCK_N)
-    n_mask = col0 + cols < out_features
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        ranks_idx = r0 + tl.arange(0, BLOCK_R)
-        r_mask = ranks_idx < rank
-        h = tl.zeros([BLOCK_R], tl.float32)
-        for split in range(num_splits):
-            h += tl.load(h_row + split * stride_hsplit + ranks_idx, mask=r_mask, other=0.0).to(tl.float32)
-        b = _load_paged_tile(pool_ptr, pt_row, b_offset, tl.where(r_mask, ranks_idx, 0),
-                             tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS, out_features, col0, page_elems,
-                             r_mask[:, None] & n_mask[None, :], BLOCK_N, ALIGN_ELEMS)      # [BLOCK_R, BLOCK_N]
-        # Both factors in the output's dtype, as lora_expand's matmul sees them; products summed in float32.
-        h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc += tl.sum(h[:, None] * b.to(out_ptr.dtype.element_ty).to(tl.float32), axis=0)
-    o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + out_col + col0 + cols
-    base = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-    scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
-    tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "b_off_ptr", "scale_ptr", "stride_am", "stride_bm",
@@ -423,9 +342,7 @@ def _lora_fused_kernel(
     n_mask = col0 + cols_n < out_features
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r0 in range(0, rank, BLOCK_R):
-        ranks_idx = r0 + tl.arange(0, BLOCK_R)
-        r_mask = ranks_idx < rank
-        rows = tl.where(r_mask, ranks_idx, 0)                  # clamp: masked rows read row 0's page entry
+        ranks_idx, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
         h = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, 0,
                          in_features, in_features, tl.cdiv(in_features, ALIGN_ELEMS) * ALIGN_ELEMS, page_elems,
                          BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES)   # [BLOCK_M, BLOCK_R]
@@ -461,9 +378,8 @@ def _check_common(name: str, act: Tensor, pool: Tensor, token_slots: Tensor, pag
         raise ValueError(f"pool page_elems {pool.shape[1]} must be a multiple of ALIGN={ALIGN}")
     if not pool.is_contiguous():
         raise ValueError("pool must be contiguous")
-    if token_slots.dim() != 1 or token_slots.shape[0] != act.shape[0] or token_slots.stride(0) != 1:
-        raise ValueError(f"token_slots must be a contiguous [tokens={act.shape[0]}] tensor, got shape "
-                         f"{tuple(token_slots.shape)}")
+    if token_slots.dim() != 1 or token_slots.shape[0] != act.shape[0]:
+        raise ValueError(f"token_slots must be [tokens={act.shape[0]}], got shape {tuple(token_slots.shape)}")
     if page_tables.dim() != 2 or page_tables.stride(1) != 1:
         raise ValueError(f"page_tables must be [slots, max_pages] with stride 1 in its rows, "
                          f"got shape {tuple(page_tables.shape)}")
@@ -564,7 +480,7 @@ class _ShrinkPlan(NamedTuple):
 
 def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                  a_offsets: Tensor, max_rank: int, segments: LoraSegments | None, split_k: int | None,
-                 tile: int | None, max_split_k: int, per_token: bool = False) -> _ShrinkPlan:
+                 tile: int | None, max_split_k: int) -> _ShrinkPlan:
     modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
     _check_devices(x, pool, token_slots, page_tables, ranks, a_offsets)
     if max_rank <= 0:
@@ -574,8 +490,7 @@ def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tens
     block_k = _tile_width(pool.shape[1], tile, _SHRINK_TILE)
     if split_k is None:
         programs = modules * cdiv(max_rank, _SHRINK_BLOCK_R)
-        block_m = 1 if per_token else segments.block_m    # tokens per program
-        split_k = _choose_split_k(num_tokens, block_m, programs, in_features, x.device, max_split_k)
+        split_k = _choose_split_k(num_tokens, segments.block_m, programs, in_features, x.device, max_split_k)
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
     k_per_split = cdiv(cdiv(in_features, split_k), block_k) * block_k
@@ -609,43 +524,23 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
 
 def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                      a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                     split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True,
-                     per_token: bool = False) -> None:
+                     split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True) -> None:
     """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
 
     h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
     for every layer). The splits of the reduction add into h atomically, so expand reads one h instead of
     summing partials, and decode can split the reduction finely; the float32 sum order of the splits is
     not fixed (results may differ in the last bits between runs). Other arguments as `lora_shrink` and
-    `lora_shrink_partials`. per_token: one program per token (BGMV-style, like lora_expand_per_token) instead
-    of per block of a slot's tokens; not yet measured on a GPU, and the engine does not use it."""
+    `lora_shrink_partials`."""
     plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k, tile,
-                        _MAX_ACCUMULATE_SPLIT_K, per_token)
+                        _MAX_ACCUMULATE_SPLIT_K)
     width = plan.modules * max_rank
     if h.shape != (x.shape[0], width) or h.dtype != torch.float32 or h.stride(1) != 1:
         raise ValueError(f"h must be float32 [tokens={x.shape[0]}, modules * max_rank={width}] with "
                          f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
     _check_devices(h, x)
-    if per_token:
-        _launch_shrink_per_token(x, pool, plan, token_slots, page_tables, ranks, a_offsets, h, max_rank, hoist_pages)
-        return
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, 0, max_rank, accumulate=True,
                    hoist_pages=hoist_pages)
-
-
-def _launch_shrink_per_token(x: Tensor, pool: Tensor, plan: _ShrinkPlan, token_slots: Tensor, page_tables: Tensor,
-                             ranks: Tensor, a_offsets: Tensor, h: Tensor, max_rank: int, hoist_pages: bool) -> None:
-    num_tokens, in_features = x.shape
-    if num_tokens == 0 or page_tables.shape[0] == 0:
-        return
-    rank_blocks = cdiv(max_rank, _SHRINK_BLOCK_R)
-    _lora_shrink_token_kernel[(num_tokens, plan.modules * rank_blocks, plan.split_k)](
-        x, pool, token_slots, page_tables, ranks, a_offsets, h, in_features, align_up(in_features), max_rank,
-        rank_blocks, pool.shape[1], plan.k_per_split, x.stride(0), page_tables.stride(0), _module_stride(ranks),
-        _module_stride(a_offsets), h.stride(0),
-        BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=plan.block_k, ALIGN_ELEMS=ALIGN,
-        HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
-    )
 
 
 def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tensor, ranks: Tensor,
@@ -749,7 +644,9 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     n_tiles = n_tiles or _EXPAND_N_TILES
     if n_tiles not in (1, 2, 4, 8):
         raise ValueError(f"n_tiles must be 1, 2, 4 or 8, got {n_tiles}")
-    num_warps = _check_warps(num_warps)
+    num_warps = num_warps or _NUM_WARPS
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
     _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, cdiv(tiles, n_tiles))](
         partials, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end,
         page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0],
@@ -757,38 +654,6 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), num_warps=num_warps, num_stages=_NUM_STAGES,
-    )
-
-
-def _check_warps(num_warps: int | None) -> int:
-    num_warps = num_warps or _NUM_WARPS
-    if num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
-    return num_warps
-
-
-def lora_expand_per_token(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
-                          ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
-                          tile: int | None = None, num_warps: int | None = None) -> None:
-    """`lora_expand` with one program per token and output tile instead of per block of a slot's tokens
-    (BGMV-style, which Punica uses for decode): no segments, and no 16-row tiles of which a decode step with
-    an adapter per token fills one row. Tokens that share an adapter each read its Bᵀ, so it is meant for
-    steps whose tokens have their own adapters. Same arguments and result as lora_expand (less segments
-    and n_tiles). Not yet measured on a GPU, and the engine does not use it: benchmarks/kernels.py
-    --lora-sweep times it against lora_expand."""
-    modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
-    partials = _check_partials(h, out.shape[0], modules)
-    _check_scalings(scalings, ranks)
-    sizes = _check_out_sizes(out_sizes, modules, out.shape[1])
-    _check_devices(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings)
-    if out.shape[0] == 0 or page_tables.shape[0] == 0 or partials.shape[2] == 0:
-        return
-    block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
-    _lora_expand_token_kernel[(out.shape[0], sum(cdiv(n, block_n) for n in sizes))](
-        partials, pool, token_slots, page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules,
-        partials.shape[0], pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0),
-        _module_stride(ranks), _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
-        BLOCK_R=16, BLOCK_N=block_n, ALIGN_ELEMS=ALIGN, num_warps=_check_warps(num_warps), num_stages=_NUM_STAGES,
     )
 
 

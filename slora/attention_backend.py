@@ -68,22 +68,16 @@ class TritonLora:
     In small steps every shrink adds into a slice of one float32 workspace that the step's first shrink
     zeroes (one memset per step, inside the captured graph for decode)."""
 
-    def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False,
-                 per_token_expand: bool = False, per_token_shrink: bool = False) -> None:
+    def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False) -> None:
         from slora.kernels import lora
         self._lora, self.segments, self._num_layers = lora, segments, num_layers
         self.fused = fused
-        # The BGMV-style kernels (a program per token) instead of the segmented ones, not yet measured on a
-        # GPU: benchmarks/decode.py --per-token-expand / --per-token-shrink (the shrink in steps of at most
-        # ACCUMULATE_MAX_TOKENS tokens).
-        self.per_token_expand, self.per_token_shrink = per_token_expand, per_token_shrink
         self._workspace: Tensor | None = None
         self._used = 0
 
     def prepare(self, token_slots: Tensor, num_slots: int, num_layers: int, fused: bool = False) -> "TritonLora":
         """The ops of one step; fused: groups run lora_fused (LoraBatch.apply says which)."""
-        return TritonLora(self._lora.lora_segments(token_slots, num_slots), num_layers, fused, self.per_token_expand,
-                          self.per_token_shrink)
+        return TritonLora(self._lora.lora_segments(token_slots, num_slots), num_layers, fused)
 
     def lora_fused(self, out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                    ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
@@ -100,7 +94,7 @@ class TritonLora:
         modules = 1 if ranks.dim() == 1 else ranks.shape[0]
         h = self._zeroed(x.shape[0], modules * max_rank, max_rank, x.device)
         self._lora.lora_shrink_into(h, x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                    segments=self.segments, per_token=self.per_token_shrink)
+                                    segments=self.segments)
         return h
 
     def _zeroed(self, rows: int, width: int, max_rank: int, device: torch.device) -> Tensor:
@@ -116,10 +110,6 @@ class TritonLora:
 
     def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:
-        if self.per_token_expand:
-            self._lora.lora_expand_per_token(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
-                                             out_sizes=out_sizes)
-            return
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
                                out_sizes=out_sizes, segments=self.segments)
 

@@ -11,7 +11,7 @@ from slora.adapters.packing import AdapterDescriptor, PackedAdapter
 from slora.attention_backend import backends_for
 from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.forward_batch import ForwardBatch, LoraBatch
-from slora.kernels.layout import LORA_MODULES
+from slora.kernels.layout import LORA_MODULES, align_up, cdiv
 from slora.models.llama import LlamaForCausalLM
 from slora.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -138,7 +138,7 @@ def step_max_rank(highest_rank: int) -> int:
     multiple of RANK_ALIGN. Triton specialises integer arguments on divisibility by 16, and max_rank sets
     several (h's width and strides), so rank 8 and rank 16 steps would otherwise compile different kernel
     variants, each in the middle of serving. Columns past an adapter's rank are never read."""
-    return -(-highest_rank // RANK_ALIGN) * RANK_ALIGN
+    return align_up(highest_rank, RANK_ALIGN)
 
 
 class AdapterTables(NamedTuple):
@@ -204,7 +204,7 @@ class ModelRunner:
         starts = torch.arange(0, tokens + 1, tokens_each, dtype=torch.int32)
         return HostInputs(torch.zeros(tokens, dtype=torch.long), torch.arange(tokens_each).repeat(num_seqs),
                           torch.full((tokens,), -1),                                    # slot -1: K/V not stored
-                          torch.zeros(num_seqs, -(-tokens_each // self.shape.page_size), dtype=torch.int32),
+                          torch.zeros(num_seqs, cdiv(tokens_each, self.shape.page_size), dtype=torch.int32),
                           starts, torch.full((num_seqs,), tokens_each, dtype=torch.int32),
                           starts[1:].long() - 1, tokens_each, tokens_each, lora)
 

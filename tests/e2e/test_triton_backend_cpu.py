@@ -13,7 +13,6 @@ from slora import LLM, SamplingParams
 from slora import attention_backend
 from slora.attention_backend import TritonAttention, TritonLora
 from slora.cuda_graphs import GraphLimits
-from slora.kernels import lora
 from slora.model_runner import step_max_rank
 from tiny import random_prompts
 
@@ -21,24 +20,15 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs Triton kernels in the interpreter, on CPU-only machines")
 
 
-@pytest.mark.parametrize("accumulate_max_tokens,fused,per_token", [(64, False, False), (0, False, False),
-                                                                   (64, True, False), (64, False, True)])
-def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, accumulate_max_tokens, fused,
-                                                      per_token):
+@pytest.mark.parametrize("accumulate_max_tokens,fused", [(64, False), (0, False), (64, True)])
+def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, accumulate_max_tokens, fused):
     """Shrink into one h or split partial sums; fused: every step runs lora_fused where LoraBatch.apply
-    allows it (the CUDA engine does so only in decode graphs with few adapters); per_token: expands run
-    lora_expand_per_token and the shrinks of steps of at most 64 tokens one program per token."""
+    allows it (the CUDA engine does so only in decode graphs with few adapters)."""
     monkeypatch.setattr(attention_backend, "ACCUMULATE_MAX_TOKENS", accumulate_max_tokens)
     if fused:
         prepare = TritonLora.prepare
         monkeypatch.setattr(TritonLora, "prepare", lambda self, slots, n, layers, fused=False:
                             prepare(self, slots, n, layers, fused=True))
-    per_token_calls = []
-    expand_per_token, shrink_into = lora.lora_expand_per_token, lora.lora_shrink_into
-    monkeypatch.setattr(lora, "lora_expand_per_token", lambda *args, **kwargs: (
-        per_token_calls.append("expand"), expand_per_token(*args, **kwargs))[1])
-    monkeypatch.setattr(lora, "lora_shrink_into", lambda *args, **kwargs: (
-        kwargs.get("per_token") and per_token_calls.append("shrink"), shrink_into(*args, **kwargs))[1])
     prompts = random_prompts([3, 18, 9], seed=40)
     names = ["all-r16", None, "rs-pattern"]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -48,11 +38,9 @@ def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, a
         for name in ("all-r16", "rs-pattern"):
             llm.load_adapter(name, str(tiny_llama.adapters[name]))
         if triton:
-            llm.engine.runner.attention = TritonAttention()
-            llm.engine.runner.lora_ops = TritonLora(per_token_expand=per_token, per_token_shrink=per_token)
+            llm.engine.runner.attention, llm.engine.runner.lora_ops = TritonAttention(), TritonLora()
         outputs.append([o.token_ids for o in llm.generate(prompts, params, adapters=names)])
     assert outputs[0] == outputs[1]
-    assert set(per_token_calls) == ({"expand", "shrink"} if per_token else set())
 
 
 @pytest.mark.parametrize("triton", [False, True])

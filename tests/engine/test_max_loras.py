@@ -44,20 +44,24 @@ def test_graph_few_adapters_must_not_be_negative():
         EngineConfig(graph_few_adapters=-1)
 
 
-@pytest.mark.parametrize("max_loras,few,fused,batch,expected", [
-    (None, 4, False, 64, [(False, False), (True, False), (True, True)]),
-    (None, 4, False, 4, [(False, False), (True, False)]),          # the full graph has 4 slots already
-    (2, 4, False, 64, [(False, False), (True, False)]),            # max_loras leaves 2 slots
-    (None, 0, False, 64, [(False, False), (True, False)]),
-    (None, 4, True, 4, [(False, False), (True, False), (True, True)]),   # other kernels: captured anyway
+FULL = [(False, False), (True, False)]
+
+
+@pytest.mark.parametrize("max_loras,few,fused,batch,kinds,few_slots", [
+    (None, 4, False, 64, FULL + [(True, True)], 4),
+    (None, 4, False, 4, FULL, 4),                   # the full graph has 4 slots already
+    (2, 4, False, 64, FULL, 2),                     # max_loras leaves 2 slots
+    (None, 0, False, 64, FULL, 0),
+    (None, 4, True, 4, FULL + [(True, True)], 4),   # other kernels: captured anyway
+    (None, 4, False, 2, FULL, 2),                   # a bucket smaller than the few-adapter count
 ])
-def test_few_adapter_graphs_only_where_they_differ(max_loras, few, fused, batch, expected):
+def test_few_adapter_graphs_only_where_they_differ(max_loras, few, fused, batch, kinds, few_slots):
     """A bucket gets a few-adapter graph only where it has fewer adapter slots than its full graph, or
     runs lora_fused: another graph costs capture time and memory."""
     limits = GraphLimits(max_batch=64, max_blocks=8, max_adapter_pages=4, max_lora_rank=16, num_layers=2,
                          max_loras=max_loras, few_adapters=few, lora_fused=fused)
-    assert limits.graph_kinds(batch) == expected
-    assert limits.lora_slots(batch, few=True) == min(batch, max_loras or batch, few)
+    assert limits.graph_kinds(batch) == kinds
+    assert limits.lora_slots(batch, few=True) == few_slots
 
 
 def test_lora_fused_needs_the_few_adapter_graphs():

@@ -12,7 +12,6 @@ from kernel_helpers import (
 from slora.kernels import reference
 from slora.kernels.lora import (
     lora_expand,
-    lora_expand_per_token,
     lora_fused,
     lora_segments,
     lora_shrink,
@@ -70,19 +69,15 @@ def _expand_case(dtype, pattern, out_features, seed, ranks=RANKS, max_rank=16, d
     return wide[:, 8:8 + out_features], h, batch, slots
 
 
-EXPANDS = {"segments": lora_expand, "per_token": lora_expand_per_token}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("out_features", [72, 160])
-@pytest.mark.parametrize("expand", sorted(EXPANDS))
-def test_lora_expand_matches_reference(dtype, pattern, out_features, expand):
+def test_lora_expand_matches_reference(dtype, pattern, out_features):
     out, h, b, slots = _expand_case(dtype, pattern, out_features, seed=out_features)
     want = out.clone()
     reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
     before = out.clone()
-    EXPANDS[expand](out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
     assert_close(out, want)
     untouched = (slots < 0) | (b.ranks[slots.long().clamp(min=0)] == 0)
     assert torch.equal(out[untouched], before[untouched])
@@ -164,23 +159,6 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
     # columns past each rank unwritten: make them NaN, so that reading one fails the test.
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
                 b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile)
-    assert_close(out, want)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("pattern", ["decode", "prefill"])
-@pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k,tile", [(1, None), (3, 64), (2, 256)])
-def test_per_token_expand_of_fused_modules_matches_reference(dtype, pattern, name, split_k, tile):
-    """lora_expand_per_token from the shrink's partial sums (never reading an unwritten entry) into the
-    modules' columns of a fused output."""
-    x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=10 + split_k)
-    h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
-    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
-    want = out.clone()
-    reference.lora_expand(want, h_want, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
-    lora_expand_per_token(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables,
-                          b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes, tile=tile)
     assert_close(out, want)
 
 
@@ -300,14 +278,13 @@ def test_lora_shrink_rejects_bad_input(changes, match):
     (lambda a: {"b_offsets": a["b_offsets"].float()}, "int32 or int64"),
     (lambda a: {"out": a["out"].to(torch.int32)}, "float16, bfloat16 or float32"),
 ])
-@pytest.mark.parametrize("expand", sorted(EXPANDS))
-def test_lora_expand_rejects_bad_input(changes, match, expand):
+def test_lora_expand_rejects_bad_input(changes, match):
     out, h, b, slots = _expand_case(torch.float32, "decode", 72, seed=14)
     args = {"out": out, "h": h, "pool": b.pool, "token_slots": slots, "page_tables": b.page_tables, "ranks": b.ranks,
                 "b_offsets": b.b_offsets, "scalings": b.scalings}
     args.update(changes(args))
     with pytest.raises(ValueError, match=match):
-        EXPANDS[expand](**args)
+        lora_expand(**args)
 
 
 GPU_RANKS = [16, 128, 1, 64, 8, 0, 32, 16]
@@ -339,8 +316,7 @@ def test_lora_gpu(dtype, num_tokens, in_features, out_features):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens", [64, 1000])
-@pytest.mark.parametrize("expand", sorted(EXPANDS))
-def test_fused_qkv_gpu(dtype, num_tokens, expand):
+def test_fused_qkv_gpu(dtype, num_tokens):
     gen = make_generator(num_tokens + 1)
     module_ranks = [GPU_RANKS, GPU_RANKS[::-1], GPU_RANKS[2:] + GPU_RANKS[:2]]
     out_sizes = [4096, 1024, 1024]
@@ -353,8 +329,7 @@ def test_fused_qkv_gpu(dtype, num_tokens, expand):
     want = out.float()
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                           out_sizes)
-    EXPANDS[expand](out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
-                    out_sizes=out_sizes)
+    lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
     assert_close(out, want)
 
 
@@ -395,14 +370,13 @@ def test_lora_rejects_bad_tile(tile):
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("hoist_pages", [False, True])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hoist_pages, per_token):
+def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hoist_pages):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=7 + split_k)
     h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 16)
     start = randn(tuple(h_want.shape), torch.float32, make_generator(3))
     h = start.clone()                      # not zero: the shrink must add to what h holds
     lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k, tile=64,
-                     hoist_pages=hoist_pages, per_token=per_token)
+                     hoist_pages=hoist_pages)
     assert_close(h, start + h_want)
     want = out.float()
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
@@ -433,8 +407,7 @@ def test_shrink_into_rejects_bad_input():
 @pytest.mark.parametrize("split_k", [None, 32])
 @pytest.mark.parametrize("in_features", [4096, 14336])
 @pytest.mark.parametrize("hoist_pages", [False, True])
-@pytest.mark.parametrize("per_token", [False, True])
-def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages, per_token):
+def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages):
     # The engine's shrink for steps of up to 64 tokens, at Llama-3-8B sizes: the automatic split (many
     # splits added atomically) and the most splits.
     gen = make_generator(in_features + (split_k or 0))
@@ -445,6 +418,6 @@ def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages, per_token):
     x = randn((64, in_features), dtype, gen, "cuda")
     h = torch.zeros(64, 2 * 128, dtype=torch.float32, device="cuda")
     lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, split_k=split_k,
-                     hoist_pages=hoist_pages, per_token=per_token)
+                     hoist_pages=hoist_pages)
     want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
     assert_close(h, want)
