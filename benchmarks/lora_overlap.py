@@ -1,0 +1,130 @@
+"""Does the LoRA of a decode step hide behind the base GEMMs when it runs on a second CUDA stream?
+
+One Llama-3-8B layer's four projections (q/k/v, o, gate/up, down) as cuBLAS GEMMs at a decode batch, with
+the layer's LoRA (rank 16, one shared adapter or one adapter per token) either
+
+- `serial`: after each GEMM, shrink + expand adding into its output (the engine's decode graphs until
+  now), or
+- `side stream`: each group's memset + shrink + expand into a delta buffer on a second, high-priority
+  stream, issued before the GEMM so the two run at once; the main stream waits for it after the GEMM
+  (`+ add`: then adds the delta with a torch add; without: the add is left to a kernel that follows,
+  as the engine folds it into its fused elementwise kernels).
+
+Eight layers with their own weights (1.7 GB, so the L2 cache holds none of them), replayed from a CUDA
+graph. Prints one table and writes JSON.
+
+    python benchmarks/lora_overlap.py [--batch 64] [--out PATH]
+"""
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from kernels import LORA_GROUPS, LLAMA3_8B_MODULES, _graph_time_us, _pack_lora_layer
+from torch import Tensor
+
+LAYERS = 8
+RANK = 16
+
+
+def _layer_weights(dtype: torch.dtype) -> list[Tensor]:
+    """The weights `[out, in]` of one layer's four fused projections."""
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    return [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for n, k in shapes]
+
+
+def _runner(batch: int, num_adapters: int, table_slots: int, mode: str) -> Callable[[], None]:
+    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_into
+    dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
+    gen = torch.Generator().manual_seed(0)
+    lora = _pack_lora_layer(table_slots, RANK, page_elems, dtype, gen)
+    slots = (torch.arange(batch) % num_adapters).to(torch.int32).cuda()
+    segments = lora_segments(slots, table_slots)
+    shapes = {name: (fin, fout) for name, fin, fout in LLAMA3_8B_MODULES}
+    tables = [(torch.stack([lora.ranks] * len(names)), torch.stack([lora.offsets[n][0] for n in names]),
+               torch.stack([lora.offsets[n][1] for n in names]), torch.stack([lora.scalings] * len(names)),
+               [shapes[n][1] for n in names]) for names in LORA_GROUPS]
+    weights = [_layer_weights(dtype) for _ in range(LAYERS)]
+    x4096 = torch.randn(batch, 4096, device="cuda", dtype=dtype)
+    x14336 = torch.randn(batch, 14336, device="cuda", dtype=dtype)
+    inputs = [x4096, x4096, x4096, x14336]
+    workspace = torch.zeros(batch * RANK * 7, device="cuda")
+    side = torch.cuda.Stream(priority=-1)
+
+    def shrink(x: Tensor, group: int, used: int) -> Tensor:
+        ranks, a_off, _, _, sizes = tables[group]
+        h = workspace[used:used + batch * len(sizes) * RANK].view(batch, len(sizes) * RANK)
+        lora_shrink_into(h, x, lora.pool, slots, lora.page_tables, ranks, a_off, RANK, segments=segments)
+        return h
+
+    def expand(out: Tensor, h: Tensor, group: int) -> None:
+        ranks, _, b_off, scalings, sizes = tables[group]
+        lora_expand(out, h, lora.pool, slots, lora.page_tables, ranks, b_off, scalings, out_sizes=sizes,
+                    segments=segments)
+
+    def lora_into(out: Tensor, x: Tensor, group: int, used: int) -> None:
+        expand(out, shrink(x, group, used), group)
+
+    def step() -> None:
+        workspace.zero_()
+        for layer in weights:
+            used = 0
+            for group, (w, x) in enumerate(zip(layer, inputs)):
+                width = len(tables[group][4]) * RANK * batch
+                if mode == "none":
+                    torch.mm(x, w.t())
+                elif mode == "serial":
+                    lora_into(torch.mm(x, w.t()), x, group, used)
+                elif mode == "shrink-side":
+                    main = torch.cuda.current_stream()
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        h = shrink(x, group, used)
+                    out = torch.mm(x, w.t())
+                    main.wait_stream(side)
+                    expand(out, h, group)
+                else:
+                    main = torch.cuda.current_stream()
+                    delta = torch.empty(batch, w.shape[0], device="cuda", dtype=dtype)
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        delta.zero_()
+                        lora_into(delta, x, group, used)
+                    out = torch.mm(x, w.t())
+                    main.wait_stream(side)
+                    if mode == "side+add":
+                        out.add_(delta)
+                used += width
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--out", default="benchmarks/results/lora_overlap.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/lora_overlap.py: needs a CUDA GPU")
+        return 0
+    rows = []
+    print(f"{'batch':>5} {'adapters':>8} {'mode':>10} {'graph us / layer':>17}")
+    for batch in args.batch:
+        for adapters, table_slots in ((0, 4), (1, 4), (batch, batch)):
+            for mode in (("none",) if adapters == 0 else ("serial", "shrink-side", "side")):
+                us = _graph_time_us(_runner(batch, max(adapters, 1), table_slots, mode))
+                per_layer = None if us is None else us / LAYERS
+                rows.append({"batch": batch, "adapters": adapters, "table_slots": table_slots, "mode": mode,
+                             "graph_us_per_layer": per_layer})
+                print(f"{batch:5d} {adapters:8d} {mode:>10} {per_layer if per_layer is not None else float('nan'):17.1f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "layers": LAYERS, "rank": RANK,
+                               "rows": rows}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
