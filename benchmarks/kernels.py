@@ -211,10 +211,13 @@ class LoraKnobs:
     expand_warps: int | None = None
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
+    pdl: bool = False           # shrink and expand with programmatic dependent launch
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
             raise ValueError(f"part must be both, shrink or expand, got {self.part!r}")
+        if self.fused and self.pdl:
+            raise ValueError("lora_fused has no programmatic dependent launch")
         if self.fused and self.part != "both":
             raise ValueError("fused kernels can only be timed whole (part='both')")
 
@@ -223,7 +226,8 @@ class LoraKnobs:
         return (f"shrink {shrink}, split_k {_auto(self.split_k)}, n_tiles {_auto(self.n_tiles)}, "
                 f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
                 f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}"
-                + (", shrink+expand fused where lora_fusable" if self.fused else ""))
+                + (", shrink+expand fused where lora_fusable" if self.fused else "")
+                + (", programmatic dependent launch" if self.pdl else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -259,16 +263,17 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
         if not knobs.accumulate:
             return lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
                                         segments=segments, split_k=knobs.split_k, tile=knobs.shrink_tile,
-                                        hoist_pages=knobs.hoist_pages)
+                                        hoist_pages=knobs.hoist_pages, pdl=knobs.pdl)
         h = workspace[used:used + tokens * width].view(tokens, width)
         lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
-                         split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages)
+                         split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages, pdl=knobs.pdl)
         return h
 
     def expand(h: Tensor, group: tuple) -> None:
         _, out, sizes, ranks, _, b_offsets, scalings = group
         lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings, out_sizes=sizes,
-                    segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile, num_warps=knobs.expand_warps)
+                    segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile, num_warps=knobs.expand_warps,
+                    pdl=knobs.pdl)
 
     # The groups that run as lora_fused, as the engine would choose them (none unless knobs.fused).
     fusing = [knobs.fused and lora_fusable(x.shape[1], out.shape[1]) for x, out, *_ in groups]
@@ -328,7 +333,7 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
     choices than the wrappers': which shrink, its splits, tile width and hoisted page lookups."""
     expand_only = [LoraKnobs(part="expand", expand_tile=tile, expand_warps=warps)
                    for tile, warps in ((128, 2), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8))]
-    knobs = [LoraKnobs(), LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"), LoraKnobs(accumulate=False),
+    knobs = [LoraKnobs(), LoraKnobs(pdl=True), LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"), LoraKnobs(accumulate=False),
              LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8),
              LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True), LoraKnobs(fused=True, expand_tile=256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)

@@ -4,7 +4,8 @@ One Llama-3-8B layer's four projections (q/k/v, o, gate/up, down) as cuBLAS GEMM
 the layer's LoRA (rank 16, one shared adapter or one adapter per token) either
 
 - `serial`: after each GEMM, shrink + expand adding into its output (the engine's decode graphs until
-  now), or
+  the sixth session), or `serial+pdl`: the same launched with programmatic dependent launch (each LoRA
+  kernel starts while the kernel before it ends), or
 - `side stream`: each group's memset + shrink + expand into a delta buffer on a second, high-priority
   stream, issued before the GEMM so the two run at once; the main stream waits for it after the GEMM
   (`+ add`: then adds the delta with a torch add; without: the add is left to a kernel that follows,
@@ -53,16 +54,18 @@ def _runner(batch: int, num_adapters: int, table_slots: int, mode: str) -> Calla
     workspace = torch.zeros(batch * RANK * 7, device="cuda")
     side = torch.cuda.Stream(priority=-1)
 
+    pdl = mode == "serial+pdl"
+
     def shrink(x: Tensor, group: int, used: int) -> Tensor:
         ranks, a_off, _, _, sizes = tables[group]
         h = workspace[used:used + batch * len(sizes) * RANK].view(batch, len(sizes) * RANK)
-        lora_shrink_into(h, x, lora.pool, slots, lora.page_tables, ranks, a_off, RANK, segments=segments)
+        lora_shrink_into(h, x, lora.pool, slots, lora.page_tables, ranks, a_off, RANK, segments=segments, pdl=pdl)
         return h
 
     def expand(out: Tensor, h: Tensor, group: int) -> None:
         ranks, _, b_off, scalings, sizes = tables[group]
         lora_expand(out, h, lora.pool, slots, lora.page_tables, ranks, b_off, scalings, out_sizes=sizes,
-                    segments=segments)
+                    segments=segments, pdl=pdl)
 
     def lora_into(out: Tensor, x: Tensor, group: int, used: int) -> None:
         expand(out, shrink(x, group, used), group)
@@ -75,7 +78,7 @@ def _runner(batch: int, num_adapters: int, table_slots: int, mode: str) -> Calla
                 width = len(tables[group][4]) * RANK * batch
                 if mode == "none":
                     torch.mm(x, w.t())
-                elif mode == "serial":
+                elif mode in ("serial", "serial+pdl"):
                     lora_into(torch.mm(x, w.t()), x, group, used)
                 elif mode == "shrink-side":
                     main = torch.cuda.current_stream()
@@ -103,6 +106,9 @@ def _runner(batch: int, num_adapters: int, table_slots: int, mode: str) -> Calla
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--modes", nargs="+", default=["serial", "serial+pdl", "shrink-side", "side"],
+                        choices=["serial", "serial+pdl", "shrink-side", "side+add", "side"],
+                        help="how the LoRA runs (the GEMMs alone are always timed)")
     parser.add_argument("--out", default="benchmarks/results/lora_overlap.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'batch':>5} {'adapters':>8} {'mode':>10} {'graph us / layer':>17}")
     for batch in args.batch:
         for adapters, table_slots in ((0, 4), (1, 4), (batch, batch)):
-            for mode in (("none",) if adapters == 0 else ("serial", "shrink-side", "side")):
+            for mode in (("none",) if adapters == 0 else tuple(args.modes)):
                 us = _graph_time_us(_runner(batch, max(adapters, 1), table_slots, mode))
                 per_layer = None if us is None else us / LAYERS
                 rows.append({"batch": batch, "adapters": adapters, "table_slots": table_slots, "mode": mode,

@@ -157,15 +157,18 @@ def _load_paged_tile(pool_ptr, pt_row, offset, rows, row_stride, row_len, col0, 
 @triton.jit
 def _shrink_rows(x_rows, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, k_lo, k_hi, in_features, row_stride,
                  page_elems, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, HOIST_PAGES: tl.constexpr):
+                 ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, HOIST_PAGES: tl.constexpr,
+                 USE_PDL: tl.constexpr = False):
     # x[tokens, k_lo:k_hi] @ A[rows, k_lo:k_hi]ᵀ: [BLOCK_M, BLOCK_R] float32. x_rows: [BLOCK_M] row pointers.
     # HOIST_PAGES (the run k_lo..k_hi of a row fits in a page): each row's pages are looked up once, before
-    # the loop, instead of in every step of it.
+    # the loop, instead of in every step of it. USE_PDL: those lookups happen before waiting for the
+    # previous kernel, the loads of x and A after.
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     if HOIST_PAGES:
         first, second, room = _split_pages(pt_row, a_offset, rows, row_stride, k_lo, k_hi - k_lo, page_elems,
                                            ALIGN_ELEMS)
+    _pdl_wait(USE_PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_mask = k0 + cols < in_features
         x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -186,6 +189,23 @@ def _rank_rows(r0, rank, BLOCK_R: tl.constexpr):
     idx = r0 + tl.arange(0, BLOCK_R)
     mask = idx < rank
     return idx, mask, tl.where(mask, idx, 0)
+
+
+@triton.jit
+def _pdl_start(USE_PDL: tl.constexpr):
+    # Programmatic dependent launch: let the next kernel of the stream start its programs now, so its
+    # table and weight loads run while this kernel works (it waits for this one before touching activations).
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _pdl_wait(USE_PDL: tl.constexpr):
+    # Wait until the previous kernel of the stream has finished and its writes are visible. Every program
+    # calls it before it exits, so this kernel's end implies the previous one's (kernels further back are
+    # covered by the same rule in that one).
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -212,9 +232,10 @@ def _lora_shrink_kernel(
     in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
     stride_xt, stride_pt, stride_rm, stride_am, stride_hsplit, stride_ht,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HOIST_PAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HOIST_PAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # ACCUMULATE: every split adds into h[token, m * max_rank + r] (atomically; stride_hsplit is 0). Else:
+    # USE_PDL: the block's tables and its page lookups are read before waiting for the previous kernel, x
+    # and A after (_pdl_wait). ACCUMULATE: every split adds into h[token, m * max_rank + r] (atomically; stride_hsplit is 0). Else:
     # h[split, token, m * max_rank + r] = sum over this split's k of x[token, k] * A_{m,slot}[r, k], for
     # one block of BLOCK_M tokens of one slot, module m and BLOCK_R rank rows. Modules share x (q/k/v).
     # x: [T, in]; h: [splits, T, modules * max_rank] float32.
@@ -222,10 +243,12 @@ def _lora_shrink_kernel(
     module = tl.program_id(1) // rank_blocks
     r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
     split = tl.program_id(2)
+    _pdl_start(USE_PDL)
     slot, tokens, row_mask, empty = _block_rows(order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, block,
                                                 BLOCK_M)
     rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), max_rank)
     if (r0 >= rank) | empty:
+        _pdl_wait(USE_PDL)
         return   # past this slot's rank (or rank 0), or a spare block: no work, nothing read
     ranks_idx, r_mask, rows_in = _rank_rows(r0, rank, BLOCK_R)
     a_offset = tl.load(a_off_ptr + module * stride_am + slot)
@@ -233,7 +256,8 @@ def _lora_shrink_kernel(
     k_lo = split * k_per_split
     acc = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows_in, r_mask, k_lo,
                        tl.minimum(k_lo + k_per_split, in_features), in_features, row_stride, page_elems,
-                       BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES)   # [BLOCK_M, BLOCK_R]
+                       BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES,
+                       USE_PDL)   # [BLOCK_M, BLOCK_R]
     h_cols = module * max_rank + ranks_idx
     h_ptrs = h_ptr + split * stride_hsplit + tokens[:, None] * stride_ht + h_cols[None, :]
     if ACCUMULATE:
@@ -261,16 +285,20 @@ def _lora_expand_kernel(
     scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, num_tiles, page_elems,
     stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_TILES: tl.constexpr,
-    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # USE_PDL: the block's tables, page lookups and first rank block of Bᵀ are read before waiting for the
+    # previous kernel (the shrink that writes h), h and out after (_pdl_wait).
     # out[token, col_m + n] += scaling_{m,slot} * sum over r < rank of h[token, m * h_rank + r] * Bᵀ_{m,slot}[r, n]
     # for one block of BLOCK_M tokens of one slot and N_TILES BLOCK_N-column tiles of the modules' columns.
     # h: [splits, T, modules * h_rank], summed over splits here (shrink's split reduction, in a fixed
     # order: deterministic); out: [T, n0 + n1 + n2].
     block = tl.program_id(0)
+    _pdl_start(USE_PDL)
     slot, tokens, row_mask, empty = _block_rows(order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, block,
                                                 BLOCK_M)
     if empty:
+        _pdl_wait(USE_PDL)
         return   # a spare block
     pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     h_rows = h_ptr + tokens * stride_ht
@@ -284,33 +312,51 @@ def _lora_expand_kernel(
                          tl.load(b_off_ptr + module * stride_bm + slot),
                          tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32),
                          tl.where(module == 0, n0, tl.where(module == 1, n1, n2)), col0, rank, num_splits,
-                         stride_hsplit, page_elems, row_mask, BLOCK_M, BLOCK_R, BLOCK_N, ALIGN_ELEMS, DOT_PRECISION)
+                         stride_hsplit, page_elems, row_mask, BLOCK_M, BLOCK_R, BLOCK_N, ALIGN_ELEMS, DOT_PRECISION,
+                         USE_PDL)
+    _pdl_wait(USE_PDL)   # for programs whose tiles all had rank 0
+
+
+@triton.jit
+def _expand_rank_block(h_rows, pool_ptr, pt_row, out_ptr, b_offset, row_stride, out_features, col0, r0, rank,
+                       num_splits, stride_hsplit, page_elems, row_mask, n_mask, acc,
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                       ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] + h[:, r0:r0 + BLOCK_R] @ Bᵀ[r0:r0 + BLOCK_R, tile]. Bᵀ is loaded first, then
+    # (USE_PDL) the previous kernel is waited for, then h is read.
+    ranks_idx, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
+    b = _load_paged_tile(pool_ptr, pt_row, b_offset, rows, row_stride, out_features, col0, page_elems,
+                         r_mask[:, None] & n_mask[None, :], BLOCK_N, ALIGN_ELEMS)      # [BLOCK_R, BLOCK_N]
+    _pdl_wait(USE_PDL)
+    h_mask = row_mask[:, None] & r_mask[None, :]
+    h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for split in range(num_splits):
+        h += tl.load(h_rows[:, None] + split * stride_hsplit + ranks_idx[None, :], mask=h_mask,
+                     other=0.0).to(tl.float32)                    # [BLOCK_M, BLOCK_R]
+    # h in the output's dtype, like a matmul of the two factors would see it.
+    return acc + tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty),
+                        input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling, out_features, col0, rank, num_splits,
                  stride_hsplit, page_elems, row_mask,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     # One module's BLOCK_N columns from col0 for the block's rows: out += scaling * h[:, :rank] @ Bᵀ[:rank].
     # out_rows: [BLOCK_M] element offsets of the rows' first column of this module in out.
     row_stride = tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS
     cols = tl.arange(0, BLOCK_N)
     n_mask = col0 + cols < out_features
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        ranks_idx, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
-        h_mask = row_mask[:, None] & r_mask[None, :]
-        h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for split in range(num_splits):
-            h += tl.load(h_rows[:, None] + split * stride_hsplit + ranks_idx[None, :], mask=h_mask,
-                         other=0.0).to(tl.float32)                # [BLOCK_M, BLOCK_R]
-        b = _load_paged_tile(pool_ptr, pt_row, b_offset, rows, row_stride,
-                             out_features, col0, page_elems, r_mask[:, None] & n_mask[None, :],
-                             BLOCK_N, ALIGN_ELEMS)                  # [BLOCK_R, BLOCK_N]
-        # h in the output's dtype, like a matmul of the two factors would see it.
-        acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty),
-                      input_precision=DOT_PRECISION)
+    # The first rank block apart, so that (USE_PDL) its Bᵀ loads come before the wait; rank >= 1 here.
+    acc = _expand_rank_block(h_rows, pool_ptr, pt_row, out_ptr, b_offset, row_stride, out_features, col0, 0, rank,
+                             num_splits, stride_hsplit, page_elems, row_mask, n_mask,
+                             tl.zeros([BLOCK_M, BLOCK_N], tl.float32), BLOCK_M, BLOCK_R, BLOCK_N, ALIGN_ELEMS,
+                             DOT_PRECISION, USE_PDL)
+    for r0 in range(BLOCK_R, rank, BLOCK_R):
+        acc = _expand_rank_block(h_rows, pool_ptr, pt_row, out_ptr, b_offset, row_stride, out_features, col0, r0,
+                                 rank, num_splits, stride_hsplit, page_elems, row_mask, n_mask, acc, BLOCK_M, BLOCK_R,
+                                 BLOCK_N, ALIGN_ELEMS, DOT_PRECISION, False)
     _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling)
 
 
@@ -357,6 +403,26 @@ def _lora_fused_kernel(
 
 # ----------------------------------------------------------------------------------------------------
 # Wrappers
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether programmatic dependent launch is available: a CUDA GPU of compute capability 9.0 or newer
+    and a Triton that has its instructions."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(tl.extra.cuda, "gdc_wait"))
+
+
+def check_pdl(pdl: bool, segments: LoraSegments | None, device: torch.device) -> None:
+    """With pdl=True, shrink and expand start while the previous kernel of the stream still runs and read
+    their tables (segments, page tables, ranks, offsets, scalings) and the pool's adapter weights before
+    waiting for it; x, h and out are read after. So those tables must not come from the kernel launched
+    just before: segments must be computed beforehand (as the engine does, once per step) and passed."""
+    if not pdl:
+        return
+    if segments is None:
+        raise ValueError("pdl=True needs segments computed beforehand (lora_segments), not in the same call")
+    if not pdl_supported(device):
+        raise ValueError(f"pdl=True needs a CUDA GPU of compute capability 9.0 or newer, got device {device}")
 
 
 def _check_common(name: str, act: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
@@ -500,7 +566,7 @@ def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tens
 def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                          a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
                          split_k: int | None = None, zero_fill: bool = False, tile: int | None = None,
-                         hoist_pages: bool = True) -> Tensor:
+                         hoist_pages: bool = True, pdl: bool = False) -> Tensor:
     """Partial sums of the shrink, `[splits, tokens, modules * max_rank]` float32, for `lora_expand`.
     hoist_pages: look up each row's pages once before the reduction loop instead of in every step of it
     (where a split's run of a row fits in a page). On the H200 it took the Llama-3-8B layer's LoRA from
@@ -509,7 +575,9 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read
     the same x (q/k/v, gate/up): one launch for all. Module m's h is in columns m*max_rank onwards.
     Only the entries of tokens with an adapter and columns below their rank are written; the rest is
-    left as allocated unless `zero_fill`. Summing over the first dimension gives h."""
+    left as allocated unless `zero_fill`. Summing over the first dimension gives h.
+    pdl: launch with programmatic dependent launch (see `check_pdl`)."""
+    check_pdl(pdl, segments, x.device)
     plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k, tile,
                         _MAX_SPLIT_K)
     allocate = torch.zeros if zero_fill else torch.empty
@@ -518,13 +586,14 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     rows = cdiv(x.shape[0], 16) * 16
     h = allocate((plan.split_k, rows, plan.modules * max_rank), dtype=torch.float32, device=x.device)[:, :x.shape[0]]
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, h.stride(0), max_rank, accumulate=False,
-                   hoist_pages=hoist_pages)
+                   hoist_pages=hoist_pages, pdl=pdl)
     return h
 
 
 def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                      a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                     split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True) -> None:
+                     split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True,
+                     pdl: bool = False) -> None:
     """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
 
     h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
@@ -532,6 +601,7 @@ def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, pa
     summing partials, and decode can split the reduction finely; the float32 sum order of the splits is
     not fixed (results may differ in the last bits between runs). Other arguments as `lora_shrink` and
     `lora_shrink_partials`."""
+    check_pdl(pdl, segments, x.device)
     plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k, tile,
                         _MAX_ACCUMULATE_SPLIT_K)
     width = plan.modules * max_rank
@@ -540,12 +610,12 @@ def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, pa
                          f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
     _check_devices(h, x)
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, 0, max_rank, accumulate=True,
-                   hoist_pages=hoist_pages)
+                   hoist_pages=hoist_pages, pdl=pdl)
 
 
 def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tensor, ranks: Tensor,
                    a_offsets: Tensor, h: Tensor, stride_hsplit: int, max_rank: int, accumulate: bool,
-                   hoist_pages: bool) -> None:
+                   hoist_pages: bool, pdl: bool) -> None:
     num_tokens, in_features = x.shape
     if num_tokens == 0 or page_tables.shape[0] == 0:
         return
@@ -559,7 +629,8 @@ def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tens
         BLOCK_M=plan.segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=plan.block_k, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(x.dtype), ACCUMULATE=accumulate,
         # A split's run of a row must fit in two pages for its page lookups to be hoisted.
-        HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], USE_PDL=pdl,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, launch_pdl=pdl,
     )
 
 
@@ -618,7 +689,7 @@ def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
                 segments: LoraSegments | None = None, n_tiles: int | None = None, tile: int | None = None,
-                num_warps: int | None = None) -> None:
+                num_warps: int | None = None, pdl: bool = False) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
 
     out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, modules * width]
@@ -628,7 +699,9 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     segments: `lora_segments(token_slots, slots)`, computed here when not given.
     n_tiles: output tiles per program (fewer programs, each doing more; a tuning knob).
     tile: output columns per tile (a power of two >= ALIGN; capped at a page; a tuning knob).
-    num_warps: warps per program (1, 2, 4 or 8; a tuning knob)."""
+    num_warps: warps per program (1, 2, 4 or 8; a tuning knob).
+    pdl: launch with programmatic dependent launch (see `check_pdl`)."""
+    check_pdl(pdl, segments, out.device)
     modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
     partials = _check_partials(h, out.shape[0], modules)
     num_slots = page_tables.shape[0]
@@ -653,7 +726,8 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         tiles, pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION=_dot_precision(out.dtype), num_warps=num_warps, num_stages=_NUM_STAGES,
+        DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, num_warps=num_warps, num_stages=_NUM_STAGES,
+        launch_pdl=pdl,
     )
 
 

@@ -68,16 +68,19 @@ class TritonLora:
     In small steps every shrink adds into a slice of one float32 workspace that the step's first shrink
     zeroes (one memset per step, inside the captured graph for decode)."""
 
-    def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False) -> None:
+    def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False,
+                 pdl: bool = False) -> None:
         from slora.kernels import lora
         self._lora, self.segments, self._num_layers = lora, segments, num_layers
-        self.fused = fused
+        self.fused, self.pdl = fused, pdl
         self._workspace: Tensor | None = None
         self._used = 0
 
     def prepare(self, token_slots: Tensor, num_slots: int, num_layers: int, fused: bool = False) -> "TritonLora":
-        """The ops of one step; fused: groups run lora_fused (LoraBatch.apply says which)."""
-        return TritonLora(self._lora.lora_segments(token_slots, num_slots), num_layers, fused)
+        """The ops of one step; fused: groups run lora_fused (LoraBatch.apply says which). The segments are
+        computed here, once per step, so that the kernels may read them before the previous kernel ends
+        (pdl)."""
+        return TritonLora(self._lora.lora_segments(token_slots, num_slots), num_layers, fused, self.pdl)
 
     def lora_fused(self, out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                    ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
@@ -90,11 +93,11 @@ class TritonLora:
         if x.shape[0] > ACCUMULATE_MAX_TOKENS:
             # The split partial sums go straight to expand, which adds them up as it reads them.
             return self._lora.lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                                   segments=self.segments)
+                                                   segments=self.segments, pdl=self.pdl)
         modules = 1 if ranks.dim() == 1 else ranks.shape[0]
         h = self._zeroed(x.shape[0], modules * max_rank, max_rank, x.device)
         self._lora.lora_shrink_into(h, x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                    segments=self.segments)
+                                    segments=self.segments, pdl=self.pdl)
         return h
 
     def _zeroed(self, rows: int, width: int, max_rank: int, device: torch.device) -> Tensor:
@@ -111,11 +114,13 @@ class TritonLora:
     def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
-                               out_sizes=out_sizes, segments=self.segments)
+                               out_sizes=out_sizes, segments=self.segments, pdl=self.pdl)
 
 
-def backends_for(device_type: str) -> tuple[object, object]:
-    """(attention ops, LoRA ops) for a device type."""
-    if device_type == "cuda":
-        return TritonAttention(), TritonLora()
+def backends_for(device: torch.device, lora_pdl: bool = False) -> tuple[object, object]:
+    """(attention ops, LoRA ops) for a device. lora_pdl: the LoRA kernels use programmatic dependent launch
+    where the GPU supports it (compute capability 9.0 or newer)."""
+    if device.type == "cuda":
+        from slora.kernels.lora import pdl_supported
+        return TritonAttention(), TritonLora(pdl=lora_pdl and pdl_supported(device))
     return ReferenceAttention(), ReferenceLora()

@@ -421,3 +421,72 @@ def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages):
                      hoist_pages=hoist_pages)
     want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
     assert_close(h, want)
+
+
+def test_pdl_needs_segments_and_a_gpu():
+    x, b, slots, max_rank = _shrink_case(torch.float32, "decode", 96, seed=7)
+    h = torch.zeros(x.shape[0], max_rank)
+    with pytest.raises(ValueError, match="segments computed beforehand"):
+        lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, pdl=True)
+    segments = lora_segments(slots, b.page_tables.shape[0])
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, segments=segments,
+                         pdl=True)
+    out = torch.zeros(x.shape[0], 8)
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, segments=segments,
+                    pdl=True)
+
+
+def _pdl_supported() -> bool:
+    from slora.kernels.lora import pdl_supported
+    return torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _pdl_supported(), reason="needs a CUDA GPU of compute capability 9.0+")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [64, 1000])    # shrink into one h, and split partial sums
+@pytest.mark.parametrize("shared", [True, False])
+def test_pdl_launches_in_a_graph_gpu(dtype, num_tokens, shared):
+    # As the engine's decode graphs run them: x made by the kernel just before, then the base GEMM, then
+    # shrink and expand with programmatic dependent launch (each may start before the previous kernel
+    # ends), then an ordinary kernel reading the result. Replayed with new x: the LoRA kernels must read
+    # x, h and out only after the kernels that write them have finished.
+    gen = make_generator(num_tokens + shared)
+    module_ranks = [GPU_RANKS, GPU_RANKS[::-1], GPU_RANKS[2:] + GPU_RANKS[:2]]
+    out_sizes = [4096, 1024, 1024]
+    b = make_fused_lora_batch(module_ranks, 4096, out_sizes, 2 * 16 * 8 * 128, dtype, gen, "cuda", weight_scale=0.02)
+    slots = (torch.zeros(num_tokens, dtype=torch.int32, device="cuda") + 1 if shared
+             else random_token_slots(num_tokens, len(GPU_RANKS), gen, device="cuda"))
+    segments = lora_segments(slots, len(GPU_RANKS))
+    weight = randn((sum(out_sizes), 4096), dtype, gen, "cuda") / 64
+    source = randn((num_tokens, 4096), dtype, gen, "cuda")
+
+    def step() -> torch.Tensor:
+        x = source * 2                                         # [tokens, 4096], written just before
+        out = x @ weight.T                                     # [tokens, 6144]
+        if num_tokens <= 64:
+            h = torch.zeros(num_tokens, 3 * 128, dtype=torch.float32, device="cuda")
+            lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, segments=segments,
+                             pdl=True)
+        else:
+            h = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, segments=segments,
+                                     pdl=True)
+        lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
+                    segments=segments, pdl=True)
+        return out + 0                                         # an ordinary kernel after the LoRA
+
+    step()                                                     # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    for _ in range(2):
+        source.copy_(randn((num_tokens, 4096), dtype, gen, "cuda"))
+        graph.replay()
+        x = (source * 2).float()
+        want = x @ weight.float().T
+        h_want = reference.lora_shrink(x, b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
+        reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
+                              out_sizes)
+        assert_close(result, want)
