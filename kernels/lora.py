@@ -161,25 +161,44 @@ def _shrink_rows(x_rows, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, k_l
                  USE_PDL: tl.constexpr = False):
     # x[tokens, k_lo:k_hi] @ A[rows, k_lo:k_hi]ᵀ: [BLOCK_M, BLOCK_R] float32. x_rows: [BLOCK_M] row pointers.
     # HOIST_PAGES (the run k_lo..k_hi of a row fits in a page): each row's pages are looked up once, before
-    # the loop, instead of in every step of it. USE_PDL: those lookups happen before waiting for the
-    # previous kernel, the loads of x and A after.
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    # the loop, instead of in every step of it. USE_PDL: those lookups and the first chunk of A are read
+    # before waiting for the previous kernel, x after (k_lo < k_hi: no split is empty).
     if HOIST_PAGES:
         first, second, room = _split_pages(pt_row, a_offset, rows, row_stride, k_lo, k_hi - k_lo, page_elems,
                                            ALIGN_ELEMS)
+    else:   # unused: each chunk looks its pages up
+        first, second, room = k_lo, k_lo, k_lo
+    a = _a_chunk(pool_ptr, pt_row, a_offset, rows, r_mask, k_lo, k_lo, in_features, row_stride, page_elems, first,
+                 second, room, BLOCK_K, ALIGN_ELEMS, HOIST_PAGES)                         # [BLOCK_R, BLOCK_K]
     _pdl_wait(USE_PDL)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_mask = k0 + cols < in_features
-        x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        a_mask = r_mask[:, None] & k_mask[None, :]
-        if HOIST_PAGES:   # columns counted from k_lo, where the hoisted lookups start
-            a = _load_run(pool_ptr, first, second, room, k0 - k_lo + cols, a_mask)   # [BLOCK_R, BLOCK_K]
-        else:
-            a = _load_paged_tile(pool_ptr, pt_row, a_offset, rows, row_stride, in_features, k0, page_elems,
-                                 a_mask, BLOCK_K, ALIGN_ELEMS)                      # [BLOCK_R, BLOCK_K]
-        acc += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
+    acc = _x_chunk_dot(x_rows, row_mask, k_lo, in_features, a, tl.zeros([BLOCK_M, BLOCK_R], tl.float32), BLOCK_K,
+                       DOT_PRECISION)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        a = _a_chunk(pool_ptr, pt_row, a_offset, rows, r_mask, k0, k_lo, in_features, row_stride, page_elems, first,
+                     second, room, BLOCK_K, ALIGN_ELEMS, HOIST_PAGES)
+        acc = _x_chunk_dot(x_rows, row_mask, k0, in_features, a, acc, BLOCK_K, DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def _a_chunk(pool_ptr, pt_row, a_offset, rows, r_mask, k0, k_lo, in_features, row_stride, page_elems, first, second,
+             room, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr, HOIST_PAGES: tl.constexpr):
+    # Columns k0 .. k0 + BLOCK_K of A's rows: [BLOCK_R, BLOCK_K]; hoisted lookups count columns from k_lo.
+    cols = tl.arange(0, BLOCK_K)
+    a_mask = r_mask[:, None] & (k0 + cols < in_features)[None, :]
+    if HOIST_PAGES:
+        return _load_run(pool_ptr, first, second, room, k0 - k_lo + cols, a_mask)
+    return _load_paged_tile(pool_ptr, pt_row, a_offset, rows, row_stride, in_features, k0, page_elems, a_mask,
+                            BLOCK_K, ALIGN_ELEMS)
+
+
+@triton.jit
+def _x_chunk_dot(x_rows, row_mask, k0, in_features, a, acc, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_R] + x[tokens, k0:k0 + BLOCK_K] @ aᵀ.
+    cols = tl.arange(0, BLOCK_K)
+    k_mask = k0 + cols < in_features
+    x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    return acc + tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
 
 
 @triton.jit
