@@ -51,7 +51,7 @@ def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
 
 
 def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None,
-                few_adapters: int = 0, lora_fused: bool = False, lora_pdl: bool = True):
+                few_adapters: int = 0, lora_fused: bool = False, pdl: bool = True):
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
@@ -62,7 +62,7 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_lora
                       cfg.head_dim)
     limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras,
                          few_adapters=few_adapters, lora_fused=lora_fused)
-    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits, lora_pdl=lora_pdl)
+    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits, pdl=pdl)
     return runner, descriptor, adapter_pages
 
 
@@ -120,13 +120,13 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
 
 
 def step_rows(batches: list[int], iters: int, max_loras: int | None = None, few_adapters: int = 0,
-              lora_fused: bool = False, lora_pdl: bool = True) -> list[dict]:
+              lora_fused: bool = False, pdl: bool = True) -> list[dict]:
     """Decode steps per batch size and adapter mix; with max_loras the graphs have that many adapter slots,
     and the distinct mix runs only at batches that fit it."""
     max_batch = max(batches)
     runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras,
                                                     few_adapters=few_adapters, lora_fused=lora_fused,
-                                                    lora_pdl=lora_pdl)
+                                                    pdl=pdl)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     adapters = place_adapters(runner, allocator, max_batch, adapter_pages)
     rows = []
@@ -350,8 +350,8 @@ def main() -> None:
                         help="steps with at most this many adapters replay graphs sized for that many (0: never)")
     parser.add_argument("--lora-fused", action="store_true",
                         help="the few-adapter graphs run LoRA shrink + expand as one launch")
-    parser.add_argument("--no-lora-pdl", dest="lora_pdl", action="store_false",
-                        help="LoRA kernels without programmatic dependent launch")
+    parser.add_argument("--no-pdl", dest="pdl", action="store_false",
+                        help="Triton kernels without programmatic dependent launch")
     modes.add_argument("--mixed", action="store_true",
                         help="eager mixed steps (64 decoding + 2 prefills) on 5 vs distinct adapters, by kernel")
     modes.add_argument("--host-profile", action="store_true",
@@ -393,13 +393,13 @@ def main() -> None:
         write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras,
-                     args.graph_few_adapters, args.lora_fused, args.lora_pdl)
+                     args.graph_few_adapters, args.lora_fused, args.pdl)
     print_table(rows)
     write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
                                                                 "rank": RANK, "max_loras": args.max_loras,
                                                                 "graph_few_adapters": args.graph_few_adapters,
                                                                 "lora_fused": args.lora_fused,
-                                                                "lora_pdl": args.lora_pdl,
+                                                                "pdl": args.pdl,
                                                                 "rows": rows})
 
 

@@ -2,7 +2,8 @@
 embedding of q and k inside the fused qkv output, and SiLU(gate) * up.
 
 Same signatures and semantics as `add_rms_norm`, `rotary_qk_` and `silu_and_mul` of
-`slora.kernels.reference`. Each replaces a chain of small torch ops by one launch; to give the same
+`slora.kernels.reference`, plus `pdl` (programmatic dependent launch, `slora.kernels.pdl`: the weight,
+cos and sin are read before waiting for the previous kernel, the activations after). Each replaces a chain of small torch ops by one launch; to give the same
 numbers, every kernel computes in float32 but rounds to the input dtype wherever a torch op of the
 reference would produce a tensor of that dtype.
 """
@@ -11,6 +12,7 @@ import triton
 import triton.language as tl
 from slora.kernels.checks import check_one_device, is_power_of_two
 from slora.kernels.layout import cdiv, next_power_of_2
+from slora.kernels.pdl import check_pdl_supported, pdl_start, pdl_wait
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -23,13 +25,16 @@ ROTARY_BLOCK_ELEMS = 2048      # about this many qkv elements per rotary program
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
     stride_x, stride_r, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program per row: x [hidden] (+ residual), normalised, times weight [hidden].
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     dtype = out_ptr.dtype.element_ty
+    pdl_start(USE_PDL)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -39,7 +44,6 @@ def _add_rms_norm_kernel(
     # Masked columns are 0, so they add nothing to the sum of squares.
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     normed = (x * rstd).to(dtype).to(tl.float32)       # the reference's rms_norm(...).to(dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * hidden + cols, (weight * normed).to(dtype), mask=mask)
 
 
@@ -47,7 +51,7 @@ def _add_rms_norm_kernel(
 def _rotary_qk_kernel(
     qkv_ptr, cos_ptr, sin_ptr,
     stride_qkv, stride_cos, stride_sin, rot_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (token, head block): rotates BLOCK_H heads [BLOCK_H, HEAD_DIM] of the q and k columns
     # (q heads then k heads, `rot_heads` in all) in place, as two halves [BLOCK_H, HALF].
@@ -57,14 +61,16 @@ def _rotary_qk_kernel(
     dims = tl.arange(0, HALF)
     mask = (heads < rot_heads)[:, None]
     dtype = qkv_ptr.dtype.element_ty
-    first = qkv_ptr + token * stride_qkv + heads[:, None] * HEAD_DIM + dims[None, :]
-    x1 = tl.load(first, mask=mask).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
+    pdl_start(USE_PDL)
     # cos/sin [HALF] of each half, shared by every head of the token.
     cos1 = tl.load(cos_ptr + token * stride_cos + dims).to(tl.float32)[None, :]
     cos2 = tl.load(cos_ptr + token * stride_cos + HALF + dims).to(tl.float32)[None, :]
     sin1 = tl.load(sin_ptr + token * stride_sin + dims).to(tl.float32)[None, :]
     sin2 = tl.load(sin_ptr + token * stride_sin + HALF + dims).to(tl.float32)[None, :]
+    pdl_wait(USE_PDL)
+    first = qkv_ptr + token * stride_qkv + heads[:, None] * HEAD_DIM + dims[None, :]
+    x1 = tl.load(first, mask=mask).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
     # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to dtype as the torch ops do.
     out1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
     out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
@@ -75,7 +81,7 @@ def _rotary_qk_kernel(
 @triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr, out_ptr, stride_in, inter,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (token, column block): out[token, cols] = silu(gate[cols]) * up[cols], where gate is
     # columns [0, inter) and up columns [inter, 2 * inter) of the input row.
@@ -83,6 +89,8 @@ def _silu_and_mul_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     dtype = out_ptr.dtype.element_ty
+    pdl_start(USE_PDL)
+    pdl_wait(USE_PDL)
     gate = tl.load(gate_up_ptr + token * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + token * stride_in + inter + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)   # F.silu's result in dtype
@@ -130,10 +138,12 @@ def _rms_norm_warps(block: int) -> int:
     return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
-def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, *,
+                 pdl: bool = False) -> tuple[Tensor, Tensor]:
     """(weight * rms_norm(x + residual), x + residual) for x, residual `[tokens, hidden]` and weight
     `[hidden]`; without residual, the second item is `x` itself. Outputs are new contiguous tensors."""
     _check_rms_norm_inputs(x, weight, eps, residual)
+    check_pdl_supported(pdl, x.device)
     tokens, hidden = x.shape
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     summed = x if residual is None else torch.empty_like(out)
@@ -143,8 +153,8 @@ def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
     _add_rms_norm_kernel[(tokens,)](
         x, x if residual is None else residual, weight, out, summed,
         x.stride(0), x.stride(0) if residual is None else residual.stride(0), hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=_rms_norm_warps(block),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl,
+        num_warps=_rms_norm_warps(block), launch_pdl=pdl,
     )
     return out, summed
 
@@ -172,10 +182,12 @@ def _check_rotary_inputs(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, 
     _check_last_dim_contiguous(qkv=qkv, cos=cos, sin=sin)
 
 
-def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
+               pdl: bool = False) -> None:
     """Rotate the q and k heads of qkv `[tokens, (num_heads + 2 * num_kv_heads) * head_dim]` in place
     by cos/sin `[tokens, head_dim]` (the half-split layout of HF Llama); the v columns are untouched."""
     _check_rotary_inputs(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+    check_pdl_supported(pdl, qkv.device)
     tokens = qkv.shape[0]
     if tokens == 0:
         return
@@ -185,8 +197,8 @@ def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
     _rotary_qk_kernel[(tokens, cdiv(rot_heads, block_h))](
         qkv, cos, sin,
         qkv.stride(0), cos.stride(0), sin.stride(0), rot_heads,
-        HEAD_DIM=head_dim, BLOCK_H=block_h,
-        num_warps=4, enable_fp_fusion=False,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, USE_PDL=pdl,
+        num_warps=4, enable_fp_fusion=False, launch_pdl=pdl,
     )
 
 
@@ -199,10 +211,11 @@ def _check_silu_inputs(gate_up: Tensor) -> None:
     _check_last_dim_contiguous(gate_up=gate_up)
 
 
-def silu_and_mul(gate_up: Tensor) -> Tensor:
+def silu_and_mul(gate_up: Tensor, *, pdl: bool = False) -> Tensor:
     """silu(gate) * up for gate_up `[tokens, 2 * inter]` (gate columns first); returns a new
     contiguous `[tokens, inter]` tensor in gate_up's dtype."""
     _check_silu_inputs(gate_up)
+    check_pdl_supported(pdl, gate_up.device)
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if tokens == 0:
@@ -210,6 +223,6 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     block = min(SILU_BLOCK, next_power_of_2(inter))
     _silu_and_mul_kernel[(tokens, cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), inter,
-        BLOCK=block, num_warps=4,
+        BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from slora.kernels.layout import ALIGN, align_up, cdiv
+from slora.kernels.pdl import check_pdl_supported, pdl_start, pdl_wait
 from torch import Tensor
 
 # Programs we aim for per multiprocessor when splitting the shrink reduction (decode: few tokens).
@@ -170,7 +171,7 @@ def _shrink_rows(x_rows, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, k_l
         first, second, room = k_lo, k_lo, k_lo
     a = _a_chunk(pool_ptr, pt_row, a_offset, rows, r_mask, k_lo, k_lo, in_features, row_stride, page_elems, first,
                  second, room, BLOCK_K, ALIGN_ELEMS, HOIST_PAGES)                         # [BLOCK_R, BLOCK_K]
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     acc = _x_chunk_dot(x_rows, row_mask, k_lo, in_features, a, tl.zeros([BLOCK_M, BLOCK_R], tl.float32), BLOCK_K,
                        DOT_PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
@@ -211,23 +212,6 @@ def _rank_rows(r0, rank, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _pdl_start(USE_PDL: tl.constexpr):
-    # Programmatic dependent launch: let the next kernel of the stream start its programs now, so its
-    # table and weight loads run while this kernel works (it waits for this one before touching activations).
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _pdl_wait(USE_PDL: tl.constexpr):
-    # Wait until the previous kernel of the stream has finished and its writes are visible. Every program
-    # calls it before it exits, so this kernel's end implies the previous one's (kernels further back are
-    # covered by the same rule in that one).
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
 def _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling):
     # out[rows, col0 + cols] += scaling * acc, in float32 and rounded once to out's dtype.
     o_ptrs = out_ptr + out_rows[:, None] + col0 + cols[None, :]
@@ -254,7 +238,7 @@ def _lora_shrink_kernel(
     DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HOIST_PAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # USE_PDL: the block's tables and its page lookups are read before waiting for the previous kernel, x
-    # and A after (_pdl_wait). ACCUMULATE: every split adds into h[token, m * max_rank + r] (atomically; stride_hsplit is 0). Else:
+    # and A after (pdl_wait). ACCUMULATE: every split adds into h[token, m * max_rank + r] (atomically; stride_hsplit is 0). Else:
     # h[split, token, m * max_rank + r] = sum over this split's k of x[token, k] * A_{m,slot}[r, k], for
     # one block of BLOCK_M tokens of one slot, module m and BLOCK_R rank rows. Modules share x (q/k/v).
     # x: [T, in]; h: [splits, T, modules * max_rank] float32.
@@ -262,12 +246,12 @@ def _lora_shrink_kernel(
     module = tl.program_id(1) // rank_blocks
     r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
     split = tl.program_id(2)
-    _pdl_start(USE_PDL)
+    pdl_start(USE_PDL)
     slot, tokens, row_mask, empty = _block_rows(order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, block,
                                                 BLOCK_M)
     rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), max_rank)
     if (r0 >= rank) | empty:
-        _pdl_wait(USE_PDL)
+        pdl_wait(USE_PDL)
         return   # past this slot's rank (or rank 0), or a spare block: no work, nothing read
     ranks_idx, r_mask, rows_in = _rank_rows(r0, rank, BLOCK_R)
     a_offset = tl.load(a_off_ptr + module * stride_am + slot)
@@ -307,17 +291,17 @@ def _lora_expand_kernel(
     ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # USE_PDL: the block's tables, page lookups and first rank block of Bᵀ are read before waiting for the
-    # previous kernel (the shrink that writes h), h and out after (_pdl_wait).
+    # previous kernel (the shrink that writes h), h and out after (pdl_wait).
     # out[token, col_m + n] += scaling_{m,slot} * sum over r < rank of h[token, m * h_rank + r] * Bᵀ_{m,slot}[r, n]
     # for one block of BLOCK_M tokens of one slot and N_TILES BLOCK_N-column tiles of the modules' columns.
     # h: [splits, T, modules * h_rank], summed over splits here (shrink's split reduction, in a fixed
     # order: deterministic); out: [T, n0 + n1 + n2].
     block = tl.program_id(0)
-    _pdl_start(USE_PDL)
+    pdl_start(USE_PDL)
     slot, tokens, row_mask, empty = _block_rows(order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, block,
                                                 BLOCK_M)
     if empty:
-        _pdl_wait(USE_PDL)
+        pdl_wait(USE_PDL)
         return   # a spare block
     pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     h_rows = h_ptr + tokens * stride_ht
@@ -333,28 +317,30 @@ def _lora_expand_kernel(
                          tl.where(module == 0, n0, tl.where(module == 1, n1, n2)), col0, rank, num_splits,
                          stride_hsplit, page_elems, row_mask, BLOCK_M, BLOCK_R, BLOCK_N, ALIGN_ELEMS, DOT_PRECISION,
                          USE_PDL)
-    _pdl_wait(USE_PDL)   # for programs whose tiles all had rank 0
+    pdl_wait(USE_PDL)   # for programs whose tiles all had rank 0
 
 
 @triton.jit
-def _expand_rank_block(h_rows, pool_ptr, pt_row, out_ptr, b_offset, row_stride, out_features, col0, r0, rank,
-                       num_splits, stride_hsplit, page_elems, row_mask, n_mask, acc,
-                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                       ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    # acc [BLOCK_M, BLOCK_N] + h[:, r0:r0 + BLOCK_R] @ Bᵀ[r0:r0 + BLOCK_R, tile]. Bᵀ is loaded first, then
-    # (USE_PDL) the previous kernel is waited for, then h is read.
-    ranks_idx, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
-    b = _load_paged_tile(pool_ptr, pt_row, b_offset, rows, row_stride, out_features, col0, page_elems,
-                         r_mask[:, None] & n_mask[None, :], BLOCK_N, ALIGN_ELEMS)      # [BLOCK_R, BLOCK_N]
-    _pdl_wait(USE_PDL)
+def _b_block(pool_ptr, pt_row, b_offset, row_stride, out_features, col0, r0, rank, page_elems, n_mask,
+             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr):
+    # Rows r0 .. r0 + BLOCK_R of Bᵀ in the tile's columns: [BLOCK_R, BLOCK_N] (rows past the rank are 0).
+    _, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
+    return _load_paged_tile(pool_ptr, pt_row, b_offset, rows, row_stride, out_features, col0, page_elems,
+                            r_mask[:, None] & n_mask[None, :], BLOCK_N, ALIGN_ELEMS)
+
+
+@triton.jit
+def _h_dot(h_rows, r0, rank, num_splits, stride_hsplit, row_mask, b, acc, out_dtype: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N] + h[:, r0:r0 + BLOCK_R] @ b, h summed over the shrink's splits.
+    ranks_idx, r_mask, _ = _rank_rows(r0, rank, BLOCK_R)
     h_mask = row_mask[:, None] & r_mask[None, :]
     h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for split in range(num_splits):
         h += tl.load(h_rows[:, None] + split * stride_hsplit + ranks_idx[None, :], mask=h_mask,
                      other=0.0).to(tl.float32)                    # [BLOCK_M, BLOCK_R]
     # h in the output's dtype, like a matmul of the two factors would see it.
-    return acc + tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty),
-                        input_precision=DOT_PRECISION)
+    return acc + tl.dot(h.to(out_dtype), b.to(out_dtype), input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -363,20 +349,28 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     # One module's BLOCK_N columns from col0 for the block's rows: out += scaling * h[:, :rank] @ Bᵀ[:rank].
-    # out_rows: [BLOCK_M] element offsets of the rows' first column of this module in out.
+    # out_rows: [BLOCK_M] element offsets of the rows' first column of this module in out. The first rank
+    # block of Bᵀ is read before waiting for the previous kernel (USE_PDL); after the wait, the out tile is
+    # loaded together with h, not after the product, to shorten the chain of dependent loads.
     row_stride = tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS
     cols = tl.arange(0, BLOCK_N)
     n_mask = col0 + cols < out_features
-    # The first rank block apart, so that (USE_PDL) its Bᵀ loads come before the wait; rank >= 1 here.
-    acc = _expand_rank_block(h_rows, pool_ptr, pt_row, out_ptr, b_offset, row_stride, out_features, col0, 0, rank,
-                             num_splits, stride_hsplit, page_elems, row_mask, n_mask,
-                             tl.zeros([BLOCK_M, BLOCK_N], tl.float32), BLOCK_M, BLOCK_R, BLOCK_N, ALIGN_ELEMS,
-                             DOT_PRECISION, USE_PDL)
+    dtype = out_ptr.dtype.element_ty
+    b = _b_block(pool_ptr, pt_row, b_offset, row_stride, out_features, col0, 0, rank, page_elems, n_mask,
+                 BLOCK_R, BLOCK_N, ALIGN_ELEMS)                   # [BLOCK_R, BLOCK_N]
+    pdl_wait(USE_PDL)
+    o_ptrs = out_ptr + out_rows[:, None] + col0 + cols[None, :]
+    o_mask = row_mask[:, None] & n_mask[None, :]
+    base = tl.load(o_ptrs, mask=o_mask, other=0.0)                # [BLOCK_M, BLOCK_N] in out's dtype
+    acc = _h_dot(h_rows, 0, rank, num_splits, stride_hsplit, row_mask, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                 dtype, BLOCK_M, BLOCK_R, DOT_PRECISION)
     for r0 in range(BLOCK_R, rank, BLOCK_R):
-        acc = _expand_rank_block(h_rows, pool_ptr, pt_row, out_ptr, b_offset, row_stride, out_features, col0, r0,
-                                 rank, num_splits, stride_hsplit, page_elems, row_mask, n_mask, acc, BLOCK_M, BLOCK_R,
-                                 BLOCK_N, ALIGN_ELEMS, DOT_PRECISION, False)
-    _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling)
+        b = _b_block(pool_ptr, pt_row, b_offset, row_stride, out_features, col0, r0, rank, page_elems, n_mask,
+                     BLOCK_R, BLOCK_N, ALIGN_ELEMS)
+        acc = _h_dot(h_rows, r0, rank, num_splits, stride_hsplit, row_mask, b, acc, dtype, BLOCK_M, BLOCK_R,
+                     DOT_PRECISION)
+    # In float32 and rounded once to out's dtype, as _add_scaled.
+    tl.store(o_ptrs, (base.to(tl.float32) + acc * scaling).to(dtype), mask=o_mask)
 
 
 @triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "b_off_ptr", "scale_ptr", "stride_am", "stride_bm",
@@ -424,13 +418,6 @@ def _lora_fused_kernel(
 # Wrappers
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Whether programmatic dependent launch is available: a CUDA GPU of compute capability 9.0 or newer
-    and a Triton that has its instructions."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-            and hasattr(tl.extra.cuda, "gdc_wait"))
-
-
 def check_pdl(pdl: bool, segments: LoraSegments | None, device: torch.device) -> None:
     """With pdl=True, shrink and expand start while the previous kernel of the stream still runs and read
     their tables (segments, page tables, ranks, offsets, scalings) and the pool's adapter weights before
@@ -440,8 +427,7 @@ def check_pdl(pdl: bool, segments: LoraSegments | None, device: torch.device) ->
         return
     if segments is None:
         raise ValueError("pdl=True needs segments computed beforehand (lora_segments), not in the same call")
-    if not pdl_supported(device):
-        raise ValueError(f"pdl=True needs a CUDA GPU of compute capability 9.0 or newer, got device {device}")
+    check_pdl_supported(pdl, device)
 
 
 def _check_common(name: str, act: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,

@@ -12,6 +12,8 @@ arguments. Design:
   (batch, heads, number of splits): nothing reads device memory on the host, and the launch can be
   captured in a CUDA graph.
 - Softmax is computed in base 2 with `scale * log2(e)` folded into the scores.
+- `pdl` (programmatic dependent launch, `slora.kernels.pdl`): the context lengths are read before waiting
+  for the previous kernel (the KV store), the query, block tables and pool after.
 """
 import math
 
@@ -22,6 +24,7 @@ from torch import Tensor
 
 from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
 from slora.kernels.layout import next_power_of_2
+from slora.kernels.pdl import check_pdl_supported, pdl_start, pdl_wait
 
 _LOG2E = 1.4426950408889634
 # Below this many context tokens per split, the merge costs more than the parallelism brings.
@@ -50,12 +53,14 @@ def _paged_decode_kernel(
     page_elems,
     PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_start(USE_PDL)
     ctx_len = tl.load(ctx_ptr + seq)
+    pdl_wait(USE_PDL)
     chunk = _split_chunk(ctx_len, NUM_SPLITS, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, ctx_len)
@@ -109,12 +114,14 @@ def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, ctx_ptr, out_ptr,
     stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program per (sequence, query head): weighted sum of the splits' partial outputs.
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    pdl_start(USE_PDL)
     ctx_len = tl.load(ctx_ptr + seq)
+    pdl_wait(USE_PDL)
     active = tl.cdiv(ctx_len, _split_chunk(ctx_len, NUM_SPLITS, BLOCK_N))   # splits that wrote
     splits = tl.arange(0, SPLITS_PAD)
     mask = splits < active
@@ -165,7 +172,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, multi
 def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor,
                     page_size: int, num_kv_heads: int, scale: float, *,
                     max_context_len: int | None = None, num_splits: int | None = None,
-                    out: Tensor | None = None) -> Tensor:
+                    out: Tensor | None = None, pdl: bool = False) -> Tensor:
     """Decode attention: query `[batch, num_heads, head_dim]`, one token per sequence, attending to the
     `context_lens[b]` tokens of `block_tables[b]` (its own token included). Returns `[batch, num_heads,
     head_dim]` (written into `out` when given). A sequence with context length 0 gets zeros.
@@ -173,8 +180,10 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
     max_context_len: an upper bound on `context_lens` used only to choose the number of splits; defaults
         to `block_tables.shape[1] * page_size`, so the host never reads device memory.
     num_splits: force the number of context splits (1 = no split, no merge kernel).
+    pdl: launch with programmatic dependent launch (context_lens must not come from the kernel just before).
     """
     _check_inputs(query, kv_pool, block_tables, context_lens, page_size, num_kv_heads)
+    check_pdl_supported(pdl, query.device)
     batch, num_heads, head_dim = query.shape
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -202,14 +211,14 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
         kv_pool.shape[1],
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, context_lens, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            SPLITS_PAD=next_power_of_2(num_splits), BLOCK_N=block_n,
-            num_warps=4,
+            SPLITS_PAD=next_power_of_2(num_splits), BLOCK_N=block_n, USE_PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
         )
     return out

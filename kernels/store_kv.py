@@ -1,12 +1,14 @@
 """Triton kernel that writes new K and V rows into their slots of the paged pool (DESIGN §2, §4).
 
-Same signature and semantics as `slora.kernels.reference.store_kv`. A negative slot (padding tokens of
-a CUDA-graph batch) is skipped.
+Same signature and semantics as `slora.kernels.reference.store_kv`, plus `pdl` (programmatic dependent
+launch, `slora.kernels.pdl`: the slot is read before waiting for the previous kernel, K and V after). A
+negative slot (padding tokens of a CUDA-graph batch) is skipped.
 """
 import torch
 import triton
 import triton.language as tl
 from slora.kernels.layout import next_power_of_2
+from slora.kernels.pdl import check_pdl_supported, pdl_start, pdl_wait
 from torch import Tensor
 
 
@@ -16,10 +18,13 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     page_elems,
     PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per token: copies its [NUM_KV_HEADS, HEAD_DIM] key and value into its page.
     token = tl.program_id(0)
+    pdl_start(USE_PDL)
     slot = tl.load(slot_ptr + token).to(tl.int64)
+    pdl_wait(USE_PDL)
     if slot < 0:
         return
     page = slot // PAGE_SIZE
@@ -67,10 +72,12 @@ def _check_inputs(key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Ten
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, page_size: int) -> None:
+def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, page_size: int, *,
+             pdl: bool = False) -> None:
     """Write key/value `[tokens, num_kv_heads, head_dim]` into their slots of `kv_pool`
     `[num_pages, page_elems]`; `slot_mapping[t]` = page * page_size + offset, negative = skip."""
     _check_inputs(key, value, kv_pool, slot_mapping, page_size)
+    check_pdl_supported(pdl, key.device)
     tokens, num_kv_heads, head_dim = key.shape
     if tokens == 0:
         return
@@ -79,6 +86,6 @@ def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, 
         key, value, kv_pool, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_pool.shape[1],
-        PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block,
-        num_warps=4 if block >= 512 else 1,
+        PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block, USE_PDL=pdl,
+        num_warps=4 if block >= 512 else 1, launch_pdl=pdl,
     )

@@ -10,6 +10,8 @@ from slora.kernels.layout import LORA_MODULES
 class ReferenceAttention:
     """Every token of the step, prefill or decode, through the reference prefill attention."""
 
+    pdl = False
+
     def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
                  page_size: int) -> None:
         reference.store_kv(key, value, kv_pool, slot_mapping, page_size)
@@ -36,21 +38,22 @@ class TritonAttention:
     through the prefill kernel, which handles one-token rows as well. Triton is imported only here, when
     a CUDA engine is built."""
 
-    def __init__(self) -> None:
+    def __init__(self, pdl: bool = False) -> None:
         from slora.kernels.paged_attention import paged_attention
         from slora.kernels.prefill_attention import prefill_attention
         from slora.kernels.store_kv import store_kv
         self._paged, self._prefill, self._store = paged_attention, prefill_attention, store_kv
+        self.pdl = pdl   # the model's kernels use programmatic dependent launch (slora.kernels.pdl)
 
     def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
                  page_size: int) -> None:
-        self._store(key, value, kv_pool, slot_mapping, page_size)
+        self._store(key, value, kv_pool, slot_mapping, page_size, pdl=self.pdl)
 
     def attend(self, query: Tensor, kv_pool: Tensor, batch: ForwardBatch, num_kv_heads: int,
                scale: float) -> Tensor:
         if batch.max_query_len == 1:
             return self._paged(query, kv_pool, batch.block_tables, batch.context_lens, batch.page_size,
-                               num_kv_heads, scale, max_context_len=batch.max_context_len)
+                               num_kv_heads, scale, max_context_len=batch.max_context_len, pdl=self.pdl)
         return self._prefill(query, kv_pool, batch.block_tables, batch.query_start_loc, batch.context_lens,
                              batch.page_size, num_kv_heads, scale)
 
@@ -117,10 +120,11 @@ class TritonLora:
                                out_sizes=out_sizes, segments=self.segments, pdl=self.pdl)
 
 
-def backends_for(device: torch.device, lora_pdl: bool = False) -> tuple[object, object]:
-    """(attention ops, LoRA ops) for a device. lora_pdl: the LoRA kernels use programmatic dependent launch
-    where the GPU supports it (compute capability 9.0 or newer)."""
+def backends_for(device: torch.device, pdl: bool = False) -> tuple[object, object]:
+    """(attention ops, LoRA ops) for a device. pdl: the model's Triton kernels (all but the prefill
+    attention) use programmatic dependent launch where the GPU supports it (compute capability 9.0+)."""
     if device.type == "cuda":
-        from slora.kernels.lora import pdl_supported
-        return TritonAttention(), TritonLora(pdl=lora_pdl and pdl_supported(device))
+        from slora.kernels.pdl import pdl_supported
+        pdl = pdl and pdl_supported(device)
+        return TritonAttention(pdl), TritonLora(pdl=pdl)
     return ReferenceAttention(), ReferenceLora()

@@ -32,7 +32,7 @@ class EngineConfig:
                                               # adapters replay graphs sized for that many (0: never)
     lora_fused: bool = False                  # those graphs run each LoRA shrink + expand as one launch
                                               # (slower on the H200: benchmarks/README.md)
-    lora_pdl: bool = True                     # CUDA: the LoRA kernels start while the kernel before them
+    pdl: bool = True                          # CUDA: the Triton kernels start while the kernel before them
                                               # ends (programmatic dependent launch; compute capability 9+)
     max_model_len: int | None = None          # default: what the model supports
     watermark: float = 0.01

@@ -89,7 +89,7 @@ class Engine:
         pool_shape = dataclasses.replace(template, num_pages=self._num_pages(template))
         swap_pages = int(config.swap_space_gib * 2 ** 30) // self._page_bytes() if config.preemption_mode == "swap" else 0
         self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device,
-                                  self._graph_limits(pool_shape), swap_pages, config.lora_pdl)
+                                  self._graph_limits(pool_shape), swap_pages, config.pdl)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.page_size, config.watermark,
                                                    config.enable_prefix_caching, config.preemption_mode,

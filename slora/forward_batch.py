@@ -8,6 +8,9 @@ from torch import Tensor
 class AttentionOps(Protocol):
     """The attention kernels the model calls; references on the CPU, Triton on CUDA."""
 
+    # Whether the model's kernels launch with programmatic dependent launch (slora.kernels.pdl).
+    pdl: bool
+
     def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
                  page_size: int) -> None: ...
 

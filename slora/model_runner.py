@@ -163,7 +163,7 @@ def host_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters, tables: Lor
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, shape: PoolShape, dtype: torch.dtype, device: torch.device,
-                 graph_limits: GraphLimits | None = None, swap_pages: int = 0, lora_pdl: bool = True) -> None:
+                 graph_limits: GraphLimits | None = None, swap_pages: int = 0, pdl: bool = True) -> None:
         self.model, self.shape, self.device = model, shape, device
         self.swap_pages, self._swap = swap_pages, None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -172,7 +172,7 @@ class ModelRunner:
         # The unified pool: KV pages and adapter pages, page ids shared across layers.
         self.pool = torch.zeros(shape.num_layers, shape.num_pages, shape.page_elems, dtype=dtype,
                                 device=device)  # [layers, pages, page_elems]
-        self.attention, self.lora_ops = backends_for(device, lora_pdl)
+        self.attention, self.lora_ops = backends_for(device, pdl)
         self.graphs: DecodeGraphs | None = None
         if graph_limits is not None and device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, self.attention, self.lora_ops, shape.page_size,

@@ -21,10 +21,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, residual: Tensor | None = None, pdl: bool = False) -> tuple[Tensor, Tensor]:
         """(the normed x + residual, x + residual: the residual stream from here on). In float32 like
         Hugging Face's Llama, then the weight in the model's dtype."""
-        return ops.add_rms_norm(x, self.weight, self.eps, residual)
+        return ops.add_rms_norm(x, self.weight, self.eps, residual, pdl)
 
 
 class StepContext:
@@ -33,6 +33,7 @@ class StepContext:
     def __init__(self, batch: ForwardBatch, pool: Tensor, attention: AttentionOps, cos: Tensor,
                  sin: Tensor) -> None:
         self.batch, self.pool, self.attention, self.cos, self.sin = batch, pool, attention, cos, sin
+        self.pdl = attention.pdl
 
     def lora(self, layer: int, modules: slice, x: Tensor, out: Tensor, out_sizes: list[int]) -> Tensor:
         """out += each token's LoRA of `modules` (consecutive modules reading x, outputs side by side)."""
@@ -81,7 +82,7 @@ class Attention(nn.Module):
         sizes = [self.q_size, self.kv_size, self.kv_size]
         # One LoRA call for q, k and v, adding in place into their columns of the fused output.
         ctx.lora(self.layer, slice(Q, V + 1), x, qkv, sizes)
-        ops.rotary_qk_(qkv, ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        ops.rotary_qk_(qkv, ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim, ctx.pdl)
         q, k, v = qkv.split(sizes, dim=-1)
         return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
                 v.view(tokens, self.num_kv_heads, self.head_dim))
@@ -116,7 +117,7 @@ class MLP(nn.Module):
         assert self.gate_up_proj is not None, "fuse_projections() runs when the weights are loaded"
         sizes = [self.intermediate_size] * 2
         gate_up = ctx.lora(self.layer, slice(GATE, UP + 1), x, self.gate_up_proj(x), sizes)   # [tokens, 2 * inter]
-        return ops.silu_and_mul(gate_up)
+        return ops.silu_and_mul(gate_up, ctx.pdl)
 
     def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
         hidden = self.activated(x, ctx)                              # [tokens, intermediate]
@@ -134,8 +135,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None, ctx: StepContext) -> tuple[Tensor, Tensor]:
         """(this layer's MLP output, the residual stream before it): the next norm adds the two, so the
         residual additions ride in the norm kernels instead of launches of their own."""
-        normed, residual = self.input_layernorm(x, residual)
-        normed, residual = self.post_attention_layernorm(self.self_attn(normed, ctx), residual)
+        normed, residual = self.input_layernorm(x, residual, ctx.pdl)
+        normed, residual = self.post_attention_layernorm(self.self_attn(normed, ctx), residual, ctx.pdl)
         return self.mlp(normed, ctx), residual
 
 
@@ -173,5 +174,5 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)
         rows = batch.sample_indices
-        x, _ = self.model.norm(x[rows], None if residual is None else residual[rows])   # [sampled, hidden]
+        x, _ = self.model.norm(x[rows], None if residual is None else residual[rows], ctx.pdl)   # [sampled, hidden]
         return self.lm_head(x).float()

@@ -439,7 +439,7 @@ def test_pdl_needs_segments_and_a_gpu():
 
 
 def _pdl_supported() -> bool:
-    from slora.kernels.lora import pdl_supported
+    from slora.kernels.pdl import pdl_supported
     return torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
 
 

@@ -1,0 +1,38 @@
+"""Programmatic dependent launch (PDL, Hopper and newer): a kernel launched with it may start while the
+kernel before it in the stream is still running, so its launch and its loads of data that kernel does
+not write (tables, weights) overlap that kernel's end.
+
+The rules every slora kernel with a `USE_PDL` flag follows:
+- `pdl_start` at its start lets the next kernel (if launched with PDL) start its programs;
+- before it reads anything a kernel of the stream may still be writing (activations), it calls
+  `pdl_wait`, which returns once the previous kernel has finished and its writes are visible;
+- every program calls `pdl_wait` before it exits, so this kernel's end implies the previous one's, and by
+  the same rule in that one, all earlier kernels': a kernel launched without PDL after it is safe.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether programmatic dependent launch is available: a CUDA GPU of compute capability 9.0 or newer
+    and a Triton that has its instructions."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(tl.extra.cuda, "gdc_wait"))
+
+
+def check_pdl_supported(pdl: bool, device: torch.device) -> None:
+    if pdl and not pdl_supported(device):
+        raise ValueError(f"pdl=True needs a CUDA GPU of compute capability 9.0 or newer, got device {device}")
