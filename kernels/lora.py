@@ -419,10 +419,11 @@ def _lora_fused_kernel(
 
 
 def check_pdl(pdl: bool, segments: LoraSegments | None, device: torch.device) -> None:
-    """With pdl=True, shrink and expand start while the previous kernel of the stream still runs and read
-    their tables (segments, page tables, ranks, offsets, scalings) and the pool's adapter weights before
-    waiting for it; x, h and out are read after. So those tables must not come from the kernel launched
-    just before: segments must be computed beforehand (as the engine does, once per step) and passed."""
+    """With pdl=True, shrink and expand start while earlier kernels of the stream still run and read their
+    tables (segments, page tables, ranks, offsets, scalings) and the pool's adapter weights before waiting
+    for them (slora.kernels.pdl); x, h and out are read after. So those must not come from a kernel that
+    may still be running: segments must be computed beforehand (as the engine does, once per step, before
+    the layers) and passed."""
     if not pdl:
         return
     if segments is None:

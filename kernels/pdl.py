@@ -4,10 +4,17 @@ not write (tables, weights) overlap that kernel's end.
 
 The rules every slora kernel with a `USE_PDL` flag follows:
 - `pdl_start` at its start lets the next kernel (if launched with PDL) start its programs;
-- before it reads anything a kernel of the stream may still be writing (activations), it calls
-  `pdl_wait`, which returns once the previous kernel has finished and its writes are visible;
+- it calls `pdl_wait` before it reads anything a kernel of the stream may still be writing (activations),
+  and before it writes anything; `pdl_wait` returns once the previous kernel has finished and its writes
+  are visible;
 - every program calls `pdl_wait` before it exits, so this kernel's end implies the previous one's, and by
   the same rule in that one, all earlier kernels': a kernel launched without PDL after it is safe.
+
+Since each kernel lets the next start at its very beginning, a run of PDL kernels may all be in flight at
+once, back to the last kernel launched without PDL. So what a kernel reads before `pdl_wait` must not be
+written by any kernel of that run: in the engine it reads only the step's inputs (block and page tables,
+slots, context lengths, the LoRA segments and tables, cos/sin), computed or copied before the step's
+layers, and weights (the norm's, adapters' pages of the pool, which no kernel of a step writes).
 """
 import torch
 import triton
