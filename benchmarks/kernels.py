@@ -333,8 +333,10 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
     choices than the wrappers': which shrink, its splits, tile width and hoisted page lookups."""
     expand_only = [LoraKnobs(part="expand", expand_tile=tile, expand_warps=warps)
                    for tile, warps in ((128, 2), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8))]
-    knobs = [LoraKnobs(), LoraKnobs(pdl=True), LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"), LoraKnobs(accumulate=False),
-             LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8),
+    from slora.kernels.pdl import pdl_supported
+    with_pdl = [LoraKnobs(pdl=True)] if pdl_supported(torch.device("cuda")) else []
+    knobs = [LoraKnobs(), *with_pdl, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
+             LoraKnobs(accumulate=False), LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8),
              LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True), LoraKnobs(fused=True, expand_tile=256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]

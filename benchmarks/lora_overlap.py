@@ -11,10 +11,11 @@ the layer's LoRA (rank 16, one shared adapter or one adapter per token) either
   (`+ add`: then adds the delta with a torch add; without: the add is left to a kernel that follows,
   as the engine folds it into its fused elementwise kernels).
 
-Eight layers with their own weights (1.7 GB, so the L2 cache holds none of them), replayed from a CUDA
-graph. Prints one table and writes JSON.
+Eight layers with their own weights (3.5 GB, so the L2 cache holds none of them), replayed from a CUDA
+graph. Prints one table and writes JSON. An experiment for the GPU only (no --quick: there is nothing
+to run without CUDA streams and cuBLAS); its results are in benchmarks/README.md.
 
-    python benchmarks/lora_overlap.py [--batch 64] [--out PATH]
+    python benchmarks/lora_overlap.py [--batch 64 128 256] [--modes ...] [--out PATH]
 """
 import argparse
 import json
@@ -51,7 +52,7 @@ def _runner(batch: int, num_adapters: int, table_slots: int, mode: str) -> Calla
     x4096 = torch.randn(batch, 4096, device="cuda", dtype=dtype)
     x14336 = torch.randn(batch, 14336, device="cuda", dtype=dtype)
     inputs = [x4096, x4096, x4096, x14336]
-    workspace = torch.zeros(batch * RANK * 7, device="cuda")
+    workspace = torch.zeros(LAYERS * batch * RANK * 7, device="cuda")   # h of every layer, zeroed per step
     side = torch.cuda.Stream(priority=-1)
 
     pdl = mode == "serial+pdl"
@@ -70,36 +71,41 @@ def _runner(batch: int, num_adapters: int, table_slots: int, mode: str) -> Calla
     def lora_into(out: Tensor, x: Tensor, group: int, used: int) -> None:
         expand(out, shrink(x, group, used), group)
 
+    def serial(w: Tensor, x: Tensor, group: int, used: int) -> None:
+        lora_into(torch.mm(x, w.t()), x, group, used)
+
+    def shrink_beside(w: Tensor, x: Tensor, group: int, used: int) -> None:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            h = shrink(x, group, used)
+        out = torch.mm(x, w.t())
+        main.wait_stream(side)
+        expand(out, h, group)
+
+    def lora_beside(w: Tensor, x: Tensor, group: int, used: int) -> None:
+        # Allocated on the main stream, written on the side stream, read on the main one after the join.
+        main = torch.cuda.current_stream()
+        delta = torch.empty(batch, w.shape[0], device="cuda", dtype=dtype)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            delta.zero_()
+            lora_into(delta, x, group, used)
+        out = torch.mm(x, w.t())
+        main.wait_stream(side)
+        if mode == "side+add":
+            out.add_(delta)
+
+    project = {"none": lambda w, x, group, used: torch.mm(x, w.t()), "serial": serial, "serial+pdl": serial,
+               "shrink-side": shrink_beside, "side+add": lora_beside, "side": lora_beside}[mode]
+
     def step() -> None:
         workspace.zero_()
+        used = 0
         for layer in weights:
-            used = 0
             for group, (w, x) in enumerate(zip(layer, inputs)):
-                width = len(tables[group][4]) * RANK * batch
-                if mode == "none":
-                    torch.mm(x, w.t())
-                elif mode in ("serial", "serial+pdl"):
-                    lora_into(torch.mm(x, w.t()), x, group, used)
-                elif mode == "shrink-side":
-                    main = torch.cuda.current_stream()
-                    side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        h = shrink(x, group, used)
-                    out = torch.mm(x, w.t())
-                    main.wait_stream(side)
-                    expand(out, h, group)
-                else:
-                    main = torch.cuda.current_stream()
-                    delta = torch.empty(batch, w.shape[0], device="cuda", dtype=dtype)
-                    side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        delta.zero_()
-                        lora_into(delta, x, group, used)
-                    out = torch.mm(x, w.t())
-                    main.wait_stream(side)
-                    if mode == "side+add":
-                        out.add_(delta)
-                used += width
+                project(w, x, group, used)
+                used += len(tables[group][4]) * RANK * batch
     return step
 
 
@@ -114,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/lora_overlap.py: needs a CUDA GPU")
         return 0
+    from slora.kernels.pdl import pdl_supported
+    if "serial+pdl" in args.modes and not pdl_supported(torch.device("cuda")):
+        print("benchmarks/lora_overlap.py: this GPU has no programmatic dependent launch; leave out serial+pdl")
+        return 1
     rows = []
     print(f"{'batch':>5} {'adapters':>8} {'mode':>10} {'graph us / layer':>17}")
     for batch in args.batch:
@@ -123,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 per_layer = None if us is None else us / LAYERS
                 rows.append({"batch": batch, "adapters": adapters, "table_slots": table_slots, "mode": mode,
                              "graph_us_per_layer": per_layer})
-                print(f"{batch:5d} {adapters:8d} {mode:>10} {per_layer if per_layer is not None else float('nan'):17.1f}")
+                shown = float("nan") if per_layer is None else per_layer
+                print(f"{batch:5d} {adapters:8d} {mode:>10} {shown:17.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "layers": LAYERS, "rank": RANK,

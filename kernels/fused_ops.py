@@ -2,17 +2,18 @@
 embedding of q and k inside the fused qkv output, and SiLU(gate) * up.
 
 Same signatures and semantics as `add_rms_norm`, `rotary_qk_` and `silu_and_mul` of
-`slora.kernels.reference`, plus `pdl` (programmatic dependent launch, `slora.kernels.pdl`: the weight,
-cos and sin are read before waiting for the previous kernel, the activations after). Each replaces a chain of small torch ops by one launch; to give the same
-numbers, every kernel computes in float32 but rounds to the input dtype wherever a torch op of the
-reference would produce a tensor of that dtype.
+`slora.kernels.reference`, plus `pdl` (programmatic dependent launch, `slora.kernels.pdl`: the
+weight, cos and sin are read before waiting for the previous kernel, the activations after). Each
+replaces a chain of small torch ops by one launch; to give the same numbers, every kernel computes in
+float32 but rounds to the input dtype wherever a torch op of the reference would produce a tensor of
+that dtype.
 """
 import torch
 import triton
 import triton.language as tl
 from slora.kernels.checks import check_one_device, is_power_of_two
 from slora.kernels.layout import cdiv, next_power_of_2
-from slora.kernels.pdl import check_pdl_supported, pdl_start, pdl_wait
+from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -154,7 +155,7 @@ def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
         x, x if residual is None else residual, weight, out, summed,
         x.stride(0), x.stride(0) if residual is None else residual.stride(0), hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl,
-        num_warps=_rms_norm_warps(block), launch_pdl=pdl,
+        num_warps=_rms_norm_warps(block), **launch_options(pdl),
     )
     return out, summed
 
@@ -198,7 +199,7 @@ def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
         qkv, cos, sin,
         qkv.stride(0), cos.stride(0), sin.stride(0), rot_heads,
         HEAD_DIM=head_dim, BLOCK_H=block_h, USE_PDL=pdl,
-        num_warps=4, enable_fp_fusion=False, launch_pdl=pdl,
+        num_warps=4, enable_fp_fusion=False, **launch_options(pdl),
     )
 
 
@@ -223,6 +224,6 @@ def silu_and_mul(gate_up: Tensor, *, pdl: bool = False) -> Tensor:
     block = min(SILU_BLOCK, next_power_of_2(inter))
     _silu_and_mul_kernel[(tokens, cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), inter,
-        BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
+        BLOCK=block, USE_PDL=pdl, num_warps=4, **launch_options(pdl),
     )
     return out

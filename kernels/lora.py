@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from slora.kernels.layout import ALIGN, align_up, cdiv
-from slora.kernels.pdl import check_pdl_supported, pdl_start, pdl_wait
+from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 from torch import Tensor
 
 # Programs we aim for per multiprocessor when splitting the shrink reduction (decode: few tokens).
@@ -237,8 +237,9 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HOIST_PAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # USE_PDL: the block's tables and its page lookups are read before waiting for the previous kernel, x
-    # and A after (pdl_wait). ACCUMULATE: every split adds into h[token, m * max_rank + r] (atomically; stride_hsplit is 0). Else:
+    # USE_PDL: the block's tables, its page lookups and its first chunk of A are read before waiting for
+    # the previous kernel, x after (pdl_wait in _shrink_rows).
+    # ACCUMULATE: every split adds into h[token, m * max_rank + r] (atomically; stride_hsplit is 0). Else:
     # h[split, token, m * max_rank + r] = sum over this split's k of x[token, k] * A_{m,slot}[r, k], for
     # one block of BLOCK_M tokens of one slot, module m and BLOCK_R rank rows. Modules share x (q/k/v).
     # x: [T, in]; h: [splits, T, modules * max_rank] float32.
@@ -636,7 +637,7 @@ def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tens
         DOT_PRECISION=_dot_precision(x.dtype), ACCUMULATE=accumulate,
         # A split's run of a row must fit in two pages for its page lookups to be hoisted.
         HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], USE_PDL=pdl,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, launch_pdl=pdl,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch_options(pdl),
     )
 
 
@@ -733,7 +734,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, num_warps=num_warps, num_stages=_NUM_STAGES,
-        launch_pdl=pdl,
+        **launch_options(pdl),
     )
 
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
 from slora.kernels.layout import next_power_of_2
-from slora.kernels.pdl import check_pdl_supported, pdl_start, pdl_wait
+from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 
 _LOG2E = 1.4426950408889634
 # Below this many context tokens per split, the merge costs more than the parallelism brings.
@@ -180,7 +180,8 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
     max_context_len: an upper bound on `context_lens` used only to choose the number of splits; defaults
         to `block_tables.shape[1] * page_size`, so the host never reads device memory.
     num_splits: force the number of context splits (1 = no split, no merge kernel).
-    pdl: launch with programmatic dependent launch (context_lens must not come from the kernel just before).
+    pdl: launch with programmatic dependent launch: context_lens is read before waiting for earlier
+        kernels, so it must not come from any that may still run (slora.kernels.pdl).
     """
     _check_inputs(query, kv_pool, block_tables, context_lens, page_size, num_kv_heads)
     check_pdl_supported(pdl, query.device)
@@ -212,13 +213,13 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, launch_pdl=pdl,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch_options(pdl),
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, context_lens, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             SPLITS_PAD=next_power_of_2(num_splits), BLOCK_N=block_n, USE_PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
+            num_warps=4, **launch_options(pdl),
         )
     return out

@@ -34,10 +34,16 @@ def pdl_wait(USE_PDL: tl.constexpr):
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Whether programmatic dependent launch is available: a CUDA GPU of compute capability 9.0 or newer
-    and a Triton that has its instructions."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether programmatic dependent launch is available: an NVIDIA GPU of compute capability 9.0 or newer
+    (ROCm reports its own versions as capabilities) and a Triton that has its instructions."""
+    return (device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
             and hasattr(tl.extra.cuda, "gdc_wait"))
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """The launch keyword for a kernel call: none without pdl, so that Tritons older than the keyword
+    still launch every kernel."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def check_pdl_supported(pdl: bool, device: torch.device) -> None:

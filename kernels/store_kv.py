@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 from slora.kernels.layout import next_power_of_2
-from slora.kernels.pdl import check_pdl_supported, pdl_start, pdl_wait
+from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 from torch import Tensor
 
 
@@ -87,5 +87,5 @@ def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, 
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_pool.shape[1],
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block, USE_PDL=pdl,
-        num_warps=4 if block >= 512 else 1, launch_pdl=pdl,
+        num_warps=4 if block >= 512 else 1, **launch_options(pdl),
     )

@@ -67,3 +67,11 @@ def test_few_adapter_graphs_only_where_they_differ(max_loras, few, fused, batch,
 def test_lora_fused_needs_the_few_adapter_graphs():
     with pytest.raises(ValueError, match="graph_few_adapters"):
         EngineConfig(lora_fused=True, graph_few_adapters=0)
+
+
+def test_cli_engine_flags_reach_the_config():
+    from slora.cli import build_parser, engine_kwargs
+    args = build_parser().parse_args(["generate", "--no-pdl", "--graph-few-adapters", "2", "--lora-fused", "hi"])
+    config = EngineConfig(**engine_kwargs(args))
+    assert (config.pdl, config.graph_few_adapters, config.lora_fused) == (False, 2, True)
+    assert EngineConfig(**engine_kwargs(build_parser().parse_args(["generate", "hi"]))).pdl is True

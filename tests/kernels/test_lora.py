@@ -433,6 +433,8 @@ def test_pdl_needs_segments_and_a_gpu():
         lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, segments=segments,
                          pdl=True)
     out = torch.zeros(x.shape[0], 8)
+    with pytest.raises(ValueError, match="segments computed beforehand"):
+        lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, pdl=True)
     with pytest.raises(ValueError, match="compute capability 9.0"):
         lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, segments=segments,
                     pdl=True)
@@ -446,13 +448,14 @@ def _pdl_supported() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _pdl_supported(), reason="needs a CUDA GPU of compute capability 9.0+")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_tokens", [64, 1000])    # shrink into one h, and split partial sums
+@pytest.mark.parametrize("num_tokens,split_k", [(64, None), (128, 4), (1000, None)])   # one h; partial sums
 @pytest.mark.parametrize("shared", [True, False])
-def test_pdl_launches_in_a_graph_gpu(dtype, num_tokens, shared):
+def test_pdl_launches_in_a_graph_gpu(dtype, num_tokens, split_k, shared):
     # As the engine's decode graphs run them: x made by the kernel just before, then the base GEMM, then
     # shrink and expand with programmatic dependent launch (each may start before the previous kernel
-    # ends), then an ordinary kernel reading the result. Replayed with new x: the LoRA kernels must read
-    # x, h and out only after the kernels that write them have finished.
+    # ends), then the rotary kernel with it too, then an ordinary kernel. Replayed with new x: the kernels
+    # must read x, h and out only after the kernels that write them have finished.
+    from slora.kernels.fused_ops import rotary_qk_
     gen = make_generator(num_tokens + shared)
     module_ranks = [GPU_RANKS, GPU_RANKS[::-1], GPU_RANKS[2:] + GPU_RANKS[:2]]
     out_sizes = [4096, 1024, 1024]
@@ -462,6 +465,7 @@ def test_pdl_launches_in_a_graph_gpu(dtype, num_tokens, shared):
     segments = lora_segments(slots, len(GPU_RANKS))
     weight = randn((sum(out_sizes), 4096), dtype, gen, "cuda") / 64
     source = randn((num_tokens, 4096), dtype, gen, "cuda")
+    cos, sin = randn((num_tokens, 128), dtype, gen, "cuda"), randn((num_tokens, 128), dtype, gen, "cuda")
 
     def step() -> torch.Tensor:
         x = source * 2                                         # [tokens, 4096], written just before
@@ -472,9 +476,10 @@ def test_pdl_launches_in_a_graph_gpu(dtype, num_tokens, shared):
                              pdl=True)
         else:
             h = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, segments=segments,
-                                     pdl=True)
+                                     split_k=split_k, pdl=True)
         lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
                     segments=segments, pdl=True)
+        rotary_qk_(out, cos, sin, 32, 8, 128, pdl=True)        # q/k/v: 32 heads, 8 KV heads of 128
         return out + 0                                         # an ordinary kernel after the LoRA
 
     step()                                                     # compiles outside the capture
@@ -489,4 +494,5 @@ def test_pdl_launches_in_a_graph_gpu(dtype, num_tokens, shared):
         h_want = reference.lora_shrink(x, b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
         reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                               out_sizes)
+        reference.rotary_qk_(want, cos.float(), sin.float(), 32, 8, 128)
         assert_close(result, want)

@@ -38,17 +38,19 @@ def _has_pdl() -> bool:
 
 
 def _decode_chain(qkv_source: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, slots: torch.Tensor,
-                  weight: torch.Tensor, num_splits: int, pdl: bool) -> torch.Tensor:
-    """The decode layer's kernels back to back, each reading what the one before it wrote."""
+                  weights: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor, num_splits: int,
+                  pdl: bool) -> torch.Tensor:
+    """The decode layer's Triton kernels back to back, each reading what the one before it wrote (all
+    launched with pdl when it is set: every link of the chain is kernel to kernel)."""
     batch = qkv_source.shape[0]
-    qkv = qkv_source * 1                                      # written by the kernel just before rotary
+    qkv, _ = add_rms_norm(qkv_source, weights[0], 1e-6, pdl=pdl)   # [batch, (heads + 2 kv) * head_dim]
     rotary_qk_(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM, pdl=pdl)
     q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     store_kv(k.view(batch, KV_HEADS, HEAD_DIM), v.view(batch, KV_HEADS, HEAD_DIM), kv.kv_pool, slots, PAGE, pdl=pdl)
     attn = paged_attention(q.view(batch, HEADS, HEAD_DIM), kv.kv_pool, kv.block_tables, kv.context_lens, PAGE,
                            KV_HEADS, HEAD_DIM ** -0.5, num_splits=num_splits, pdl=pdl).view(batch, -1)
-    normed, summed = add_rms_norm(attn, weight, 1e-6, attn * 2, pdl=pdl)
-    return silu_and_mul(torch.cat([normed, summed], dim=-1), pdl=pdl)
+    normed, _ = add_rms_norm(attn, weights[1], 1e-6, residual, pdl=pdl)   # [batch, heads * head_dim]
+    return silu_and_mul(normed, pdl=pdl)
 
 
 @pytest.mark.gpu
@@ -64,8 +66,9 @@ def test_pdl_decode_chain_in_a_graph_matches_plain_launches_gpu(dtype, num_split
     slots = pages[torch.arange(batch, device="cuda"), last // PAGE] * PAGE + last % PAGE
     source = randn((batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM), dtype, gen, "cuda")
     cos, sin = randn((batch, HEAD_DIM), dtype, gen, "cuda"), randn((batch, HEAD_DIM), dtype, gen, "cuda")
-    weight = randn((HEADS * HEAD_DIM,), dtype, gen, "cuda")
-    args = (cos, sin, kv, slots, weight, num_splits)
+    weights = (randn((source.shape[1],), dtype, gen, "cuda"), randn((HEADS * HEAD_DIM,), dtype, gen, "cuda"))
+    residual = randn((batch, HEADS * HEAD_DIM), dtype, gen, "cuda")
+    args = (cos, sin, kv, slots, weights, residual, num_splits)
     _decode_chain(source, *args, pdl=True)                 # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
