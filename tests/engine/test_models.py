@@ -92,3 +92,22 @@ def test_prompt_longer_than_context_is_refused(tiny_llama):
     out = llm.generate([[5] * 30], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 2
     assert llm.pool_stats()["kv_pages"] == 0
+
+
+def test_elementwise_ops_pass_pdl_to_the_cuda_kernels(monkeypatch):
+    # The CUDA branch of slora.models.ops, without a GPU: a tensor stand-in that says it is on CUDA and
+    # recording kernels in place of the Triton ones.
+    from slora.kernels import fused_ops
+    from slora.models import ops
+    calls = []
+    for name in ("add_rms_norm", "rotary_qk_", "silu_and_mul"):
+        monkeypatch.setattr(fused_ops, name, lambda *args, pdl, name=name: calls.append((name, len(args), pdl)))
+
+    class OnCuda:
+        is_cuda = True
+
+    x = OnCuda()
+    ops.add_rms_norm(x, "weight", 1e-6, "residual", pdl=True)
+    ops.rotary_qk_(x, "cos", "sin", 8, 2, 64, pdl=False)
+    ops.silu_and_mul(x, pdl=True)
+    assert calls == [("add_rms_norm", 4, True), ("rotary_qk_", 6, False), ("silu_and_mul", 1, True)]
