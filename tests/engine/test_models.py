@@ -111,3 +111,15 @@ def test_elementwise_ops_pass_pdl_to_the_cuda_kernels(monkeypatch):
     ops.rotary_qk_(x, "cos", "sin", 8, 2, 64, pdl=False)
     ops.silu_and_mul(x, pdl=True)
     assert calls == [("add_rms_norm", 4, True), ("rotary_qk_", 6, False), ("silu_and_mul", 1, True)]
+
+
+@pytest.mark.parametrize("supported", [True, False])
+@pytest.mark.parametrize("asked", [True, False])
+def test_cuda_backends_use_pdl_only_where_asked_and_supported(monkeypatch, asked, supported):
+    # Building the CUDA ops touches no GPU; whether the GPU has PDL is the stubbed answer.
+    from slora import attention_backend
+    from slora.kernels import pdl
+    monkeypatch.setattr(pdl, "pdl_supported", lambda device: supported)
+    attention, lora = attention_backend.backends_for(torch.device("cuda"), pdl=asked)
+    assert attention.pdl is lora.pdl is (asked and supported)
+    assert lora.prepare(torch.tensor([0, -1], dtype=torch.int32), 1, 2).pdl is (asked and supported)
