@@ -212,12 +212,18 @@ def _rank_rows(r0, rank, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _add_scaled(out_ptr, out_rows, col0, cols, row_mask, n_mask, acc, scaling):
-    # out[rows, col0 + cols] += scaling * acc, in float32 and rounded once to out's dtype.
+def _out_tile(out_ptr, out_rows, col0, cols, row_mask, n_mask):
+    # The output tile out[rows, col0 + cols]: its pointers and mask, and its values [BLOCK_M, BLOCK_N] in
+    # out's dtype (loaded where the caller wants them in its chain of loads).
     o_ptrs = out_ptr + out_rows[:, None] + col0 + cols[None, :]
     o_mask = row_mask[:, None] & n_mask[None, :]
-    base = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=o_mask)
+    return o_ptrs, o_mask, tl.load(o_ptrs, mask=o_mask, other=0.0)
+
+
+@triton.jit
+def _store_scaled(o_ptrs, o_mask, base, acc, scaling):
+    # base + scaling * acc into the tile, in float32 and rounded once to out's dtype.
+    tl.store(o_ptrs, (base.to(tl.float32) + acc * scaling).to(base.dtype), mask=o_mask)
 
 
 # Ints that change with the step's size (k_per_split, stride_hsplit) stay specialised: without it
@@ -360,9 +366,7 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
     b = _b_block(pool_ptr, pt_row, b_offset, row_stride, out_features, col0, 0, rank, page_elems, n_mask,
                  BLOCK_R, BLOCK_N, ALIGN_ELEMS)                   # [BLOCK_R, BLOCK_N]
     pdl_wait(USE_PDL)
-    o_ptrs = out_ptr + out_rows[:, None] + col0 + cols[None, :]
-    o_mask = row_mask[:, None] & n_mask[None, :]
-    base = tl.load(o_ptrs, mask=o_mask, other=0.0)                # [BLOCK_M, BLOCK_N] in out's dtype
+    o_ptrs, o_mask, base = _out_tile(out_ptr, out_rows, col0, cols, row_mask, n_mask)
     acc = _h_dot(h_rows, 0, rank, num_splits, stride_hsplit, row_mask, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
                  dtype, BLOCK_M, BLOCK_R, DOT_PRECISION)
     for r0 in range(BLOCK_R, rank, BLOCK_R):
@@ -370,8 +374,7 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
                      BLOCK_R, BLOCK_N, ALIGN_ELEMS)
         acc = _h_dot(h_rows, r0, rank, num_splits, stride_hsplit, row_mask, b, acc, dtype, BLOCK_M, BLOCK_R,
                      DOT_PRECISION)
-    # In float32 and rounded once to out's dtype, as _add_scaled.
-    tl.store(o_ptrs, (base.to(tl.float32) + acc * scaling).to(dtype), mask=o_mask)
+    _store_scaled(o_ptrs, o_mask, base, acc, scaling)
 
 
 @triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "b_off_ptr", "scale_ptr", "stride_am", "stride_bm",
@@ -402,17 +405,16 @@ def _lora_fused_kernel(
     n_mask = col0 + cols_n < out_features
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r0 in range(0, rank, BLOCK_R):
-        ranks_idx, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
+        _, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
         h = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, 0,
                          in_features, in_features, tl.cdiv(in_features, ALIGN_ELEMS) * ALIGN_ELEMS, page_elems,
                          BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES)   # [BLOCK_M, BLOCK_R]
-        b = _load_paged_tile(pool_ptr, pt_row, b_offset, rows, tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS,
-                             out_features, col0, page_elems, r_mask[:, None] & n_mask[None, :],
-                             BLOCK_N, ALIGN_ELEMS)                                   # [BLOCK_R, BLOCK_N]
+        b = _b_block(pool_ptr, pt_row, b_offset, tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS, out_features,
+                     col0, r0, rank, page_elems, n_mask, BLOCK_R, BLOCK_N, ALIGN_ELEMS)   # [BLOCK_R, BLOCK_N]
         # h rounded to the output's dtype, like expand reading a shrink's h.
         acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
-    _add_scaled(out_ptr, tokens * stride_ot + out_col, col0, cols_n, row_mask, n_mask, acc,
-                tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32))
+    o_ptrs, o_mask, base = _out_tile(out_ptr, tokens * stride_ot + out_col, col0, cols_n, row_mask, n_mask)
+    _store_scaled(o_ptrs, o_mask, base, acc, tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ written by any kernel of that run: in the engine it reads only the step's inputs
 slots, context lengths, the LoRA segments and tables, cos/sin), computed or copied before the step's
 layers, and weights (the norm's, adapters' pages of the pool, which no kernel of a step writes).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +38,16 @@ def pdl_wait(USE_PDL: tl.constexpr):
 def pdl_supported(device: torch.device) -> bool:
     """Whether programmatic dependent launch is available: an NVIDIA GPU of compute capability 9.0 or newer
     (ROCm reports its own versions as capabilities) and a Triton that has its instructions."""
-    return (device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+    if device.type != "cuda":
+        return False
+    return _gpu_has_pdl(torch.cuda.current_device() if device.index is None else device.index)
+
+
+# Memoised: every wrapper launched with pdl checks it, hundreds of times per eager step, and the answer
+# is a fact of the hardware and the installed Triton, fixed for the process.
+@functools.cache
+def _gpu_has_pdl(index: int) -> bool:
+    return (torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
             and hasattr(tl.extra.cuda, "gdc_wait"))
 
 

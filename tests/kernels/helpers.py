@@ -12,6 +12,12 @@ from slora.kernels.layout import align_up
 from torch import Tensor
 
 
+def has_pdl() -> bool:
+    """Whether this machine can run the kernels with programmatic dependent launch (GPU tests skip otherwise)."""
+    from slora.kernels.pdl import pdl_supported
+    return torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
+
+
 def make_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

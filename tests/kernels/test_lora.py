@@ -3,6 +3,7 @@ import pytest
 import torch
 from kernel_helpers import (
     assert_close,
+    has_pdl,
     make_fused_lora_batch,
     make_generator,
     make_lora_batch,
@@ -440,13 +441,8 @@ def test_pdl_needs_segments_and_a_gpu():
                     pdl=True)
 
 
-def _pdl_supported() -> bool:
-    from slora.kernels.pdl import pdl_supported
-    return torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _pdl_supported(), reason="needs a CUDA GPU of compute capability 9.0+")
+@pytest.mark.skipif(not has_pdl(), reason="needs a CUDA GPU of compute capability 9.0+")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens,split_k", [(64, None), (128, 4), (1000, None)])   # one h; partial sums
 @pytest.mark.parametrize("shared", [True, False])

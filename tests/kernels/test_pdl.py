@@ -2,10 +2,9 @@
 GPU that has it, the same numbers as without it when a chain of dependent kernels runs from a CUDA graph."""
 import pytest
 import torch
-from kernel_helpers import make_generator, make_paged_kv, randn
+from kernel_helpers import has_pdl, make_generator, make_paged_kv, randn
 from slora.kernels.fused_ops import add_rms_norm, rotary_qk_, silu_and_mul
 from slora.kernels.paged_attention import paged_attention
-from slora.kernels.pdl import pdl_supported
 from slora.kernels.store_kv import store_kv
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
@@ -33,10 +32,6 @@ def test_pdl_is_refused_without_a_gpu_that_has_it(name):
         _cpu_calls()[name]()
 
 
-def _has_pdl() -> bool:
-    return torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
-
-
 def _decode_chain(qkv_source: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, slots: torch.Tensor,
                   weights: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor, num_splits: int,
                   pdl: bool) -> torch.Tensor:
@@ -54,7 +49,7 @@ def _decode_chain(qkv_source: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_pdl(), reason="needs a CUDA GPU of compute capability 9.0+")
+@pytest.mark.skipif(not has_pdl(), reason="needs a CUDA GPU of compute capability 9.0+")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 4])          # with and without the merge kernel
 def test_pdl_decode_chain_in_a_graph_matches_plain_launches_gpu(dtype, num_splits):
