@@ -11,6 +11,7 @@ eager decode step; --mixed: eager mixed steps (decoding sequences beside prefill
     python benchmarks/decode.py [--quick] [--vs-peft | --profile | --mixed | --host-profile] [--out FILE]
 """
 import argparse
+import dataclasses
 import gc
 import logging
 import sys
@@ -26,6 +27,7 @@ from llama8b import KV_BYTES_PER_TOKEN, LLAMA3_8B, adapter_bytes, decode_weight_
 from slora.adapters.packing import AdapterDescriptor, buffer_layout
 from slora.adapters.weights import LoadedAdapter, LoraWeights
 from slora.adapters.config import AdapterConfig
+from slora.attention_backend import LoraLaunchPolicy
 from slora.config import EngineConfig
 from slora.cuda_graphs import GraphLimits
 from slora.kernels.layout import LORA_MODULES, cdiv
@@ -39,6 +41,8 @@ from slora.sequence import AdapterRef, Sequence
 
 BF16_FLOPS = 810e12
 CONTEXT, RANK = 1024, 16
+# Adapter mixes of a decode step: no adapter, one adapter shared by every request, one per request.
+MIXES = ("none", "shared", "distinct")
 
 
 def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
@@ -51,7 +55,8 @@ def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
 
 
 def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None,
-                few_adapters: int = 0, lora_fused: bool = False, pdl: bool = True):
+                few_adapters: int = 0, lora_fused: bool = False, pdl: bool = True,
+                lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()):
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
@@ -62,7 +67,7 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_lora
                       cfg.head_dim)
     limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras,
                          few_adapters=few_adapters, lora_fused=lora_fused)
-    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits, pdl=pdl)
+    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits, pdl=pdl, lora_policy=lora_policy)
     return runner, descriptor, adapter_pages
 
 
@@ -120,18 +125,19 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
 
 
 def step_rows(batches: list[int], iters: int, max_loras: int | None = None, few_adapters: int = 0,
-              lora_fused: bool = False, pdl: bool = True) -> list[dict]:
+              lora_fused: bool = False, pdl: bool = True, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy(),
+              mixes: tuple[str, ...] = MIXES) -> list[dict]:
     """Decode steps per batch size and adapter mix; with max_loras the graphs have that many adapter slots,
     and the distinct mix runs only at batches that fit it."""
     max_batch = max(batches)
     runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras,
                                                     few_adapters=few_adapters, lora_fused=lora_fused,
-                                                    pdl=pdl)
+                                                    pdl=pdl, lora_policy=lora_policy)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     adapters = place_adapters(runner, allocator, max_batch, adapter_pages)
     rows = []
     for batch in batches:
-        for mode in ("none", "shared", "distinct"):
+        for mode in mixes:
             if mode == "distinct" and max_loras is not None and batch > max_loras:
                 continue
             scheduled, step_adapters = build_step(runner, allocator, batch, adapters, descriptor, mode)
@@ -358,8 +364,24 @@ def main() -> None:
                         help="cProfile of the host side of eager mixed steps (text report to --out or stdout)")
     modes.add_argument("--profile", action="store_true",
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
+    parser.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated subset of {','.join(MIXES)}")
+    policy = LoraLaunchPolicy()
+    parser.add_argument("--accumulate-max-tokens", type=int, default=policy.accumulate_max_tokens,
+                        help="LoRA launch policy: steps of at most this many tokens shrink into one h")
+    parser.add_argument("--accumulate-max-slots", type=int, default=policy.accumulate_max_slots,
+                        help="LoRA launch policy: ... and graphs with at most this many adapter slots")
+    parser.add_argument("--block-m-tokens-per-slot", type=int, default=policy.block_m_tokens_per_slot,
+                        help="LoRA launch policy: 64-token blocks from this many tokens per adapter slot")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    mixes = tuple(args.mixes.split(","))
+    if not set(mixes) <= set(MIXES):
+        parser.error(f"--mixes must name some of {', '.join(MIXES)}, got {args.mixes}")
+    try:
+        lora_policy = LoraLaunchPolicy(args.accumulate_max_tokens, args.accumulate_max_slots,
+                                       args.block_m_tokens_per_slot)
+    except ValueError as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
         logging.warning("decode.py measures the CUDA path: no GPU here, nothing to do")
@@ -393,13 +415,14 @@ def main() -> None:
         write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras,
-                     args.graph_few_adapters, args.lora_fused, args.pdl)
+                     args.graph_few_adapters, args.lora_fused, args.pdl, lora_policy, mixes)
     print_table(rows)
     write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
                                                                 "rank": RANK, "max_loras": args.max_loras,
                                                                 "graph_few_adapters": args.graph_few_adapters,
                                                                 "lora_fused": args.lora_fused,
                                                                 "pdl": args.pdl,
+                                                                "lora_policy": dataclasses.asdict(lora_policy),
                                                                 "rows": rows})
 
 

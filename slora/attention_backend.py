@@ -1,4 +1,6 @@
 """Kernels behind the model: torch references on the CPU, Triton kernels on CUDA (DESIGN §4)."""
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -58,12 +60,36 @@ class TritonAttention:
                              batch.page_size, num_kv_heads, scale)
 
 
-# Steps of at most this many tokens shrink into one h (lora_shrink_into: the reduction split finely, the
-# splits added atomically); larger ones keep split partial sums that expand adds up. Decode steps on
-# the H200 with the first against the second (benchmarks/README.md): one shared adapter 7.8% / 7.7% /
-# 5.5% / 3.5% / 1.1% faster at batch 1 / 16 / 64 / 128 / 256; a distinct adapter per request 8.0% / 4.6%
-# faster at 1 / 16, then 1.3% / 3.9% / 4.7% slower at 64 / 128 / 256. Batch 64 is the trade-off.
-ACCUMULATE_MAX_TOKENS = 64
+@dataclass(frozen=True)
+class LoraLaunchPolicy:
+    """How the CUDA LoRA ops cut a step, decided per step from its size (fixed per captured graph).
+
+    accumulate_max_tokens: steps of at most this many tokens shrink into one h (lora_shrink_into: the
+        reduction split finely, the splits added atomically); larger ones keep split partial sums that
+        expand adds up. Decode steps on the H200 with the first against the second (benchmarks/README.md,
+        third session): one shared adapter 7.8% / 7.7% / 5.5% / 3.5% / 1.1% faster at batch 1 / 16 / 64 /
+        128 / 256; a distinct adapter per request 8.0% / 4.6% faster at 1 / 16, then 1.3% / 3.9% / 4.7%
+        slower at 64 / 128 / 256. Batch 64 is the trade-off.
+    accumulate_max_slots: steps whose adapter tables have at most this many slots (the few-adapter
+        graphs) shrink into one h whatever their size (0: never by this rule).
+    block_m_tokens_per_slot: tokens are cut into blocks of 64 (instead of 16) when the step has at least
+        this many tokens per adapter slot: long segments on average."""
+    accumulate_max_tokens: int = 64
+    accumulate_max_slots: int = 0
+    block_m_tokens_per_slot: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("accumulate_max_tokens", "accumulate_max_slots"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.block_m_tokens_per_slot < 1:
+            raise ValueError(f"block_m_tokens_per_slot must be >= 1, got {self.block_m_tokens_per_slot}")
+
+    def accumulates(self, num_tokens: int, num_slots: int) -> bool:
+        return num_tokens <= self.accumulate_max_tokens or num_slots <= self.accumulate_max_slots
+
+    def block_m(self, num_tokens: int, num_slots: int) -> int:
+        return 64 if num_tokens >= self.block_m_tokens_per_slot * max(num_slots, 1) else 16
 
 
 class TritonLora:
@@ -72,10 +98,10 @@ class TritonLora:
     zeroes (one memset per step, inside the captured graph for decode)."""
 
     def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, policy: LoraLaunchPolicy = LoraLaunchPolicy(), accumulate: bool = True) -> None:
         from slora.kernels import lora
         self._lora, self.segments, self._num_layers = lora, segments, num_layers
-        self.fused, self.pdl = fused, pdl
+        self.fused, self.pdl, self.policy, self._accumulate = fused, pdl, policy, accumulate
         self._workspace: Tensor | None = None
         self._used = 0
 
@@ -83,7 +109,10 @@ class TritonLora:
         """The ops of one step; fused: groups run lora_fused (LoraBatch.apply says which). The segments are
         computed here, once per step, so that the kernels may read them before the previous kernel ends
         (pdl)."""
-        return TritonLora(self._lora.lora_segments(token_slots, num_slots), num_layers, fused, self.pdl)
+        tokens = token_slots.shape[0]
+        segments = self._lora.lora_segments(token_slots, num_slots, self.policy.block_m(tokens, num_slots))
+        return TritonLora(segments, num_layers, fused, self.pdl, self.policy,
+                          self.policy.accumulates(tokens, num_slots))
 
     def lora_fused(self, out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                    ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
@@ -93,7 +122,7 @@ class TritonLora:
 
     def lora_shrink(self, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                     a_offsets: Tensor, max_rank: int) -> Tensor:
-        if x.shape[0] > ACCUMULATE_MAX_TOKENS:
+        if not self._accumulate:
             # The split partial sums go straight to expand, which adds them up as it reads them.
             return self._lora.lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
                                                    segments=self.segments, pdl=self.pdl)
@@ -120,11 +149,12 @@ class TritonLora:
                                out_sizes=out_sizes, segments=self.segments, pdl=self.pdl)
 
 
-def backends_for(device: torch.device, pdl: bool = False) -> tuple[object, object]:
+def backends_for(device: torch.device, pdl: bool = False,
+                 lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()) -> tuple[object, object]:
     """(attention ops, LoRA ops) for a device. pdl: the model's Triton kernels (all but the prefill
     attention) use programmatic dependent launch where the GPU supports it (compute capability 9.0+)."""
     if device.type == "cuda":
         from slora.kernels.pdl import pdl_supported
         pdl = pdl and pdl_supported(device)
-        return TritonAttention(pdl), TritonLora(pdl=pdl)
+        return TritonAttention(pdl), TritonLora(pdl=pdl, policy=lora_policy)
     return ReferenceAttention(), ReferenceLora()

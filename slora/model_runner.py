@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from slora.adapters.packing import AdapterDescriptor, PackedAdapter
-from slora.attention_backend import backends_for
+from slora.attention_backend import LoraLaunchPolicy, backends_for
 from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.forward_batch import ForwardBatch, LoraBatch
 from slora.kernels.layout import LORA_MODULES, align_up, cdiv
@@ -163,7 +163,8 @@ def host_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters, tables: Lor
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, shape: PoolShape, dtype: torch.dtype, device: torch.device,
-                 graph_limits: GraphLimits | None = None, swap_pages: int = 0, pdl: bool = True) -> None:
+                 graph_limits: GraphLimits | None = None, swap_pages: int = 0, pdl: bool = True,
+                 lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()) -> None:
         self.model, self.shape, self.device = model, shape, device
         self.swap_pages, self._swap = swap_pages, None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -172,7 +173,7 @@ class ModelRunner:
         # The unified pool: KV pages and adapter pages, page ids shared across layers.
         self.pool = torch.zeros(shape.num_layers, shape.num_pages, shape.page_elems, dtype=dtype,
                                 device=device)  # [layers, pages, page_elems]
-        self.attention, self.lora_ops = backends_for(device, pdl)
+        self.attention, self.lora_ops = backends_for(device, pdl, lora_policy)
         self.graphs: DecodeGraphs | None = None
         if graph_limits is not None and device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, self.attention, self.lora_ops, shape.page_size,

@@ -10,8 +10,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from slora import LLM, SamplingParams
-from slora import attention_backend
-from slora.attention_backend import TritonAttention, TritonLora
+from slora.attention_backend import LoraLaunchPolicy, TritonAttention, TritonLora
 from slora.cuda_graphs import GraphLimits
 from slora.model_runner import step_max_rank
 from tiny import random_prompts
@@ -20,11 +19,15 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs Triton kernels in the interpreter, on CPU-only machines")
 
 
-@pytest.mark.parametrize("accumulate_max_tokens,fused", [(64, False), (0, False), (64, True)])
-def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, accumulate_max_tokens, fused):
-    """Shrink into one h or split partial sums; fused: every step runs lora_fused where LoraBatch.apply
-    allows it (the CUDA engine does so only in decode graphs with few adapters)."""
-    monkeypatch.setattr(attention_backend, "ACCUMULATE_MAX_TOKENS", accumulate_max_tokens)
+@pytest.mark.parametrize("policy,fused", [
+    (LoraLaunchPolicy(), False),
+    (LoraLaunchPolicy(accumulate_max_tokens=0), False),
+    (LoraLaunchPolicy(accumulate_max_tokens=0, accumulate_max_slots=8, block_m_tokens_per_slot=1), False),
+    (LoraLaunchPolicy(), True)])
+def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, policy, fused):
+    """Shrink into one h or split partial sums (by tokens, or by the tables' slots), blocks of 16 or 64
+    tokens; fused: every step runs lora_fused where LoraBatch.apply allows it (the CUDA engine does so
+    only in decode graphs with few adapters)."""
     if fused:
         prepare = TritonLora.prepare
         monkeypatch.setattr(TritonLora, "prepare", lambda self, slots, n, layers, fused=False:
@@ -38,9 +41,18 @@ def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, a
         for name in ("all-r16", "rs-pattern"):
             llm.load_adapter(name, str(tiny_llama.adapters[name]))
         if triton:
-            llm.engine.runner.attention, llm.engine.runner.lora_ops = TritonAttention(), TritonLora()
+            llm.engine.runner.attention, llm.engine.runner.lora_ops = TritonAttention(), TritonLora(policy=policy)
         outputs.append([o.token_ids for o in llm.generate(prompts, params, adapters=names)])
     assert outputs[0] == outputs[1]
+
+
+def test_lora_launch_policy_rules_and_validation():
+    policy = LoraLaunchPolicy(accumulate_max_tokens=64, accumulate_max_slots=4, block_m_tokens_per_slot=16)
+    assert policy.accumulates(64, 65) and policy.accumulates(256, 4) and not policy.accumulates(65, 5)
+    assert policy.block_m(64, 4) == 64 and policy.block_m(63, 4) == 16 and policy.block_m(16, 0) == 64
+    for bad in ({"accumulate_max_tokens": -1}, {"accumulate_max_slots": -1}, {"block_m_tokens_per_slot": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            LoraLaunchPolicy(**bad)
 
 
 @pytest.mark.parametrize("triton", [False, True])
