@@ -369,7 +369,9 @@ def main() -> None:
     parser.add_argument("--accumulate-max-tokens", type=int, default=policy.accumulate_max_tokens,
                         help="LoRA launch policy: steps of at most this many tokens shrink into one h")
     parser.add_argument("--accumulate-max-slots", type=int, default=policy.accumulate_max_slots,
-                        help="LoRA launch policy: ... and graphs with at most this many adapter slots")
+                        help="LoRA launch policy: ... and steps with at most this many adapter slots")
+    parser.add_argument("--accumulate-few-max-tokens", type=int, default=policy.accumulate_few_max_tokens,
+                        help="LoRA launch policy: ... of at most this many tokens")
     parser.add_argument("--block-m-tokens-per-slot", type=int, default=policy.block_m_tokens_per_slot,
                         help="LoRA launch policy: 64-token blocks from this many tokens per adapter slot")
     parser.add_argument("--out", default=None)
@@ -379,7 +381,7 @@ def main() -> None:
         parser.error(f"--mixes must name some of {', '.join(MIXES)}, got {args.mixes}")
     try:
         lora_policy = LoraLaunchPolicy(args.accumulate_max_tokens, args.accumulate_max_slots,
-                                       args.block_m_tokens_per_slot)
+                                       args.accumulate_few_max_tokens, args.block_m_tokens_per_slot)
     except ValueError as error:
         parser.error(str(error))
     logging.basicConfig(level=logging.INFO)

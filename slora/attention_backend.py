@@ -70,23 +70,31 @@ class LoraLaunchPolicy:
         third session): one shared adapter 7.8% / 7.7% / 5.5% / 3.5% / 1.1% faster at batch 1 / 16 / 64 /
         128 / 256; a distinct adapter per request 8.0% / 4.6% faster at 1 / 16, then 1.3% / 3.9% / 4.7%
         slower at 64 / 128 / 256. Batch 64 is the trade-off.
-    accumulate_max_slots: steps whose adapter tables have at most this many slots (the few-adapter
-        graphs) shrink into one h whatever their size (0: never by this rule).
+    accumulate_max_slots, accumulate_few_max_tokens: steps of at most accumulate_few_max_tokens tokens
+        whose adapter tables have at most accumulate_max_slots slots (the few-adapter decode graphs, 4 by
+        default) also shrink into one h. Decode steps with one shared adapter on the H200 (seventh session,
+        benchmarks/README.md): 10.2 against 10.8 ms at batch 128, 16.1 against 16.9 ms at batch 256. The
+        token bound keeps the step's float32 workspace (layers x 7 x tokens x max_rank) small in eager
+        prefill steps, which were not measured with it.
     block_m_tokens_per_slot: tokens are cut into blocks of 64 (instead of 16) when the step has at least
-        this many tokens per adapter slot: long segments on average."""
+        this many tokens per adapter slot: long segments on average. 16 (64-token blocks from batch 64 in
+        a 4-slot graph) made the shared-adapter decode step slower on the H200: 7.99 against 7.76 ms at
+        batch 64, 11.1 against 10.8 ms at batch 128."""
     accumulate_max_tokens: int = 64
-    accumulate_max_slots: int = 0
+    accumulate_max_slots: int = 4
+    accumulate_few_max_tokens: int = 256
     block_m_tokens_per_slot: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("accumulate_max_tokens", "accumulate_max_slots"):
+        for name in ("accumulate_max_tokens", "accumulate_max_slots", "accumulate_few_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_m_tokens_per_slot < 1:
             raise ValueError(f"block_m_tokens_per_slot must be >= 1, got {self.block_m_tokens_per_slot}")
 
     def accumulates(self, num_tokens: int, num_slots: int) -> bool:
-        return num_tokens <= self.accumulate_max_tokens or num_slots <= self.accumulate_max_slots
+        few_slots = num_slots <= self.accumulate_max_slots and num_tokens <= self.accumulate_few_max_tokens
+        return num_tokens <= self.accumulate_max_tokens or few_slots
 
     def block_m(self, num_tokens: int, num_slots: int) -> int:
         return 64 if num_tokens >= self.block_m_tokens_per_slot * max(num_slots, 1) else 16

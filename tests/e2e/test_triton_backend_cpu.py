@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 @pytest.mark.parametrize("policy,fused", [
     (LoraLaunchPolicy(), False),
-    (LoraLaunchPolicy(accumulate_max_tokens=0), False),
+    (LoraLaunchPolicy(accumulate_max_tokens=0, accumulate_max_slots=0), False),
     (LoraLaunchPolicy(accumulate_max_tokens=0, accumulate_max_slots=8, block_m_tokens_per_slot=1), False),
     (LoraLaunchPolicy(), True)])
 def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, policy, fused):
@@ -47,10 +47,13 @@ def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, p
 
 
 def test_lora_launch_policy_rules_and_validation():
-    policy = LoraLaunchPolicy(accumulate_max_tokens=64, accumulate_max_slots=4, block_m_tokens_per_slot=16)
-    assert policy.accumulates(64, 65) and policy.accumulates(256, 4) and not policy.accumulates(65, 5)
+    policy = LoraLaunchPolicy(accumulate_max_tokens=64, accumulate_max_slots=4, accumulate_few_max_tokens=256,
+                              block_m_tokens_per_slot=16)
+    assert policy.accumulates(64, 65) and policy.accumulates(256, 4)
+    assert not policy.accumulates(65, 5) and not policy.accumulates(257, 4)
     assert policy.block_m(64, 4) == 64 and policy.block_m(63, 4) == 16 and policy.block_m(16, 0) == 64
-    for bad in ({"accumulate_max_tokens": -1}, {"accumulate_max_slots": -1}, {"block_m_tokens_per_slot": 0}):
+    for bad in ({"accumulate_max_tokens": -1}, {"accumulate_max_slots": -1}, {"accumulate_few_max_tokens": -1},
+                {"block_m_tokens_per_slot": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LoraLaunchPolicy(**bad)
 
