@@ -19,11 +19,12 @@ from slora.scheduler import ScheduledSeq, SchedulerOutput
 StepAdapters = dict[str, tuple[AdapterDescriptor, list[int]]]
 
 # Steps that take other compile-time choices in the Triton kernels than the captured decode steps, as
-# (sequences, tokens each, adapter slots): prefill row blocks of 64 (1 x 128) and 32 (4 x 8), LoRA token
-# blocks of 64 (1 slot, 128 tokens) and 16, the shrink into one h (<= 64 tokens) and into split partial
-# sums (160). Run once at start so that the first real steps of these kinds do not stall to compile: on
+# (sequences, tokens each, adapter slots): prefill row blocks of 64 (1 x 128) and 32 (4 x 8); under the
+# default LoraLaunchPolicy, the shrink into one h in LoRA token blocks of 64 (1 slot, 128 tokens) and 16
+# (4 x 8, 4 x 40), and split partial sums in blocks of 64 (1 slot, 320 tokens) and 16 (5 slots, 80
+# tokens). Run once at start so that the first real steps of these kinds do not stall to compile: on
 # the H200, compiling in the middle of an offline run cost it seconds (benchmarks/README.md).
-WARM_UP_STEPS = ((1, 128, 1), (4, 8, 4), (4, 40, 4))
+WARM_UP_STEPS = ((1, 128, 1), (4, 8, 4), (4, 40, 4), (1, 320, 1), (5, 16, 5))
 # Step max ranks are multiples of this (step_max_rank); the warm-up runs one of them (one rank block) and
 # the engine's largest.
 RANK_ALIGN = 16

@@ -12,7 +12,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from slora import LLM, SamplingParams
 from slora.attention_backend import LoraLaunchPolicy, TritonAttention, TritonLora
 from slora.cuda_graphs import GraphLimits
-from slora.model_runner import step_max_rank
+from slora.model_runner import WARM_UP_STEPS, step_max_rank
 from tiny import random_prompts
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -56,6 +56,15 @@ def test_lora_launch_policy_rules_and_validation():
                 {"block_m_tokens_per_slot": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LoraLaunchPolicy(**bad)
+
+
+def test_warm_up_steps_cover_every_lora_launch_choice_of_the_default_policy():
+    """Shrink into one h or split partials, in blocks of 16 or 64 tokens: each pair is its own kernel
+    variant, and a step of five adapters (block-16 partials) is more than the tiny model's test set has."""
+    policy = LoraLaunchPolicy()
+    choices = {(policy.accumulates(seqs * each, slots), policy.block_m(seqs * each, slots))
+               for seqs, each, slots in WARM_UP_STEPS}
+    assert choices == {(accumulate, block_m) for accumulate in (True, False) for block_m in (16, 64)}
 
 
 @pytest.mark.parametrize("triton", [False, True])
@@ -159,7 +168,9 @@ def test_serving_launches_no_kernel_variant_the_warm_up_did_not(tiny_llama, monk
     monkeypatch.setattr(runner, "run", checked_run)
     names = ["attn-r4", None, "mlp-r8", "all-r16", "rs-pattern", "all-r16"]
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    # Steps of more than accumulate_few_max_tokens tokens on few adapters: split partial sums, 64-token blocks.
+    partials = (([300], ["mlp-r8"]), ([150, 150], ["attn-r4", "all-r16"]))
     for seed, (lengths, mix) in enumerate((([1, 9, 17, 40], names[:4]), ([33, 20, 5], names[3:]),
-                                           ([12, 30], ["attn-r4", "attn-r4"]), ([70], ["mlp-r8"]))):
+                                           ([12, 30], ["attn-r4", "attn-r4"]), ([70], ["mlp-r8"]), *partials)):
         llm.generate(random_prompts(lengths, seed=50 + seed), params, adapters=mix)
     assert recorder.new == [], "\n".join(map(str, recorder.new))
