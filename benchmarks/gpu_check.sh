@@ -2,14 +2,15 @@
 # `make gpu-check`: on a machine with CUDA (the device tool runs it over a copy of the tree). Installs the
 # project offline, runs the GPU tests, then the kernel and decode benchmarks; results go under $OUT
 # (default: benchmarks/results/gpu). QUICK=1: small sizes. PEFT=0: skip the PEFT comparison.
-# STEPS picks steps (default "tests kernels sweep decode full profile peft"; "full" is the decode step without
-# the few-adapter graphs, --graph-few-adapters 0; also "mixed" (eager mixed steps by kernel, decode.py --mixed),
-# "sharing", "throughput", "serving", which pass
+# STEPS picks steps (default "tests kernels sweep resources decode full profile peft"; "resources" lists the
+# LoRA kernels' registers, shared memory and occupancy; "full" is the decode step without the few-adapter
+# graphs, --graph-few-adapters 0; also "mixed" (eager mixed steps by kernel, decode.py --mixed), "ncu" (Nsight
+# Compute on the distinct-adapter LoRA expands), "sharing", "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on). At most 8 files come back from the device tool: pick steps to fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu}"
-STEPS="${STEPS:-tests kernels sweep decode full profile peft}"
+STEPS="${STEPS:-tests kernels sweep resources decode full profile peft}"
 mkdir -p "$OUT"
 status=0
 quick=(); [ "${QUICK:-0}" = 1 ] && quick=(--quick)
@@ -34,6 +35,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 has tests && run gpu_tests python -m pytest -m gpu -q -rs -x tests/kernels tests/e2e
 has kernels && run kernels python benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels.json"
 has sweep && run lora_sweep python benchmarks/kernels.py --lora-sweep --out "$OUT/lora_sweep.json"
+has resources && run kernel_resources python benchmarks/kernel_resources.py --out "$OUT/kernel_resources.json"
+# Nsight Compute on the distinct-adapter layer's four expands: occupancy, stall reasons, speed of light.
+has ncu && run ncu_lora_expand ncu --clock-control none --kernel-name regex:_lora_expand_kernel --launch-count 4 \
+  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+  python benchmarks/kernel_resources.py --adapters 64 --out "$OUT/kernel_resources_ncu.json"
 has decode && run decode python benchmarks/decode.py "${quick[@]}" --out "$OUT/decode.json"
 has full && run decode_full python benchmarks/decode.py "${quick[@]}" --graph-few-adapters 0 \
   --out "$OUT/decode_full.json"
