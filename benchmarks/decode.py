@@ -374,6 +374,8 @@ def main() -> None:
                         help="LoRA launch policy: ... of at most this many tokens")
     parser.add_argument("--block-m-tokens-per-slot", type=int, default=policy.block_m_tokens_per_slot,
                         help="LoRA launch policy: 64-token blocks from this many tokens per adapter slot")
+    parser.add_argument("--gathered-page-loads", dest="split_page_loads", action="store_false",
+                        help="LoRA launch policy: one gathered (2-byte) load per run of adapter weights, to compare")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     mixes = tuple(args.mixes.split(","))
@@ -381,7 +383,8 @@ def main() -> None:
         parser.error(f"--mixes must name some of {', '.join(MIXES)}, got {args.mixes}")
     try:
         lora_policy = LoraLaunchPolicy(args.accumulate_max_tokens, args.accumulate_max_slots,
-                                       args.accumulate_few_max_tokens, args.block_m_tokens_per_slot)
+                                       args.accumulate_few_max_tokens, args.block_m_tokens_per_slot,
+                                       args.split_page_loads)
     except ValueError as error:
         parser.error(str(error))
     logging.basicConfig(level=logging.INFO)

@@ -212,6 +212,7 @@ class LoraKnobs:
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
     pdl: bool = False           # shrink and expand with programmatic dependent launch
+    split_page_loads: bool = True   # adapter weights through vector loads (False: one gathered 2-byte load)
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
@@ -227,7 +228,8 @@ class LoraKnobs:
                 f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
                 f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}"
                 + (", shrink+expand fused where lora_fusable" if self.fused else "")
-                + (", programmatic dependent launch" if self.pdl else ""))
+                + (", programmatic dependent launch" if self.pdl else "")
+                + ("" if self.split_page_loads else ", gathered page loads"))
 
 
 def _auto(value: int | None) -> str:
@@ -263,17 +265,19 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
         if not knobs.accumulate:
             return lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
                                         segments=segments, split_k=knobs.split_k, tile=knobs.shrink_tile,
-                                        hoist_pages=knobs.hoist_pages, pdl=knobs.pdl)
+                                        hoist_pages=knobs.hoist_pages, split_page_loads=knobs.split_page_loads,
+                                        pdl=knobs.pdl)
         h = workspace[used:used + tokens * width].view(tokens, width)
         lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
-                         split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages, pdl=knobs.pdl)
+                         split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages,
+                         split_page_loads=knobs.split_page_loads, pdl=knobs.pdl)
         return h
 
     def expand(h: Tensor, group: tuple) -> None:
         _, out, sizes, ranks, _, b_offsets, scalings = group
         lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings, out_sizes=sizes,
                     segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile, num_warps=knobs.expand_warps,
-                    pdl=knobs.pdl)
+                    split_page_loads=knobs.split_page_loads, pdl=knobs.pdl)
 
     # The groups that run as lora_fused, as the engine would choose them (none unless knobs.fused).
     fusing = [knobs.fused and lora_fusable(x.shape[1], out.shape[1]) for x, out, *_ in groups]
@@ -296,7 +300,8 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
             if fused:
                 x, out, sizes, ranks, a_offsets, b_offsets, scalings = group
                 lora_fused(out, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, b_offsets, scalings,
-                           out_sizes=sizes, segments=segments, tile=knobs.expand_tile)
+                           out_sizes=sizes, segments=segments, tile=knobs.expand_tile,
+                           split_page_loads=knobs.split_page_loads)
             else:
                 expand(next(hs), group)
 
@@ -330,12 +335,16 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
 
 def lora_sweep(gen: torch.Generator) -> list[Row]:
     """The LoRA layer at 1 and 64 adapters over 64 table slots (a decode graph's), under other launch
-    choices than the wrappers': which shrink, its splits, tile width and hoisted page lookups."""
+    choices than the wrappers': which shrink, its splits, tile width, hoisted page lookups and how
+    adapter weights are loaded (split vector loads or one gathered load)."""
     expand_only = [LoraKnobs(part="expand", expand_tile=tile, expand_warps=warps)
                    for tile, warps in ((128, 2), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8))]
     from slora.kernels.pdl import pdl_supported
     with_pdl = [LoraKnobs(pdl=True)] if pdl_supported(torch.device("cuda")) else []
-    knobs = [LoraKnobs(), *with_pdl, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
+    # The 128-wide, 4-warp expand alone (expand_only) is the default to compare the last one with.
+    gathered = [LoraKnobs(split_page_loads=False), LoraKnobs(part="shrink", split_page_loads=False),
+                LoraKnobs(part="expand", split_page_loads=False)]
+    knobs = [LoraKnobs(), *with_pdl, *gathered, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
              LoraKnobs(accumulate=False), LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8),
              LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True), LoraKnobs(fused=True, expand_tile=256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)

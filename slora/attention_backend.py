@@ -79,11 +79,15 @@ class LoraLaunchPolicy:
     block_m_tokens_per_slot: tokens are cut into blocks of 64 (instead of 16) when the step has at least
         this many tokens per adapter slot: long segments on average. 16 (64-token blocks from batch 64 in
         a 4-slot graph) made the shared-adapter decode step slower on the H200: 7.99 against 7.76 ms at
-        batch 64, 11.1 against 10.8 ms at batch 128."""
+        batch 64, 11.1 against 10.8 ms at batch 128.
+    split_page_loads: the kernels read adapter weights with 16-byte vector loads (two masked loads where a
+        run may cross a page) instead of the 2-byte loads that one gathered load compiles to
+        (slora.kernels.lora._load_run). Off only to compare; the GPU time of either was not yet measured."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
     accumulate_few_max_tokens: int = 256
     block_m_tokens_per_slot: int = 64
+    split_page_loads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("accumulate_max_tokens", "accumulate_max_slots", "accumulate_few_max_tokens"):
@@ -126,18 +130,21 @@ class TritonLora:
                    ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
                    out_sizes: list[int]) -> None:
         self._lora.lora_fused(out, x, pool, token_slots, page_tables, ranks, a_offsets, b_offsets, scalings,
-                              out_sizes=out_sizes, segments=self.segments)
+                              out_sizes=out_sizes, segments=self.segments,
+                              split_page_loads=self.policy.split_page_loads)
 
     def lora_shrink(self, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                     a_offsets: Tensor, max_rank: int) -> Tensor:
         if not self._accumulate:
             # The split partial sums go straight to expand, which adds them up as it reads them.
             return self._lora.lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                                   segments=self.segments, pdl=self.pdl)
+                                                   segments=self.segments, pdl=self.pdl,
+                                                   split_page_loads=self.policy.split_page_loads)
         modules = 1 if ranks.dim() == 1 else ranks.shape[0]
         h = self._zeroed(x.shape[0], modules * max_rank, max_rank, x.device)
         self._lora.lora_shrink_into(h, x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                    segments=self.segments, pdl=self.pdl)
+                                    segments=self.segments, pdl=self.pdl,
+                                    split_page_loads=self.policy.split_page_loads)
         return h
 
     def _zeroed(self, rows: int, width: int, max_rank: int, device: torch.device) -> Tensor:
@@ -154,7 +161,8 @@ class TritonLora:
     def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
-                               out_sizes=out_sizes, segments=self.segments, pdl=self.pdl)
+                               out_sizes=out_sizes, segments=self.segments, pdl=self.pdl,
+                               split_page_loads=self.policy.split_page_loads)
 
 
 def backends_for(device: torch.device, pdl: bool = False,

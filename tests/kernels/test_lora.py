@@ -102,26 +102,30 @@ def test_lora_ranks_up_to_64_with_shared_segments():
 
 @pytest.mark.parametrize("page_elems", [64, 128, 1024])
 @pytest.mark.parametrize("hoist_pages", [False, True])   # runs longer than a page fall back to the loop's lookups
-def test_lora_small_and_large_pages(page_elems, hoist_pages):
-    # Pages of one or two ALIGN rows force narrow tiles; large pages let tiles cross page boundaries.
+@pytest.mark.parametrize("split_page_loads", [True, False])
+def test_lora_small_and_large_pages(page_elems, hoist_pages, split_page_loads):
+    # Pages of one or two ALIGN rows force narrow tiles; large pages let tiles cross page boundaries, where
+    # split_page_loads reads the run's head and tail with two loads.
     ranks = [2, 16, 5]
     gen = make_generator(page_elems)
     b = make_lora_batch(ranks, 136, 200, page_elems, torch.float32, gen)
     slots = random_token_slots(21, len(ranks), gen)
     x = randn((21, 136), torch.float32, gen)
     h = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, zero_fill=True,
-                             hoist_pages=hoist_pages).sum(dim=0)
+                             hoist_pages=hoist_pages, split_page_loads=split_page_loads).sum(dim=0)
     assert_close(h, reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16))
     out = randn((21, 200), torch.float32, gen)
     want = out.clone()
     reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
-    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
+                split_page_loads=split_page_loads)
     assert_close(out, want)
     # lora_fused hoists its page lookups only where a row of A (136 wide) fits in a page: 1024, not 64 or 128.
     fused = randn((21, 200), torch.float32, gen)
     want = fused.clone()
     reference.lora_fused(want, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings)
-    lora_fused(fused, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings)
+    lora_fused(fused, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings,
+               split_page_loads=split_page_loads)
     assert_close(fused, want)
 
 

@@ -1,0 +1,105 @@
+"""How the LoRA kernels load from global memory, read from their PTX for sm_90 (H100/H200), on any machine.
+
+Triton compiles a kernel for a GPU it is not running on (the NVIDIA backend and its ptxas come with the
+wheel), so the width of every global load can be counted without a GPU. The kernels are compiled the
+way a decode step launches them (bfloat16, rank 16, 128-wide tiles, pointers and sizes specialised as
+Triton specialises them at launch: 16-byte aligned, divisible by 16), once with the adapter weights read
+by split vector loads (the default) and once by one gathered load (`split_page_loads=False`), and the
+global load instructions in each PTX are counted by width (instructions in the code, not executions: a
+loop's body counts once). A 2-byte load (`b16`) moves one bfloat16; a `v4.b32` moves eight.
+
+    python benchmarks/ptx_loads.py [--quick] [--out PATH]
+
+--quick is the same run (it takes seconds); it exists so that CI runs the script like the others. It
+must run without TRITON_INTERPRET (the interpreter replaces the JIT functions that are compiled here).
+"""
+import argparse
+import collections
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+from common import RESULTS, print_table, write_json
+
+# Element types of the kernels' pointer arguments (the rest are int32 tables).
+POINTER_TYPES = {"x_ptr": "*bf16", "pool_ptr": "*bf16", "out_ptr": "*bf16", "h_ptr": "*fp32", "scale_ptr": "*fp32",
+                 "a_off_ptr": "*i64", "b_off_ptr": "*i64"}
+# Integer arguments that a Llama-3-8B decode step passes as multiples of 16 (Triton specialises on it).
+MULTIPLES_OF_16 = {"n0", "n1", "n2", "h_rank", "page_elems", "in_features", "row_stride", "max_rank", "k_per_split",
+                   "stride_xt", "stride_ht", "stride_ot", "num_tiles", "rank_blocks"}
+SM_90 = ("cuda", 90, 32)
+LOAD = re.compile(r"ld\.global(?:\.[a-z]+\d*)*?\.(v\d\.b\d+|b\d+)\s")
+
+log = logging.getLogger("benchmarks.ptx_loads")
+
+
+def signature_and_attrs(kernel: object) -> tuple[dict[str, str], dict[tuple[int, ...], list]]:
+    """Argument types, and the divisibility Triton would give each argument at a decode step's launch
+    (none for the ones the kernel does not specialise)."""
+    unspecialised = set(getattr(kernel, "do_not_specialize", ()) or ())
+    signature, attrs = {}, {}
+    for index, param in enumerate(kernel.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = POINTER_TYPES.get(name, "*i32") if name.endswith("_ptr") else "i32"
+        specialised = name not in unspecialised and index not in unspecialised
+        if specialised and (name.endswith("_ptr") or name in MULTIPLES_OF_16):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def load_widths(kernel: object, constexprs: dict[str, object]) -> collections.Counter:
+    """Global loads in the kernel's sm_90 PTX, by width (`b16`, `b32`, `v4.b32`, ...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = signature_and_attrs(kernel)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget(*SM_90), options={"num_warps": 4, "num_stages": 2})
+    return collections.Counter(LOAD.findall(compiled.asm["ptx"]))
+
+
+def kernel_cases() -> dict[str, tuple[object, dict[str, object]]]:
+    """The decode step's LoRA kernels with the compile-time arguments of a rank-16, 64-token step."""
+    from slora.kernels import lora
+    common = {"BLOCK_M": 16, "BLOCK_R": 16, "ALIGN_ELEMS": 64, "DOT_PRECISION": "tf32", "USE_PDL": False}
+    return {"shrink": (lora._lora_shrink_kernel, {**common, "BLOCK_K": 128, "ACCUMULATE": True, "HOIST_PAGES": True}),
+            "expand": (lora._lora_expand_kernel, {**common, "BLOCK_N": 128, "N_TILES": 1}),
+            "fused": (lora._lora_fused_kernel, {key: value for key, value in common.items() if key != "USE_PDL"}
+                      | {"BLOCK_K": 128, "BLOCK_N": 128, "HOIST_PAGES": True})}
+
+
+def rows() -> list[dict]:
+    result = []
+    for name, (kernel, constexprs) in kernel_cases().items():
+        for split in (True, False):
+            widths = load_widths(kernel, {**constexprs, "SPLIT_LOADS": split})
+            result.append({"kernel": name, "page_loads": "split" if split else "gathered",
+                           "b16": widths.get("b16", 0), "v4_b32": widths.get("v4.b32", 0),
+                           "other": sum(widths.values()) - widths.get("b16", 0) - widths.get("v4.b32", 0)})
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the same run (seconds), as CI runs every script")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        log.error("TRITON_INTERPRET=1 replaces the JIT functions this script compiles: run it without")
+        return 2
+    table = rows()
+    print_table(table)
+    write_json(Path(args.out or RESULTS / "ptx_loads.json"), {"benchmark": "ptx-loads", "target": "sm_90",
+                                                               "quick": args.quick, "rows": table})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
