@@ -18,7 +18,9 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
 - A and Bᵀ are read through the slot's page table: element `e` of the logical buffer is
   `pool[page_table[e // page_elems], e % page_elems]`, rows of an `n`-wide matrix start `align_up(n)`
   apart (offsets must be multiples of ALIGN). A tile row (at most a page) lies in
-  at most two pages, so it needs one or two page-table lookups, and its loads stay vectorised.
+  at most two pages, so it needs one or two page-table lookups and is read with two masked 16-byte
+  vector loads, one per page (one load through a per-element choice of page compiled to 2-byte loads:
+  benchmarks/ptx_loads.py).
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
   partial sums; expand sums them in a fixed order as it reads h (deterministic, no atomics, and no
   launch of its own: decode LoRA is bound by launch latency, not bytes). `lora_shrink_into` instead
