@@ -1,4 +1,5 @@
-"""How the LoRA kernels load from global memory, read from their PTX for sm_90 (H100/H200), on any machine.
+"""How the LoRA kernels load from global memory and what they ask of a multiprocessor, read from their code
+for sm_90 (H100/H200), on any machine.
 
 Triton compiles a kernel for a GPU it is not running on (the NVIDIA backend and its ptxas come with the
 wheel), so the width of every global load can be counted without a GPU. The kernels are compiled the
@@ -6,7 +7,10 @@ way a decode step launches them (bfloat16, rank 16, 128-wide tiles, pointers and
 Triton specialises them at launch: 16-byte aligned, divisible by 16), once with the adapter weights read
 by split vector loads (the default) and once by one gathered load (`split_page_loads=False`), and the
 global load instructions in each PTX are counted by width (instructions in the code, not executions: a
-loop's body counts once). A 2-byte load (`b16`) moves one bfloat16; a `v4.b32` moves eight.
+loop's body counts once). A 2-byte load (`b16`) moves one bfloat16; a `v4.b32` moves eight. From the
+cubin (cuobjdump, also in the wheel): registers per thread; with Triton's shared memory, the programs one
+multiprocessor holds at once (kernel_resources.programs_per_sm). The GPU machine's Triton may compile
+otherwise (kernel_resources.py reads the variants it compiled there).
 
     python benchmarks/ptx_loads.py [--quick] [--out PATH]
 
@@ -18,10 +22,13 @@ import collections
 import logging
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from common import RESULTS, print_table, write_json
+from kernel_resources import programs_per_sm
 
 # Element types of the kernels' pointer arguments (the rest are int32 tables).
 POINTER_TYPES = {"x_ptr": "*bf16", "pool_ptr": "*bf16", "out_ptr": "*bf16", "h_ptr": "*fp32", "scale_ptr": "*fp32",
@@ -52,16 +59,35 @@ def signature_and_attrs(kernel: object) -> tuple[dict[str, str], dict[tuple[int,
     return signature, attrs
 
 
-def load_widths(kernel: object, constexprs: dict[str, object]) -> collections.Counter:
-    """Global loads in the kernel's sm_90 PTX, by width (`b16`, `b32`, `v4.b32`, ...)."""
+def compile_sm90(kernel: object, constexprs: dict[str, object]) -> object:
+    """The kernel compiled for sm_90 with 4 warps and 2 stages (the LoRA kernels' launch options)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature, attrs = signature_and_attrs(kernel)
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget(*SM_90), options={"num_warps": 4, "num_stages": 2})
-    return collections.Counter(LOAD.findall(compiled.asm["ptx"]))
+    return triton.compile(source, target=GPUTarget(*SM_90), options={"num_warps": 4, "num_stages": 2})
+
+
+def load_widths(ptx: str) -> collections.Counter:
+    """Global loads in PTX, by width (`b16`, `b32`, `v4.b32`, ...)."""
+    return collections.Counter(LOAD.findall(ptx))
+
+
+def registers(cubin: bytes) -> int | None:
+    """Registers per thread of a cubin's kernel, from cuobjdump (the one in Triton's wheel); None without it."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        done = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True,
+                              timeout=60)
+    found = re.search(r"REG:(\d+)", done.stdout)
+    return int(found.group(1)) if found else None
 
 
 def kernel_cases() -> dict[str, tuple[object, dict[str, object]]]:
@@ -75,14 +101,21 @@ def kernel_cases() -> dict[str, tuple[object, dict[str, object]]]:
 
 
 def rows() -> list[dict]:
-    result = []
-    for name, (kernel, constexprs) in kernel_cases().items():
-        for split in (True, False):
-            widths = load_widths(kernel, {**constexprs, "SPLIT_LOADS": split})
-            result.append({"kernel": name, "page_loads": "split" if split else "gathered",
-                           "b16": widths.get("b16", 0), "v4_b32": widths.get("v4.b32", 0),
-                           "other": sum(widths.values()) - widths.get("b16", 0) - widths.get("v4.b32", 0)})
-    return result
+    return [row(name, kernel, {**constexprs, "SPLIT_LOADS": split})
+            for name, (kernel, constexprs) in kernel_cases().items() for split in (True, False)]
+
+
+def row(name: str, kernel: object, constexprs: dict[str, object]) -> dict:
+    compiled = compile_sm90(kernel, constexprs)
+    widths = load_widths(compiled.asm["ptx"])
+    regs, shared = registers(compiled.asm["cubin"]), compiled.metadata.shared
+    occupancy = programs_per_sm(regs, compiled.metadata.num_warps, shared) if regs is not None else None
+    return {"kernel": name, "page_loads": "split" if constexprs["SPLIT_LOADS"] else "gathered",
+            "b16": widths.get("b16", 0), "v4_b32": widths.get("v4.b32", 0),
+            "other": sum(widths.values()) - widths.get("b16", 0) - widths.get("v4.b32", 0),
+            "registers": regs, "shared_bytes": shared,
+            "programs_per_sm": occupancy.programs if occupancy else None,
+            "bound_by": occupancy.bound if occupancy else None}
 
 
 def main() -> int:
