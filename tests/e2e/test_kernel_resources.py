@@ -1,20 +1,15 @@
 """benchmarks/kernel_resources.py: the occupancy arithmetic and the reading of compiled variants, on the
 CPU with stand-ins for Triton's compiled kernels (the script itself needs a GPU)."""
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_resources.py"
+from benchmark_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def kr():
-    spec = importlib.util.spec_from_file_location("bench_kernel_resources", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kernel_resources.py", "bench_kernel_resources")
 
 
 @pytest.mark.parametrize("registers,warps,shared,programs,bound", [

@@ -1,27 +1,17 @@
 """benchmarks/memsim.py: the cost model's numbers and the two alternative memory policies, checked
 against the pool's invariants at every simulated step."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from benchmark_modules import load_benchmark
 from slora.page_pool import PageAllocator
 from slora.scheduler import SchedulerConfig
 from slora.sequence import AdapterRef
 from slora.simulator import SimRequest, simulate
 
-MEMSIM = Path(__file__).resolve().parents[2] / "benchmarks" / "memsim.py"
-
 
 @pytest.fixture(scope="module")
 def ms():
-    spec = importlib.util.spec_from_file_location("bench_memsim", MEMSIM)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module                     # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    return load_benchmark("memsim.py", "bench_memsim")
 
 
 def checked(meter):

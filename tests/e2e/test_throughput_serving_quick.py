@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from benchmark_modules import load_benchmark
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def load_workloads():
-    spec = importlib.util.spec_from_file_location("bench_workloads_quick", BENCHMARKS / "workloads.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("workloads.py", "bench_workloads_quick")
 
 
 def run_quick(script: str, out: Path, marker: str) -> dict:

@@ -1,20 +1,15 @@
 """benchmarks/workloads.py: the generated traces hit their target statistics, are seeded, and are clipped."""
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-WORKLOADS = Path(__file__).resolve().parents[2] / "benchmarks" / "workloads.py"
+from benchmark_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def wl():
-    spec = importlib.util.spec_from_file_location("bench_workloads", WORKLOADS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("workloads.py", "bench_workloads")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,17 @@
+"""A benchmark script as a module, for the tests of its functions (benchmarks/ is not a package)."""
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(script: str, name: str) -> ModuleType:
+    """benchmarks/<script> loaded as module `name`, registered in sys.modules (dataclasses look their
+    module up by name)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
