@@ -374,8 +374,8 @@ def main() -> None:
                         help="LoRA launch policy: ... of at most this many tokens")
     parser.add_argument("--block-m-tokens-per-slot", type=int, default=policy.block_m_tokens_per_slot,
                         help="LoRA launch policy: 64-token blocks from this many tokens per adapter slot")
-    parser.add_argument("--gathered-page-loads", dest="split_page_loads", action="store_false",
-                        help="LoRA launch policy: one gathered (2-byte) load per run of adapter weights, to compare")
+    parser.add_argument("--split-page-loads", action="store_true",
+                        help="LoRA launch policy: adapter weights through 16-byte vector loads (two per run)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     mixes = tuple(args.mixes.split(","))

@@ -4,7 +4,8 @@ on one at a time.
 The decode step's LoRA kernels are chains of dependent loads (benchmarks/README.md): how many programs
 each multiprocessor keeps in flight decides how much of that latency overlaps. This script runs the
 Llama-3-8B layer's LoRA (kernels.py's `bench_lora`: 64 tokens, 1 shared and 64 distinct rank-16
-adapters, 64 table slots, with and without programmatic dependent launch) so that the kernels compile,
+adapters, 64 table slots, with and without programmatic dependent launch and split page loads) so that
+the kernels compile,
 then lists every compiled variant of the shrink and the expand with its registers per thread, spilled
 registers, shared memory and warps, and the programs per multiprocessor that those allow
 (`programs_per_sm`: registers, warps, shared memory and the block limit, whichever binds first).
@@ -129,7 +130,9 @@ def compile_lora_layer(adapter_counts: tuple[int, ...] = (1, 64)) -> None:
     pdl_options = (False, True) if pdl_supported(torch.device("cuda")) else (False,)
     for adapters in adapter_counts:
         for pdl in pdl_options:
-            bench_lora(adapters, 64, 16, gen, knobs=LoraKnobs(pdl=pdl), baseline=False, table_slots=64)
+            for split in (False, True):
+                bench_lora(adapters, 64, 16, gen, knobs=LoraKnobs(pdl=pdl, split_page_loads=split), baseline=False,
+                           table_slots=64)
 
 
 def print_rows(rows: list[dict]) -> None:

@@ -212,7 +212,7 @@ class LoraKnobs:
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
     pdl: bool = False           # shrink and expand with programmatic dependent launch
-    split_page_loads: bool = True   # adapter weights through vector loads (False: one gathered 2-byte load)
+    split_page_loads: bool = False  # adapter weights through two vector loads (default: one gathered load)
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
@@ -229,7 +229,7 @@ class LoraKnobs:
                 f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}"
                 + (", shrink+expand fused where lora_fusable" if self.fused else "")
                 + (", programmatic dependent launch" if self.pdl else "")
-                + ("" if self.split_page_loads else ", gathered page loads"))
+                + (", split page loads" if self.split_page_loads else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -342,9 +342,9 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
     from slora.kernels.pdl import pdl_supported
     with_pdl = [LoraKnobs(pdl=True)] if pdl_supported(torch.device("cuda")) else []
     # The 128-wide, 4-warp expand alone (expand_only) is the default to compare the last one with.
-    gathered = [LoraKnobs(split_page_loads=False), LoraKnobs(part="shrink", split_page_loads=False),
-                LoraKnobs(part="expand", split_page_loads=False)]
-    knobs = [LoraKnobs(), *with_pdl, *gathered, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
+    split = [LoraKnobs(split_page_loads=True), LoraKnobs(part="shrink", split_page_loads=True),
+             LoraKnobs(part="expand", split_page_loads=True)]
+    knobs = [LoraKnobs(), *with_pdl, *split, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
              LoraKnobs(accumulate=False), LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8),
              LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True), LoraKnobs(fused=True, expand_tile=256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)

@@ -5,7 +5,7 @@ Triton compiles a kernel for a GPU it is not running on (the NVIDIA backend and 
 wheel), so the width of every global load can be counted without a GPU. The kernels are compiled the
 way a decode step launches them (bfloat16, rank 16, 128-wide tiles, pointers and sizes specialised as
 Triton specialises them at launch: 16-byte aligned, divisible by 16), once with the adapter weights read
-by split vector loads (the default) and once by one gathered load (`split_page_loads=False`), and the
+by one gathered load (the default) and once by split vector loads (`split_page_loads=True`), and the
 global load instructions in each PTX are counted by width (instructions in the code, not executions: a
 loop's body counts once). A 2-byte load (`b16`) moves one bfloat16; a `v4.b32` moves eight. From the
 cubin (cuobjdump, also in the wheel): registers per thread; with Triton's shared memory, the programs one

@@ -18,9 +18,10 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
 - A and Bᵀ are read through the slot's page table: element `e` of the logical buffer is
   `pool[page_table[e // page_elems], e % page_elems]`, rows of an `n`-wide matrix start `align_up(n)`
   apart (offsets must be multiples of ALIGN). A tile row (at most a page) lies in
-  at most two pages, so it needs one or two page-table lookups and is read with two masked 16-byte
-  vector loads, one per page (one load through a per-element choice of page compiled to 2-byte loads:
-  benchmarks/ptx_loads.py).
+  at most two pages, so it needs one or two page-table lookups. By default it is read with one load
+  through a per-element choice of page, which Triton compiles to 2-byte loads; `split_page_loads=True`
+  reads it with two masked 16-byte vector loads, one per page (benchmarks/ptx_loads.py), and becomes the
+  default once its GPU time is measured.
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
   partial sums; expand sums them in a fixed order as it reads h (deterministic, no atomics, and no
   launch of its own: decode LoRA is bound by launch latency, not bytes). `lora_shrink_into` instead
@@ -147,11 +148,12 @@ def _load_run(pool_ptr, first, second, room, cols, mask, SPLIT_LOADS: tl.constex
     # page. Triton cannot see that the choice is constant over 16-byte runs and loads every element of
     # the single load alone: 2-byte loads in the sm_90 PTX, 8 where the split loads issue one 16-byte
     # load (benchmarks/ptx_loads.py). The tail is masked off in rows that do not cross a page (most):
-    # no bytes move for it. Both read the same elements; the single load is kept to compare.
+    # no bytes move for it. Both read the same elements. Off by default until measured on a GPU.
     in_first = cols[None, :] < room[:, None]
     if SPLIT_LOADS:
         head = tl.load(pool_ptr + first[:, None] + cols[None, :], mask=mask & in_first, other=0.0)
-        tail = tl.load(pool_ptr + second[:, None] + cols[None, :], mask=mask & ~in_first, other=0.0)
+        tail = tl.load(pool_ptr + second[:, None] + cols[None, :], mask=mask & (cols[None, :] >= room[:, None]),
+                       other=0.0)
         return tl.where(in_first, head, tail)
     base = tl.where(in_first, first[:, None], second[:, None])
     return tl.load(pool_ptr + base + cols[None, :], mask=mask, other=0.0)
@@ -591,14 +593,15 @@ def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tens
 def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                          a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
                          split_k: int | None = None, zero_fill: bool = False, tile: int | None = None,
-                         hoist_pages: bool = True, split_page_loads: bool = True, pdl: bool = False) -> Tensor:
+                         hoist_pages: bool = True, split_page_loads: bool = False, pdl: bool = False) -> Tensor:
     """Partial sums of the shrink, `[splits, tokens, modules * max_rank]` float32, for `lora_expand`.
     hoist_pages: look up each row's pages once before the reduction loop instead of in every step of it
     (where a split's run of a row fits in a page). On the H200 it took the Llama-3-8B layer's LoRA from
     148.1 to 141.6 µs (64 distinct adapters) and 48.5 to 45.4 µs (one shared), so it is on by default.
     split_page_loads: read a run of adapter weights that may cross a page as two masked vector loads (one
     per page) instead of one load through a per-element choice of page, which Triton compiles to 2-byte
-    loads (see _load_run). On by default; off only to compare (benchmarks/kernels.py --lora-sweep).
+    loads (see _load_run). Off by default until its GPU time is measured (benchmarks/kernels.py
+    --lora-sweep, decode.py --split-page-loads); it compiled and ran only on the CPU so far.
 
     ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read
     the same x (q/k/v, gate/up): one launch for all. Module m's h is in columns m*max_rank onwards.
@@ -621,7 +624,7 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
 def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                      a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
                      split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True,
-                     split_page_loads: bool = True, pdl: bool = False) -> None:
+                     split_page_loads: bool = False, pdl: bool = False) -> None:
     """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
 
     h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
@@ -717,7 +720,7 @@ def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
                 segments: LoraSegments | None = None, n_tiles: int | None = None, tile: int | None = None,
-                num_warps: int | None = None, split_page_loads: bool = True, pdl: bool = False) -> None:
+                num_warps: int | None = None, split_page_loads: bool = False, pdl: bool = False) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
 
     out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, modules * width]
@@ -763,7 +766,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
 
 def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
-               segments: LoraSegments | None = None, tile: int | None = None, split_page_loads: bool = True) -> None:
+               segments: LoraSegments | None = None, tile: int | None = None, split_page_loads: bool = False) -> None:
     """out[t] += ((x[t] @ A_sᵀ) @ Bᵀ_s) * scaling_s for s = token_slots[t]: shrink and expand in one launch.
 
     Every output tile of a block of tokens computes the block's h again, reading x and A once per tile,

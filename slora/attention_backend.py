@@ -82,12 +82,12 @@ class LoraLaunchPolicy:
         batch 64, 11.1 against 10.8 ms at batch 128.
     split_page_loads: the kernels read adapter weights with 16-byte vector loads (two masked loads where a
         run may cross a page) instead of the 2-byte loads that one gathered load compiles to
-        (slora.kernels.lora._load_run). Off only to compare; the GPU time of either was not yet measured."""
+        (slora.kernels.lora._load_run). Off until its GPU time is measured (it ran only on the CPU)."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
     accumulate_few_max_tokens: int = 256
     block_m_tokens_per_slot: int = 64
-    split_page_loads: bool = True
+    split_page_loads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("accumulate_max_tokens", "accumulate_max_slots", "accumulate_few_max_tokens"):

@@ -150,12 +150,13 @@ def _fused_case(dtype, pattern, name, seed, device="cpu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k,n_tiles,tile", [(1, 1, None), (3, 2, 64), (2, 4, 256)])
-def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile):
+@pytest.mark.parametrize("split_k,n_tiles,tile,split_page_loads", [(1, 1, None, False), (3, 2, 64, True),
+                                                                    (2, 4, 256, True)])
+def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, split_page_loads):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k,
-                                    tile=tile)
+                                    tile=tile, split_page_loads=split_page_loads)
     assert partials.shape == (split_k, len(slots), len(out_sizes) * 16)
     assert_close(lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k), h_want)
     want = out.clone()
@@ -163,7 +164,8 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
     # Expand straight from the partial sums. Shrink leaves the entries of tokens without adapter and of
     # columns past each rank unwritten: make them NaN, so that reading one fails the test.
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
-                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile)
+                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile,
+                split_page_loads=split_page_loads)
     assert_close(out, want)
 
 
@@ -374,19 +376,20 @@ def test_lora_rejects_bad_tile(tile):
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("hoist_pages", [False, True])
-def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hoist_pages):
+@pytest.mark.parametrize("hoist_pages,split_page_loads", [(False, False), (True, False), (True, True), (False, True)])
+def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hoist_pages, split_page_loads):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=7 + split_k)
     h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 16)
     start = randn(tuple(h_want.shape), torch.float32, make_generator(3))
     h = start.clone()                      # not zero: the shrink must add to what h holds
     lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k, tile=64,
-                     hoist_pages=hoist_pages)
+                     hoist_pages=hoist_pages, split_page_loads=split_page_loads)
     assert_close(h, start + h_want)
     want = out.float()
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                           out_sizes)
-    lora_expand(out, h - start, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
+    lora_expand(out, h - start, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
+                split_page_loads=split_page_loads)
     assert_close(out, want)
 
 
