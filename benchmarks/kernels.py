@@ -212,7 +212,7 @@ class LoraKnobs:
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
     pdl: bool = False           # shrink and expand with programmatic dependent launch
-    split_page_loads: bool = False  # adapter weights through two vector loads (default: one gathered load)
+    split_page_loads: bool = False  # adapter weights as ALIGN-wide vector-loaded runs (default: one gathered load)
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):

@@ -20,8 +20,8 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
   apart (offsets must be multiples of ALIGN). A tile row (at most a page) lies in
   at most two pages, so it needs one or two page-table lookups. By default it is read with one load
   through a per-element choice of page, which Triton compiles to 2-byte loads; `split_page_loads=True`
-  reads it with two masked 16-byte vector loads, one per page (benchmarks/ptx_loads.py), and becomes the
-  default once its GPU time is measured.
+  reads it as ALIGN-wide runs, each inside one page, with 16-byte vector loads (benchmarks/ptx_loads.py),
+  and becomes the default once its GPU time is measured.
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
   partial sums; expand sums them in a fixed order as it reads h (deterministic, no atomics, and no
   launch of its own: decode LoRA is bound by launch latency, not bytes). `lora_shrink_into` instead
@@ -142,20 +142,27 @@ def _split_pages(pt_row, offset, rows, row_stride, col0, length, page_elems, ALI
 
 
 @triton.jit
-def _load_run(pool_ptr, first, second, room, cols, mask, SPLIT_LOADS: tl.constexpr):
-    # Columns `cols` (counted from the run's col0) of the rows located by _split_pages: [R, len(cols)].
-    # SPLIT_LOADS: two masked loads, one per page, rather than one load through a per-column choice of
-    # page. Triton cannot see that the choice is constant over 16-byte runs and loads every element of
-    # the single load alone: 2-byte loads in the sm_90 PTX, 8 where the split loads issue one 16-byte
-    # load (benchmarks/ptx_loads.py). The tail is masked off in rows that do not cross a page (most):
-    # no bytes move for it. Both read the same elements. Off by default until measured on a GPU.
-    in_first = cols[None, :] < room[:, None]
+def _load_run(pool_ptr, first, second, room, col_off, mask, WIDTH: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
+              SPLIT_LOADS: tl.constexpr):
+    # Columns col_off .. col_off + WIDTH (counted from the run's col0; col_off a multiple of ALIGN) of the
+    # rows located by _split_pages: [R, WIDTH].
+    # By default one load through a per-column choice of page: Triton cannot see that the choice is
+    # constant over 16-byte runs and loads every element alone (2-byte loads in the sm_90 PTX;
+    # benchmarks/ptx_loads.py). SPLIT_LOADS: the columns as ALIGN-wide runs, each inside one page (a page
+    # boundary falls on a multiple of ALIGN), whose page is chosen per run: [R, WIDTH / ALIGN, ALIGN],
+    # one 16-byte vector load per 8 elements. Both read the same elements. Off by default until measured
+    # on a GPU.
     if SPLIT_LOADS:
-        head = tl.load(pool_ptr + first[:, None] + cols[None, :], mask=mask & in_first, other=0.0)
-        tail = tl.load(pool_ptr + second[:, None] + cols[None, :], mask=mask & (cols[None, :] >= room[:, None]),
-                       other=0.0)
-        return tl.where(in_first, head, tail)
-    base = tl.where(in_first, first[:, None], second[:, None])
+        R: tl.constexpr = first.shape[0]
+        RUNS: tl.constexpr = WIDTH // ALIGN_ELEMS
+        run0 = col_off + tl.arange(0, RUNS) * ALIGN_ELEMS                                        # [RUNS]
+        base = tl.where(run0[None, :] < room[:, None], first[:, None], second[:, None]) + run0[None, :]
+        base = tl.multiple_of(base, [1, ALIGN_ELEMS])                                            # [R, RUNS]
+        runs = tl.load(pool_ptr + base[:, :, None] + tl.arange(0, ALIGN_ELEMS)[None, None, :],
+                       mask=tl.reshape(mask, [R, RUNS, ALIGN_ELEMS]), other=0.0)                # [R, RUNS, ALIGN]
+        return tl.reshape(runs, [R, WIDTH])
+    cols = col_off + tl.arange(0, WIDTH)
+    base = tl.where(cols[None, :] < room[:, None], first[:, None], second[:, None])
     return tl.load(pool_ptr + base + cols[None, :], mask=mask, other=0.0)
 
 
@@ -166,7 +173,7 @@ def _load_paged_tile(pool_ptr, pt_row, offset, rows, row_stride, row_len, col0, 
     # have row_len valid columns: [len(rows), TILE].
     first, second, room = _split_pages(pt_row, offset, rows, row_stride, col0, row_len - col0, page_elems,
                                        ALIGN_ELEMS)
-    return _load_run(pool_ptr, first, second, room, tl.arange(0, TILE), mask, SPLIT_LOADS)
+    return _load_run(pool_ptr, first, second, room, 0, mask, TILE, ALIGN_ELEMS, SPLIT_LOADS)
 
 
 @triton.jit
@@ -203,7 +210,7 @@ def _a_chunk(pool_ptr, pt_row, a_offset, rows, r_mask, k0, k_lo, in_features, ro
     cols = tl.arange(0, BLOCK_K)
     a_mask = r_mask[:, None] & (k0 + cols < in_features)[None, :]
     if HOIST_PAGES:
-        return _load_run(pool_ptr, first, second, room, k0 - k_lo + cols, a_mask, SPLIT_LOADS)
+        return _load_run(pool_ptr, first, second, room, k0 - k_lo, a_mask, BLOCK_K, ALIGN_ELEMS, SPLIT_LOADS)
     return _load_paged_tile(pool_ptr, pt_row, a_offset, rows, row_stride, in_features, k0, page_elems, a_mask,
                             BLOCK_K, ALIGN_ELEMS, SPLIT_LOADS)
 
@@ -598,9 +605,9 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     hoist_pages: look up each row's pages once before the reduction loop instead of in every step of it
     (where a split's run of a row fits in a page). On the H200 it took the Llama-3-8B layer's LoRA from
     148.1 to 141.6 µs (64 distinct adapters) and 48.5 to 45.4 µs (one shared), so it is on by default.
-    split_page_loads: read a run of adapter weights that may cross a page as two masked vector loads (one
-    per page) instead of one load through a per-element choice of page, which Triton compiles to 2-byte
-    loads (see _load_run). Off by default until its GPU time is measured (benchmarks/kernels.py
+    split_page_loads: read a run of adapter weights that may cross a page as ALIGN-wide runs, each inside
+    one page, with 16-byte vector loads, instead of one load through a per-element choice of page, which
+    Triton compiles to 2-byte loads (see _load_run). Off by default until its GPU time is measured (benchmarks/kernels.py
     --lora-sweep, decode.py --split-page-loads); it compiled and ran only on the CPU so far.
 
     ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read

@@ -80,8 +80,8 @@ class LoraLaunchPolicy:
         this many tokens per adapter slot: long segments on average. 16 (64-token blocks from batch 64 in
         a 4-slot graph) made the shared-adapter decode step slower on the H200: 7.99 against 7.76 ms at
         batch 64, 11.1 against 10.8 ms at batch 128.
-    split_page_loads: the kernels read adapter weights with 16-byte vector loads (two masked loads where a
-        run may cross a page) instead of the 2-byte loads that one gathered load compiles to
+    split_page_loads: the kernels read adapter weights as ALIGN-wide runs, each inside one page, with
+        16-byte vector loads instead of the 2-byte loads that one gathered load compiles to
         (slora.kernels.lora._load_run). Off until its GPU time is measured (it ran only on the CPU)."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4

@@ -105,7 +105,7 @@ def test_lora_ranks_up_to_64_with_shared_segments():
 @pytest.mark.parametrize("split_page_loads", [True, False])
 def test_lora_small_and_large_pages(page_elems, hoist_pages, split_page_loads):
     # Pages of one or two ALIGN rows force narrow tiles; large pages let tiles cross page boundaries, where
-    # split_page_loads reads the run's head and tail with two loads.
+    # split_page_loads chooses the page of each ALIGN-wide run of a row instead of each element.
     ranks = [2, 16, 5]
     gen = make_generator(page_elems)
     b = make_lora_batch(ranks, 136, 200, page_elems, torch.float32, gen)
