@@ -375,7 +375,7 @@ def main() -> None:
     parser.add_argument("--block-m-tokens-per-slot", type=int, default=policy.block_m_tokens_per_slot,
                         help="LoRA launch policy: 64-token blocks from this many tokens per adapter slot")
     parser.add_argument("--split-page-loads", action="store_true",
-                        help="LoRA launch policy: adapter weights through 16-byte vector loads (two per run)")
+                        help="LoRA launch policy: adapter weights as 64-element runs through 16-byte vector loads")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     mixes = tuple(args.mixes.split(","))

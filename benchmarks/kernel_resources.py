@@ -5,12 +5,13 @@ The decode step's LoRA kernels are chains of dependent loads (benchmarks/README.
 each multiprocessor keeps in flight decides how much of that latency overlaps. This script runs the
 Llama-3-8B layer's LoRA (kernels.py's `bench_lora`: 64 tokens, 1 shared and 64 distinct rank-16
 adapters, 64 table slots, with and without programmatic dependent launch and split page loads) so that
-the kernels compile,
-then lists every compiled variant of the shrink and the expand with its registers per thread, spilled
-registers, shared memory and warps, and the programs per multiprocessor that those allow
-(`programs_per_sm`: registers, warps, shared memory and the block limit, whichever binds first).
+the kernels compile, then lists every compiled variant of the shrink and the expand with its registers
+per thread and stack (where spilled registers go; both read from the cubin with cuobjdump), shared
+memory and warps, and the programs per multiprocessor that those allow (`programs_per_sm`: registers,
+warps, shared memory and the block limit, whichever binds first).
 
-A diagnostic for the GPU only (no --quick: nothing is compiled without CUDA); its results go to
+A diagnostic for the GPU only (no --quick: it runs the kernels, with the GPU machine's Triton);
+benchmarks/ptx_loads.py reads the same from code it compiles on any machine. Results go to
 benchmarks/README.md.
 
     python benchmarks/kernel_resources.py [--adapters 1 64] [--out PATH]
@@ -22,9 +23,13 @@ the distinct-adapter layer's, without programmatic dependent launch.
 import argparse
 import json
 import logging
+import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -90,18 +95,45 @@ def compiled_variants(kernel: object) -> list[object]:
     return variants
 
 
+class CubinResources(NamedTuple):
+    registers: int     # per thread
+    stack_bytes: int   # per thread: the stack frame, where spilled registers go
+
+
+def cubin_resources(cubin: bytes) -> CubinResources | None:
+    """Registers and stack of a cubin's kernel, from cuobjdump (the one in Triton's wheel); None without it.
+    Reads the compiled code itself, on any machine (benchmarks/ptx_loads.py compiles without a GPU)."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        done = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True,
+                              timeout=60)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", done.stdout)
+    return CubinResources(int(found.group(1)), int(found.group(2))) if found else None
+
+
+def occupancy_columns(resources: CubinResources | None, num_warps: int, shared_bytes: int,
+                      limits: SmLimits = SmLimits()) -> dict:
+    """A compiled kernel's registers, stack, shared memory and warps, and the programs they leave room for
+    on one multiprocessor (None where the registers are unknown)."""
+    occupancy = programs_per_sm(resources.registers, num_warps, shared_bytes, limits) if resources else None
+    return {"registers": resources.registers if resources else None,
+            "stack_bytes": resources.stack_bytes if resources else None,
+            "shared_bytes": shared_bytes, "num_warps": num_warps,
+            "programs_per_sm": occupancy.programs if occupancy else None,
+            "bound_by": occupancy.bound if occupancy else None,
+            "warps_per_sm": occupancy.programs * num_warps if occupancy else None}
+
+
 def resource_row(name: str, compiled: object, limits: SmLimits) -> dict:
-    """Registers, spills, shared memory, warps and occupancy of one compiled variant."""
-    init = getattr(compiled, "_init_handles", None)
-    if init is not None:
-        init()   # Triton loads the binary, and with it reads its register counts, on first launch only
+    """Compile-time arguments, registers, stack, shared memory, warps and occupancy of one compiled variant."""
     metadata = compiled.metadata
-    registers, spills = getattr(compiled, "n_regs", 0), getattr(compiled, "n_spills", 0)
-    occupancy = programs_per_sm(registers, metadata.num_warps, metadata.shared, limits)
-    return {"kernel": name, "constexprs": constexprs(compiled), "num_warps": metadata.num_warps, "num_stages": getattr(metadata, "num_stages", None),
-            "registers": registers, "spilled": spills, "shared_bytes": metadata.shared,
-            "programs_per_sm": occupancy.programs, "bound_by": occupancy.bound,
-            "warps_per_sm": occupancy.programs * metadata.num_warps}
+    return {"kernel": name, "constexprs": constexprs(compiled),
+            **occupancy_columns(cubin_resources(compiled.asm["cubin"]), metadata.num_warps, metadata.shared, limits)}
 
 
 def constexprs(compiled: object) -> str:

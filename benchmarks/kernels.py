@@ -345,8 +345,9 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
     split = [LoraKnobs(split_page_loads=True), LoraKnobs(part="shrink", split_page_loads=True),
              LoraKnobs(part="expand", split_page_loads=True)]
     knobs = [LoraKnobs(), *with_pdl, *split, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
-             LoraKnobs(accumulate=False), LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8),
-             LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True), LoraKnobs(fused=True, expand_tile=256)]
+             LoraKnobs(accumulate=False), LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2),
+             LoraKnobs(expand_warps=8), LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True),
+             LoraKnobs(fused=True, expand_tile=256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 

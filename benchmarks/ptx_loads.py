@@ -9,8 +9,8 @@ by one gathered load (the default) and once by split vector loads (`split_page_l
 global load instructions in each PTX are counted by width (instructions in the code, not executions: a
 loop's body counts once). A 2-byte load (`b16`) moves one bfloat16; a `v4.b32` moves eight. From the
 cubin (cuobjdump, also in the wheel): registers per thread; with Triton's shared memory, the programs one
-multiprocessor holds at once (kernel_resources.programs_per_sm). The GPU machine's Triton may compile
-otherwise (kernel_resources.py reads the variants it compiled there).
+multiprocessor holds at once (kernel_resources.occupancy_columns). The GPU machine's Triton may compile
+otherwise (kernel_resources.py reads the variants it compiled there, the same way).
 
     python benchmarks/ptx_loads.py [--quick] [--out PATH]
 
@@ -22,13 +22,11 @@ import collections
 import logging
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from common import RESULTS, print_table, write_json
-from kernel_resources import programs_per_sm
+from kernel_resources import cubin_resources, occupancy_columns
 
 # Element types of the kernels' pointer arguments (the rest are int32 tables).
 POINTER_TYPES = {"x_ptr": "*bf16", "pool_ptr": "*bf16", "out_ptr": "*bf16", "h_ptr": "*fp32", "scale_ptr": "*fp32",
@@ -75,21 +73,6 @@ def load_widths(ptx: str) -> collections.Counter:
     return collections.Counter(LOAD.findall(ptx))
 
 
-def registers(cubin: bytes) -> int | None:
-    """Registers per thread of a cubin's kernel, from cuobjdump (the one in Triton's wheel); None without it."""
-    import triton
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
-        file.write(cubin)
-        file.flush()
-        done = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True,
-                              timeout=60)
-    found = re.search(r"REG:(\d+)", done.stdout)
-    return int(found.group(1)) if found else None
-
-
 def kernel_cases() -> dict[str, tuple[object, dict[str, object]]]:
     """The decode step's LoRA kernels with the compile-time arguments of a rank-16, 64-token step."""
     from slora.kernels import lora
@@ -108,14 +91,11 @@ def rows() -> list[dict]:
 def row(name: str, kernel: object, constexprs: dict[str, object]) -> dict:
     compiled = compile_sm90(kernel, constexprs)
     widths = load_widths(compiled.asm["ptx"])
-    regs, shared = registers(compiled.asm["cubin"]), compiled.metadata.shared
-    occupancy = programs_per_sm(regs, compiled.metadata.num_warps, shared) if regs is not None else None
     return {"kernel": name, "page_loads": "split" if constexprs["SPLIT_LOADS"] else "gathered",
             "b16": widths.get("b16", 0), "v4_b32": widths.get("v4.b32", 0),
             "other": sum(widths.values()) - widths.get("b16", 0) - widths.get("v4.b32", 0),
-            "registers": regs, "shared_bytes": shared,
-            "programs_per_sm": occupancy.programs if occupancy else None,
-            "bound_by": occupancy.bound if occupancy else None}
+            **occupancy_columns(cubin_resources(compiled.asm["cubin"]), compiled.metadata.num_warps,
+                                compiled.metadata.shared)}
 
 
 def main() -> int:

@@ -607,8 +607,8 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     148.1 to 141.6 µs (64 distinct adapters) and 48.5 to 45.4 µs (one shared), so it is on by default.
     split_page_loads: read a run of adapter weights that may cross a page as ALIGN-wide runs, each inside
     one page, with 16-byte vector loads, instead of one load through a per-element choice of page, which
-    Triton compiles to 2-byte loads (see _load_run). Off by default until its GPU time is measured (benchmarks/kernels.py
-    --lora-sweep, decode.py --split-page-loads); it compiled and ran only on the CPU so far.
+    Triton compiles to 2-byte loads (see _load_run). Off by default until its GPU time is measured
+    (benchmarks/kernels.py --lora-sweep, decode.py --split-page-loads); it ran only on the CPU so far.
 
     ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read
     the same x (q/k/v, gate/up): one launch for all. Module m's h is in columns m*max_rank onwards.

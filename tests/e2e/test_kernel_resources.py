@@ -42,11 +42,16 @@ def test_compiled_variants_reads_the_kernel_cache_of_every_device(kr):
     assert kr.compiled_variants(SimpleNamespace()) == []
 
 
-def test_resource_row_from_a_compiled_variant(kr):
+def test_resource_row_from_a_compiled_variant(kr, monkeypatch):
+    # The registers come from the cubin through cuobjdump (tests/kernels/test_ptx_loads.py reads a real one);
+    # here the reading is stubbed, and the row is built around it.
+    cubins = []
+    monkeypatch.setattr(kr, "cubin_resources", lambda cubin: cubins.append(cubin) or kr.CubinResources(96, 0))
     fn = SimpleNamespace(arg_names=["x_ptr", "n", "BLOCK_M", "USE_PDL"])
-    compiled = SimpleNamespace(n_regs=96, n_spills=0, metadata=SimpleNamespace(num_warps=4, num_stages=2, shared=8192),
+    compiled = SimpleNamespace(asm={"cubin": b"cubin"}, metadata=SimpleNamespace(num_warps=4, shared=8192),
                                src=SimpleNamespace(fn=fn, constants={(2,): 16, (3,): True}))
     row = kr.resource_row("expand", compiled, kr.SmLimits())
+    assert cubins == [b"cubin"] and (row["registers"], row["stack_bytes"]) == (96, 0)
     # 96 x 32 = 3,072 registers a warp: 21 warps, so 5 programs of 4 warps.
     assert row["programs_per_sm"] == 5 and row["bound_by"] == "registers" and row["warps_per_sm"] == 20
     assert row["constexprs"] == "BLOCK_M=16 USE_PDL=True"
