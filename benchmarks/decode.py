@@ -374,8 +374,10 @@ def main() -> None:
                         help="LoRA launch policy: ... of at most this many tokens")
     parser.add_argument("--block-m-tokens-per-slot", type=int, default=policy.block_m_tokens_per_slot,
                         help="LoRA launch policy: 64-token blocks from this many tokens per adapter slot")
-    parser.add_argument("--split-page-loads", action="store_true",
-                        help="LoRA launch policy: adapter weights as 64-element runs through 16-byte vector loads")
+    parser.add_argument("--lora-tile", type=int, default=policy.lora_tile,
+                        help="LoRA launch policy: columns per shrink/expand tile (64: 16-byte vector loads)")
+    parser.add_argument("--expand-n-tiles", type=int, default=policy.expand_n_tiles,
+                        help="LoRA launch policy: output tiles per expand program")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     mixes = tuple(args.mixes.split(","))
@@ -384,7 +386,7 @@ def main() -> None:
     try:
         lora_policy = LoraLaunchPolicy(args.accumulate_max_tokens, args.accumulate_max_slots,
                                        args.accumulate_few_max_tokens, args.block_m_tokens_per_slot,
-                                       args.split_page_loads)
+                                       args.lora_tile, args.expand_n_tiles)
     except ValueError as error:
         parser.error(str(error))
     logging.basicConfig(level=logging.INFO)

@@ -4,7 +4,7 @@ on one at a time.
 The decode step's LoRA kernels are chains of dependent loads (benchmarks/README.md): how many programs
 each multiprocessor keeps in flight decides how much of that latency overlaps. This script runs the
 Llama-3-8B layer's LoRA (kernels.py's `bench_lora`: 64 tokens, 1 shared and 64 distinct rank-16
-adapters, 64 table slots, with and without programmatic dependent launch and split page loads) so that
+adapters, 64 table slots, with and without programmatic dependent launch, and with 128- and 64-column tiles) so that
 the kernels compile, then lists every compiled variant of the shrink and the expand with its registers
 per thread and stack (where spilled registers go; both read from the cubin with cuobjdump), shared
 memory and warps, and the programs per multiprocessor that those allow (`programs_per_sm`: registers,
@@ -162,9 +162,9 @@ def compile_lora_layer(adapter_counts: tuple[int, ...] = (1, 64)) -> None:
     pdl_options = (False, True) if pdl_supported(torch.device("cuda")) else (False,)
     for adapters in adapter_counts:
         for pdl in pdl_options:
-            for split in (False, True):
-                bench_lora(adapters, 64, 16, gen, knobs=LoraKnobs(pdl=pdl, split_page_loads=split), baseline=False,
-                           table_slots=64)
+            for tile in (None, 64):
+                knobs = LoraKnobs(pdl=pdl, shrink_tile=tile, expand_tile=tile)
+                bench_lora(adapters, 64, 16, gen, knobs=knobs, baseline=False, table_slots=64)
 
 
 def print_rows(rows: list[dict]) -> None:

@@ -212,7 +212,6 @@ class LoraKnobs:
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
     pdl: bool = False           # shrink and expand with programmatic dependent launch
-    split_page_loads: bool = False  # adapter weights as ALIGN-wide vector-loaded runs (default: one gathered load)
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
@@ -228,8 +227,7 @@ class LoraKnobs:
                 f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
                 f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}"
                 + (", shrink+expand fused where lora_fusable" if self.fused else "")
-                + (", programmatic dependent launch" if self.pdl else "")
-                + (", split page loads" if self.split_page_loads else ""))
+                + (", programmatic dependent launch" if self.pdl else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -265,19 +263,18 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
         if not knobs.accumulate:
             return lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
                                         segments=segments, split_k=knobs.split_k, tile=knobs.shrink_tile,
-                                        hoist_pages=knobs.hoist_pages, split_page_loads=knobs.split_page_loads,
-                                        pdl=knobs.pdl)
+                                        hoist_pages=knobs.hoist_pages, pdl=knobs.pdl)
         h = workspace[used:used + tokens * width].view(tokens, width)
         lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
                          split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages,
-                         split_page_loads=knobs.split_page_loads, pdl=knobs.pdl)
+                         pdl=knobs.pdl)
         return h
 
     def expand(h: Tensor, group: tuple) -> None:
         _, out, sizes, ranks, _, b_offsets, scalings = group
         lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings, out_sizes=sizes,
                     segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile, num_warps=knobs.expand_warps,
-                    split_page_loads=knobs.split_page_loads, pdl=knobs.pdl)
+                    pdl=knobs.pdl)
 
     # The groups that run as lora_fused, as the engine would choose them (none unless knobs.fused).
     fusing = [knobs.fused and lora_fusable(x.shape[1], out.shape[1]) for x, out, *_ in groups]
@@ -300,8 +297,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
             if fused:
                 x, out, sizes, ranks, a_offsets, b_offsets, scalings = group
                 lora_fused(out, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, b_offsets, scalings,
-                           out_sizes=sizes, segments=segments, tile=knobs.expand_tile,
-                           split_page_loads=knobs.split_page_loads)
+                           out_sizes=sizes, segments=segments, tile=knobs.expand_tile)
             else:
                 expand(next(hs), group)
 
@@ -336,15 +332,16 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
 def lora_sweep(gen: torch.Generator) -> list[Row]:
     """The LoRA layer at 1 and 64 adapters over 64 table slots (a decode graph's), under other launch
     choices than the wrappers': which shrink, its splits, tile width, hoisted page lookups and how
-    adapter weights are loaded (split vector loads or one gathered load)."""
+    adapter weights are loaded (64-column tiles: vector loads)."""
     expand_only = [LoraKnobs(part="expand", expand_tile=tile, expand_warps=warps)
                    for tile, warps in ((128, 2), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8))]
     from slora.kernels.pdl import pdl_supported
     with_pdl = [LoraKnobs(pdl=True)] if pdl_supported(torch.device("cuda")) else []
     # The 128-wide, 4-warp expand alone (expand_only) is the default to compare the last one with.
-    split = [LoraKnobs(split_page_loads=True), LoraKnobs(part="shrink", split_page_loads=True),
-             LoraKnobs(part="expand", split_page_loads=True)]
-    knobs = [LoraKnobs(), *with_pdl, *split, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
+    # 64-column tiles: their adapter weights load with 16-byte vector loads (slora.kernels.lora._load_run).
+    vector = [LoraKnobs(shrink_tile=64, expand_tile=64), LoraKnobs(shrink_tile=64, expand_tile=64, n_tiles=2),
+              LoraKnobs(part="shrink", shrink_tile=64), LoraKnobs(part="expand", expand_tile=64, n_tiles=2)]
+    knobs = [LoraKnobs(), *with_pdl, *vector, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
              LoraKnobs(accumulate=False), LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2),
              LoraKnobs(expand_warps=8), LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True),
              LoraKnobs(fused=True, expand_tile=256)]

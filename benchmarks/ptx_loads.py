@@ -3,9 +3,10 @@ for sm_90 (H100/H200), on any machine.
 
 Triton compiles a kernel for a GPU it is not running on (the NVIDIA backend and its ptxas come with the
 wheel), so the width of every global load can be counted without a GPU. The kernels are compiled the
-way a decode step launches them (bfloat16, rank 16, 128-wide tiles, pointers and sizes specialised as
-Triton specialises them at launch: 16-byte aligned, divisible by 16), once with the adapter weights read
-by one gathered load (the default) and once by split vector loads (`split_page_loads=True`), and the
+way a decode step launches them (bfloat16, rank 16, pointers and sizes specialised as Triton specialises
+them at launch: 16-byte aligned, divisible by 16), once with 128-column tiles (the default: a tile's
+row may cross a page, so the page is chosen per column) and once with 64-column tiles (ALIGN: the page
+is chosen per row, slora.kernels.lora._load_run), and the
 global load instructions in each PTX are counted by width (instructions in the code, not executions: a
 loop's body counts once). A 2-byte load (`b16`) moves one bfloat16; a `v4.b32` moves eight. From the
 cubin (cuobjdump, also in the wheel): registers per thread; with Triton's shared memory, the programs one
@@ -35,6 +36,8 @@ POINTER_TYPES = {"x_ptr": "*bf16", "pool_ptr": "*bf16", "out_ptr": "*bf16", "h_p
 MULTIPLES_OF_16 = {"n0", "n1", "n2", "h_rank", "page_elems", "in_features", "row_stride", "max_rank", "k_per_split",
                    "stride_xt", "stride_ht", "stride_ot", "num_tiles", "rank_blocks"}
 SM_90 = ("cuda", 90, 32)
+# Tile widths: the kernels' default (128 columns, pages chosen per column) and ALIGN (64, per row).
+TILES = (128, 64)
 LOAD = re.compile(r"ld\.global(?:\.[a-z]+\d*)*?\.(v\d\.b\d+|b\d+)\s")
 
 log = logging.getLogger("benchmarks.ptx_loads")
@@ -73,26 +76,26 @@ def load_widths(ptx: str) -> collections.Counter:
     return collections.Counter(LOAD.findall(ptx))
 
 
-def kernel_cases() -> dict[str, tuple[object, dict[str, object]]]:
-    """The decode step's LoRA kernels with the compile-time arguments of a rank-16, 64-token step."""
+def kernel_cases(tile: int) -> dict[str, tuple[object, dict[str, object]]]:
+    """The decode step's LoRA kernels with the compile-time arguments of a rank-16, 64-token step whose tiles
+    are `tile` columns wide."""
     from slora.kernels import lora
     common = {"BLOCK_M": 16, "BLOCK_R": 16, "ALIGN_ELEMS": 64, "DOT_PRECISION": "tf32", "USE_PDL": False}
-    return {"shrink": (lora._lora_shrink_kernel, {**common, "BLOCK_K": 128, "ACCUMULATE": True, "HOIST_PAGES": True}),
-            "expand": (lora._lora_expand_kernel, {**common, "BLOCK_N": 128, "N_TILES": 1}),
+    return {"shrink": (lora._lora_shrink_kernel, {**common, "BLOCK_K": tile, "ACCUMULATE": True, "HOIST_PAGES": True}),
+            "expand": (lora._lora_expand_kernel, {**common, "BLOCK_N": tile, "N_TILES": 1}),
             "fused": (lora._lora_fused_kernel, {key: value for key, value in common.items() if key != "USE_PDL"}
-                      | {"BLOCK_K": 128, "BLOCK_N": 128, "HOIST_PAGES": True})}
+                      | {"BLOCK_K": tile, "BLOCK_N": tile, "HOIST_PAGES": True})}
 
 
 def rows() -> list[dict]:
-    return [row(name, kernel, {**constexprs, "SPLIT_LOADS": split})
-            for name, (kernel, constexprs) in kernel_cases().items() for split in (True, False)]
+    return [row(name, tile, kernel, constexprs)
+            for tile in TILES for name, (kernel, constexprs) in kernel_cases(tile).items()]
 
 
-def row(name: str, kernel: object, constexprs: dict[str, object]) -> dict:
+def row(name: str, tile: int, kernel: object, constexprs: dict[str, object]) -> dict:
     compiled = compile_sm90(kernel, constexprs)
     widths = load_widths(compiled.asm["ptx"])
-    return {"kernel": name, "page_loads": "split" if constexprs["SPLIT_LOADS"] else "gathered",
-            "b16": widths.get("b16", 0), "v4_b32": widths.get("v4.b32", 0),
+    return {"kernel": name, "tile": tile, "b16": widths.get("b16", 0), "v4_b32": widths.get("v4.b32", 0),
             "other": sum(widths.values()) - widths.get("b16", 0) - widths.get("v4.b32", 0),
             **occupancy_columns(cubin_resources(compiled.asm["cubin"]), compiled.metadata.num_warps,
                                 compiled.metadata.shared)}

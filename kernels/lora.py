@@ -18,10 +18,10 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
 - A and Bᵀ are read through the slot's page table: element `e` of the logical buffer is
   `pool[page_table[e // page_elems], e % page_elems]`, rows of an `n`-wide matrix start `align_up(n)`
   apart (offsets must be multiples of ALIGN). A tile row (at most a page) lies in
-  at most two pages, so it needs one or two page-table lookups. By default it is read with one load
-  through a per-element choice of page, which Triton compiles to 2-byte loads; `split_page_loads=True`
-  reads it as ALIGN-wide runs, each inside one page, with 16-byte vector loads (benchmarks/ptx_loads.py),
-  and becomes the default once its GPU time is measured.
+  at most two pages, so it needs one or two page-table lookups. A tile of ALIGN columns lies in one
+  page, so its page is chosen per row and its columns load with 16-byte vector loads; a wider tile
+  chooses per column, which Triton compiles to 2-byte loads (benchmarks/ptx_loads.py). The engine's
+  tile width is `LoraLaunchPolicy.lora_tile` (slora.attention_backend).
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
   partial sums; expand sums them in a fixed order as it reads h (deterministic, no atomics, and no
   launch of its own: decode LoRA is bound by launch latency, not bytes). `lora_shrink_into` instead
@@ -142,45 +142,42 @@ def _split_pages(pt_row, offset, rows, row_stride, col0, length, page_elems, ALI
 
 
 @triton.jit
-def _load_run(pool_ptr, first, second, room, col_off, mask, WIDTH: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-              SPLIT_LOADS: tl.constexpr):
+def _load_run(pool_ptr, first, second, room, col_off, row_mask, col_mask, WIDTH: tl.constexpr,
+              ALIGN_ELEMS: tl.constexpr):
     # Columns col_off .. col_off + WIDTH (counted from the run's col0; col_off a multiple of ALIGN) of the
-    # rows located by _split_pages: [R, WIDTH].
-    # By default one load through a per-column choice of page: Triton cannot see that the choice is
-    # constant over 16-byte runs and loads every element alone (2-byte loads in the sm_90 PTX;
-    # benchmarks/ptx_loads.py). SPLIT_LOADS: the columns as ALIGN-wide runs, each inside one page (a page
-    # boundary falls on a multiple of ALIGN), whose page is chosen per run: [R, WIDTH / ALIGN, ALIGN],
-    # one 16-byte vector load per 8 elements. Both read the same elements. Off by default until measured
-    # on a GPU.
-    if SPLIT_LOADS:
-        R: tl.constexpr = first.shape[0]
-        RUNS: tl.constexpr = WIDTH // ALIGN_ELEMS
-        run0 = col_off + tl.arange(0, RUNS) * ALIGN_ELEMS                                        # [RUNS]
-        base = tl.where(run0[None, :] < room[:, None], first[:, None], second[:, None]) + run0[None, :]
-        base = tl.multiple_of(base, [1, ALIGN_ELEMS])                                            # [R, RUNS]
-        runs = tl.load(pool_ptr + base[:, :, None] + tl.arange(0, ALIGN_ELEMS)[None, None, :],
-                       mask=tl.reshape(mask, [R, RUNS, ALIGN_ELEMS]), other=0.0)                # [R, RUNS, ALIGN]
-        return tl.reshape(runs, [R, WIDTH])
+    # rows located by _split_pages, where row_mask [R] and col_mask [WIDTH] (else 0): [R, WIDTH].
     cols = col_off + tl.arange(0, WIDTH)
+    mask = row_mask[:, None] & col_mask[None, :]
+    if WIDTH == ALIGN_ELEMS:
+        # A page boundary falls on a multiple of ALIGN, so the run lies in one page: its page is chosen per
+        # row and its columns are contiguous. Columns past the row's end are its ALIGN padding, in the same
+        # page: they are loaded with the row and zeroed after, so that the load's mask is constant along a
+        # row. Both keep 16-byte vector loads in the sm_90 PTX (benchmarks/ptx_loads.py).
+        start = (tl.where(col_off < room, first, second) + col_off) // ALIGN_ELEMS * ALIGN_ELEMS   # [R]
+        run = tl.load(pool_ptr + start[:, None] + tl.arange(0, WIDTH)[None, :], mask=row_mask[:, None],
+                      other=0.0)
+        return tl.where(mask, run, 0.0)
+    # Wider runs choose the page per column: Triton cannot see that the choice is constant over 16-byte
+    # runs and loads every element alone (2-byte loads).
     base = tl.where(cols[None, :] < room[:, None], first[:, None], second[:, None])
     return tl.load(pool_ptr + base + cols[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
-def _load_paged_tile(pool_ptr, pt_row, offset, rows, row_stride, row_len, col0, page_elems, mask,
-                     TILE: tl.constexpr, ALIGN_ELEMS: tl.constexpr, SPLIT_LOADS: tl.constexpr):
+def _load_paged_tile(pool_ptr, pt_row, offset, rows, row_stride, row_len, col0, page_elems, row_mask, col_mask,
+                     TILE: tl.constexpr, ALIGN_ELEMS: tl.constexpr):
     # Load columns col0 .. col0 + TILE (TILE <= page_elems) of the given rows of a paged matrix whose rows
     # have row_len valid columns: [len(rows), TILE].
     first, second, room = _split_pages(pt_row, offset, rows, row_stride, col0, row_len - col0, page_elems,
                                        ALIGN_ELEMS)
-    return _load_run(pool_ptr, first, second, room, 0, mask, TILE, ALIGN_ELEMS, SPLIT_LOADS)
+    return _load_run(pool_ptr, first, second, room, 0, row_mask, col_mask, TILE, ALIGN_ELEMS)
 
 
 @triton.jit
 def _shrink_rows(x_rows, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, k_lo, k_hi, in_features, row_stride,
                  page_elems, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                  ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, HOIST_PAGES: tl.constexpr,
-                 SPLIT_LOADS: tl.constexpr, USE_PDL: tl.constexpr = False):
+                 USE_PDL: tl.constexpr = False):
     # x[tokens, k_lo:k_hi] @ A[rows, k_lo:k_hi]ᵀ: [BLOCK_M, BLOCK_R] float32. x_rows: [BLOCK_M] row pointers.
     # HOIST_PAGES (the run k_lo..k_hi of a row fits in a page): each row's pages are looked up once, before
     # the loop, instead of in every step of it. USE_PDL: those lookups and the first chunk of A are read
@@ -191,28 +188,27 @@ def _shrink_rows(x_rows, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, k_l
     else:   # unused: each chunk looks its pages up
         first, second, room = k_lo, k_lo, k_lo
     a = _a_chunk(pool_ptr, pt_row, a_offset, rows, r_mask, k_lo, k_lo, in_features, row_stride, page_elems, first,
-                 second, room, BLOCK_K, ALIGN_ELEMS, HOIST_PAGES, SPLIT_LOADS)            # [BLOCK_R, BLOCK_K]
+                 second, room, BLOCK_K, ALIGN_ELEMS, HOIST_PAGES)                             # [BLOCK_R, BLOCK_K]
     pdl_wait(USE_PDL)
     acc = _x_chunk_dot(x_rows, row_mask, k_lo, in_features, a, tl.zeros([BLOCK_M, BLOCK_R], tl.float32), BLOCK_K,
                        DOT_PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         a = _a_chunk(pool_ptr, pt_row, a_offset, rows, r_mask, k0, k_lo, in_features, row_stride, page_elems, first,
-                     second, room, BLOCK_K, ALIGN_ELEMS, HOIST_PAGES, SPLIT_LOADS)
+                     second, room, BLOCK_K, ALIGN_ELEMS, HOIST_PAGES)
         acc = _x_chunk_dot(x_rows, row_mask, k0, in_features, a, acc, BLOCK_K, DOT_PRECISION)
     return acc
 
 
 @triton.jit
 def _a_chunk(pool_ptr, pt_row, a_offset, rows, r_mask, k0, k_lo, in_features, row_stride, page_elems, first, second,
-             room, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr, HOIST_PAGES: tl.constexpr,
-             SPLIT_LOADS: tl.constexpr):
+             room, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr, HOIST_PAGES: tl.constexpr):
     # Columns k0 .. k0 + BLOCK_K of A's rows: [BLOCK_R, BLOCK_K]; hoisted lookups count columns from k_lo.
     cols = tl.arange(0, BLOCK_K)
-    a_mask = r_mask[:, None] & (k0 + cols < in_features)[None, :]
+    k_mask = k0 + cols < in_features
     if HOIST_PAGES:
-        return _load_run(pool_ptr, first, second, room, k0 - k_lo, a_mask, BLOCK_K, ALIGN_ELEMS, SPLIT_LOADS)
-    return _load_paged_tile(pool_ptr, pt_row, a_offset, rows, row_stride, in_features, k0, page_elems, a_mask,
-                            BLOCK_K, ALIGN_ELEMS, SPLIT_LOADS)
+        return _load_run(pool_ptr, first, second, room, k0 - k_lo, r_mask, k_mask, BLOCK_K, ALIGN_ELEMS)
+    return _load_paged_tile(pool_ptr, pt_row, a_offset, rows, row_stride, in_features, k0, page_elems, r_mask, k_mask,
+                            BLOCK_K, ALIGN_ELEMS)
 
 
 @triton.jit
@@ -263,7 +259,7 @@ def _lora_shrink_kernel(
     in_features, row_stride, max_rank, rank_blocks, page_elems, k_per_split,
     stride_xt, stride_pt, stride_rm, stride_am, stride_hsplit, stride_ht,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HOIST_PAGES: tl.constexpr, SPLIT_LOADS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr, HOIST_PAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # USE_PDL: the block's tables, its page lookups and its first chunk of A are read before waiting for
@@ -289,7 +285,7 @@ def _lora_shrink_kernel(
     k_lo = split * k_per_split
     acc = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows_in, r_mask, k_lo,
                        tl.minimum(k_lo + k_per_split, in_features), in_features, row_stride, page_elems,
-                       BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES, SPLIT_LOADS,
+                       BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES,
                        USE_PDL)   # [BLOCK_M, BLOCK_R]
     h_cols = module * max_rank + ranks_idx
     h_ptrs = h_ptr + split * stride_hsplit + tokens[:, None] * stride_ht + h_cols[None, :]
@@ -318,7 +314,7 @@ def _lora_expand_kernel(
     scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, num_tiles, page_elems,
     stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_TILES: tl.constexpr,
-    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_LOADS: tl.constexpr, USE_PDL: tl.constexpr,
+    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # USE_PDL: the block's tables, page lookups and first rank block of Bᵀ are read before waiting for the
     # previous kernel (the shrink that writes h), h and out after (pdl_wait).
@@ -346,17 +342,17 @@ def _lora_expand_kernel(
                          tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32),
                          tl.where(module == 0, n0, tl.where(module == 1, n1, n2)), col0, rank, num_splits,
                          stride_hsplit, page_elems, row_mask, BLOCK_M, BLOCK_R, BLOCK_N, ALIGN_ELEMS, DOT_PRECISION,
-                         SPLIT_LOADS, USE_PDL)
+                         USE_PDL)
     pdl_wait(USE_PDL)   # for programs whose tiles all had rank 0
 
 
 @triton.jit
 def _b_block(pool_ptr, pt_row, b_offset, row_stride, out_features, col0, r0, rank, page_elems, n_mask,
-             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr, SPLIT_LOADS: tl.constexpr):
+             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr):
     # Rows r0 .. r0 + BLOCK_R of Bᵀ in the tile's columns: [BLOCK_R, BLOCK_N] (rows past the rank are 0).
     _, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
     return _load_paged_tile(pool_ptr, pt_row, b_offset, rows, row_stride, out_features, col0, page_elems,
-                            r_mask[:, None] & n_mask[None, :], BLOCK_N, ALIGN_ELEMS, SPLIT_LOADS)
+                            r_mask, n_mask, BLOCK_N, ALIGN_ELEMS)
 
 
 @triton.jit
@@ -377,7 +373,7 @@ def _h_dot(h_rows, r0, rank, num_splits, stride_hsplit, row_mask, b, acc, out_dt
 def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling, out_features, col0, rank, num_splits,
                  stride_hsplit, page_elems, row_mask,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, SPLIT_LOADS: tl.constexpr, USE_PDL: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     # One module's BLOCK_N columns from col0 for the block's rows: out += scaling * h[:, :rank] @ Bᵀ[:rank].
     # out_rows: [BLOCK_M] element offsets of the rows' first column of this module in out. The first rank
     # block of Bᵀ is read before waiting for the previous kernel (USE_PDL); after the wait, the out tile is
@@ -387,14 +383,14 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
     n_mask = col0 + cols < out_features
     dtype = out_ptr.dtype.element_ty
     b = _b_block(pool_ptr, pt_row, b_offset, row_stride, out_features, col0, 0, rank, page_elems, n_mask,
-                 BLOCK_R, BLOCK_N, ALIGN_ELEMS, SPLIT_LOADS)      # [BLOCK_R, BLOCK_N]
+                 BLOCK_R, BLOCK_N, ALIGN_ELEMS)                                   # [BLOCK_R, BLOCK_N]
     pdl_wait(USE_PDL)
     o_ptrs, o_mask, base = _out_tile(out_ptr, out_rows, col0, cols, row_mask, n_mask)
     acc = _h_dot(h_rows, 0, rank, num_splits, stride_hsplit, row_mask, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
                  dtype, BLOCK_M, BLOCK_R, DOT_PRECISION)
     for r0 in range(BLOCK_R, rank, BLOCK_R):
         b = _b_block(pool_ptr, pt_row, b_offset, row_stride, out_features, col0, r0, rank, page_elems, n_mask,
-                     BLOCK_R, BLOCK_N, ALIGN_ELEMS, SPLIT_LOADS)
+                     BLOCK_R, BLOCK_N, ALIGN_ELEMS)
         acc = _h_dot(h_rows, r0, rank, num_splits, stride_hsplit, row_mask, b, acc, dtype, BLOCK_M, BLOCK_R,
                      DOT_PRECISION)
     _store_scaled(o_ptrs, o_mask, base, acc, scaling)
@@ -407,7 +403,7 @@ def _lora_fused_kernel(
     b_off_ptr, scale_ptr, out_ptr, in_features, n0, n1, n2, page_elems,
     stride_xt, stride_pt, stride_rm, stride_am, stride_bm, stride_sm, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, HOIST_PAGES: tl.constexpr, SPLIT_LOADS: tl.constexpr,
+    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, HOIST_PAGES: tl.constexpr,
 ):
     # out[token, col_m + n] += scaling_{m,slot} * ((x[token] @ A_{m,slot}ᵀ) @ Bᵀ_{m,slot})[n] for one block of
     # BLOCK_M tokens of one slot and one BLOCK_N tile of module m's columns. Every tile of a block computes
@@ -431,11 +427,9 @@ def _lora_fused_kernel(
         _, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
         h = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, 0,
                          in_features, in_features, tl.cdiv(in_features, ALIGN_ELEMS) * ALIGN_ELEMS, page_elems,
-                         BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES,
-                         SPLIT_LOADS)                                                       # [BLOCK_M, BLOCK_R]
+                         BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES)     # [BLOCK_M, BLOCK_R]
         b = _b_block(pool_ptr, pt_row, b_offset, tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS, out_features,
-                     col0, r0, rank, page_elems, n_mask, BLOCK_R, BLOCK_N, ALIGN_ELEMS,
-                     SPLIT_LOADS)                                                           # [BLOCK_R, BLOCK_N]
+                     col0, r0, rank, page_elems, n_mask, BLOCK_R, BLOCK_N, ALIGN_ELEMS)    # [BLOCK_R, BLOCK_N]
         # h rounded to the output's dtype, like expand reading a shrink's h.
         acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
     o_ptrs, o_mask, base = _out_tile(out_ptr, tokens * stride_ot + out_col, col0, cols_n, row_mask, n_mask)
@@ -600,15 +594,11 @@ def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tens
 def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                          a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
                          split_k: int | None = None, zero_fill: bool = False, tile: int | None = None,
-                         hoist_pages: bool = True, split_page_loads: bool = False, pdl: bool = False) -> Tensor:
+                         hoist_pages: bool = True, pdl: bool = False) -> Tensor:
     """Partial sums of the shrink, `[splits, tokens, modules * max_rank]` float32, for `lora_expand`.
     hoist_pages: look up each row's pages once before the reduction loop instead of in every step of it
     (where a split's run of a row fits in a page). On the H200 it took the Llama-3-8B layer's LoRA from
     148.1 to 141.6 µs (64 distinct adapters) and 48.5 to 45.4 µs (one shared), so it is on by default.
-    split_page_loads: read a run of adapter weights that may cross a page as ALIGN-wide runs, each inside
-    one page, with 16-byte vector loads, instead of one load through a per-element choice of page, which
-    Triton compiles to 2-byte loads (see _load_run). Off by default until its GPU time is measured
-    (benchmarks/kernels.py --lora-sweep, decode.py --split-page-loads); it ran only on the CPU so far.
 
     ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read
     the same x (q/k/v, gate/up): one launch for all. Module m's h is in columns m*max_rank onwards.
@@ -624,14 +614,14 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
     rows = cdiv(x.shape[0], 16) * 16
     h = allocate((plan.split_k, rows, plan.modules * max_rank), dtype=torch.float32, device=x.device)[:, :x.shape[0]]
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, h.stride(0), max_rank, accumulate=False,
-                   hoist_pages=hoist_pages, split_page_loads=split_page_loads, pdl=pdl)
+                   hoist_pages=hoist_pages, pdl=pdl)
     return h
 
 
 def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                      a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
                      split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True,
-                     split_page_loads: bool = False, pdl: bool = False) -> None:
+                     pdl: bool = False) -> None:
     """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
 
     h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
@@ -648,12 +638,12 @@ def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, pa
                          f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
     _check_devices(h, x)
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, 0, max_rank, accumulate=True,
-                   hoist_pages=hoist_pages, split_page_loads=split_page_loads, pdl=pdl)
+                   hoist_pages=hoist_pages, pdl=pdl)
 
 
 def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tensor, ranks: Tensor,
                    a_offsets: Tensor, h: Tensor, stride_hsplit: int, max_rank: int, accumulate: bool,
-                   hoist_pages: bool, split_page_loads: bool, pdl: bool) -> None:
+                   hoist_pages: bool, pdl: bool) -> None:
     num_tokens, in_features = x.shape
     if num_tokens == 0 or page_tables.shape[0] == 0:
         return
@@ -667,7 +657,7 @@ def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tens
         BLOCK_M=plan.segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=plan.block_k, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(x.dtype), ACCUMULATE=accumulate,
         # A split's run of a row must fit in two pages for its page lookups to be hoisted.
-        HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], SPLIT_LOADS=split_page_loads, USE_PDL=pdl,
+        HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], USE_PDL=pdl,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch_options(pdl),
     )
 
@@ -727,7 +717,7 @@ def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
                 segments: LoraSegments | None = None, n_tiles: int | None = None, tile: int | None = None,
-                num_warps: int | None = None, split_page_loads: bool = False, pdl: bool = False) -> None:
+                num_warps: int | None = None, pdl: bool = False) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
 
     out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, modules * width]
@@ -738,7 +728,6 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     n_tiles: output tiles per program (fewer programs, each doing more; a tuning knob).
     tile: output columns per tile (a power of two >= ALIGN; capped at a page; a tuning knob).
     num_warps: warps per program (1, 2, 4 or 8; a tuning knob).
-    split_page_loads: as in `lora_shrink_partials` (Bᵀ's rows).
     pdl: launch with programmatic dependent launch (see `check_pdl`)."""
     check_pdl(pdl, segments, out.device)
     modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
@@ -765,7 +754,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         tiles, pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION=_dot_precision(out.dtype), SPLIT_LOADS=split_page_loads, USE_PDL=pdl, num_warps=num_warps,
+        DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, num_warps=num_warps,
         num_stages=_NUM_STAGES,
         **launch_options(pdl),
     )
@@ -773,7 +762,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
 
 def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
-               segments: LoraSegments | None = None, tile: int | None = None, split_page_loads: bool = False) -> None:
+               segments: LoraSegments | None = None, tile: int | None = None) -> None:
     """out[t] += ((x[t] @ A_sᵀ) @ Bᵀ_s) * scaling_s for s = token_slots[t]: shrink and expand in one launch.
 
     Every output tile of a block of tokens computes the block's h again, reading x and A once per tile,
@@ -801,5 +790,5 @@ def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_t
         BLOCK_M=segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=_tile_width(pool.shape[1], None, _SHRINK_TILE),
         BLOCK_N=block_n, ALIGN_ELEMS=ALIGN, DOT_PRECISION=_dot_precision(x.dtype),
         HOIST_PAGES=x.shape[1] <= pool.shape[1],   # a row of A fits in two pages
-        SPLIT_LOADS=split_page_loads, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )

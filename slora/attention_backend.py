@@ -80,14 +80,16 @@ class LoraLaunchPolicy:
         this many tokens per adapter slot: long segments on average. 16 (64-token blocks from batch 64 in
         a 4-slot graph) made the shared-adapter decode step slower on the H200: 7.99 against 7.76 ms at
         batch 64, 11.1 against 10.8 ms at batch 128.
-    split_page_loads: the kernels read adapter weights as ALIGN-wide runs, each inside one page, with
-        16-byte vector loads instead of the 2-byte loads that one gathered load compiles to
-        (slora.kernels.lora._load_run). Off until its GPU time is measured (it ran only on the CPU)."""
+    lora_tile: columns of a row that the shrink and expand kernels load per tile (a power of two from
+        ALIGN = 64 to 512); None: the kernels' defaults (128). A tile of 64 columns loads with 16-byte
+        vector loads, wider ones with 2-byte loads (slora.kernels.lora._load_run).
+    expand_n_tiles: output tiles per expand program (1, 2, 4 or 8); None: the kernel's default (1)."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
     accumulate_few_max_tokens: int = 256
     block_m_tokens_per_slot: int = 64
-    split_page_loads: bool = False
+    lora_tile: int | None = None
+    expand_n_tiles: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("accumulate_max_tokens", "accumulate_max_slots", "accumulate_few_max_tokens"):
@@ -95,6 +97,10 @@ class LoraLaunchPolicy:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_m_tokens_per_slot < 1:
             raise ValueError(f"block_m_tokens_per_slot must be >= 1, got {self.block_m_tokens_per_slot}")
+        if self.lora_tile is not None and (not 64 <= self.lora_tile <= 512 or self.lora_tile & (self.lora_tile - 1)):
+            raise ValueError(f"lora_tile must be a power of two in [64, 512] or None, got {self.lora_tile}")
+        if self.expand_n_tiles not in (None, 1, 2, 4, 8):
+            raise ValueError(f"expand_n_tiles must be 1, 2, 4, 8 or None, got {self.expand_n_tiles}")
 
     def accumulates(self, num_tokens: int, num_slots: int) -> bool:
         few_slots = num_slots <= self.accumulate_max_slots and num_tokens <= self.accumulate_few_max_tokens
@@ -130,8 +136,7 @@ class TritonLora:
                    ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
                    out_sizes: list[int]) -> None:
         self._lora.lora_fused(out, x, pool, token_slots, page_tables, ranks, a_offsets, b_offsets, scalings,
-                              out_sizes=out_sizes, segments=self.segments,
-                              split_page_loads=self.policy.split_page_loads)
+                              out_sizes=out_sizes, segments=self.segments, tile=self.policy.lora_tile)
 
     def lora_shrink(self, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                     a_offsets: Tensor, max_rank: int) -> Tensor:
@@ -139,12 +144,11 @@ class TritonLora:
             # The split partial sums go straight to expand, which adds them up as it reads them.
             return self._lora.lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
                                                    segments=self.segments, pdl=self.pdl,
-                                                   split_page_loads=self.policy.split_page_loads)
+                                                   tile=self.policy.lora_tile)
         modules = 1 if ranks.dim() == 1 else ranks.shape[0]
         h = self._zeroed(x.shape[0], modules * max_rank, max_rank, x.device)
         self._lora.lora_shrink_into(h, x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                    segments=self.segments, pdl=self.pdl,
-                                    split_page_loads=self.policy.split_page_loads)
+                                    segments=self.segments, pdl=self.pdl, tile=self.policy.lora_tile)
         return h
 
     def _zeroed(self, rows: int, width: int, max_rank: int, device: torch.device) -> Tensor:
@@ -162,7 +166,7 @@ class TritonLora:
                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
                                out_sizes=out_sizes, segments=self.segments, pdl=self.pdl,
-                               split_page_loads=self.policy.split_page_loads)
+                               tile=self.policy.lora_tile, n_tiles=self.policy.expand_n_tiles)
 
 
 def backends_for(device: torch.device, pdl: bool = False,

@@ -102,30 +102,29 @@ def test_lora_ranks_up_to_64_with_shared_segments():
 
 @pytest.mark.parametrize("page_elems", [64, 128, 1024])
 @pytest.mark.parametrize("hoist_pages", [False, True])   # runs longer than a page fall back to the loop's lookups
-@pytest.mark.parametrize("split_page_loads", [True, False])
-def test_lora_small_and_large_pages(page_elems, hoist_pages, split_page_loads):
-    # Pages of one or two ALIGN rows force narrow tiles; large pages let tiles cross page boundaries, where
-    # split_page_loads chooses the page of each ALIGN-wide run of a row instead of each element.
+@pytest.mark.parametrize("tile", [64, None])
+def test_lora_small_and_large_pages(page_elems, hoist_pages, tile):
+    # Pages of one or two ALIGN rows force narrow tiles; large pages let 128-wide tiles cross page
+    # boundaries (the page chosen per column), and 64-wide tiles choose theirs per row and read the rows'
+    # NaN padding past 136 and 200 columns, which must not reach the result.
     ranks = [2, 16, 5]
     gen = make_generator(page_elems)
     b = make_lora_batch(ranks, 136, 200, page_elems, torch.float32, gen)
     slots = random_token_slots(21, len(ranks), gen)
     x = randn((21, 136), torch.float32, gen)
     h = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, zero_fill=True,
-                             hoist_pages=hoist_pages, split_page_loads=split_page_loads).sum(dim=0)
+                             hoist_pages=hoist_pages, tile=tile).sum(dim=0)
     assert_close(h, reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16))
     out = randn((21, 200), torch.float32, gen)
     want = out.clone()
     reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
-    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
-                split_page_loads=split_page_loads)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, tile=tile)
     assert_close(out, want)
     # lora_fused hoists its page lookups only where a row of A (136 wide) fits in a page: 1024, not 64 or 128.
     fused = randn((21, 200), torch.float32, gen)
     want = fused.clone()
     reference.lora_fused(want, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings)
-    lora_fused(fused, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings,
-               split_page_loads=split_page_loads)
+    lora_fused(fused, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings, tile=tile)
     assert_close(fused, want)
 
 
@@ -150,13 +149,12 @@ def _fused_case(dtype, pattern, name, seed, device="cpu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k,n_tiles,tile,split_page_loads", [(1, 1, None, False), (3, 2, 64, True),
-                                                                    (2, 4, 256, True)])
-def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, split_page_loads):
+@pytest.mark.parametrize("split_k,n_tiles,tile", [(1, 1, None), (3, 2, 64), (2, 4, 256)])
+def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k,
-                                    tile=tile, split_page_loads=split_page_loads)
+                                    tile=tile)
     assert partials.shape == (split_k, len(slots), len(out_sizes) * 16)
     assert_close(lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k), h_want)
     want = out.clone()
@@ -164,8 +162,7 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
     # Expand straight from the partial sums. Shrink leaves the entries of tokens without adapter and of
     # columns past each rank unwritten: make them NaN, so that reading one fails the test.
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
-                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile,
-                split_page_loads=split_page_loads)
+                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile)
     assert_close(out, want)
 
 
@@ -376,20 +373,21 @@ def test_lora_rejects_bad_tile(tile):
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("hoist_pages,split_page_loads", [(False, False), (True, False), (True, True), (False, True)])
-def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hoist_pages, split_page_loads):
+@pytest.mark.parametrize("hoist_pages", [False, True])
+@pytest.mark.parametrize("tile", [64, 128])
+def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hoist_pages, tile):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=7 + split_k)
     h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 16)
     start = randn(tuple(h_want.shape), torch.float32, make_generator(3))
     h = start.clone()                      # not zero: the shrink must add to what h holds
-    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k, tile=64,
-                     hoist_pages=hoist_pages, split_page_loads=split_page_loads)
+    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k, tile=tile,
+                     hoist_pages=hoist_pages)
     assert_close(h, start + h_want)
     want = out.float()
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                           out_sizes)
     lora_expand(out, h - start, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
-                split_page_loads=split_page_loads)
+                tile=tile)
     assert_close(out, want)
 
 
