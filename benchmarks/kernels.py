@@ -212,6 +212,7 @@ class LoraKnobs:
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
     pdl: bool = False           # shrink and expand with programmatic dependent launch
+    block_m: int | None = None  # tokens per LoRA block (1: matrix-vector products, no tl.dot padding rows)
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
@@ -227,7 +228,8 @@ class LoraKnobs:
                 f"shrink tile {_auto(self.shrink_tile)}, expand tile {_auto(self.expand_tile)}, "
                 f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}"
                 + (", shrink+expand fused where lora_fusable" if self.fused else "")
-                + (", programmatic dependent launch" if self.pdl else ""))
+                + (", programmatic dependent launch" if self.pdl else "")
+                + (f", {self.block_m}-token blocks" if self.block_m else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -246,7 +248,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
     slots = (torch.randperm(tokens, generator=gen) % num_adapters).to(torch.int32).cuda()
     inputs = {fin: torch.randn(tokens, fin, device="cuda", dtype=dtype) for fin in (4096, 14336)}
     outs = {name: torch.randn(tokens, fout, device="cuda", dtype=dtype) for name, _, fout in LLAMA3_8B_MODULES}
-    segments = lora_segments(slots, num_slots)   # once per step, shared by all modules and layers
+    segments = lora_segments(slots, num_slots, knobs.block_m)   # once per step, shared by all modules and layers
     shapes = {name: (fin, fout) for name, fin, fout in LLAMA3_8B_MODULES}
     groups = []
     for names in LORA_GROUPS:
@@ -341,7 +343,8 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
     # 64-column tiles: their adapter weights load with 16-byte vector loads (slora.kernels.lora._load_run).
     vector = [LoraKnobs(shrink_tile=64, expand_tile=64), LoraKnobs(shrink_tile=64, expand_tile=64, n_tiles=2),
               LoraKnobs(part="shrink", shrink_tile=64), LoraKnobs(part="expand", expand_tile=64, n_tiles=2)]
-    knobs = [LoraKnobs(), *with_pdl, *vector, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
+    one_token = [LoraKnobs(block_m=1), LoraKnobs(part="shrink", block_m=1), LoraKnobs(part="expand", block_m=1)]
+    knobs = [LoraKnobs(), *with_pdl, *vector, *one_token, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
              LoraKnobs(accumulate=False), LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2),
              LoraKnobs(expand_warps=8), LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True),
              LoraKnobs(fused=True, expand_tile=256)]
