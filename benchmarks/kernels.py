@@ -212,7 +212,7 @@ class LoraKnobs:
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
     pdl: bool = False           # shrink and expand with programmatic dependent launch
-    block_m: int | None = None  # tokens per LoRA block (1: matrix-vector products, no tl.dot padding rows)
+    block_m: int | None = None  # tokens per LoRA block (16 or more: tl.dot's smallest M is 16)
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
@@ -343,9 +343,8 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
     # 64-column tiles: their adapter weights load with 16-byte vector loads (slora.kernels.lora._load_run).
     vector = [LoraKnobs(shrink_tile=64, expand_tile=64), LoraKnobs(shrink_tile=64, expand_tile=64, n_tiles=2),
               LoraKnobs(part="shrink", shrink_tile=64), LoraKnobs(part="expand", expand_tile=64, n_tiles=2)]
-    one_token = [LoraKnobs(block_m=1), LoraKnobs(part="shrink", block_m=1), LoraKnobs(part="expand", block_m=1)]
-    knobs = [LoraKnobs(), *with_pdl, *vector, *one_token, LoraKnobs(hoist_pages=False), LoraKnobs(part="shrink"),
-             LoraKnobs(accumulate=False), LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2),
+    knobs = [LoraKnobs(), *with_pdl, *vector, LoraKnobs(block_m=64), LoraKnobs(hoist_pages=False),
+             LoraKnobs(part="shrink"), LoraKnobs(accumulate=False), LoraKnobs(split_k=16), *expand_only, LoraKnobs(expand_warps=2),
              LoraKnobs(expand_warps=8), LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True),
              LoraKnobs(fused=True, expand_tile=256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)

@@ -9,11 +9,10 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
   engine can compute the segments once per step and pass them to every call through `segments=`.
 - Each program takes a block of up to BLOCK_M tokens of one slot, so an adapter's weights are read
   once per block whether the batch is decode (one token per adapter) or prefill (long segments), and
-  the product runs on `tl.dot`; blocks of one token (decode with an adapter per token) multiply and sum
-  instead, without tl.dot's 16 padding rows (`_mm_at`, `_mm`). `lora_segments` also maps blocks to
-  slots on the device (a program reads its slot and first token directly: decode is latency-bound, so
-  the chain of dependent loads before the weights stream is kept short); the number of blocks,
-  `tokens // BLOCK_M + slots`, is a host int, so nothing is read back.
+  the product runs on `tl.dot`. `lora_segments` also maps blocks to slots on the device (a program
+  reads its slot and first token directly: decode is latency-bound, so the chain of dependent loads
+  before the weights stream is kept short); the number of blocks, `tokens // BLOCK_M + slots`, is a
+  host int, so nothing is read back.
 - Heterogeneous ranks: shrink splits the rank into BLOCK_R-row blocks, and programs past their
   slot's rank exit; expand loops over the slot's real rank. Rows past the rank are never read.
 - A and Bᵀ are read through the slot's page table: element `e` of the logical buffer is
@@ -65,8 +64,6 @@ _MAX_TILE = 512
 # Launch parameters: rank rows per shrink program, 64-column tiles per expand program, warps, stages.
 _SHRINK_BLOCK_R = 16
 _NUM_WARPS = 4
-# Tokens per LoRA block: 1 (decode with an adapter per token: matrix-vector products) or a tl.dot size.
-BLOCK_MS = (1, 16, 32, 64, 128)
 _NUM_STAGES = 2
 
 
@@ -101,8 +98,6 @@ def lora_segments(token_slots: Tensor, num_slots: int, block_m: int | None = Non
     num_tokens, device = token_slots.shape[0], token_slots.device
     if block_m is None:
         block_m = _block_m(num_tokens, num_slots, device)
-    if block_m not in BLOCK_MS:
-        raise ValueError(f"block_m must be one of {BLOCK_MS}, got {block_m}")
     sorted_slots, order = torch.sort(token_slots, stable=True)
     slot_ids = torch.arange(num_slots + 1, dtype=sorted_slots.dtype, device=device)
     starts = torch.searchsorted(sorted_slots, slot_ids)                                   # [slots + 1]
@@ -217,29 +212,12 @@ def _a_chunk(pool_ptr, pt_row, a_offset, rows, r_mask, k0, k_lo, in_features, ro
 
 
 @triton.jit
-def _mm_at(x, a, DOT_PRECISION: tl.constexpr):
-    # x [M, K] @ aᵀ for a [R, K]: [M, R] float32. Blocks of one token (M = 1, below tl.dot's smallest M of
-    # 16) multiply and sum instead: no padding rows to load, multiply or store.
-    if x.shape[0] == 1:
-        return tl.sum(a.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]                  # [1, R]
-    return tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _mm(h, b, DOT_PRECISION: tl.constexpr):
-    # h [M, R] @ b [R, N]: [M, N] float32, one-token blocks as in _mm_at.
-    if h.shape[0] == 1:
-        return tl.sum(tl.reshape(h, [h.shape[1], 1]).to(tl.float32) * b.to(tl.float32), axis=0)[None, :]
-    return tl.dot(h, b, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def _x_chunk_dot(x_rows, row_mask, k0, in_features, a, acc, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # acc [BLOCK_M, BLOCK_R] + x[tokens, k0:k0 + BLOCK_K] @ aᵀ.
     cols = tl.arange(0, BLOCK_K)
     k_mask = k0 + cols < in_features
     x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    return acc + _mm_at(x, a, DOT_PRECISION)
+    return acc + tl.dot(x, tl.trans(a.to(x.dtype)), input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -388,7 +366,7 @@ def _h_dot(h_rows, r0, rank, num_splits, stride_hsplit, row_mask, b, acc, out_dt
         h += tl.load(h_rows[:, None] + split * stride_hsplit + ranks_idx[None, :], mask=h_mask,
                      other=0.0).to(tl.float32)                    # [BLOCK_M, BLOCK_R]
     # h in the output's dtype, like a matmul of the two factors would see it.
-    return acc + _mm(h.to(out_dtype), b.to(out_dtype), DOT_PRECISION)
+    return acc + tl.dot(h.to(out_dtype), b.to(out_dtype), input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -453,7 +431,7 @@ def _lora_fused_kernel(
         b = _b_block(pool_ptr, pt_row, b_offset, tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS, out_features,
                      col0, r0, rank, page_elems, n_mask, BLOCK_R, BLOCK_N, ALIGN_ELEMS)    # [BLOCK_R, BLOCK_N]
         # h rounded to the output's dtype, like expand reading a shrink's h.
-        acc += _mm(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty), DOT_PRECISION)
+        acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
     o_ptrs, o_mask, base = _out_tile(out_ptr, tokens * stride_ot + out_col, col0, cols_n, row_mask, n_mask)
     _store_scaled(o_ptrs, o_mask, base, acc, tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32))
 
@@ -531,8 +509,8 @@ def _check_devices(*tensors: Tensor) -> None:
 
 def _check_segments(segments: LoraSegments, num_tokens: int, num_slots: int, device: torch.device) -> None:
     order, starts, block_slot, block_start, block_end, block_m = segments
-    if block_m not in BLOCK_MS:
-        raise ValueError(f"segments.block_m must be one of {BLOCK_MS}, got {block_m}")
+    if block_m not in (16, 32, 64, 128):
+        raise ValueError(f"segments.block_m must be 16, 32, 64 or 128, got {block_m}")
     blocks = num_tokens // block_m + num_slots
     expected = {"token_order": (order, num_tokens), "seg_starts": (starts, num_slots + 1),
                 "block_slot": (block_slot, blocks), "block_start": (block_start, blocks),

@@ -500,35 +500,3 @@ def test_pdl_launches_in_a_graph_gpu(dtype, num_tokens, split_k, shared):
         reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                               out_sizes)
         assert_close(result, want)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("pattern", ["decode", "prefill"])
-@pytest.mark.parametrize("name", sorted(FUSED_CASES))
-def test_single_token_blocks_match_reference(dtype, pattern, name):
-    """Blocks of one token (block_m=1) take the multiply-and-sum path instead of tl.dot, in every kernel:
-    both shrinks (partial sums over 3 splits, and into one h), expand from either, and lora_fused."""
-    x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=21)
-    segments = lora_segments(slots, b.page_tables.shape[0], block_m=1)
-    assert segments.block_m == 1 and segments.block_slot.shape == (len(slots) + b.page_tables.shape[0],)
-    h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
-    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=3,
-                                    segments=segments)
-    h = torch.zeros(tuple(h_want.shape), dtype=torch.float32)
-    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, segments=segments)
-    assert_close(h.to(dtype), h_want)
-    want = out.clone()
-    reference.lora_expand(want, h_want, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
-    for source in (_unwritten_as_nan(partials, slots, b.ranks, 16), h):
-        got = out.clone()
-        lora_expand(got, source, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
-                    segments=segments)
-        assert_close(got, want)
-    fused_want = out.clone()
-    reference.lora_fused(fused_want, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings,
-                         out_sizes)
-    lora_fused(out, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings,
-               out_sizes=out_sizes, segments=segments)
-    assert_close(out, fused_want)
-    with pytest.raises(ValueError, match="block_m must be one of"):
-        lora_segments(slots, b.page_tables.shape[0], block_m=8)
