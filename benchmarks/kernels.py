@@ -345,8 +345,8 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
               LoraKnobs(part="shrink", shrink_tile=64), LoraKnobs(part="expand", expand_tile=64, n_tiles=2)]
     knobs = [LoraKnobs(), *with_pdl, *vector, LoraKnobs(block_m=64), LoraKnobs(hoist_pages=False),
              LoraKnobs(part="shrink"), LoraKnobs(accumulate=False), LoraKnobs(split_k=16), *expand_only,
-             LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8), LoraKnobs(expand_tile=256, expand_warps=8), LoraKnobs(fused=True),
-             LoraKnobs(fused=True, expand_tile=256)]
+             LoraKnobs(expand_warps=2), LoraKnobs(expand_warps=8), LoraKnobs(expand_tile=256, expand_warps=8),
+             LoraKnobs(fused=True), LoraKnobs(fused=True, expand_tile=256)]
     return [bench_lora(adapters, 64, 16, gen, knobs=k, baseline=False, table_slots=64)
             for adapters in (1, 64) for k in knobs]
 
