@@ -23,10 +23,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
     (LoraLaunchPolicy(), False),
     (LoraLaunchPolicy(accumulate_max_tokens=0, accumulate_max_slots=0), False),
     (LoraLaunchPolicy(accumulate_max_tokens=0, accumulate_max_slots=8, block_m_tokens_per_slot=1), False),
+    (LoraLaunchPolicy(lora_tile=64, expand_n_tiles=2), False),
     (LoraLaunchPolicy(), True)])
 def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, policy, fused):
     """Shrink into one h or split partial sums (by tokens, or by the tables' slots), blocks of 16 or 64
-    tokens; fused: every step runs lora_fused where LoraBatch.apply allows it (the CUDA engine does so
+    tokens, 64-column tiles (pages chosen per row); fused: every step runs lora_fused where LoraBatch.apply allows it (the CUDA engine does so
     only in decode graphs with few adapters)."""
     if fused:
         prepare = TritonLora.prepare
@@ -53,7 +54,7 @@ def test_lora_launch_policy_rules_and_validation():
     assert not policy.accumulates(65, 5) and not policy.accumulates(257, 4)
     assert policy.block_m(64, 4) == 64 and policy.block_m(63, 4) == 16 and policy.block_m(16, 0) == 64
     for bad in ({"accumulate_max_tokens": -1}, {"accumulate_max_slots": -1}, {"accumulate_few_max_tokens": -1},
-                {"block_m_tokens_per_slot": 0}):
+                {"block_m_tokens_per_slot": 0}, {"lora_tile": 48}, {"lora_tile": 1024}, {"expand_n_tiles": 3}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LoraLaunchPolicy(**bad)
 
