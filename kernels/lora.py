@@ -131,7 +131,7 @@ def _split_pages(pt_row, offset, rows, row_stride, col0, length, page_elems, ALI
     # it starts in and, only if the run goes past that page, one for the next. Returns, per row [R], the
     # physical offset of col0 (`first`), that of the boundary minus `room` (`second`: column col0 + c,
     # c >= room, is at second + c) and `room`, the columns before the boundary. Every one is a multiple
-    # of ALIGN; telling the compiler so keeps 16-byte vector loads despite the gather.
+    # of ALIGN (the hints do not survive a `where` between them: _load_run rounds its run's start again).
     start = offset + rows.to(tl.int64) * row_stride + col0             # [R] logical element
     page_idx = start // page_elems
     in_page = start - page_idx * page_elems
