@@ -375,7 +375,7 @@ def main() -> None:
     parser.add_argument("--block-m-tokens-per-slot", type=int, default=policy.block_m_tokens_per_slot,
                         help="LoRA launch policy: 64-token blocks from this many tokens per adapter slot")
     parser.add_argument("--lora-tile", type=int, default=policy.lora_tile,
-                        help="LoRA launch policy: columns per shrink/expand tile (64: 16-byte vector loads)")
+                        help="LoRA launch policy: columns per shrink/expand tile (default 128)")
     parser.add_argument("--expand-n-tiles", type=int, default=policy.expand_n_tiles,
                         help="LoRA launch policy: output tiles per expand program")
     parser.add_argument("--out", default=None)

@@ -10,8 +10,10 @@ is chosen per row, slora.kernels.lora._load_run), and the
 global load instructions in each PTX are counted by width (instructions in the code, not executions: a
 loop's body counts once). A 2-byte load (`b16`) moves one bfloat16; a `v4.b32` moves eight. From the
 cubin (cuobjdump, also in the wheel): registers per thread; with Triton's shared memory, the programs one
-multiprocessor holds at once (kernel_resources.occupancy_columns). The GPU machine's Triton may compile
-otherwise (kernel_resources.py reads the variants it compiled there, the same way).
+multiprocessor holds at once (kernel_resources.occupancy_columns). What the counts say depends on the
+Triton version: run it with the GPU machine's (3.6 in the sessions so far; kernel_resources.py reads
+the variants compiled there). Triton 3.9 compiles the 128-column tiles' per-column page choice to 2-byte
+loads, Triton 3.6 to 16-byte loads.
 
     python benchmarks/ptx_loads.py [--quick] [--out PATH]
 
@@ -110,10 +112,13 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         log.error("TRITON_INTERPRET=1 replaces the JIT functions this script compiles: run it without")
         return 2
+    import triton
     table = rows()
+    log.info("compiled by Triton %s", triton.__version__)
     print_table(table)
     write_json(Path(args.out or RESULTS / "ptx_loads.json"), {"benchmark": "ptx-loads", "target": "sm_90",
-                                                               "quick": args.quick, "rows": table})
+                                                               "triton": triton.__version__, "quick": args.quick,
+                                                               "rows": table})
     return 0
 
 

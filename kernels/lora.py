@@ -19,9 +19,9 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
   `pool[page_table[e // page_elems], e % page_elems]`, rows of an `n`-wide matrix start `align_up(n)`
   apart (offsets must be multiples of ALIGN). A tile row (at most a page) lies in
   at most two pages, so it needs one or two page-table lookups. A tile of ALIGN columns lies in one
-  page, so its page is chosen per row and its columns load with 16-byte vector loads; a wider tile
-  chooses per column, which Triton compiles to 2-byte loads (benchmarks/ptx_loads.py). The engine's
-  tile width is `LoraLaunchPolicy.lora_tile` (slora.attention_backend).
+  page, so its page is chosen per row; a wider tile chooses per column, which Triton 3.6 compiles to
+  16-byte vector loads and Triton 3.9 to 2-byte loads (benchmarks/ptx_loads.py). The engine's tile
+  width is `LoraLaunchPolicy.lora_tile` (slora.attention_backend).
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
   partial sums; expand sums them in a fixed order as it reads h (deterministic, no atomics, and no
   launch of its own: decode LoRA is bound by launch latency, not bytes). `lora_shrink_into` instead
@@ -157,8 +157,8 @@ def _load_run(pool_ptr, first, second, room, col_off, row_mask, col_mask, WIDTH:
         run = tl.load(pool_ptr + start[:, None] + tl.arange(0, WIDTH)[None, :], mask=row_mask[:, None],
                       other=0.0)
         return tl.where(mask, run, 0.0)
-    # Wider runs choose the page per column: Triton cannot see that the choice is constant over 16-byte
-    # runs and loads every element alone (2-byte loads).
+    # Wider runs choose the page per column. Whether the loads stay 16 bytes wide depends on whether
+    # Triton sees that the choice is constant over 16-byte runs: 3.6 does, 3.9 loads every element alone.
     base = tl.where(cols[None, :] < room[:, None], first[:, None], second[:, None])
     return tl.load(pool_ptr + base + cols[None, :], mask=mask, other=0.0)
 

@@ -81,8 +81,8 @@ class LoraLaunchPolicy:
         a 4-slot graph) made the shared-adapter decode step slower on the H200: 7.99 against 7.76 ms at
         batch 64, 11.1 against 10.8 ms at batch 128.
     lora_tile: columns of a row that the shrink and expand kernels load per tile (a power of two from
-        ALIGN = 64 to 512); None: the kernels' defaults (128). A tile of 64 columns loads with 16-byte
-        vector loads, wider ones with 2-byte loads (slora.kernels.lora._load_run).
+        ALIGN = 64 to 512); None: the kernels' defaults (128). 64 columns were slower on the H200 (decode
+        with a distinct adapter per request at batch 256: 34.3 against 27.9 ms; benchmarks/README.md).
     expand_n_tiles: output tiles per expand program (1, 2, 4 or 8); None: the kernel's default (1)."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
