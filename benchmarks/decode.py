@@ -43,6 +43,15 @@ BF16_FLOPS = 810e12
 CONTEXT, RANK = 1024, 16
 # Adapter mixes of a decode step: no adapter, one adapter shared by every request, one per request.
 MIXES = ("none", "shared", "distinct")
+# Command-line help for each field of LoraLaunchPolicy (one flag per field, --field-name).
+POLICY_HELP = {
+    "accumulate_max_tokens": "steps of at most this many tokens shrink into one h",
+    "accumulate_max_slots": "... and steps with at most this many adapter slots",
+    "accumulate_few_max_tokens": "... of at most this many tokens",
+    "block_m_tokens_per_slot": "64-token blocks from this many tokens per adapter slot",
+    "lora_tile": "columns per shrink/expand tile (default 128)",
+    "expand_n_tiles": "output tiles per expand program",
+}
 
 
 def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
@@ -365,28 +374,17 @@ def main() -> None:
     modes.add_argument("--profile", action="store_true",
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
     parser.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated subset of {','.join(MIXES)}")
-    policy = LoraLaunchPolicy()
-    parser.add_argument("--accumulate-max-tokens", type=int, default=policy.accumulate_max_tokens,
-                        help="LoRA launch policy: steps of at most this many tokens shrink into one h")
-    parser.add_argument("--accumulate-max-slots", type=int, default=policy.accumulate_max_slots,
-                        help="LoRA launch policy: ... and steps with at most this many adapter slots")
-    parser.add_argument("--accumulate-few-max-tokens", type=int, default=policy.accumulate_few_max_tokens,
-                        help="LoRA launch policy: ... of at most this many tokens")
-    parser.add_argument("--block-m-tokens-per-slot", type=int, default=policy.block_m_tokens_per_slot,
-                        help="LoRA launch policy: 64-token blocks from this many tokens per adapter slot")
-    parser.add_argument("--lora-tile", type=int, default=policy.lora_tile,
-                        help="LoRA launch policy: columns per shrink/expand tile (default 128)")
-    parser.add_argument("--expand-n-tiles", type=int, default=policy.expand_n_tiles,
-                        help="LoRA launch policy: output tiles per expand program")
+    for field in dataclasses.fields(LoraLaunchPolicy):
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=field.default,
+                            help=f"LoRA launch policy: {POLICY_HELP[field.name]}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     mixes = tuple(args.mixes.split(","))
     if not set(mixes) <= set(MIXES):
         parser.error(f"--mixes must name some of {', '.join(MIXES)}, got {args.mixes}")
     try:
-        lora_policy = LoraLaunchPolicy(args.accumulate_max_tokens, args.accumulate_max_slots,
-                                       args.accumulate_few_max_tokens, args.block_m_tokens_per_slot,
-                                       args.lora_tile, args.expand_n_tiles)
+        lora_policy = LoraLaunchPolicy(**{field.name: getattr(args, field.name)
+                                          for field in dataclasses.fields(LoraLaunchPolicy)})
     except ValueError as error:
         parser.error(str(error))
     logging.basicConfig(level=logging.INFO)

@@ -1,10 +1,27 @@
-"""Input checks shared by the attention kernels' wrappers (they raise ValueError naming the problem)."""
+"""Input checks shared by the kernels' wrappers (they raise ValueError naming the problem)."""
 import torch
 from torch import Tensor
+
+from slora.kernels.layout import ALIGN
+
+# Columns of a row that a LoRA kernel loads per tile: a power of two from ALIGN to this.
+MAX_LORA_TILE = 512
+# Output tiles one LoRA expand program may cover.
+LORA_N_TILES = (1, 2, 4, 8)
 
 
 def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def check_lora_tile(tile: int, name: str = "tile") -> None:
+    if not (is_power_of_two(tile) and ALIGN <= tile <= MAX_LORA_TILE):
+        raise ValueError(f"{name} must be a power of two in [{ALIGN}, {MAX_LORA_TILE}], got {tile}")
+
+
+def check_lora_n_tiles(n_tiles: int, name: str = "n_tiles") -> None:
+    if n_tiles not in LORA_N_TILES:
+        raise ValueError(f"{name} must be one of {LORA_N_TILES}, got {n_tiles}")
 
 
 def check_query_and_pool(query: Tensor, kv_pool: Tensor, page_size: int, num_kv_heads: int,

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from slora.kernels.checks import check_lora_n_tiles, check_lora_tile
 from slora.kernels.layout import ALIGN, align_up, cdiv
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 from torch import Tensor
@@ -60,7 +61,6 @@ _EXPAND_N_TILES = 1
 # programs; `tile=` overrides them (kernels.py --lora-sweep).
 _SHRINK_TILE = 128
 _EXPAND_TILE = 128
-_MAX_TILE = 512
 # Launch parameters: rank rows per shrink program, 64-column tiles per expand program, warps, stages.
 _SHRINK_BLOCK_R = 16
 _NUM_WARPS = 4
@@ -146,7 +146,6 @@ def _load_run(pool_ptr, first, second, room, col_off, row_mask, col_mask, WIDTH:
               ALIGN_ELEMS: tl.constexpr):
     # Columns col_off .. col_off + WIDTH (counted from the run's col0; col_off a multiple of ALIGN) of the
     # rows located by _split_pages, where row_mask [R] and col_mask [WIDTH] (else 0): [R, WIDTH].
-    cols = col_off + tl.arange(0, WIDTH)
     mask = row_mask[:, None] & col_mask[None, :]
     if WIDTH == ALIGN_ELEMS:
         # A page boundary falls on a multiple of ALIGN, so the run lies in one page: its page is chosen per
@@ -159,6 +158,7 @@ def _load_run(pool_ptr, first, second, room, col_off, row_mask, col_mask, WIDTH:
         return tl.where(mask, run, 0.0)
     # Wider runs choose the page per column. Whether the loads stay 16 bytes wide depends on whether
     # Triton sees that the choice is constant over 16-byte runs: 3.6 does, 3.9 loads every element alone.
+    cols = col_off + tl.arange(0, WIDTH)
     base = tl.where(cols[None, :] < room[:, None], first[:, None], second[:, None])
     return tl.load(pool_ptr + base + cols[None, :], mask=mask, other=0.0)
 
@@ -540,8 +540,7 @@ def _tile_width(page_elems: int, tile: int | None, default: int) -> int:
     """Columns per tile along a row: `tile` (or the default), less for pages so small that a tile must
     fit one."""
     tile = default if tile is None else tile
-    if not ALIGN <= tile <= _MAX_TILE or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two in [{ALIGN}, {_MAX_TILE}], got {tile}")
+    check_lora_tile(tile)
     width = tile
     while width > page_elems:
         width //= 2
@@ -743,8 +742,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
     tiles = sum(cdiv(n, block_n) for n in sizes)
     n_tiles = n_tiles or _EXPAND_N_TILES
-    if n_tiles not in (1, 2, 4, 8):
-        raise ValueError(f"n_tiles must be 1, 2, 4 or 8, got {n_tiles}")
+    check_lora_n_tiles(n_tiles)
     num_warps = num_warps or _NUM_WARPS
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")

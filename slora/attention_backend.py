@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from slora.forward_batch import ForwardBatch
+from slora.kernels.checks import check_lora_n_tiles, check_lora_tile
 from slora.kernels import reference
 from slora.kernels.layout import LORA_MODULES
 
@@ -81,9 +82,11 @@ class LoraLaunchPolicy:
         a 4-slot graph) made the shared-adapter decode step slower on the H200: 7.99 against 7.76 ms at
         batch 64, 11.1 against 10.8 ms at batch 128.
     lora_tile: columns of a row that the shrink and expand kernels load per tile (a power of two from
-        ALIGN = 64 to 512); None: the kernels' defaults (128). 64 columns were slower on the H200 (decode
-        with a distinct adapter per request at batch 256: 34.3 against 27.9 ms; benchmarks/README.md).
-    expand_n_tiles: output tiles per expand program (1, 2, 4 or 8); None: the kernel's default (1)."""
+        ALIGN = 64 to slora.kernels.checks.MAX_LORA_TILE); None: the kernels' defaults (128). 64 columns
+        were slower on the H200 (decode with a distinct adapter per request at batch 256: 34.3 against
+        27.9 ms; benchmarks/README.md).
+    expand_n_tiles: output tiles per expand program (one of slora.kernels.checks.LORA_N_TILES); None: the
+        kernel's default (1)."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
     accumulate_few_max_tokens: int = 256
@@ -97,10 +100,11 @@ class LoraLaunchPolicy:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_m_tokens_per_slot < 1:
             raise ValueError(f"block_m_tokens_per_slot must be >= 1, got {self.block_m_tokens_per_slot}")
-        if self.lora_tile is not None and (not 64 <= self.lora_tile <= 512 or self.lora_tile & (self.lora_tile - 1)):
-            raise ValueError(f"lora_tile must be a power of two in [64, 512] or None, got {self.lora_tile}")
-        if self.expand_n_tiles not in (None, 1, 2, 4, 8):
-            raise ValueError(f"expand_n_tiles must be 1, 2, 4, 8 or None, got {self.expand_n_tiles}")
+        # The kernels' own rules, checked when the policy is made rather than at a step's first launch.
+        if self.lora_tile is not None:
+            check_lora_tile(self.lora_tile, "lora_tile")
+        if self.expand_n_tiles is not None:
+            check_lora_n_tiles(self.expand_n_tiles, "expand_n_tiles")
 
     def accumulates(self, num_tokens: int, num_slots: int) -> bool:
         few_slots = num_slots <= self.accumulate_max_slots and num_tokens <= self.accumulate_few_max_tokens

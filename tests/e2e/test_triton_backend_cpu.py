@@ -27,8 +27,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
     (LoraLaunchPolicy(), True)])
 def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, policy, fused):
     """Shrink into one h or split partial sums (by tokens, or by the tables' slots), blocks of 16 or 64
-    tokens, 64-column tiles (pages chosen per row); fused: every step runs lora_fused where LoraBatch.apply allows it (the CUDA engine does so
-    only in decode graphs with few adapters)."""
+    tokens, 64-column tiles (pages chosen per row); fused: every step runs lora_fused where
+    LoraBatch.apply allows it (the CUDA engine does so only in decode graphs with few adapters)."""
     if fused:
         prepare = TritonLora.prepare
         monkeypatch.setattr(TritonLora, "prepare", lambda self, slots, n, layers, fused=False:

@@ -1,5 +1,5 @@
-"""The 64-column LoRA tiles read adapter weights with 16-byte vector loads on sm_90: benchmarks/ptx_loads.py compiles
-them for the H100/H200 on this CPU-only machine (Triton's NVIDIA backend needs no GPU to emit PTX) and
+"""The 64-column LoRA tiles read adapter weights with 16-byte vector loads on sm_90: benchmarks/ptx_loads.py
+compiles them for the H100/H200 on this CPU-only machine (Triton's NVIDIA backend needs no GPU to emit PTX) and
 counts their global loads by width, and reads their registers from the cubin. With 64-column tiles (ALIGN)
 the adapter weights load with vector loads whatever the Triton version; the default 128-column tiles,
 whose page is chosen per column, are compiled and counted too."""
