@@ -213,6 +213,9 @@ class LoraKnobs:
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
     pdl: bool = False           # shrink and expand with programmatic dependent launch
     block_m: int | None = None  # tokens per LoRA block (16 or more: tl.dot's smallest M is 16)
+    expand_loop: int | None = None    # expand tiles per program, in a software-pipelined loop
+    shrink_stages: int | None = None  # pipeline stages of the shrink's reduction loop
+    expand_stages: int | None = None  # pipeline stages of the expand's tile loop (with expand_loop)
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
@@ -229,7 +232,10 @@ class LoraKnobs:
                 f"hoisted pages {self.hoist_pages}, expand warps {_auto(self.expand_warps)}, timed {self.part}"
                 + (", shrink+expand fused where lora_fusable" if self.fused else "")
                 + (", programmatic dependent launch" if self.pdl else "")
-                + (f", {self.block_m}-token blocks" if self.block_m else ""))
+                + (f", {self.block_m}-token blocks" if self.block_m else "")
+                + (f", expand loop of {self.expand_loop} tiles" if self.expand_loop else "")
+                + (f", shrink stages {self.shrink_stages}" if self.shrink_stages else "")
+                + (f", expand stages {self.expand_stages}" if self.expand_stages else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -269,14 +275,14 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
         h = workspace[used:used + tokens * width].view(tokens, width)
         lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
                          split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages,
-                         pdl=knobs.pdl)
+                         pdl=knobs.pdl, num_stages=knobs.shrink_stages)
         return h
 
     def expand(h: Tensor, group: tuple) -> None:
         _, out, sizes, ranks, _, b_offsets, scalings = group
         lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings, out_sizes=sizes,
                     segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile, num_warps=knobs.expand_warps,
-                    pdl=knobs.pdl)
+                    pdl=knobs.pdl, tiles_per_program=knobs.expand_loop, num_stages=knobs.expand_stages)
 
     # The groups that run as lora_fused, as the engine would choose them (none unless knobs.fused).
     fusing = [knobs.fused and lora_fusable(x.shape[1], out.shape[1]) for x, out, *_ in groups]
@@ -351,6 +357,22 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
             for adapters in (1, 64) for k in knobs]
 
 
+def lora_pipeline_sweep(gen: torch.Generator) -> list[Row]:
+    """The layer's LoRA with software-pipelined loops: the expand looping over several output tiles per
+    program, the shrink splitting its reduction less with more pipeline stages; with PDL as the engine
+    launches them. One shared adapter over 4 table slots (a few-adapter decode graph), 64 and 256 distinct."""
+    expand = [LoraKnobs(part="expand", pdl=True, expand_loop=loop, expand_stages=stages, expand_warps=warps,
+                        expand_tile=tile)
+              for loop, stages, warps, tile in ((None, None, None, None), (2, 2, 4, 128), (4, 2, 4, 128),
+                                                (8, 2, 4, 128), (16, 2, 4, 128), (4, 3, 4, 128), (8, 3, 4, 128),
+                                                (8, 3, 8, 128), (4, 2, 8, 256), (8, 3, 8, 256))]
+    shrink = [LoraKnobs(part="shrink", pdl=True, split_k=split_k, shrink_stages=stages)
+              for split_k, stages in ((None, None), (8, 3), (4, 3), (4, 4), (2, 4), (8, 4))]
+    cases = ((1, 64, 4), (64, 64, 64), (256, 256, 256))
+    return [bench_lora(adapters, tokens, 16, gen, knobs=k, baseline=False, table_slots=slots)
+            for adapters, tokens, slots in cases for k in (LoraKnobs(pdl=True), *expand, *shrink)]
+
+
 def _check_lora(layer: LoraLayer, slots: Tensor, inputs: dict[int, Tensor], rank: int,
                 shrink: Callable[[Tensor, Tensor, Tensor], Tensor]) -> float:
     """Max error of the timed shrink (its h, partial sums added up) for q_proj against the reference."""
@@ -410,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes through the torch references on the CPU (checks the script, no GPU)")
     parser.add_argument("--lora-sweep", action="store_true", help="only the LoRA layer, over split_k and n_tiles")
+    parser.add_argument("--lora-pipeline-sweep", action="store_true",
+                        help="only the LoRA layer, over software-pipelined expand and shrink loops")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -421,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     elif args.lora_sweep:
         rows, device = lora_sweep(gen), torch.cuda.get_device_name()
+    elif args.lora_pipeline_sweep:
+        rows, device = lora_pipeline_sweep(gen), torch.cuda.get_device_name()
     else:
         device = torch.cuda.get_device_name()
         rows = [bench_decode(64, 4096, gen), bench_decode(64, 4096, gen, num_splits=4),

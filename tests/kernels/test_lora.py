@@ -149,8 +149,9 @@ def _fused_case(dtype, pattern, name, seed, device="cpu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k,n_tiles,tile", [(1, 1, None), (3, 2, 64), (2, 4, 256)])
-def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile):
+@pytest.mark.parametrize("split_k,n_tiles,tile,tiles_per_program", [(1, 1, None, None), (3, 2, 64, None),
+                                                                    (2, 4, 256, None), (2, 1, 64, 3), (1, 1, None, 1)])
+def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, tiles_per_program):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k,
@@ -162,7 +163,8 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
     # Expand straight from the partial sums. Shrink leaves the entries of tokens without adapter and of
     # columns past each rank unwritten: make them NaN, so that reading one fails the test.
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
-                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile)
+                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile,
+                tiles_per_program=tiles_per_program)
     assert_close(out, want)
 
 
@@ -320,7 +322,8 @@ def test_lora_gpu(dtype, num_tokens, in_features, out_features):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens", [64, 1000])
-def test_fused_qkv_gpu(dtype, num_tokens):
+@pytest.mark.parametrize("tiles_per_program", [None, 4])
+def test_fused_qkv_gpu(dtype, num_tokens, tiles_per_program):
     gen = make_generator(num_tokens + 1)
     module_ranks = [GPU_RANKS, GPU_RANKS[::-1], GPU_RANKS[2:] + GPU_RANKS[:2]]
     out_sizes = [4096, 1024, 1024]
@@ -333,7 +336,8 @@ def test_fused_qkv_gpu(dtype, num_tokens):
     want = out.float()
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                           out_sizes)
-    lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
+    lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
+                tiles_per_program=tiles_per_program)
     assert_close(out, want)
 
 
