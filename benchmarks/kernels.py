@@ -216,6 +216,7 @@ class LoraKnobs:
     expand_loop: int | None = None    # expand tiles per program, in a software-pipelined loop
     shrink_stages: int | None = None  # pipeline stages of the shrink's reduction loop
     expand_stages: int | None = None  # pipeline stages of the expand's tile loop (with expand_loop)
+    expand_gemv_warps: int | None = None  # the expand without tl.dot, a row of Bᵀ at a time, these warps
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
@@ -235,7 +236,8 @@ class LoraKnobs:
                 + (f", {self.block_m}-token blocks" if self.block_m else "")
                 + (f", expand loop of {self.expand_loop} tiles" if self.expand_loop else "")
                 + (f", shrink stages {self.shrink_stages}" if self.shrink_stages else "")
-                + (f", expand stages {self.expand_stages}" if self.expand_stages else ""))
+                + (f", expand stages {self.expand_stages}" if self.expand_stages else "")
+                + (f", expand gemv {self.expand_gemv_warps} warps" if self.expand_gemv_warps else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -282,7 +284,8 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
         _, out, sizes, ranks, _, b_offsets, scalings = group
         lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings, out_sizes=sizes,
                     segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile, num_warps=knobs.expand_warps,
-                    pdl=knobs.pdl, tiles_per_program=knobs.expand_loop, num_stages=knobs.expand_stages)
+                    pdl=knobs.pdl, tiles_per_program=knobs.expand_loop, num_stages=knobs.expand_stages,
+                    gemv_warps=knobs.expand_gemv_warps)
 
     # The groups that run as lora_fused, as the engine would choose them (none unless knobs.fused).
     fusing = [knobs.fused and lora_fusable(x.shape[1], out.shape[1]) for x, out, *_ in groups]
@@ -358,19 +361,19 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
 
 
 def lora_pipeline_sweep(gen: torch.Generator) -> list[Row]:
-    """The layer's LoRA with software-pipelined loops: the expand looping over several output tiles per
-    program, the shrink splitting its reduction less with more pipeline stages; with PDL as the engine
-    launches them. One shared adapter over 4 table slots (a few-adapter decode graph), 64 and 256 distinct."""
-    expand = [LoraKnobs(part="expand", pdl=True, expand_loop=loop, expand_stages=stages, expand_warps=warps,
-                        expand_tile=tile)
-              for loop, stages, warps, tile in ((None, None, None, None), (2, 2, 4, 128), (4, 2, 4, 128),
-                                                (8, 2, 4, 128), (16, 2, 4, 128), (4, 3, 4, 128), (8, 3, 4, 128),
-                                                (8, 3, 8, 128), (4, 2, 8, 256), (8, 3, 8, 256))]
+    """The layer's LoRA with other expand and shrink kernels, with PDL as the engine launches them: the expand
+    looping over several output tiles per program (software-pipelined), or without tl.dot (a row of Bᵀ at a
+    time); the shrink splitting its reduction less with more pipeline stages. One shared adapter over 4 table
+    slots (a few-adapter decode graph); 64 and 256 distinct; 5 adapters over 256 slots (a full graph)."""
+    expand = [LoraKnobs(part="expand", pdl=True, expand_loop=loop, expand_stages=stages, expand_gemv_warps=gemv)
+              for loop, stages, gemv in ((None, None, None), (16, 2, None), (None, None, 1), (None, None, 2),
+                                         (None, None, 4))]
     shrink = [LoraKnobs(part="shrink", pdl=True, split_k=split_k, shrink_stages=stages)
-              for split_k, stages in ((None, None), (8, 3), (4, 3), (4, 4), (2, 4), (8, 4))]
-    cases = ((1, 64, 4), (64, 64, 64), (256, 256, 256))
+              for split_k, stages in ((None, None), (4, 4), (8, 3))]
+    both = [LoraKnobs(pdl=True, expand_gemv_warps=gemv) for gemv in (None, 2, 4)]
+    cases = ((1, 64, 4), (64, 64, 64), (256, 256, 256), (5, 256, 256))
     return [bench_lora(adapters, tokens, 16, gen, knobs=k, baseline=False, table_slots=slots)
-            for adapters, tokens, slots in cases for k in (LoraKnobs(pdl=True), *expand, *shrink)]
+            for adapters, tokens, slots in cases for k in (*both, *expand, *shrink)]
 
 
 def _check_lora(layer: LoraLayer, slots: Tensor, inputs: dict[int, Tensor], rank: int,

@@ -474,6 +474,75 @@ def _lora_expand_loop_kernel(
         _store_scaled(o_ptrs, o_mask, base, acc, _pick(module, scale0, scale1, scale2))
 
 
+@triton.jit
+def _b_row_dot(h_row, pool_ptr, pt_row, b_offset, row_stride, col0, length, rank, r0, num_splits, stride_hsplit,
+               page_elems, cols, n_mask, out_dtype: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN_ELEMS: tl.constexpr):
+    # sum over r in r0 .. r0 + BLOCK_R (below the rank) of h[token, r] * Bᵀ[r, col0 + cols]: [BLOCK_N] float32,
+    # one row of Bᵀ at a time (each row's pages looked up as scalars), h rounded to the output's dtype as
+    # tl.dot's operand would be.
+    acc = tl.zeros(cols.shape, tl.float32)
+    for i in tl.static_range(BLOCK_R):
+        r = r0 + i
+        live = r < rank
+        h = 0.0
+        for split in range(num_splits):
+            h += tl.load(h_row + split * stride_hsplit + r, mask=live, other=0.0).to(tl.float32)
+        start = b_offset + r.to(tl.int64) * row_stride + col0
+        page_idx = start // page_elems
+        in_page = start - page_idx * page_elems
+        room = tl.multiple_of(page_elems - in_page, ALIGN_ELEMS)
+        first = tl.multiple_of(tl.load(pt_row + page_idx, mask=live, other=0).to(tl.int64) * page_elems + in_page,
+                               ALIGN_ELEMS)
+        second = tl.multiple_of(tl.load(pt_row + page_idx + 1, mask=live & (room < length),
+                                        other=0).to(tl.int64) * page_elems - room, ALIGN_ELEMS)
+        base = tl.where(cols < room, first, second)
+        # (the row's mask as a tensor: the interpreter makes `tensor & scalar` an int)
+        b = tl.load(pool_ptr + base + cols, mask=n_mask & (tl.zeros_like(cols) + r < rank), other=0.0)
+        acc += h.to(out_dtype).to(tl.float32) * b.to(tl.float32)
+    return acc
+
+
+@triton.jit(do_not_specialize=_TABLE_ARGS + ("b_off_ptr", "scale_ptr", "stride_bm", "stride_sm", "num_splits"))
+def _lora_expand_gemv_kernel(
+    h_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, b_off_ptr,
+    scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, page_elems,
+    stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # As _lora_expand_kernel for one BLOCK_N-column tile, token by token, without tl.dot: out[token, n] +=
+    # scaling * sum over r of h[token, r] * Bᵀ[r, n], a row of Bᵀ at a time, so that the sum over the rank
+    # stays within each thread and no register holds tl.dot's 16-row padding of a one-token block. Tokens
+    # after a block's first read the tile again (from cache).
+    block = tl.program_id(0)
+    pdl_start(USE_PDL)
+    slot = tl.load(block_slot_ptr + block)
+    first = tl.load(block_start_ptr + block)
+    end = tl.load(block_end_ptr + block)
+    module, out_col, col0 = _module_of_tile(tl.program_id(1), n0, n1, BLOCK_N)
+    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), h_rank)
+    if (first >= end) | (rank == 0):
+        pdl_wait(USE_PDL)
+        return   # a spare block, or the adapter does not target this module
+    out_features = _pick(module, n0, n1, n2)
+    row_stride = tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS
+    b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
+    scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
+    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
+    cols = tl.arange(0, BLOCK_N)
+    n_mask = col0 + cols < out_features
+    dtype = out_ptr.dtype.element_ty
+    pdl_wait(USE_PDL)
+    for i in range(first, end):
+        token = tl.load(order_ptr + i).to(tl.int64)
+        h_row = h_ptr + token * stride_ht + module * h_rank
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            acc += _b_row_dot(h_row, pool_ptr, pt_row, b_offset, row_stride, col0, out_features - col0, rank, r0,
+                              num_splits, stride_hsplit, page_elems, cols, n_mask, dtype, BLOCK_R, ALIGN_ELEMS)
+        o_ptrs = out_ptr + token * stride_ot + out_col + col0 + cols
+        base = tl.load(o_ptrs, mask=n_mask, other=0.0)
+        tl.store(o_ptrs, (base.to(tl.float32) + acc * scaling).to(dtype), mask=n_mask)
+
 @triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "b_off_ptr", "scale_ptr", "stride_am", "stride_bm",
                                              "stride_sm"))
 def _lora_fused_kernel(
@@ -795,7 +864,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
                 segments: LoraSegments | None = None, n_tiles: int | None = None, tile: int | None = None,
                 num_warps: int | None = None, pdl: bool = False, tiles_per_program: int | None = None,
-                num_stages: int | None = None) -> None:
+                num_stages: int | None = None, gemv_warps: int | None = None) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
 
     out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, modules * width]
@@ -826,6 +895,10 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
     num_stages = num_stages or _NUM_STAGES
+    if gemv_warps is not None:
+        _launch_expand_gemv(out, partials, pool, segments, page_tables, ranks, b_offsets, scalings, sizes, modules,
+                            gemv_warps, pdl)
+        return
     if tiles_per_program is not None:
         _launch_expand_loop(out, partials, pool, segments, page_tables, ranks, b_offsets, scalings, sizes, modules,
                             block_n, tiles, tiles_per_program, num_warps, num_stages, pdl)
@@ -838,6 +911,23 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, num_warps=num_warps,
         num_stages=_NUM_STAGES,
+        **launch_options(pdl),
+    )
+
+
+def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: LoraSegments, page_tables: Tensor,
+                        ranks: Tensor, b_offsets: Tensor, scalings: Tensor, sizes: list[int], modules: int,
+                        num_warps: int, pdl: bool) -> None:
+    # 8 columns per thread and row: a row of the tile is one 16-byte load per thread (bf16).
+    block_n = min(8 * 32 * num_warps, pool.shape[1])
+    tiles = sum(cdiv(n, block_n) for n in sizes)
+    grid = (out.shape[0] // segments.block_m + page_tables.shape[0], tiles)
+    _lora_expand_gemv_kernel[grid](
+        partials, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end,
+        page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0],
+        pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
+        _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
+        BLOCK_R=16, BLOCK_N=block_n, ALIGN_ELEMS=ALIGN, USE_PDL=pdl, num_warps=num_warps, num_stages=1,
         **launch_options(pdl),
     )
 

@@ -149,9 +149,10 @@ def _fused_case(dtype, pattern, name, seed, device="cpu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k,n_tiles,tile,tiles_per_program", [(1, 1, None, None), (3, 2, 64, None),
-                                                                    (2, 4, 256, None), (2, 1, 64, 3), (1, 1, None, 1)])
-def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, tiles_per_program):
+@pytest.mark.parametrize("split_k,n_tiles,tile,tiles_per_program,gemv_warps", [
+    (1, 1, None, None, None), (3, 2, 64, None, None), (2, 4, 256, None, None), (2, 1, 64, 3, None),
+    (1, 1, None, 1, None), (1, 1, None, None, 1), (2, 1, None, None, 2)])
+def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, tiles_per_program, gemv_warps):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k,
@@ -164,7 +165,7 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
     # columns past each rank unwritten: make them NaN, so that reading one fails the test.
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
                 b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile,
-                tiles_per_program=tiles_per_program)
+                tiles_per_program=tiles_per_program, gemv_warps=gemv_warps)
     assert_close(out, want)
 
 
@@ -322,8 +323,8 @@ def test_lora_gpu(dtype, num_tokens, in_features, out_features):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens", [64, 1000])
-@pytest.mark.parametrize("tiles_per_program", [None, 4])
-def test_fused_qkv_gpu(dtype, num_tokens, tiles_per_program):
+@pytest.mark.parametrize("tiles_per_program,gemv_warps", [(None, None), (4, None), (None, 4), (None, 2)])
+def test_fused_qkv_gpu(dtype, num_tokens, tiles_per_program, gemv_warps):
     gen = make_generator(num_tokens + 1)
     module_ranks = [GPU_RANKS, GPU_RANKS[::-1], GPU_RANKS[2:] + GPU_RANKS[:2]]
     out_sizes = [4096, 1024, 1024]
@@ -337,7 +338,7 @@ def test_fused_qkv_gpu(dtype, num_tokens, tiles_per_program):
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                           out_sizes)
     lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
-                tiles_per_program=tiles_per_program)
+                tiles_per_program=tiles_per_program, gemv_warps=gemv_warps)
     assert_close(out, want)
 
 
