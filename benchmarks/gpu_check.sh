@@ -5,7 +5,7 @@
 # STEPS picks steps (default "tests kernels sweep resources decode full profile peft"; "resources" lists the
 # LoRA kernels' registers, shared memory and occupancy; "full" is the decode step without the few-adapter
 # graphs, --graph-few-adapters 0; also "mixed" (eager mixed steps by kernel, decode.py --mixed), "ncu" (Nsight
-# Compute on the distinct-adapter LoRA expands), "pipeline" (kernels.py --lora-pipeline-sweep), "sharing",
+# Compute on the distinct-adapter LoRA expands), "gemv" (kernels.py --lora-gemv-sweep), "sharing",
 # "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on). At most 8 files come back from the device tool: pick steps to fit.
 set -uo pipefail
@@ -36,8 +36,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 has tests && run gpu_tests python -m pytest -m gpu -q -rs -x tests/kernels tests/e2e
 has kernels && run kernels python benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels.json"
 has sweep && run lora_sweep python benchmarks/kernels.py --lora-sweep --out "$OUT/lora_sweep.json"
-has pipeline && run lora_pipeline_sweep python benchmarks/kernels.py --lora-pipeline-sweep \
-  --out "$OUT/lora_pipeline_sweep.json"
+has gemv && run lora_gemv_sweep python benchmarks/kernels.py --lora-gemv-sweep --out "$OUT/lora_gemv_sweep.json"
 has resources && run kernel_resources python benchmarks/kernel_resources.py --out "$OUT/kernel_resources.json"
 # Nsight Compute on the distinct-adapter layer's four expands: occupancy, stall reasons, speed of light.
 has ncu && run ncu_lora_expand ncu --clock-control none --kernel-name regex:_lora_expand_kernel --launch-count 4 \

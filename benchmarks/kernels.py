@@ -213,10 +213,9 @@ class LoraKnobs:
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
     pdl: bool = False           # shrink and expand with programmatic dependent launch
     block_m: int | None = None  # tokens per LoRA block (16 or more: tl.dot's smallest M is 16)
-    expand_loop: int | None = None    # expand tiles per program, in a software-pipelined loop
     shrink_stages: int | None = None  # pipeline stages of the shrink's reduction loop
-    expand_stages: int | None = None  # pipeline stages of the expand's tile loop (with expand_loop)
-    expand_gemv_warps: int | None = None  # the expand without tl.dot, a row of Bᵀ at a time, these warps
+    expand_gemv: bool = False   # the one-token expand kernel (lora_expand(gemv=True))
+    group: int | None = None    # time only this group of LORA_GROUPS (q/k/v, o, gate/up, down)
 
     def __post_init__(self) -> None:
         if self.part not in ("both", "shrink", "expand"):
@@ -234,10 +233,9 @@ class LoraKnobs:
                 + (", shrink+expand fused where lora_fusable" if self.fused else "")
                 + (", programmatic dependent launch" if self.pdl else "")
                 + (f", {self.block_m}-token blocks" if self.block_m else "")
-                + (f", expand loop of {self.expand_loop} tiles" if self.expand_loop else "")
                 + (f", shrink stages {self.shrink_stages}" if self.shrink_stages else "")
-                + (f", expand stages {self.expand_stages}" if self.expand_stages else "")
-                + (f", expand gemv {self.expand_gemv_warps} warps" if self.expand_gemv_warps else ""))
+                + (", one-token expand" if self.expand_gemv else "")
+                + (f", group {'/'.join(LORA_GROUPS[self.group])} only" if self.group is not None else ""))
 
 
 def _auto(value: int | None) -> str:
@@ -265,6 +263,8 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
                        sizes, torch.stack([layer.ranks] * len(names)),
                        torch.stack([layer.offsets[n][0] for n in names]),
                        torch.stack([layer.offsets[n][1] for n in names]), torch.stack([layer.scalings] * len(names))))
+    if knobs.group is not None:
+        groups = [groups[knobs.group]]
 
     # As the engine does: one float32 workspace zeroed per step, a slice of it per shrink.
     workspace = torch.zeros(tokens * rank * len(LLAMA3_8B_MODULES), device="cuda")
@@ -284,8 +284,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
         _, out, sizes, ranks, _, b_offsets, scalings = group
         lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings, out_sizes=sizes,
                     segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile, num_warps=knobs.expand_warps,
-                    pdl=knobs.pdl, tiles_per_program=knobs.expand_loop, num_stages=knobs.expand_stages,
-                    gemv_warps=knobs.expand_gemv_warps)
+                    pdl=knobs.pdl, gemv=knobs.expand_gemv)
 
     # The groups that run as lora_fused, as the engine would choose them (none unless knobs.fused).
     fusing = [knobs.fused and lora_fusable(x.shape[1], out.shape[1]) for x, out, *_ in groups]
@@ -360,20 +359,20 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
             for adapters in (1, 64) for k in knobs]
 
 
-def lora_pipeline_sweep(gen: torch.Generator) -> list[Row]:
-    """The layer's LoRA with other expand and shrink kernels, with PDL as the engine launches them: the expand
-    looping over several output tiles per program (software-pipelined), or without tl.dot (a row of Bᵀ at a
-    time); the shrink splitting its reduction less with more pipeline stages. One shared adapter over 4 table
-    slots (a few-adapter decode graph); 64 and 256 distinct; 5 adapters over 256 slots (a full graph)."""
-    expand = [LoraKnobs(part="expand", pdl=True, expand_loop=loop, expand_stages=stages, expand_gemv_warps=gemv)
-              for loop, stages, gemv in ((None, None, None), (16, 2, None), (None, None, 1), (None, None, 2),
-                                         (None, None, 4))]
-    shrink = [LoraKnobs(part="shrink", pdl=True, split_k=split_k, shrink_stages=stages)
-              for split_k, stages in ((None, None), (4, 4), (8, 3))]
-    both = [LoraKnobs(pdl=True, expand_gemv_warps=gemv) for gemv in (None, 2, 4)]
-    cases = ((1, 64, 4), (64, 64, 64), (256, 256, 256), (5, 256, 256))
-    return [bench_lora(adapters, tokens, 16, gen, knobs=k, baseline=False, table_slots=slots)
-            for adapters, tokens, slots in cases for k in (*both, *expand, *shrink)]
+def lora_gemv_sweep(gen: torch.Generator) -> list[Row]:
+    """The layer's LoRA with the one-token expand kernel against the default one, and the shrink split less
+    with more pipeline stages, with PDL as the engine launches them: one shared adapter over 4 table slots
+    (a few-adapter decode graph), 64 / 128 / 256 distinct adapters, and 5 or 32 adapters over 256 slots (a
+    full decode graph replayed with fewer adapters); at 64 distinct also each group's expand alone."""
+    knobs = [LoraKnobs(pdl=True), LoraKnobs(pdl=True, expand_gemv=True), LoraKnobs(part="expand", pdl=True),
+             LoraKnobs(part="expand", pdl=True, expand_gemv=True), LoraKnobs(part="shrink", pdl=True),
+             LoraKnobs(part="shrink", pdl=True, split_k=4, shrink_stages=4)]
+    cases = ((1, 64, 4), (64, 64, 64), (128, 128, 128), (256, 256, 256), (5, 256, 256), (32, 256, 256))
+    rows = [bench_lora(adapters, tokens, 16, gen, knobs=k, baseline=False, table_slots=slots)
+            for adapters, tokens, slots in cases for k in knobs]
+    per_group = [LoraKnobs(part="expand", pdl=True, expand_gemv=gemv, group=group)
+                 for group in range(len(LORA_GROUPS)) for gemv in (False, True)]
+    return rows + [bench_lora(64, 64, 16, gen, knobs=k, baseline=False, table_slots=64) for k in per_group]
 
 
 def _check_lora(layer: LoraLayer, slots: Tensor, inputs: dict[int, Tensor], rank: int,
@@ -435,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes through the torch references on the CPU (checks the script, no GPU)")
     parser.add_argument("--lora-sweep", action="store_true", help="only the LoRA layer, over split_k and n_tiles")
-    parser.add_argument("--lora-pipeline-sweep", action="store_true",
-                        help="only the LoRA layer, over software-pipelined expand and shrink loops")
+    parser.add_argument("--lora-gemv-sweep", action="store_true",
+                        help="only the LoRA layer: the one-token expand kernel and a less split shrink")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -448,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     elif args.lora_sweep:
         rows, device = lora_sweep(gen), torch.cuda.get_device_name()
-    elif args.lora_pipeline_sweep:
-        rows, device = lora_pipeline_sweep(gen), torch.cuda.get_device_name()
+    elif args.lora_gemv_sweep:
+        rows, device = lora_gemv_sweep(gen), torch.cuda.get_device_name()
     else:
         device = torch.cuda.get_device_name()
         rows = [bench_decode(64, 4096, gen), bench_decode(64, 4096, gen, num_splits=4),

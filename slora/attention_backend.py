@@ -86,13 +86,17 @@ class LoraLaunchPolicy:
         were slower on the H200 (decode with a distinct adapter per request at batch 256: 34.3 against
         27.9 ms; benchmarks/README.md).
     expand_n_tiles: output tiles per expand program (one of slora.kernels.checks.LORA_N_TILES); None: the
-        kernel's default (1)."""
+        kernel's default (1).
+    expand_gemv_min_tokens: steps of at least this many tokens whose adapter tables have a slot per token
+        (the full decode graphs) expand with the one-token kernel (`lora_expand(gemv=True)`: blocks of one
+        token without tl.dot); None: never."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
     accumulate_few_max_tokens: int = 256
     block_m_tokens_per_slot: int = 64
     lora_tile: int | None = None
     expand_n_tiles: int | None = None
+    expand_gemv_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("accumulate_max_tokens", "accumulate_max_slots", "accumulate_few_max_tokens"):
@@ -100,6 +104,8 @@ class LoraLaunchPolicy:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_m_tokens_per_slot < 1:
             raise ValueError(f"block_m_tokens_per_slot must be >= 1, got {self.block_m_tokens_per_slot}")
+        if self.expand_gemv_min_tokens is not None and self.expand_gemv_min_tokens < 1:
+            raise ValueError(f"expand_gemv_min_tokens must be >= 1 or None, got {self.expand_gemv_min_tokens}")
         # The kernels' own rules, checked when the policy is made rather than at a step's first launch.
         if self.lora_tile is not None:
             check_lora_tile(self.lora_tile, "lora_tile")
@@ -109,6 +115,11 @@ class LoraLaunchPolicy:
     def accumulates(self, num_tokens: int, num_slots: int) -> bool:
         few_slots = num_slots <= self.accumulate_max_slots and num_tokens <= self.accumulate_few_max_tokens
         return num_tokens <= self.accumulate_max_tokens or few_slots
+
+    def expands_by_gemv(self, num_tokens: int, num_slots: int) -> bool:
+        if self.expand_gemv_min_tokens is None:
+            return False
+        return num_slots >= num_tokens >= self.expand_gemv_min_tokens
 
     def block_m(self, num_tokens: int, num_slots: int) -> int:
         return 64 if num_tokens >= self.block_m_tokens_per_slot * max(num_slots, 1) else 16
@@ -120,10 +131,11 @@ class TritonLora:
     zeroes (one memset per step, inside the captured graph for decode)."""
 
     def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False,
-                 pdl: bool = False, policy: LoraLaunchPolicy = LoraLaunchPolicy(), accumulate: bool = True) -> None:
+                 pdl: bool = False, policy: LoraLaunchPolicy = LoraLaunchPolicy(), accumulate: bool = True,
+                 gemv: bool = False) -> None:
         from slora.kernels import lora
         self._lora, self.segments, self._num_layers = lora, segments, num_layers
-        self.fused, self.pdl, self.policy, self._accumulate = fused, pdl, policy, accumulate
+        self.fused, self.pdl, self.policy, self._accumulate, self._gemv = fused, pdl, policy, accumulate, gemv
         self._workspace: Tensor | None = None
         self._used = 0
 
@@ -134,7 +146,7 @@ class TritonLora:
         tokens = token_slots.shape[0]
         segments = self._lora.lora_segments(token_slots, num_slots, self.policy.block_m(tokens, num_slots))
         return TritonLora(segments, num_layers, fused, self.pdl, self.policy,
-                          self.policy.accumulates(tokens, num_slots))
+                          self.policy.accumulates(tokens, num_slots), self.policy.expands_by_gemv(tokens, num_slots))
 
     def lora_fused(self, out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                    ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
@@ -170,7 +182,7 @@ class TritonLora:
                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
                                out_sizes=out_sizes, segments=self.segments, pdl=self.pdl,
-                               tile=self.policy.lora_tile, n_tiles=self.policy.expand_n_tiles)
+                               tile=self.policy.lora_tile, n_tiles=self.policy.expand_n_tiles, gemv=self._gemv)
 
 
 def backends_for(device: torch.device, pdl: bool = False,

@@ -187,11 +187,20 @@ class ModelRunner:
         """Run the WARM_UP_STEPS with every adapter module active at rank 0: kernels compile, nothing is
         written to the pool (no token has a KV slot) and no adapter weight is read."""
         for max_rank in sorted({RANK_ALIGN, step_max_rank(limits.max_lora_rank)}):
-            for num_seqs, tokens_each, slots in WARM_UP_STEPS:
+            for num_seqs, tokens_each, slots in self._warm_up_steps(limits):
                 host = self._warm_up_inputs(num_seqs, tokens_each, slots, limits, max_rank)
                 self.model(self.to_device(host), self.pool, self.attention)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _warm_up_steps(self, limits: GraphLimits) -> tuple[tuple[int, int, int], ...]:
+        """WARM_UP_STEPS, and a step of one token per adapter slot if the LoRA policy expands such steps
+        with its own kernel (LoraLaunchPolicy.expand_gemv_min_tokens) and the engine can batch that many."""
+        policy = getattr(self.lora_ops, "policy", None)
+        gemv_tokens = policy.expand_gemv_min_tokens if policy is not None else None
+        if gemv_tokens is None or gemv_tokens > limits.max_batch:
+            return WARM_UP_STEPS
+        return WARM_UP_STEPS + ((gemv_tokens, 1, gemv_tokens),)
 
     def _warm_up_inputs(self, num_seqs: int, tokens_each: int, slots: int, limits: GraphLimits,
                         max_rank: int) -> HostInputs:

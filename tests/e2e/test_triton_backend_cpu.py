@@ -33,8 +33,24 @@ def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, p
         prepare = TritonLora.prepare
         monkeypatch.setattr(TritonLora, "prepare", lambda self, slots, n, layers, fused=False:
                             prepare(self, slots, n, layers, fused=True))
-    prompts = random_prompts([3, 18, 9], seed=40)
-    names = ["all-r16", None, "rs-pattern"]
+    reference, triton = _greedy_tokens_both_backends(tiny_llama, policy, random_prompts([3, 18, 9], seed=40),
+                                                     ["all-r16", None, "rs-pattern"])
+    assert reference == triton
+
+
+def test_gemv_expand_matches_the_reference_backend(tiny_llama):
+    """Decode steps of two sequences on two adapters have a slot per token: with expand_gemv_min_tokens=2
+    they expand with the one-token kernel (rank 16 and the rs-pattern adapter's mixed ranks)."""
+    policy = LoraLaunchPolicy(expand_gemv_min_tokens=2)
+    assert policy.expands_by_gemv(2, 2)
+    reference, triton = _greedy_tokens_both_backends(tiny_llama, policy, random_prompts([5, 11], seed=43),
+                                                     ["all-r16", "rs-pattern"])
+    assert reference == triton
+
+
+def _greedy_tokens_both_backends(tiny_llama, policy: LoraLaunchPolicy, prompts: list[list[int]],
+                                 names: list[str | None]) -> list[list[list[int]]]:
+    """Greedy tokens of the prompts on their adapters with the reference backends, then the Triton ones."""
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     outputs = []
     for triton in (False, True):
@@ -44,7 +60,7 @@ def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, p
         if triton:
             llm.engine.runner.attention, llm.engine.runner.lora_ops = TritonAttention(), TritonLora(policy=policy)
         outputs.append([o.token_ids for o in llm.generate(prompts, params, adapters=names)])
-    assert outputs[0] == outputs[1]
+    return outputs
 
 
 def test_lora_launch_policy_rules_and_validation():
@@ -53,8 +69,13 @@ def test_lora_launch_policy_rules_and_validation():
     assert policy.accumulates(64, 65) and policy.accumulates(256, 4)
     assert not policy.accumulates(65, 5) and not policy.accumulates(257, 4)
     assert policy.block_m(64, 4) == 64 and policy.block_m(63, 4) == 16 and policy.block_m(16, 0) == 64
+    assert not policy.expands_by_gemv(256, 256)   # off by default
+    gemv = LoraLaunchPolicy(expand_gemv_min_tokens=128)
+    assert gemv.expands_by_gemv(128, 128) and gemv.expands_by_gemv(200, 256)
+    assert not gemv.expands_by_gemv(127, 128) and not gemv.expands_by_gemv(256, 4)
     for bad in ({"accumulate_max_tokens": -1}, {"accumulate_max_slots": -1}, {"accumulate_few_max_tokens": -1},
-                {"block_m_tokens_per_slot": 0}, {"lora_tile": 48}, {"lora_tile": 1024}, {"expand_n_tiles": 3}):
+                {"block_m_tokens_per_slot": 0}, {"lora_tile": 48}, {"lora_tile": 1024}, {"expand_n_tiles": 3},
+                {"expand_gemv_min_tokens": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LoraLaunchPolicy(**bad)
 
@@ -66,6 +87,20 @@ def test_warm_up_steps_cover_every_lora_launch_choice_of_the_default_policy():
     choices = {(policy.accumulates(seqs * each, slots), policy.block_m(seqs * each, slots))
                for seqs, each, slots in WARM_UP_STEPS}
     assert choices == {(accumulate, block_m) for accumulate in (True, False) for block_m in (16, 64)}
+
+
+def test_warm_up_runs_a_gemv_expand_step_when_the_policy_has_one(tiny_llama):
+    """A policy that expands steps of a slot per token with the one-token kernel gets a warm-up step of that
+    kind (so the kernel compiles at start), if the engine can batch that many sequences."""
+    llm = LLM(str(tiny_llama.model_dir), num_pages=64)
+    runner, limits = llm.engine.runner, _limits_for(llm)
+    assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the CPU backends have no policy
+    for min_tokens, extra in ((4, ((4, 1, 4),)), (5, ())):   # limits.max_batch is 4
+        policy = LoraLaunchPolicy(expand_gemv_min_tokens=min_tokens)
+        runner.lora_ops = TritonLora(policy=policy)
+        steps = runner._warm_up_steps(limits)
+        assert steps == WARM_UP_STEPS + extra
+        assert any(policy.expands_by_gemv(seqs * each, slots) for seqs, each, slots in steps) == bool(extra)
 
 
 @pytest.mark.parametrize("triton", [False, True])

@@ -84,19 +84,21 @@ def test_lora_expand_matches_reference(dtype, pattern, out_features):
     assert torch.equal(out[untouched], before[untouched])
 
 
-def test_lora_ranks_up_to_64_with_shared_segments():
+@pytest.mark.parametrize("gemv", [False, True])
+@pytest.mark.parametrize("pattern", ["random", "one token per slot"])
+def test_lora_ranks_up_to_64_with_shared_segments(gemv, pattern):
     ranks = [64, 1, 33, 0, 16]
     gen = make_generator(11)
     b = make_lora_batch(ranks, 72, 136, 1024, torch.float32, gen)
-    slots = random_token_slots(24, len(ranks), gen)
+    slots = random_token_slots(24, len(ranks), gen) if pattern == "random" else _decode_slots(len(ranks), gen)
     segments = lora_segments(slots, len(ranks))
-    x = randn((24, 72), torch.float32, gen)
+    x = randn((len(slots), 72), torch.float32, gen)
     h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 64, segments=segments)
     assert_close(h, reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 64))
-    out = randn((24, 136), torch.float32, gen)
+    out = randn((len(slots), 136), torch.float32, gen)
     want = out.clone()
     reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
-    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, segments=segments)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, segments=segments, gemv=gemv)
     assert_close(out, want)
 
 
@@ -149,10 +151,9 @@ def _fused_case(dtype, pattern, name, seed, device="cpu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k,n_tiles,tile,tiles_per_program,gemv_warps", [
-    (1, 1, None, None, None), (3, 2, 64, None, None), (2, 4, 256, None, None), (2, 1, 64, 3, None),
-    (1, 1, None, 1, None), (1, 1, None, None, 1), (2, 1, None, None, 2)])
-def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, tiles_per_program, gemv_warps):
+@pytest.mark.parametrize("split_k,n_tiles,tile,gemv", [(1, 1, None, False), (3, 2, 64, False), (2, 4, 256, False),
+                                                      (1, 1, None, True), (2, 1, None, True)])
+def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, gemv):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k,
@@ -164,8 +165,7 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
     # Expand straight from the partial sums. Shrink leaves the entries of tokens without adapter and of
     # columns past each rank unwritten: make them NaN, so that reading one fails the test.
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
-                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile,
-                tiles_per_program=tiles_per_program, gemv_warps=gemv_warps)
+                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile, gemv=gemv)
     assert_close(out, want)
 
 
@@ -323,8 +323,8 @@ def test_lora_gpu(dtype, num_tokens, in_features, out_features):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens", [64, 1000])
-@pytest.mark.parametrize("tiles_per_program,gemv_warps", [(None, None), (4, None), (None, 4), (None, 2)])
-def test_fused_qkv_gpu(dtype, num_tokens, tiles_per_program, gemv_warps):
+@pytest.mark.parametrize("gemv", [False, True])
+def test_fused_qkv_gpu(dtype, num_tokens, gemv):
     gen = make_generator(num_tokens + 1)
     module_ranks = [GPU_RANKS, GPU_RANKS[::-1], GPU_RANKS[2:] + GPU_RANKS[:2]]
     out_sizes = [4096, 1024, 1024]
@@ -338,7 +338,28 @@ def test_fused_qkv_gpu(dtype, num_tokens, tiles_per_program, gemv_warps):
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                           out_sizes)
     lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
-                tiles_per_program=tiles_per_program, gemv_warps=gemv_warps)
+                gemv=gemv)
+    assert_close(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_expand_one_token_per_adapter_gpu(dtype):
+    """A decode step with an adapter per request (the gemv kernel's one-token blocks), Llama-3-8B's gate/up
+    sizes, ranks up to 128 and pages scattered, against the float32 reference."""
+    gen = make_generator(83)
+    ranks = (GPU_RANKS * 8)[:64]
+    out_sizes = [14336, 14336]
+    b = make_fused_lora_batch([ranks, ranks[::-1]], 4096, out_sizes, 2 * 16 * 8 * 128, dtype, gen, "cuda",
+                              weight_scale=0.02)
+    slots = torch.randperm(64, generator=gen).to(torch.int32).cuda()
+    h = randn((64, 2 * 128), torch.float32, gen, "cuda")
+    out = randn((64, sum(out_sizes)), dtype, gen, "cuda")
+    want = out.float()
+    reference.lora_expand(want, h.to(dtype).float(), b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets,
+                          b.scalings, out_sizes)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes, gemv=True)
     assert_close(out, want)
 
 
