@@ -363,7 +363,7 @@ def lora_gemv_sweep(gen: torch.Generator) -> list[Row]:
     """The layer's LoRA with the one-token expand kernel against the default one, and the shrink split less
     with more pipeline stages, with PDL as the engine launches them: one shared adapter over 4 table slots
     (a few-adapter decode graph), 64 / 128 / 256 distinct adapters, and 5 or 32 adapters over 256 slots (a
-    full decode graph replayed with fewer adapters); at 64 distinct also each group's expand alone."""
+    full decode graph replayed with fewer adapters); at 64 / 128 / 256 distinct also each group's expand alone."""
     knobs = [LoraKnobs(pdl=True), LoraKnobs(pdl=True, expand_gemv=True), LoraKnobs(part="expand", pdl=True),
              LoraKnobs(part="expand", pdl=True, expand_gemv=True), LoraKnobs(part="shrink", pdl=True),
              LoraKnobs(part="shrink", pdl=True, split_k=4, shrink_stages=4)]
@@ -372,7 +372,8 @@ def lora_gemv_sweep(gen: torch.Generator) -> list[Row]:
             for adapters, tokens, slots in cases for k in knobs]
     per_group = [LoraKnobs(part="expand", pdl=True, expand_gemv=gemv, group=group)
                  for group in range(len(LORA_GROUPS)) for gemv in (False, True)]
-    return rows + [bench_lora(64, 64, 16, gen, knobs=k, baseline=False, table_slots=64) for k in per_group]
+    return rows + [bench_lora(n, n, 16, gen, knobs=k, baseline=False, table_slots=n)
+                   for n in (64, 128, 256) for k in per_group]
 
 
 def _check_lora(layer: LoraLayer, slots: Tensor, inputs: dict[int, Tensor], rank: int,

@@ -8,6 +8,9 @@ from slora.kernels.layout import ALIGN
 MAX_LORA_TILE = 512
 # Output tiles one LoRA expand program may cover.
 LORA_N_TILES = (1, 2, 4, 8)
+# Output columns per program of the one-token LoRA expand (lora_expand(gemv=True)), on pages at least this
+# wide: 8 columns (a 16-byte load of bfloat16) per thread of 4 warps.
+LORA_GEMV_TILE = 1024
 
 
 def is_power_of_two(n: int) -> bool:

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from slora.kernels.checks import check_lora_n_tiles, check_lora_tile
+from slora.kernels.checks import LORA_GEMV_TILE, check_lora_n_tiles, check_lora_tile
 from slora.kernels.layout import ALIGN, align_up, cdiv
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 from torch import Tensor
@@ -65,9 +65,9 @@ _EXPAND_TILE = 128
 _SHRINK_BLOCK_R = 16
 _NUM_WARPS = 4
 _NUM_STAGES = 2
-# Warps of the expand's one-token (gemv) kernel, whose tiles are 8 x 32 x this many columns wide. On the H200
-# the layer's expands with 256 distinct adapters took 205.1 / 200.5 / 197.0 µs with 1 / 2 / 4 warps.
-_GEMV_WARPS = 4
+# Warps of the expand's one-token (gemv) kernel: 8 columns each of its threads. On the H200 the layer's
+# expands with 256 distinct adapters took 205.1 / 200.5 / 197.0 µs with 1 / 2 / 4 warps (256- to 1024-column tiles).
+_GEMV_WARPS = LORA_GEMV_TILE // (8 * 32)
 
 
 class LoraSegments(NamedTuple):
@@ -135,7 +135,9 @@ def _split_pages(pt_row, offset, rows, row_stride, col0, length, page_elems, ALI
     # physical offset of col0 (`first`), that of the boundary minus `room` (`second`: column col0 + c,
     # c >= room, is at second + c) and `room`, the columns before the boundary. Every one is a multiple
     # of ALIGN (the hints do not survive a `where` between them: _load_run rounds its run's start again).
-    start = offset + rows.to(tl.int64) * row_stride + col0             # [R] logical element
+    # int32: the wrappers check that an adapter's pages hold fewer than 2**31 elements, and a 64-bit division
+    # compiles to a call in the chain of loads before the weights.
+    start = (offset + rows * row_stride + col0).to(tl.int32)             # [R] logical element
     page_idx = start // page_elems
     in_page = start - page_idx * page_elems
     room = tl.multiple_of(page_elems - in_page, ALIGN_ELEMS)
@@ -407,7 +409,8 @@ def _pick(module, v0, v1, v2):
 
 @triton.jit
 def _b_row_dot(h_row, pool_ptr, pt_row, b_offset, row_stride, col0, length, rank, r0, num_splits, stride_hsplit,
-               page_elems, cols, n_mask, out_dtype: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN_ELEMS: tl.constexpr):
+               page_elems, cols, n_mask, out_dtype: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
+               MAX_SPLITS: tl.constexpr):
     # sum over r in r0 .. r0 + BLOCK_R (below the rank) of h[token, r] * Bᵀ[r, col0 + cols]: [BLOCK_N] float32,
     # one row of Bᵀ at a time (each row's pages looked up as scalars), h rounded to the output's dtype as
     # tl.dot's operand would be.
@@ -415,10 +418,14 @@ def _b_row_dot(h_row, pool_ptr, pt_row, b_offset, row_stride, col0, length, rank
     for i in tl.static_range(BLOCK_R):
         r = r0 + i
         live = r < rank
+        # The splits' partial sums, unrolled (masked past num_splits): a loop would put a branch between the
+        # rows, and the next row's loads could not be issued before this row's are used.
         h = 0.0
-        for split in range(num_splits):
-            h += tl.load(h_row + split * stride_hsplit + r, mask=live, other=0.0).to(tl.float32)
-        start = b_offset + r.to(tl.int64) * row_stride + col0
+        for split in tl.static_range(MAX_SPLITS):
+            h += tl.load(h_row + split * stride_hsplit + r, mask=live & (split < num_splits), other=0.0)
+        # In int32 (as in _split_pages): a 64-bit division compiles to a branch, and the next row's loads would
+        # wait for this row's.
+        start = (b_offset + r * row_stride + col0).to(tl.int32)
         page_idx = start // page_elems
         in_page = start - page_idx * page_elems
         room = tl.multiple_of(page_elems - in_page, ALIGN_ELEMS)
@@ -439,7 +446,7 @@ def _lora_expand_gemv_kernel(
     scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, page_elems,
     stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_N: tl.constexpr,
-    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     # As _lora_expand_kernel for one BLOCK_N-column tile. A block of one token (decode with an adapter per
     # request) runs without tl.dot: out[token, n] += scaling * sum over r of h[token, r] * Bᵀ[r, n], a row of
@@ -469,7 +476,7 @@ def _lora_expand_gemv_kernel(
         for r0 in range(0, rank, BLOCK_R):
             acc += _b_row_dot(h_row, pool_ptr, pt_row, b_offset, tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS,
                               col0, out_features - col0, rank, r0, num_splits, stride_hsplit, page_elems, cols,
-                              n_mask, out_ptr.dtype.element_ty, BLOCK_R, ALIGN_ELEMS)
+                              n_mask, out_ptr.dtype.element_ty, BLOCK_R, ALIGN_ELEMS, MAX_SPLITS)
         o_ptrs = out_ptr + token * stride_ot + out_col + col0 + cols
         base = tl.load(o_ptrs, mask=n_mask, other=0.0)
         tl.store(o_ptrs, (base.to(tl.float32) + acc * scaling).to(base.dtype), mask=n_mask)
@@ -565,6 +572,9 @@ def _check_common(name: str, act: Tensor, pool: Tensor, token_slots: Tensor, pag
     if page_tables.dim() != 2 or page_tables.stride(1) != 1:
         raise ValueError(f"page_tables must be [slots, max_pages] with stride 1 in its rows, "
                          f"got shape {tuple(page_tables.shape)}")
+    if page_tables.shape[1] * pool.shape[1] >= 2 ** 31:
+        raise ValueError(f"an adapter must hold fewer than 2**31 elements: page tables of {page_tables.shape[1]} "
+                         f"pages of {pool.shape[1]} elements")
     for label, t in (("token_slots", token_slots), ("page_tables", page_tables), ("ranks", ranks),
                      ("offsets", offsets)):
         if t.dtype not in (torch.int32, torch.int64):
@@ -850,11 +860,16 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     )
 
 
+def _gemv_max_splits(num_splits: int) -> int:
+    """The splits the one-token kernel unrolls: 1, or a power of two from _MAX_SPLIT_K (few variants)."""
+    return 1 if num_splits == 1 else max(_MAX_SPLIT_K, 1 << (num_splits - 1).bit_length())
+
+
 def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: LoraSegments, page_tables: Tensor,
                         ranks: Tensor, b_offsets: Tensor, scalings: Tensor, sizes: list[int], modules: int,
                         pdl: bool) -> None:
     # 8 columns per thread and row: a row of the tile is one 16-byte load per thread (bf16).
-    block_n = min(8 * 32 * _GEMV_WARPS, pool.shape[1])
+    block_n = min(LORA_GEMV_TILE, pool.shape[1])
     tiles = sum(cdiv(n, block_n) for n in sizes)
     grid = (out.shape[0] // segments.block_m + page_tables.shape[0], tiles)
     _lora_expand_gemv_kernel[grid](
@@ -863,7 +878,8 @@ def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: L
         pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, DOT_N=min(_EXPAND_TILE, block_n), ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, num_warps=_GEMV_WARPS, num_stages=_NUM_STAGES,
+        DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, MAX_SPLITS=_gemv_max_splits(partials.shape[0]),
+        num_warps=_GEMV_WARPS, num_stages=_NUM_STAGES,
         **launch_options(pdl),
     )
 

@@ -5,7 +5,8 @@ import torch
 from torch import Tensor
 
 from slora.forward_batch import ForwardBatch
-from slora.kernels.checks import check_lora_n_tiles, check_lora_tile
+from slora.kernels.checks import LORA_GEMV_TILE, check_lora_n_tiles, check_lora_tile
+from slora.kernels.layout import cdiv
 from slora.kernels import reference
 from slora.kernels.layout import LORA_MODULES
 
@@ -87,16 +88,17 @@ class LoraLaunchPolicy:
         27.9 ms; benchmarks/README.md).
     expand_n_tiles: output tiles per expand program (one of slora.kernels.checks.LORA_N_TILES); None: the
         kernel's default (1).
-    expand_gemv_min_tokens: steps of at least this many tokens whose adapter tables have a slot per token
-        (the full decode graphs) expand with the one-token kernel (`lora_expand(gemv=True)`: blocks of one
-        token without tl.dot); None: never."""
+    expand_gemv_min_programs: in steps whose adapter tables have a slot per token (the full decode graphs),
+        an expand that would launch at least this many programs of the one-token kernel (tokens x output
+        tiles of slora.kernels.checks.LORA_GEMV_TILE columns) runs it (`lora_expand(gemv=True)`: blocks of
+        one token without tl.dot); None: never."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
     accumulate_few_max_tokens: int = 256
     block_m_tokens_per_slot: int = 64
     lora_tile: int | None = None
     expand_n_tiles: int | None = None
-    expand_gemv_min_tokens: int | None = None
+    expand_gemv_min_programs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("accumulate_max_tokens", "accumulate_max_slots", "accumulate_few_max_tokens"):
@@ -104,8 +106,8 @@ class LoraLaunchPolicy:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_m_tokens_per_slot < 1:
             raise ValueError(f"block_m_tokens_per_slot must be >= 1, got {self.block_m_tokens_per_slot}")
-        if self.expand_gemv_min_tokens is not None and self.expand_gemv_min_tokens < 1:
-            raise ValueError(f"expand_gemv_min_tokens must be >= 1 or None, got {self.expand_gemv_min_tokens}")
+        if self.expand_gemv_min_programs is not None and self.expand_gemv_min_programs < 1:
+            raise ValueError(f"expand_gemv_min_programs must be >= 1 or None, got {self.expand_gemv_min_programs}")
         # The kernels' own rules, checked when the policy is made rather than at a step's first launch.
         if self.lora_tile is not None:
             check_lora_tile(self.lora_tile, "lora_tile")
@@ -116,10 +118,10 @@ class LoraLaunchPolicy:
         few_slots = num_slots <= self.accumulate_max_slots and num_tokens <= self.accumulate_few_max_tokens
         return num_tokens <= self.accumulate_max_tokens or few_slots
 
-    def expands_by_gemv(self, num_tokens: int, num_slots: int) -> bool:
-        if self.expand_gemv_min_tokens is None:
+    def expands_by_gemv(self, num_tokens: int, num_slots: int, out_features: int) -> bool:
+        if self.expand_gemv_min_programs is None or num_slots < num_tokens:
             return False
-        return num_slots >= num_tokens >= self.expand_gemv_min_tokens
+        return num_tokens * cdiv(out_features, LORA_GEMV_TILE) >= self.expand_gemv_min_programs
 
     def block_m(self, num_tokens: int, num_slots: int) -> int:
         return 64 if num_tokens >= self.block_m_tokens_per_slot * max(num_slots, 1) else 16
@@ -132,10 +134,10 @@ class TritonLora:
 
     def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False,
                  pdl: bool = False, policy: LoraLaunchPolicy = LoraLaunchPolicy(), accumulate: bool = True,
-                 gemv: bool = False) -> None:
+                 num_slots: int = 0) -> None:
         from slora.kernels import lora
         self._lora, self.segments, self._num_layers = lora, segments, num_layers
-        self.fused, self.pdl, self.policy, self._accumulate, self._gemv = fused, pdl, policy, accumulate, gemv
+        self.fused, self.pdl, self.policy, self._accumulate, self._num_slots = fused, pdl, policy, accumulate, num_slots
         self._workspace: Tensor | None = None
         self._used = 0
 
@@ -146,7 +148,7 @@ class TritonLora:
         tokens = token_slots.shape[0]
         segments = self._lora.lora_segments(token_slots, num_slots, self.policy.block_m(tokens, num_slots))
         return TritonLora(segments, num_layers, fused, self.pdl, self.policy,
-                          self.policy.accumulates(tokens, num_slots), self.policy.expands_by_gemv(tokens, num_slots))
+                          self.policy.accumulates(tokens, num_slots), num_slots)
 
     def lora_fused(self, out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                    ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
@@ -182,7 +184,8 @@ class TritonLora:
                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
                                out_sizes=out_sizes, segments=self.segments, pdl=self.pdl,
-                               tile=self.policy.lora_tile, n_tiles=self.policy.expand_n_tiles, gemv=self._gemv)
+                               tile=self.policy.lora_tile, n_tiles=self.policy.expand_n_tiles,
+                               gemv=self.policy.expands_by_gemv(out.shape[0], self._num_slots, out.shape[1]))
 
 
 def backends_for(device: torch.device, pdl: bool = False,

@@ -194,13 +194,14 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _warm_up_steps(self, limits: GraphLimits) -> tuple[tuple[int, int, int], ...]:
-        """WARM_UP_STEPS, and a step of one token per adapter slot if the LoRA policy expands such steps
-        with its own kernel (LoraLaunchPolicy.expand_gemv_min_tokens) and the engine can batch that many."""
+        """WARM_UP_STEPS, and if the LoRA policy expands steps of a slot per token with the one-token kernel
+        (LoraLaunchPolicy.expand_gemv_min_programs), such steps of the largest batch and of the largest that
+        shrinks into one h: the kernel's two variants (one h, or split partial sums)."""
         policy = getattr(self.lora_ops, "policy", None)
-        gemv_tokens = policy.expand_gemv_min_tokens if policy is not None else None
-        if gemv_tokens is None or gemv_tokens > limits.max_batch:
+        if policy is None or policy.expand_gemv_min_programs is None:
             return WARM_UP_STEPS
-        return WARM_UP_STEPS + ((gemv_tokens, 1, gemv_tokens),)
+        sizes = sorted({min(limits.max_batch, policy.accumulate_max_tokens), limits.max_batch} - {0})
+        return WARM_UP_STEPS + tuple((n, 1, n) for n in sizes)
 
     def _warm_up_inputs(self, num_seqs: int, tokens_each: int, slots: int, limits: GraphLimits,
                         max_rank: int) -> HostInputs:

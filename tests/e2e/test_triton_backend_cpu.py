@@ -39,10 +39,10 @@ def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, p
 
 
 def test_gemv_expand_matches_the_reference_backend(tiny_llama):
-    """Decode steps of two sequences on two adapters have a slot per token: with expand_gemv_min_tokens=2
+    """Decode steps of two sequences on two adapters have a slot per token: with expand_gemv_min_programs=2
     they expand with the one-token kernel (rank 16 and the rs-pattern adapter's mixed ranks)."""
-    policy = LoraLaunchPolicy(expand_gemv_min_tokens=2)
-    assert policy.expands_by_gemv(2, 2)
+    policy = LoraLaunchPolicy(expand_gemv_min_programs=2)
+    assert policy.expands_by_gemv(2, 2, 64)
     reference, triton = _greedy_tokens_both_backends(tiny_llama, policy, random_prompts([5, 11], seed=43),
                                                      ["all-r16", "rs-pattern"])
     assert reference == triton
@@ -69,13 +69,14 @@ def test_lora_launch_policy_rules_and_validation():
     assert policy.accumulates(64, 65) and policy.accumulates(256, 4)
     assert not policy.accumulates(65, 5) and not policy.accumulates(257, 4)
     assert policy.block_m(64, 4) == 64 and policy.block_m(63, 4) == 16 and policy.block_m(16, 0) == 64
-    assert not policy.expands_by_gemv(256, 256)   # off by default
-    gemv = LoraLaunchPolicy(expand_gemv_min_tokens=128)
-    assert gemv.expands_by_gemv(128, 128) and gemv.expands_by_gemv(200, 256)
-    assert not gemv.expands_by_gemv(127, 128) and not gemv.expands_by_gemv(256, 4)
+    assert not policy.expands_by_gemv(256, 256, 14336)   # off by default
+    gemv = LoraLaunchPolicy(expand_gemv_min_programs=1024)   # 1024-column tiles: 14 for 14336 columns
+    assert gemv.expands_by_gemv(74, 74, 14336) and gemv.expands_by_gemv(256, 300, 4096)
+    assert not gemv.expands_by_gemv(73, 74, 14336) and not gemv.expands_by_gemv(255, 255, 4096)
+    assert not gemv.expands_by_gemv(256, 4, 14336)   # a few-adapter graph: not a slot per token
     for bad in ({"accumulate_max_tokens": -1}, {"accumulate_max_slots": -1}, {"accumulate_few_max_tokens": -1},
                 {"block_m_tokens_per_slot": 0}, {"lora_tile": 48}, {"lora_tile": 1024}, {"expand_n_tiles": 3},
-                {"expand_gemv_min_tokens": 0}):
+                {"expand_gemv_min_programs": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LoraLaunchPolicy(**bad)
 
@@ -95,12 +96,16 @@ def test_warm_up_runs_a_gemv_expand_step_when_the_policy_has_one(tiny_llama):
     llm = LLM(str(tiny_llama.model_dir), num_pages=64)
     runner, limits = llm.engine.runner, _limits_for(llm)
     assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the CPU backends have no policy
-    for min_tokens, extra in ((4, ((4, 1, 4),)), (5, ())):   # limits.max_batch is 4
-        policy = LoraLaunchPolicy(expand_gemv_min_tokens=min_tokens)
+    runner.lora_ops = TritonLora()
+    assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the default policy has no one-token expand
+    for accumulate_max_tokens, extra in ((64, ((4, 1, 4),)), (2, ((2, 1, 2), (4, 1, 4)))):   # max_batch is 4
+        policy = LoraLaunchPolicy(expand_gemv_min_programs=1, accumulate_max_tokens=accumulate_max_tokens,
+                                  accumulate_max_slots=0)
         runner.lora_ops = TritonLora(policy=policy)
         steps = runner._warm_up_steps(limits)
         assert steps == WARM_UP_STEPS + extra
-        assert any(policy.expands_by_gemv(seqs * each, slots) for seqs, each, slots in steps) == bool(extra)
+        # Both kinds of h (one, or split partial sums) for the one-token kernel.
+        assert {policy.accumulates(n, n) for n, _, _ in extra} == {True, accumulate_max_tokens >= 4}
 
 
 @pytest.mark.parametrize("triton", [False, True])

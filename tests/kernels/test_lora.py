@@ -269,6 +269,9 @@ def test_lora_without_adapters_is_a_no_op():
     (lambda a: {"pool": a["pool"][:, :100].contiguous()}, "multiple of ALIGN"),
     (lambda a: {"max_rank": 0}, "max_rank"),
     (lambda a: {"segments": lora_segments(a["token_slots"][:-1], 6)}, "segments"),
+    # Page tables spanning 2**31 elements (the kernels index an adapter's elements in int32); one row, broadcast.
+    (lambda a: {"page_tables": torch.zeros(1, 2 ** 31 // a["pool"].shape[1], dtype=torch.int32).expand(6, -1)},
+     r"2\*\*31"),
 ])
 def test_lora_shrink_rejects_bad_input(changes, match):
     x, b, slots, max_rank = _shrink_case(torch.float32, "decode", 64, seed=13)
