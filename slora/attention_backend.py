@@ -5,8 +5,7 @@ import torch
 from torch import Tensor
 
 from slora.forward_batch import ForwardBatch
-from slora.kernels.checks import LORA_GEMV_TILE, check_lora_n_tiles, check_lora_tile
-from slora.kernels.layout import cdiv
+from slora.kernels.checks import check_lora_n_tiles, check_lora_tile
 from slora.kernels import reference
 from slora.kernels.layout import LORA_MODULES
 
@@ -88,17 +87,18 @@ class LoraLaunchPolicy:
         27.9 ms; benchmarks/README.md).
     expand_n_tiles: output tiles per expand program (one of slora.kernels.checks.LORA_N_TILES); None: the
         kernel's default (1).
-    expand_gemv_min_programs: in steps whose adapter tables have a slot per token (the full decode graphs),
-        an expand that would launch at least this many programs of the one-token kernel (tokens x output
-        tiles of slora.kernels.checks.LORA_GEMV_TILE columns) runs it (`lora_expand(gemv=True)`: blocks of
-        one token without tl.dot); None: never."""
+    gemv_shrink_min_tokens, gemv_expand_min_tokens: steps of at least this many tokens whose adapter tables
+        have a slot per token (the full decode graphs: an adapter per request, or one per token in eager
+        steps) run the one-token shrink (`lora_shrink_into(gemv=True)`, and so shrink into one h) or expand
+        (`lora_expand(gemv=True)`): blocks of one token without tl.dot; None: never."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
     accumulate_few_max_tokens: int = 256
     block_m_tokens_per_slot: int = 64
     lora_tile: int | None = None
     expand_n_tiles: int | None = None
-    expand_gemv_min_programs: int | None = None
+    gemv_shrink_min_tokens: int | None = None
+    gemv_expand_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("accumulate_max_tokens", "accumulate_max_slots", "accumulate_few_max_tokens"):
@@ -106,8 +106,9 @@ class LoraLaunchPolicy:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_m_tokens_per_slot < 1:
             raise ValueError(f"block_m_tokens_per_slot must be >= 1, got {self.block_m_tokens_per_slot}")
-        if self.expand_gemv_min_programs is not None and self.expand_gemv_min_programs < 1:
-            raise ValueError(f"expand_gemv_min_programs must be >= 1 or None, got {self.expand_gemv_min_programs}")
+        for name in ("gemv_shrink_min_tokens", "gemv_expand_min_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         # The kernels' own rules, checked when the policy is made rather than at a step's first launch.
         if self.lora_tile is not None:
             check_lora_tile(self.lora_tile, "lora_tile")
@@ -116,15 +117,21 @@ class LoraLaunchPolicy:
 
     def accumulates(self, num_tokens: int, num_slots: int) -> bool:
         few_slots = num_slots <= self.accumulate_max_slots and num_tokens <= self.accumulate_few_max_tokens
-        return num_tokens <= self.accumulate_max_tokens or few_slots
+        return num_tokens <= self.accumulate_max_tokens or few_slots or self.shrinks_by_gemv(num_tokens, num_slots)
 
-    def expands_by_gemv(self, num_tokens: int, num_slots: int, out_features: int) -> bool:
-        if self.expand_gemv_min_programs is None or num_slots < num_tokens:
-            return False
-        return num_tokens * cdiv(out_features, LORA_GEMV_TILE) >= self.expand_gemv_min_programs
+    def shrinks_by_gemv(self, num_tokens: int, num_slots: int) -> bool:
+        return _one_token_step(self.gemv_shrink_min_tokens, num_tokens, num_slots)
+
+    def expands_by_gemv(self, num_tokens: int, num_slots: int) -> bool:
+        return _one_token_step(self.gemv_expand_min_tokens, num_tokens, num_slots)
 
     def block_m(self, num_tokens: int, num_slots: int) -> int:
         return 64 if num_tokens >= self.block_m_tokens_per_slot * max(num_slots, 1) else 16
+
+
+def _one_token_step(min_tokens: int | None, num_tokens: int, num_slots: int) -> bool:
+    """A step of at least min_tokens tokens whose adapter tables have a slot per token."""
+    return min_tokens is not None and num_slots >= num_tokens >= min_tokens
 
 
 class TritonLora:
@@ -166,7 +173,8 @@ class TritonLora:
         modules = 1 if ranks.dim() == 1 else ranks.shape[0]
         h = self._zeroed(x.shape[0], modules * max_rank, max_rank, x.device)
         self._lora.lora_shrink_into(h, x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                    segments=self.segments, pdl=self.pdl, tile=self.policy.lora_tile)
+                                    segments=self.segments, pdl=self.pdl, tile=self.policy.lora_tile,
+                                    gemv=self.policy.shrinks_by_gemv(x.shape[0], self._num_slots))
         return h
 
     def _zeroed(self, rows: int, width: int, max_rank: int, device: torch.device) -> Tensor:
@@ -185,7 +193,7 @@ class TritonLora:
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
                                out_sizes=out_sizes, segments=self.segments, pdl=self.pdl,
                                tile=self.policy.lora_tile, n_tiles=self.policy.expand_n_tiles,
-                               gemv=self.policy.expands_by_gemv(out.shape[0], self._num_slots, out.shape[1]))
+                               gemv=self.policy.expands_by_gemv(out.shape[0], self._num_slots))
 
 
 def backends_for(device: torch.device, pdl: bool = False,

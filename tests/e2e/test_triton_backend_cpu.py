@@ -39,10 +39,11 @@ def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, p
 
 
 def test_gemv_expand_matches_the_reference_backend(tiny_llama):
-    """Decode steps of two sequences on two adapters have a slot per token: with expand_gemv_min_programs=2
-    they expand with the one-token kernel (rank 16 and the rs-pattern adapter's mixed ranks)."""
-    policy = LoraLaunchPolicy(expand_gemv_min_programs=2)
-    assert policy.expands_by_gemv(2, 2, 64)
+    """Decode steps of two sequences on two adapters have a slot per token: with the one-token rules from 2
+    tokens they shrink and expand with the one-token kernels (rank 16 and the rs-pattern adapter's mixed
+    ranks)."""
+    policy = LoraLaunchPolicy(gemv_shrink_min_tokens=2, gemv_expand_min_tokens=2)
+    assert policy.shrinks_by_gemv(2, 2) and policy.expands_by_gemv(2, 2)
     reference, triton = _greedy_tokens_both_backends(tiny_llama, policy, random_prompts([5, 11], seed=43),
                                                      ["all-r16", "rs-pattern"])
     assert reference == triton
@@ -69,14 +70,15 @@ def test_lora_launch_policy_rules_and_validation():
     assert policy.accumulates(64, 65) and policy.accumulates(256, 4)
     assert not policy.accumulates(65, 5) and not policy.accumulates(257, 4)
     assert policy.block_m(64, 4) == 64 and policy.block_m(63, 4) == 16 and policy.block_m(16, 0) == 64
-    assert not policy.expands_by_gemv(256, 256, 14336)   # off by default
-    gemv = LoraLaunchPolicy(expand_gemv_min_programs=1024)   # 1024-column tiles: 14 for 14336 columns
-    assert gemv.expands_by_gemv(74, 74, 14336) and gemv.expands_by_gemv(256, 300, 4096)
-    assert not gemv.expands_by_gemv(73, 74, 14336) and not gemv.expands_by_gemv(255, 255, 4096)
-    assert not gemv.expands_by_gemv(256, 4, 14336)   # a few-adapter graph: not a slot per token
+    gemv = LoraLaunchPolicy(accumulate_max_tokens=64, gemv_shrink_min_tokens=128, gemv_expand_min_tokens=32)
+    assert gemv.expands_by_gemv(32, 32) and gemv.expands_by_gemv(256, 300) and not gemv.expands_by_gemv(31, 31)
+    assert not gemv.expands_by_gemv(256, 4)   # a few-adapter graph: not a slot per token
+    assert gemv.shrinks_by_gemv(128, 128) and not gemv.shrinks_by_gemv(127, 127) and not gemv.shrinks_by_gemv(128, 4)
+    # The one-token shrink adds into one h: such steps accumulate whatever their size.
+    assert gemv.accumulates(128, 128) and not gemv.accumulates(127, 127)
     for bad in ({"accumulate_max_tokens": -1}, {"accumulate_max_slots": -1}, {"accumulate_few_max_tokens": -1},
                 {"block_m_tokens_per_slot": 0}, {"lora_tile": 48}, {"lora_tile": 1024}, {"expand_n_tiles": 3},
-                {"expand_gemv_min_programs": 0}):
+                {"gemv_shrink_min_tokens": 0}, {"gemv_expand_min_tokens": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LoraLaunchPolicy(**bad)
 
@@ -90,22 +92,23 @@ def test_warm_up_steps_cover_every_lora_launch_choice_of_the_default_policy():
     assert choices == {(accumulate, block_m) for accumulate in (True, False) for block_m in (16, 64)}
 
 
-def test_warm_up_runs_a_gemv_expand_step_when_the_policy_has_one(tiny_llama):
-    """A policy that expands steps of a slot per token with the one-token kernel gets a warm-up step of that
-    kind (so the kernel compiles at start), if the engine can batch that many sequences."""
+def test_warm_up_runs_the_one_token_kernels_variants(tiny_llama):
+    """A policy with one-token kernels gets warm-up steps of a slot per token at every size where a choice
+    changes, so that every variant those steps launch compiles at start (CUDA graphs cover decode steps, but
+    eager steps of one token per adapter launch the same kernels)."""
     llm = LLM(str(tiny_llama.model_dir), num_pages=64)
-    runner, limits = llm.engine.runner, _limits_for(llm)
+    runner, limits = llm.engine.runner, _limits_for(llm)   # limits.max_batch is 4
     assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the CPU backends have no policy
     runner.lora_ops = TritonLora()
-    assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the default policy has no one-token expand
-    for accumulate_max_tokens, extra in ((64, ((4, 1, 4),)), (2, ((2, 1, 2), (4, 1, 4)))):   # max_batch is 4
-        policy = LoraLaunchPolicy(expand_gemv_min_programs=1, accumulate_max_tokens=accumulate_max_tokens,
-                                  accumulate_max_slots=0)
-        runner.lora_ops = TritonLora(policy=policy)
-        steps = runner._warm_up_steps(limits)
-        assert steps == WARM_UP_STEPS + extra
-        # Both kinds of h (one, or split partial sums) for the one-token kernel.
-        assert {policy.accumulates(n, n) for n, _, _ in extra} == {True, accumulate_max_tokens >= 4}
+    assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the default policy has no one-token kernel
+    policy = LoraLaunchPolicy(accumulate_max_tokens=2, accumulate_max_slots=0, gemv_expand_min_tokens=1,
+                              gemv_shrink_min_tokens=4)
+    runner.lora_ops = TritonLora(policy=policy)
+    extra = runner._warm_up_steps(limits)[len(WARM_UP_STEPS):]
+    assert extra == ((1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4))
+    # Expands from one h and from split partial sums, and the one-token shrink.
+    assert {policy.accumulates(n, n) for n, _, _ in extra} == {True, False}
+    assert any(policy.shrinks_by_gemv(n, n) for n, _, _ in extra)
 
 
 @pytest.mark.parametrize("triton", [False, True])
