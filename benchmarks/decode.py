@@ -51,7 +51,6 @@ POLICY_HELP = {
     "block_m_tokens_per_slot": "64-token blocks from this many tokens per adapter slot",
     "lora_tile": "columns per shrink/expand tile (default 128)",
     "expand_n_tiles": "output tiles per expand program",
-    "gemv_shrink_min_tokens": "one-token shrink kernel in steps of a slot per token from this many tokens",
     "gemv_expand_min_tokens": "one-token expand kernel in steps of a slot per token from this many tokens",
 }
 

@@ -215,7 +215,6 @@ class LoraKnobs:
     block_m: int | None = None  # tokens per LoRA block (16 or more: tl.dot's smallest M is 16)
     shrink_stages: int | None = None  # pipeline stages of the shrink's reduction loop
     expand_gemv: bool = False   # the one-token expand kernel (lora_expand(gemv=True))
-    shrink_gemv: bool = False   # the one-token shrink kernel (lora_shrink_into(gemv=True); accumulate only)
     group: int | None = None    # time only this group of LORA_GROUPS (q/k/v, o, gate/up, down)
 
     def __post_init__(self) -> None:
@@ -225,8 +224,6 @@ class LoraKnobs:
             raise ValueError("lora_fused has no programmatic dependent launch")
         if self.fused and self.part != "both":
             raise ValueError("fused kernels can only be timed whole (part='both')")
-        if self.shrink_gemv and not self.accumulate:
-            raise ValueError("the one-token shrink adds into one h (accumulate=True)")
 
     def __str__(self) -> str:
         shrink = "into one h" if self.accumulate else "partials"
@@ -238,7 +235,6 @@ class LoraKnobs:
                 + (f", {self.block_m}-token blocks" if self.block_m else "")
                 + (f", shrink stages {self.shrink_stages}" if self.shrink_stages else "")
                 + (", one-token expand" if self.expand_gemv else "")
-                + (", one-token shrink" if self.shrink_gemv else "")
                 + (f", group {'/'.join(LORA_GROUPS[self.group])} only" if self.group is not None else ""))
 
 
@@ -281,7 +277,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
         h = workspace[used:used + tokens * width].view(tokens, width)
         lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
                          split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages,
-                         pdl=knobs.pdl, num_stages=knobs.shrink_stages, gemv=knobs.shrink_gemv)
+                         pdl=knobs.pdl, num_stages=knobs.shrink_stages)
         return h
 
     def expand(h: Tensor, group: tuple) -> None:
@@ -364,18 +360,19 @@ def lora_sweep(gen: torch.Generator) -> list[Row]:
 
 
 def lora_gemv_sweep(gen: torch.Generator) -> list[Row]:
-    """The layer's LoRA with the one-token kernels against the default ones, with PDL as the engine launches
-    them: 64 / 128 / 256 distinct adapters, and 5 or 32 adapters over 256 slots (a full decode graph replayed
-    with fewer adapters); at 64 distinct also each group's shrink alone."""
-    knobs = [LoraKnobs(pdl=True), LoraKnobs(pdl=True, expand_gemv=True),
-             LoraKnobs(pdl=True, expand_gemv=True, shrink_gemv=True), LoraKnobs(part="shrink", pdl=True),
-             LoraKnobs(part="shrink", pdl=True, shrink_gemv=True)]
-    cases = ((64, 64, 64), (128, 128, 128), (256, 256, 256), (5, 256, 256), (32, 256, 256))
+    """The layer's LoRA with the one-token expand kernel against the default one, with PDL as the engine
+    launches them: one shared adapter over 4 table slots (a few-adapter decode graph), 64 / 128 / 256
+    distinct adapters, and 5 or 32 adapters over 256 slots (a full decode graph replayed with fewer
+    adapters); at 64 / 128 / 256 distinct also each group's expand alone."""
+    knobs = [LoraKnobs(pdl=True), LoraKnobs(pdl=True, expand_gemv=True), LoraKnobs(part="expand", pdl=True),
+             LoraKnobs(part="expand", pdl=True, expand_gemv=True), LoraKnobs(part="shrink", pdl=True)]
+    cases = ((1, 64, 4), (64, 64, 64), (128, 128, 128), (256, 256, 256), (5, 256, 256), (32, 256, 256))
     rows = [bench_lora(adapters, tokens, 16, gen, knobs=k, baseline=False, table_slots=slots)
             for adapters, tokens, slots in cases for k in knobs]
-    per_group = [LoraKnobs(part="shrink", pdl=True, shrink_gemv=gemv, group=group)
+    per_group = [LoraKnobs(part="expand", pdl=True, expand_gemv=gemv, group=group)
                  for group in range(len(LORA_GROUPS)) for gemv in (False, True)]
-    return rows + [bench_lora(64, 64, 16, gen, knobs=k, baseline=False, table_slots=64) for k in per_group]
+    return rows + [bench_lora(n, n, 16, gen, knobs=k, baseline=False, table_slots=n)
+                   for n in (64, 128, 256) for k in per_group]
 
 
 def _check_lora(layer: LoraLayer, slots: Tensor, inputs: dict[int, Tensor], rank: int,
@@ -457,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [bench_decode(64, 4096, gen), bench_decode(64, 4096, gen, num_splits=4),
                 bench_decode(1, 32768, gen), bench_decode(1, 32768, gen, num_splits=1),
                 bench_prefill(8, 1024, gen),
-                bench_lora(64, 64, 16, gen), bench_lora(1, 64, 16, gen), bench_lora(1, 64, 16, gen, table_slots=64),
+                bench_lora(64, 64, 16, gen), bench_lora(64, 64, 16, gen, knobs=LoraKnobs(expand_gemv=True)),
+                bench_lora(1, 64, 16, gen), bench_lora(1, 64, 16, gen, table_slots=64),
                 bench_lora(64, 64, 16, gen, knobs=LoraKnobs(accumulate=False)),
                 bench_lora(1, 64, 16, gen, knobs=LoraKnobs(accumulate=False), table_slots=64)]
     print(f"device: {device}; bandwidth reference {COPY_BANDWIDTH / 1e12:.2f} TB/s (a copy's read+write rate, so "

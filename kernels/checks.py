@@ -11,8 +11,6 @@ LORA_N_TILES = (1, 2, 4, 8)
 # Output columns per program of the one-token LoRA expand (lora_expand(gemv=True)), on pages at least this
 # wide: 8 columns (a 16-byte load of bfloat16) per thread of 4 warps.
 LORA_GEMV_TILE = 1024
-# Input features per program of the one-token LoRA shrink (lora_shrink_into(gemv=True)): 8 per thread of a warp.
-LORA_GEMV_SHRINK_TILE = 256
 
 
 def is_power_of_two(n: int) -> bool:

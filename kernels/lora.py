@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from slora.kernels.checks import LORA_GEMV_SHRINK_TILE, LORA_GEMV_TILE, check_lora_n_tiles, check_lora_tile
+from slora.kernels.checks import LORA_GEMV_TILE, check_lora_n_tiles, check_lora_tile
 from slora.kernels.layout import ALIGN, align_up, cdiv
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 from torch import Tensor
@@ -447,70 +447,6 @@ def _b_row_dot(h_row, pool_ptr, pt_row, b_offset, row_stride, col0, length, rank
     return acc
 
 
-@triton.jit
-def _shrink_row_sums(x, h_row, pool_ptr, pt_row, a_offset, row_stride, k0, length, rank, r0, page_elems, cols,
-                     k_mask, BLOCK_R: tl.constexpr, ALIGN_ELEMS: tl.constexpr):
-    # h[token, r] += sum over cols of x[cols] * A[r, k0 + cols] for r in r0 .. r0 + BLOCK_R below the rank, one
-    # row of A at a time, added atomically (the other splits of the reduction add into the same h) once all
-    # rows are summed: an atomic between two rows would keep the next row's loads behind it.
-    ranks_idx = r0 + tl.arange(0, BLOCK_R)
-    sums = tl.zeros([BLOCK_R], tl.float32)
-    for i in tl.static_range(BLOCK_R):
-        a = _row_run(pool_ptr, pt_row, a_offset, r0 + i, rank, row_stride, k0, length, page_elems, cols, k_mask,
-                     ALIGN_ELEMS)
-        sums = tl.where(ranks_idx == r0 + i, tl.sum(a.to(tl.float32) * x, axis=0), sums)
-    tl.atomic_add(h_row + ranks_idx, sums, mask=ranks_idx < rank, sem="relaxed")
-
-
-@triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "stride_am"))
-def _lora_shrink_gemv_kernel(
-    x_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, a_off_ptr, h_ptr,
-    in_features, row_stride, max_rank, page_elems, stride_xt, stride_pt, stride_rm, stride_am, stride_ht,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_K: tl.constexpr,
-    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, HOIST_PAGES: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # As _lora_shrink_kernel with ACCUMULATE, for one BLOCK_K-wide split of the reduction and all rank rows
-    # of one module. A block of one token runs without tl.dot: a row of A at a time, each row's sum over the
-    # split reduced within the program's warp (no tl.dot padding rows, and no exchange through shared
-    # memory with one warp). A block of several tokens runs _shrink_rows over the split in DOT_K chunks.
-    block = tl.program_id(0)
-    module = tl.program_id(1)
-    k0 = tl.program_id(2) * BLOCK_K
-    pdl_start(USE_PDL)
-    slot = tl.load(block_slot_ptr + block)
-    first = tl.load(block_start_ptr + block)
-    end = tl.load(block_end_ptr + block)
-    rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), max_rank)
-    if (first >= end) | (rank == 0):
-        pdl_wait(USE_PDL)
-        return   # a spare block, or the adapter does not target this module
-    a_offset = tl.load(a_off_ptr + module * stride_am + slot)
-    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
-    k_hi = tl.minimum(k0 + BLOCK_K, in_features)
-    if end - first == 1:
-        token = tl.load(order_ptr + first).to(tl.int64)
-        cols = tl.arange(0, BLOCK_K)
-        k_mask = k0 + cols < in_features
-        pdl_wait(USE_PDL)
-        x = tl.load(x_ptr + token * stride_xt + k0 + cols, mask=k_mask, other=0.0).to(tl.float32)
-        h_row = h_ptr + token * stride_ht + module * max_rank
-        for r0 in range(0, rank, BLOCK_R):
-            _shrink_row_sums(x, h_row, pool_ptr, pt_row, a_offset, row_stride, k0, in_features - k0, rank, r0,
-                             page_elems, cols, k_mask, BLOCK_R, ALIGN_ELEMS)
-    else:
-        idx = first + tl.arange(0, BLOCK_M)
-        row_mask = idx < end
-        tokens = tl.load(order_ptr + idx, mask=row_mask, other=0).to(tl.int64)
-        pdl_wait(USE_PDL)
-        for r0 in range(0, rank, BLOCK_R):
-            ranks_idx, r_mask, rows_in = _rank_rows(r0, rank, BLOCK_R)
-            acc = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows_in, r_mask, k0,
-                               k_hi, in_features, row_stride, page_elems, BLOCK_M, BLOCK_R, DOT_K, ALIGN_ELEMS,
-                               DOT_PRECISION, HOIST_PAGES)                         # [BLOCK_M, BLOCK_R]
-            h_ptrs = h_ptr + tokens[:, None] * stride_ht + module * max_rank + ranks_idx[None, :]
-            tl.atomic_add(h_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")
-
-
 @triton.jit(do_not_specialize=_TABLE_ARGS + ("b_off_ptr", "scale_ptr", "stride_bm", "stride_sm", "num_splits"))
 def _lora_expand_gemv_kernel(
     h_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, b_off_ptr,
@@ -789,7 +725,7 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
 def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                      a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
                      split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True,
-                     pdl: bool = False, num_stages: int | None = None, gemv: bool = False) -> None:
+                     pdl: bool = False, num_stages: int | None = None) -> None:
     """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
 
     h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
@@ -805,9 +741,6 @@ def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, pa
         raise ValueError(f"h must be float32 [tokens={x.shape[0]}, modules * max_rank={width}] with "
                          f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
     _check_devices(h, x)
-    if gemv:
-        _launch_shrink_gemv(x, pool, plan, page_tables, ranks, a_offsets, h, max_rank, pdl)
-        return
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, 0, max_rank, accumulate=True,
                    hoist_pages=hoist_pages, pdl=pdl, num_stages=num_stages or _NUM_STAGES)
 
@@ -830,24 +763,6 @@ def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tens
         # A split's run of a row must fit in two pages for its page lookups to be hoisted.
         HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], USE_PDL=pdl,
         num_warps=_NUM_WARPS, num_stages=num_stages, **launch_options(pdl),
-    )
-
-
-def _launch_shrink_gemv(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tensor, ranks: Tensor,
-                        a_offsets: Tensor, h: Tensor, max_rank: int, pdl: bool) -> None:
-    num_tokens, in_features = x.shape
-    if num_tokens == 0 or page_tables.shape[0] == 0:
-        return
-    # One warp: a row's sum over the split is reduced by shuffles, without shared memory or a barrier.
-    block_k = min(LORA_GEMV_SHRINK_TILE, pool.shape[1])
-    grid = (num_tokens // plan.segments.block_m + page_tables.shape[0], plan.modules, cdiv(in_features, block_k))
-    _lora_shrink_gemv_kernel[grid](
-        x, pool, plan.segments.token_order, plan.segments.block_slot, plan.segments.block_start,
-        plan.segments.block_end, page_tables, ranks, a_offsets, h, in_features, align_up(in_features), max_rank,
-        pool.shape[1], x.stride(0), page_tables.stride(0), _module_stride(ranks), _module_stride(a_offsets),
-        h.stride(0), BLOCK_M=plan.segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=block_k,
-        DOT_K=min(ALIGN, block_k), ALIGN_ELEMS=ALIGN, DOT_PRECISION=_dot_precision(x.dtype),
-        HOIST_PAGES=block_k <= pool.shape[1], USE_PDL=pdl, num_warps=1, num_stages=_NUM_STAGES, **launch_options(pdl),
     )
 
 

@@ -87,18 +87,21 @@ class LoraLaunchPolicy:
         27.9 ms; benchmarks/README.md).
     expand_n_tiles: output tiles per expand program (one of slora.kernels.checks.LORA_N_TILES); None: the
         kernel's default (1).
-    gemv_shrink_min_tokens, gemv_expand_min_tokens: steps of at least this many tokens whose adapter tables
-        have a slot per token (the full decode graphs: an adapter per request, or one per token in eager
-        steps) run the one-token shrink (`lora_shrink_into(gemv=True)`, and so shrink into one h) or expand
-        (`lora_expand(gemv=True)`): blocks of one token without tl.dot; None: never."""
+    gemv_expand_min_tokens: steps of at least this many tokens whose adapter tables have a slot per token
+        (the full decode graphs: an adapter per request; in eager steps, one per token) expand with the
+        one-token kernel (`lora_expand(gemv=True)`: blocks of one token without tl.dot) and shrink into one
+        h, which that kernel reads more cheaply than split partial sums; None: never. Decode with an adapter
+        per request on the H200 (ninth session, benchmarks/README.md), this rule against the eighth
+        session's kernels measured in the same command: 69.1% / 70.0% / 70.8% of the roofline against
+        66.1% / 63.8% / 61.8% at batch 64 / 128 / 256; the one-token expand was slower at batch 1 and 16
+        (62.0% and 63.3% against 66.6% and 64.7%)."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
     accumulate_few_max_tokens: int = 256
     block_m_tokens_per_slot: int = 64
     lora_tile: int | None = None
     expand_n_tiles: int | None = None
-    gemv_shrink_min_tokens: int | None = None
-    gemv_expand_min_tokens: int | None = None
+    gemv_expand_min_tokens: int | None = 64
 
     def __post_init__(self) -> None:
         for name in ("accumulate_max_tokens", "accumulate_max_slots", "accumulate_few_max_tokens"):
@@ -106,9 +109,8 @@ class LoraLaunchPolicy:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_m_tokens_per_slot < 1:
             raise ValueError(f"block_m_tokens_per_slot must be >= 1, got {self.block_m_tokens_per_slot}")
-        for name in ("gemv_shrink_min_tokens", "gemv_expand_min_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.gemv_expand_min_tokens is not None and self.gemv_expand_min_tokens < 1:
+            raise ValueError(f"gemv_expand_min_tokens must be >= 1 or None, got {self.gemv_expand_min_tokens}")
         # The kernels' own rules, checked when the policy is made rather than at a step's first launch.
         if self.lora_tile is not None:
             check_lora_tile(self.lora_tile, "lora_tile")
@@ -117,21 +119,15 @@ class LoraLaunchPolicy:
 
     def accumulates(self, num_tokens: int, num_slots: int) -> bool:
         few_slots = num_slots <= self.accumulate_max_slots and num_tokens <= self.accumulate_few_max_tokens
-        return num_tokens <= self.accumulate_max_tokens or few_slots or self.shrinks_by_gemv(num_tokens, num_slots)
-
-    def shrinks_by_gemv(self, num_tokens: int, num_slots: int) -> bool:
-        return _one_token_step(self.gemv_shrink_min_tokens, num_tokens, num_slots)
+        return num_tokens <= self.accumulate_max_tokens or few_slots or self.expands_by_gemv(num_tokens, num_slots)
 
     def expands_by_gemv(self, num_tokens: int, num_slots: int) -> bool:
-        return _one_token_step(self.gemv_expand_min_tokens, num_tokens, num_slots)
+        """A step of at least gemv_expand_min_tokens tokens whose adapter tables have a slot per token."""
+        min_tokens = self.gemv_expand_min_tokens
+        return min_tokens is not None and num_slots >= num_tokens >= min_tokens
 
     def block_m(self, num_tokens: int, num_slots: int) -> int:
         return 64 if num_tokens >= self.block_m_tokens_per_slot * max(num_slots, 1) else 16
-
-
-def _one_token_step(min_tokens: int | None, num_tokens: int, num_slots: int) -> bool:
-    """A step of at least min_tokens tokens whose adapter tables have a slot per token."""
-    return min_tokens is not None and num_slots >= num_tokens >= min_tokens
 
 
 class TritonLora:
@@ -173,8 +169,7 @@ class TritonLora:
         modules = 1 if ranks.dim() == 1 else ranks.shape[0]
         h = self._zeroed(x.shape[0], modules * max_rank, max_rank, x.device)
         self._lora.lora_shrink_into(h, x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                    segments=self.segments, pdl=self.pdl, tile=self.policy.lora_tile,
-                                    gemv=self.policy.shrinks_by_gemv(x.shape[0], self._num_slots))
+                                    segments=self.segments, pdl=self.pdl, tile=self.policy.lora_tile)
         return h
 
     def _zeroed(self, rows: int, width: int, max_rank: int, device: torch.device) -> Tensor:

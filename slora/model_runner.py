@@ -194,17 +194,13 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _warm_up_steps(self, limits: GraphLimits) -> tuple[tuple[int, int, int], ...]:
-        """WARM_UP_STEPS, and if the LoRA policy runs the one-token kernels (LoraLaunchPolicy.gemv_*), steps of
-        a slot per token of every size where a choice changes (each rule's first step, the last step that
-        shrinks into one h by size and the one after, the largest batch): the expand compiles a variant for
-        one h and one for split partial sums."""
-        policy = getattr(self.lora_ops, "policy", None)
-        firsts = [n for n in (getattr(policy, "gemv_shrink_min_tokens", None),
-                              getattr(policy, "gemv_expand_min_tokens", None)) if n is not None]
-        if not firsts:
+        """WARM_UP_STEPS, and if the LoRA policy expands with the one-token kernel (gemv_expand_min_tokens), a
+        step of a slot per token of its first size and of the largest batch (CUDA graphs cover decode steps,
+        but eager steps of one token per adapter launch the same kernels)."""
+        first = getattr(getattr(self.lora_ops, "policy", None), "gemv_expand_min_tokens", None)
+        if first is None or first > limits.max_batch:
             return WARM_UP_STEPS
-        edges = {*firsts, policy.accumulate_max_tokens, policy.accumulate_max_tokens + 1, limits.max_batch}
-        return WARM_UP_STEPS + tuple((n, 1, n) for n in sorted(edges) if min(firsts) <= n <= limits.max_batch)
+        return WARM_UP_STEPS + tuple((n, 1, n) for n in sorted({first, limits.max_batch}))
 
     def _warm_up_inputs(self, num_seqs: int, tokens_each: int, slots: int, limits: GraphLimits,
                         max_rank: int) -> HostInputs:

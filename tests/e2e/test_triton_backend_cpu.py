@@ -39,11 +39,10 @@ def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, p
 
 
 def test_gemv_expand_matches_the_reference_backend(tiny_llama):
-    """Decode steps of two sequences on two adapters have a slot per token: with the one-token rules from 2
-    tokens they shrink and expand with the one-token kernels (rank 16 and the rs-pattern adapter's mixed
-    ranks)."""
-    policy = LoraLaunchPolicy(gemv_shrink_min_tokens=2, gemv_expand_min_tokens=2)
-    assert policy.shrinks_by_gemv(2, 2) and policy.expands_by_gemv(2, 2)
+    """Decode steps of two sequences on two adapters have a slot per token: with gemv_expand_min_tokens=2 they
+    expand with the one-token kernel (rank 16 and the rs-pattern adapter's mixed ranks)."""
+    policy = LoraLaunchPolicy(gemv_expand_min_tokens=2)
+    assert policy.expands_by_gemv(2, 2)
     reference, triton = _greedy_tokens_both_backends(tiny_llama, policy, random_prompts([5, 11], seed=43),
                                                      ["all-r16", "rs-pattern"])
     assert reference == triton
@@ -70,15 +69,16 @@ def test_lora_launch_policy_rules_and_validation():
     assert policy.accumulates(64, 65) and policy.accumulates(256, 4)
     assert not policy.accumulates(65, 5) and not policy.accumulates(257, 4)
     assert policy.block_m(64, 4) == 64 and policy.block_m(63, 4) == 16 and policy.block_m(16, 0) == 64
-    gemv = LoraLaunchPolicy(accumulate_max_tokens=64, gemv_shrink_min_tokens=128, gemv_expand_min_tokens=32)
+    assert policy.expands_by_gemv(64, 64) and not policy.expands_by_gemv(63, 63)   # the default: from 64 tokens
+    gemv = LoraLaunchPolicy(accumulate_max_tokens=16, accumulate_max_slots=0, gemv_expand_min_tokens=32)
     assert gemv.expands_by_gemv(32, 32) and gemv.expands_by_gemv(256, 300) and not gemv.expands_by_gemv(31, 31)
     assert not gemv.expands_by_gemv(256, 4)   # a few-adapter graph: not a slot per token
-    assert gemv.shrinks_by_gemv(128, 128) and not gemv.shrinks_by_gemv(127, 127) and not gemv.shrinks_by_gemv(128, 4)
-    # The one-token shrink adds into one h: such steps accumulate whatever their size.
-    assert gemv.accumulates(128, 128) and not gemv.accumulates(127, 127)
+    # The one-token expand reads one h: such steps shrink into one whatever their size.
+    assert gemv.accumulates(256, 256) and not gemv.accumulates(31, 31) and not gemv.accumulates(256, 4)
+    assert not LoraLaunchPolicy(gemv_expand_min_tokens=None).expands_by_gemv(256, 256)
     for bad in ({"accumulate_max_tokens": -1}, {"accumulate_max_slots": -1}, {"accumulate_few_max_tokens": -1},
                 {"block_m_tokens_per_slot": 0}, {"lora_tile": 48}, {"lora_tile": 1024}, {"expand_n_tiles": 3},
-                {"gemv_shrink_min_tokens": 0}, {"gemv_expand_min_tokens": 0}):
+                {"gemv_expand_min_tokens": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LoraLaunchPolicy(**bad)
 
@@ -92,23 +92,21 @@ def test_warm_up_steps_cover_every_lora_launch_choice_of_the_default_policy():
     assert choices == {(accumulate, block_m) for accumulate in (True, False) for block_m in (16, 64)}
 
 
-def test_warm_up_runs_the_one_token_kernels_variants(tiny_llama):
-    """A policy with one-token kernels gets warm-up steps of a slot per token at every size where a choice
-    changes, so that every variant those steps launch compiles at start (CUDA graphs cover decode steps, but
-    eager steps of one token per adapter launch the same kernels)."""
+def test_warm_up_runs_the_one_token_expand(tiny_llama):
+    """A policy with the one-token expand gets warm-up steps of a slot per token, of the rule's first size and
+    of the largest batch, so that the kernel compiles at start (CUDA graphs cover decode steps, but eager
+    steps of one token per adapter launch it too)."""
     llm = LLM(str(tiny_llama.model_dir), num_pages=64)
     runner, limits = llm.engine.runner, _limits_for(llm)   # limits.max_batch is 4
     assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the CPU backends have no policy
     runner.lora_ops = TritonLora()
-    assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the default policy has no one-token kernel
-    policy = LoraLaunchPolicy(accumulate_max_tokens=2, accumulate_max_slots=0, gemv_expand_min_tokens=1,
-                              gemv_shrink_min_tokens=4)
-    runner.lora_ops = TritonLora(policy=policy)
-    extra = runner._warm_up_steps(limits)[len(WARM_UP_STEPS):]
-    assert extra == ((1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 1, 4))
-    # Expands from one h and from split partial sums, and the one-token shrink.
-    assert {policy.accumulates(n, n) for n, _, _ in extra} == {True, False}
-    assert any(policy.shrinks_by_gemv(n, n) for n, _, _ in extra)
+    assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the default rule starts at 64 tokens
+    for first, extra in ((2, ((2, 1, 2), (4, 1, 4))), (4, ((4, 1, 4),)), (5, ())):
+        policy = LoraLaunchPolicy(gemv_expand_min_tokens=first)
+        runner.lora_ops = TritonLora(policy=policy)
+        steps = runner._warm_up_steps(limits)
+        assert steps == WARM_UP_STEPS + extra
+        assert all(policy.expands_by_gemv(n * each, slots) for n, each, slots in extra)
 
 
 @pytest.mark.parametrize("triton", [False, True])

@@ -93,11 +93,7 @@ def test_lora_ranks_up_to_64_with_shared_segments(gemv, pattern):
     slots = random_token_slots(24, len(ranks), gen) if pattern == "random" else _decode_slots(len(ranks), gen)
     segments = lora_segments(slots, len(ranks))
     x = randn((len(slots), 72), torch.float32, gen)
-    if gemv:
-        h = torch.zeros(len(slots), 64)
-        lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 64, segments=segments, gemv=True)
-    else:
-        h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 64, segments=segments)
+    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 64, segments=segments)
     assert_close(h, reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 64))
     out = randn((len(slots), 136), torch.float32, gen)
     want = out.clone()
@@ -424,20 +420,6 @@ def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hois
     assert_close(out, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("pattern", ["decode", "prefill"])
-@pytest.mark.parametrize("name", sorted(FUSED_CASES))
-def test_one_token_shrink_adds_into_h(dtype, pattern, name):
-    """lora_shrink_into(gemv=True): one-token blocks without tl.dot, longer blocks (prefill) with it; 300 input
-    features: two splits of 256, the second partial."""
-    x, _, b, slots, _ = _fused_case(dtype, pattern, name, seed=17)
-    h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 16)
-    start = randn(tuple(h_want.shape), torch.float32, make_generator(5))
-    h = start.clone()
-    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, gemv=True)
-    assert_close(h, start + h_want)
-
-
 def test_shrink_into_rejects_bad_input():
     x, _, b, slots, _ = _fused_case(torch.float32, "decode", "qkv", seed=8)
     for h in (torch.zeros(len(slots), 47), torch.zeros(len(slots), 48, dtype=torch.float16),
@@ -459,8 +441,8 @@ def test_shrink_into_rejects_bad_input():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split_k", [None, 32])
 @pytest.mark.parametrize("in_features", [4096, 14336])
-@pytest.mark.parametrize("hoist_pages,gemv", [(False, False), (True, False), (True, True)])
-def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages, gemv):
+@pytest.mark.parametrize("hoist_pages", [False, True])
+def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages):
     # The engine's shrink for steps of up to 64 tokens, at Llama-3-8B sizes: the automatic split (many
     # splits added atomically) and the most splits.
     gen = make_generator(in_features + (split_k or 0))
@@ -471,25 +453,9 @@ def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages, gemv):
     x = randn((64, in_features), dtype, gen, "cuda")
     h = torch.zeros(64, 2 * 128, dtype=torch.float32, device="cuda")
     lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, split_k=split_k,
-                     hoist_pages=hoist_pages, gemv=gemv)
+                     hoist_pages=hoist_pages)
     want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
     assert_close(h, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_one_token_shrink_gpu(dtype):
-    """A decode step with an adapter per request (the one-token shrink's gemv path), Llama-3-8B's down_proj
-    input size, ranks up to 128, pages scattered."""
-    gen = make_generator(89)
-    ranks = (GPU_RANKS * 8)[:64]
-    b = make_lora_batch(ranks, 14336, 4096, 2 * 16 * 8 * 128, dtype, gen, "cuda", weight_scale=0.02)
-    slots = torch.randperm(64, generator=gen).to(torch.int32).cuda()
-    x = randn((64, 14336), dtype, gen, "cuda")
-    h = torch.zeros(64, 128, dtype=torch.float32, device="cuda")
-    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, gemv=True)
-    assert_close(h, reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128))
 
 
 def test_pdl_needs_segments_and_a_gpu():
