@@ -215,7 +215,6 @@ class LoraKnobs:
     block_m: int | None = None  # tokens per LoRA block (16 or more: tl.dot's smallest M is 16)
     shrink_stages: int | None = None  # pipeline stages of the shrink's reduction loop
     expand_gemv: bool = False   # the one-token expand kernel (lora_expand(gemv=True))
-    gemv_max_tokens: int = 1    # ... blocks of at most this many tokens without tl.dot
     group: int | None = None    # time only this group of LORA_GROUPS (q/k/v, o, gate/up, down)
 
     def __post_init__(self) -> None:
@@ -285,7 +284,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
         _, out, sizes, ranks, _, b_offsets, scalings = group
         lora_expand(out, h, layer.pool, slots, layer.page_tables, ranks, b_offsets, scalings, out_sizes=sizes,
                     segments=segments, n_tiles=knobs.n_tiles, tile=knobs.expand_tile, num_warps=knobs.expand_warps,
-                    pdl=knobs.pdl, gemv=knobs.expand_gemv, gemv_max_tokens=knobs.gemv_max_tokens)
+                    pdl=knobs.pdl, gemv=knobs.expand_gemv)
 
     # The groups that run as lora_fused, as the engine would choose them (none unless knobs.fused).
     fusing = [knobs.fused and lora_fusable(x.shape[1], out.shape[1]) for x, out, *_ in groups]

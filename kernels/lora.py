@@ -447,26 +447,6 @@ def _b_row_dot(h_row, pool_ptr, pt_row, b_offset, row_stride, col0, length, rank
     return acc
 
 
-@triton.jit
-def _gemv_token(i, order_ptr, h_ptr, pool_ptr, pt_row, out_ptr, b_offset, scaling, out_features, out_col, col0, rank,
-                h_rank, module, num_splits, stride_hsplit, stride_ht, stride_ot, page_elems, BLOCK_R: tl.constexpr,
-                BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    # out[token, col0 + n] += scaling * sum over r of h[token, r] * Bᵀ[r, col0 + n] for the i-th token of the
-    # step's order, BLOCK_N columns of one module.
-    token = tl.load(order_ptr + i).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    n_mask = col0 + cols < out_features
-    h_row = h_ptr + token * stride_ht + module * h_rank
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        acc += _b_row_dot(h_row, pool_ptr, pt_row, b_offset, tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS, col0,
-                          out_features - col0, rank, r0, num_splits, stride_hsplit, page_elems, cols, n_mask,
-                          out_ptr.dtype.element_ty, BLOCK_R, ALIGN_ELEMS, MAX_SPLITS)
-    o_ptrs = out_ptr + token * stride_ot + out_col + col0 + cols
-    base = tl.load(o_ptrs, mask=n_mask, other=0.0)
-    tl.store(o_ptrs, (base.to(tl.float32) + acc * scaling).to(base.dtype), mask=n_mask)
-
-
 @triton.jit(do_not_specialize=_TABLE_ARGS + ("b_off_ptr", "scale_ptr", "stride_bm", "stride_sm", "num_splits"))
 def _lora_expand_gemv_kernel(
     h_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, b_off_ptr,
@@ -474,7 +454,6 @@ def _lora_expand_gemv_kernel(
     stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_N: tl.constexpr,
     ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    GEMV_MAX_TOKENS: tl.constexpr,
 ):
     # As _lora_expand_kernel for one BLOCK_N-column tile. A block of one token (decode with an adapter per
     # request) runs without tl.dot: out[token, n] += scaling * sum over r of h[token, r] * Bᵀ[r, n], a row of
@@ -495,19 +474,19 @@ def _lora_expand_gemv_kernel(
     scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
     pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     pdl_wait(USE_PDL)
-    if end - first <= GEMV_MAX_TOKENS:
-        # Token by token (a loop only where blocks of several tokens take this path: it costs registers): each
-        # token's rows of Bᵀ are loaded at once (after the first token, from cache), where tl.dot would run
-        # the tile's DOT_N-column parts one after another.
-        if GEMV_MAX_TOKENS == 1:
-            _gemv_token(first, order_ptr, h_ptr, pool_ptr, pt_row, out_ptr, b_offset, scaling, out_features, out_col,
-                        col0, rank, h_rank, module, num_splits, stride_hsplit, stride_ht, stride_ot, page_elems,
-                        BLOCK_R, BLOCK_N, ALIGN_ELEMS, MAX_SPLITS)
-        else:
-            for i in range(first, end):
-                _gemv_token(i, order_ptr, h_ptr, pool_ptr, pt_row, out_ptr, b_offset, scaling, out_features,
-                            out_col, col0, rank, h_rank, module, num_splits, stride_hsplit, stride_ht, stride_ot,
-                            page_elems, BLOCK_R, BLOCK_N, ALIGN_ELEMS, MAX_SPLITS)
+    if end - first == 1:
+        token = tl.load(order_ptr + first).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        n_mask = col0 + cols < out_features
+        h_row = h_ptr + token * stride_ht + module * h_rank
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            acc += _b_row_dot(h_row, pool_ptr, pt_row, b_offset, tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS,
+                              col0, out_features - col0, rank, r0, num_splits, stride_hsplit, page_elems, cols,
+                              n_mask, out_ptr.dtype.element_ty, BLOCK_R, ALIGN_ELEMS, MAX_SPLITS)
+        o_ptrs = out_ptr + token * stride_ot + out_col + col0 + cols
+        base = tl.load(o_ptrs, mask=n_mask, other=0.0)
+        tl.store(o_ptrs, (base.to(tl.float32) + acc * scaling).to(base.dtype), mask=n_mask)
     else:
         idx = first + tl.arange(0, BLOCK_M)
         row_mask = idx < end
@@ -842,8 +821,7 @@ def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
                 segments: LoraSegments | None = None, n_tiles: int | None = None, tile: int | None = None,
-                num_warps: int | None = None, pdl: bool = False, gemv: bool = False,
-                gemv_max_tokens: int = 1) -> None:
+                num_warps: int | None = None, pdl: bool = False, gemv: bool = False) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
 
     out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, modules * width]
@@ -873,11 +851,9 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     num_warps = num_warps or _NUM_WARPS
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
-    if gemv_max_tokens < 1:
-        raise ValueError(f"gemv_max_tokens must be >= 1, got {gemv_max_tokens}")
     if gemv:
         _launch_expand_gemv(out, partials, pool, segments, page_tables, ranks, b_offsets, scalings, sizes, modules,
-                            pdl, gemv_max_tokens)
+                            pdl)
         return
     _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, cdiv(tiles, n_tiles))](
         partials, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end,
@@ -898,7 +874,7 @@ def _gemv_max_splits(num_splits: int) -> int:
 
 def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: LoraSegments, page_tables: Tensor,
                         ranks: Tensor, b_offsets: Tensor, scalings: Tensor, sizes: list[int], modules: int,
-                        pdl: bool, gemv_max_tokens: int) -> None:
+                        pdl: bool) -> None:
     # 8 columns per thread and row: a row of the tile is one 16-byte load per thread (bf16).
     block_n = min(LORA_GEMV_TILE, pool.shape[1])
     tiles = sum(cdiv(n, block_n) for n in sizes)
@@ -910,7 +886,6 @@ def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: L
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, DOT_N=min(_EXPAND_TILE, block_n), ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, MAX_SPLITS=_gemv_max_splits(partials.shape[0]),
-        GEMV_MAX_TOKENS=gemv_max_tokens,
         num_warps=_GEMV_WARPS, num_stages=_NUM_STAGES,
         **launch_options(pdl),
     )

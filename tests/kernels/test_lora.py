@@ -151,10 +151,9 @@ def _fused_case(dtype, pattern, name, seed, device="cpu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k,n_tiles,tile,gemv,gemv_max_tokens", [
-    (1, 1, None, False, 1), (3, 2, 64, False, 1), (2, 4, 256, False, 1), (1, 1, None, True, 1),
-    (2, 1, None, True, 4)])
-def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, gemv, gemv_max_tokens):
+@pytest.mark.parametrize("split_k,n_tiles,tile,gemv", [(1, 1, None, False), (3, 2, 64, False), (2, 4, 256, False),
+                                                      (1, 1, None, True), (2, 1, None, True)])
+def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, gemv):
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k,
@@ -166,8 +165,7 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
     # Expand straight from the partial sums. Shrink leaves the entries of tokens without adapter and of
     # columns past each rank unwritten: make them NaN, so that reading one fails the test.
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
-                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile, gemv=gemv,
-                gemv_max_tokens=gemv_max_tokens)
+                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile, gemv=gemv)
     assert_close(out, want)
 
 
@@ -328,8 +326,8 @@ def test_lora_gpu(dtype, num_tokens, in_features, out_features):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens", [64, 1000])
-@pytest.mark.parametrize("gemv,gemv_max_tokens", [(False, 1), (True, 1), (True, 4)])
-def test_fused_qkv_gpu(dtype, num_tokens, gemv, gemv_max_tokens):
+@pytest.mark.parametrize("gemv", [False, True])
+def test_fused_qkv_gpu(dtype, num_tokens, gemv):
     gen = make_generator(num_tokens + 1)
     module_ranks = [GPU_RANKS, GPU_RANKS[::-1], GPU_RANKS[2:] + GPU_RANKS[:2]]
     out_sizes = [4096, 1024, 1024]
@@ -343,7 +341,7 @@ def test_fused_qkv_gpu(dtype, num_tokens, gemv, gemv_max_tokens):
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                           out_sizes)
     lora_expand(out, partials, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
-                gemv=gemv, gemv_max_tokens=gemv_max_tokens)
+                gemv=gemv)
     assert_close(out, want)
 
 
