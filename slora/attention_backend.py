@@ -89,19 +89,21 @@ class LoraLaunchPolicy:
         kernel's default (1).
     gemv_expand_min_tokens: steps of at least this many tokens whose adapter tables have a slot per token
         (the full decode graphs: an adapter per request; in eager steps, one per token) expand with the
-        one-token kernel (`lora_expand(gemv=True)`: blocks of one token without tl.dot) and shrink into one
-        h, which that kernel reads more cheaply than split partial sums; None: never. Decode with an adapter
-        per request on the H200 (ninth session, benchmarks/README.md), this rule against the eighth
-        session's kernels measured in the same command: 69.1% / 70.0% / 70.8% of the roofline against
-        66.1% / 63.8% / 61.8% at batch 64 / 128 / 256; the one-token expand was slower at batch 1 and 16
-        (62.0% and 63.3% against 66.6% and 64.7%)."""
+        one-token kernel (`lora_expand(gemv=True)`: blocks of one token without tl.dot, longer ones with it
+        over 1,024-column tiles) and shrink into one h, which that kernel reads more cheaply than split
+        partial sums; None: never. On the H200 (ninth session, benchmarks/README.md): decode with an adapter
+        per request 69.0% / 69.5% / 71.1% of the roofline at batch 64 / 128 / 256 with the rule from 64
+        tokens, against 66.1% / 63.8% / 61.8% without it (another command). It starts at 128 because at
+        64 tokens the layer's LoRA with 16 or 32 adapters over 64 slots (blocks of 2-4 tokens) took 70.5 and
+        88.9 µs with it against 56.3 and 66.8 µs without; at 256 tokens with 5 or 32 adapters it was faster
+        (96.3 and 113.8 µs against 152.2 and 159.3); mixes of 128 tokens were not measured."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
     accumulate_few_max_tokens: int = 256
     block_m_tokens_per_slot: int = 64
     lora_tile: int | None = None
     expand_n_tiles: int | None = None
-    gemv_expand_min_tokens: int | None = 64
+    gemv_expand_min_tokens: int | None = 128
 
     def __post_init__(self) -> None:
         for name in ("accumulate_max_tokens", "accumulate_max_slots", "accumulate_few_max_tokens"):

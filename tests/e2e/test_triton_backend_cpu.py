@@ -69,7 +69,7 @@ def test_lora_launch_policy_rules_and_validation():
     assert policy.accumulates(64, 65) and policy.accumulates(256, 4)
     assert not policy.accumulates(65, 5) and not policy.accumulates(257, 4)
     assert policy.block_m(64, 4) == 64 and policy.block_m(63, 4) == 16 and policy.block_m(16, 0) == 64
-    assert policy.expands_by_gemv(64, 64) and not policy.expands_by_gemv(63, 63)   # the default: from 64 tokens
+    assert policy.expands_by_gemv(128, 128) and not policy.expands_by_gemv(127, 127)   # the default: from 128
     gemv = LoraLaunchPolicy(accumulate_max_tokens=16, accumulate_max_slots=0, gemv_expand_min_tokens=32)
     assert gemv.expands_by_gemv(32, 32) and gemv.expands_by_gemv(256, 300) and not gemv.expands_by_gemv(31, 31)
     assert not gemv.expands_by_gemv(256, 4)   # a few-adapter graph: not a slot per token
@@ -100,7 +100,7 @@ def test_warm_up_runs_the_one_token_expand(tiny_llama):
     runner, limits = llm.engine.runner, _limits_for(llm)   # limits.max_batch is 4
     assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the CPU backends have no policy
     runner.lora_ops = TritonLora()
-    assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the default rule starts at 64 tokens
+    assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the default rule starts at 128 tokens
     for first, extra in ((2, ((2, 1, 2), (4, 1, 4))), (4, ((4, 1, 4),)), (5, ())):
         policy = LoraLaunchPolicy(gemv_expand_min_tokens=first)
         runner.lora_ops = TritonLora(policy=policy)
