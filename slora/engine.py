@@ -86,6 +86,7 @@ class Engine:
                                    self.model_config.intermediate_size)
         template = PoolShape(self.model_config.num_layers, 0, config.page_size,
                              self.model_config.num_kv_heads, self.model_config.head_dim)
+        self._check_adapter_size(template)
         pool_shape = dataclasses.replace(template, num_pages=self._num_pages(template))
         swap_pages = int(config.swap_space_gib * 2 ** 30) // self._page_bytes() if config.preemption_mode == "swap" else 0
         self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device,
@@ -161,6 +162,19 @@ class Engine:
                     self.config.page_size, pages * self._page_bytes() / 2 ** 30, activations / 2 ** 30)
         return pages
 
+    def _max_adapter_elems(self) -> int:
+        """Pool elements of the largest adapter this engine takes (max_lora_rank on every module)."""
+        rank = self.config.max_lora_rank
+        return sum(rank * (align_up(i) + align_up(o)) for i, o in map(self.shapes.features, self.shapes.modules))
+
+    def _check_adapter_size(self, shape: PoolShape) -> None:
+        """The LoRA kernels index an adapter's elements in int32 (slora.kernels.lora): its pages must hold
+        fewer than 2**31 of them."""
+        pages = -(-self._max_adapter_elems() // shape.page_elems)
+        if pages * shape.page_elems >= 2 ** 31:
+            raise ValueError(f"max_lora_rank={self.config.max_lora_rank} makes an adapter of this model span "
+                             f"{pages * shape.page_elems} pool elements; the limit is 2**31: lower max_lora_rank")
+
     def _graph_limits(self, shape: PoolShape) -> GraphLimits | None:
         if self.config.device == "cpu" or self.config.enforce_eager:
             return None
@@ -169,10 +183,9 @@ class Engine:
     def graph_limits(self, shape: PoolShape) -> GraphLimits:
         """The decode-graph and warm-up limits of a CUDA engine with this config over this pool shape."""
         rank = self.config.max_lora_rank
-        elems = sum(rank * (align_up(i) + align_up(o)) for i, o in map(self.shapes.features, self.shapes.modules))
         return GraphLimits(max_batch=self.config.max_num_seqs,
                            max_blocks=-(-self.max_model_len // self.config.page_size),
-                           max_adapter_pages=-(-elems // shape.page_elems), max_lora_rank=rank,
+                           max_adapter_pages=-(-self._max_adapter_elems() // shape.page_elems), max_lora_rank=rank,
                            num_layers=self.model_config.num_layers, max_loras=self.config.max_loras,
                            few_adapters=self.config.graph_few_adapters, lora_fused=self.config.lora_fused)
 

@@ -140,6 +140,13 @@ def test_embedded_model_with_a_small_max_lora_rank_skips_larger_demo_adapters():
     assert names == {"demo-r4-attn", "demo-r8-mlp"}
 
 
+def test_a_max_lora_rank_whose_adapters_exceed_the_kernels_int32_indexing_is_rejected():
+    """The LoRA kernels index an adapter's pool elements in int32: an engine whose largest adapter would
+    span 2**31 of them is refused at construction, naming the setting."""
+    with pytest.raises(ValueError, match="max_lora_rank=.*2\\*\\*31"):
+        LLM(max_lora_rank=2 ** 24)
+
+
 def test_rows_without_top_k_or_top_p_sample_as_if_unfiltered():
     # A top_p = 1 row among truncated rows must draw what it draws when no row truncates (the sampler then
     # skips the sort); a vocabulary whose float32 running sum reaches 1 early must not drop its tail.
