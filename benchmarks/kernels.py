@@ -213,7 +213,6 @@ class LoraKnobs:
     fused: bool = False         # lora_fused (one launch) for the groups the engine would fuse (lora_fusable)
     pdl: bool = False           # shrink and expand with programmatic dependent launch
     block_m: int | None = None  # tokens per LoRA block (16 or more: tl.dot's smallest M is 16)
-    shrink_stages: int | None = None  # pipeline stages of the shrink's reduction loop
     expand_gemv: bool = False   # the one-token expand kernel (lora_expand(gemv=True))
     group: int | None = None    # time only this group of LORA_GROUPS (q/k/v, o, gate/up, down)
 
@@ -233,7 +232,6 @@ class LoraKnobs:
                 + (", shrink+expand fused where lora_fusable" if self.fused else "")
                 + (", programmatic dependent launch" if self.pdl else "")
                 + (f", {self.block_m}-token blocks" if self.block_m else "")
-                + (f", shrink stages {self.shrink_stages}" if self.shrink_stages else "")
                 + (", one-token expand" if self.expand_gemv else "")
                 + (f", group {'/'.join(LORA_GROUPS[self.group])} only" if self.group is not None else ""))
 
@@ -277,7 +275,7 @@ def bench_lora(num_adapters: int, tokens: int, rank: int, gen: torch.Generator, 
         h = workspace[used:used + tokens * width].view(tokens, width)
         lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
                          split_k=knobs.split_k, tile=knobs.shrink_tile, hoist_pages=knobs.hoist_pages,
-                         pdl=knobs.pdl, num_stages=knobs.shrink_stages)
+                         pdl=knobs.pdl)
         return h
 
     def expand(h: Tensor, group: tuple) -> None:
@@ -435,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny sizes through the torch references on the CPU (checks the script, no GPU)")
     parser.add_argument("--lora-sweep", action="store_true", help="only the LoRA layer, over split_k and n_tiles")
     parser.add_argument("--lora-gemv-sweep", action="store_true",
-                        help="only the LoRA layer: the one-token expand kernel and a less split shrink")
+                        help="only the LoRA layer: the one-token expand kernel against the default one")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)

@@ -440,7 +440,8 @@ def _b_row_dot(h_row, pool_ptr, pt_row, b_offset, row_stride, col0, length, rank
         # rows, and the next row's loads could not be issued before this row's are used.
         h = 0.0
         for split in tl.static_range(MAX_SPLITS):
-            h += tl.load(h_row + split * stride_hsplit + r, mask=(r < rank) & (split < num_splits), other=0.0)
+            h += tl.load(h_row + split * stride_hsplit + r, mask=(r < rank) & (split < num_splits),
+                         other=0.0).to(tl.float32)
         b = _row_run(pool_ptr, pt_row, b_offset, r, rank, row_stride, col0, length, page_elems, cols, n_mask,
                      ALIGN_ELEMS)
         acc += h.to(out_dtype).to(tl.float32) * b.to(tl.float32)
@@ -725,7 +726,7 @@ def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tabl
 def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                      a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
                      split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True,
-                     pdl: bool = False, num_stages: int | None = None) -> None:
+                     pdl: bool = False) -> None:
     """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
 
     h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
@@ -742,12 +743,12 @@ def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, pa
                          f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
     _check_devices(h, x)
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, 0, max_rank, accumulate=True,
-                   hoist_pages=hoist_pages, pdl=pdl, num_stages=num_stages or _NUM_STAGES)
+                   hoist_pages=hoist_pages, pdl=pdl)
 
 
 def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tensor, ranks: Tensor,
                    a_offsets: Tensor, h: Tensor, stride_hsplit: int, max_rank: int, accumulate: bool,
-                   hoist_pages: bool, pdl: bool, num_stages: int = _NUM_STAGES) -> None:
+                   hoist_pages: bool, pdl: bool) -> None:
     num_tokens, in_features = x.shape
     if num_tokens == 0 or page_tables.shape[0] == 0:
         return
@@ -762,7 +763,7 @@ def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tens
         DOT_PRECISION=_dot_precision(x.dtype), ACCUMULATE=accumulate,
         # A split's run of a row must fit in two pages for its page lookups to be hoisted.
         HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], USE_PDL=pdl,
-        num_warps=_NUM_WARPS, num_stages=num_stages, **launch_options(pdl),
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch_options(pdl),
     )
 
 
@@ -832,7 +833,11 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     n_tiles: output tiles per program (fewer programs, each doing more; a tuning knob).
     tile: output columns per tile (a power of two >= ALIGN; capped at a page; a tuning knob).
     num_warps: warps per program (1, 2, 4 or 8; a tuning knob).
-    pdl: launch with programmatic dependent launch (see `check_pdl`)."""
+    pdl: launch with programmatic dependent launch (see `check_pdl`).
+    gemv: the one-token kernel: a block of one token (decode with an adapter per request) reads Bᵀ a rank
+    row at a time into 1,024-column tiles and sums over the rank within each thread, without tl.dot; a block
+    of several tokens runs tl.dot over 128-column parts of its tile. n_tiles, tile and num_warps do not
+    apply to it."""
     check_pdl(pdl, segments, out.device)
     modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
     partials = _check_partials(h, out.shape[0], modules)
@@ -844,6 +849,10 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     segments = _segments_for(segments, token_slots, num_tokens, num_slots, out.device)
     if num_tokens == 0 or num_slots == 0 or partials.shape[2] == 0:
         return
+    if gemv:
+        _launch_expand_gemv(out, partials, pool, segments, page_tables, ranks, b_offsets, scalings, sizes, modules,
+                            pdl)
+        return
     block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
     tiles = sum(cdiv(n, block_n) for n in sizes)
     n_tiles = n_tiles or _EXPAND_N_TILES
@@ -851,10 +860,6 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     num_warps = num_warps or _NUM_WARPS
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
-    if gemv:
-        _launch_expand_gemv(out, partials, pool, segments, page_tables, ranks, b_offsets, scalings, sizes, modules,
-                            pdl)
-        return
     _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, cdiv(tiles, n_tiles))](
         partials, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end,
         page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0],
@@ -875,8 +880,11 @@ def _gemv_max_splits(num_splits: int) -> int:
 def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: LoraSegments, page_tables: Tensor,
                         ranks: Tensor, b_offsets: Tensor, scalings: Tensor, sizes: list[int], modules: int,
                         pdl: bool) -> None:
-    # 8 columns per thread and row: a row of the tile is one 16-byte load per thread (bf16).
-    block_n = min(LORA_GEMV_TILE, pool.shape[1])
+    # 8 columns per thread and row: a row of the tile is one 16-byte load per thread (bf16). A tile lies within
+    # a page, and arange needs a power of two: pages narrower than the tile (multiples of ALIGN) halve it.
+    block_n = LORA_GEMV_TILE
+    while block_n > pool.shape[1]:
+        block_n //= 2
     tiles = sum(cdiv(n, block_n) for n in sizes)
     grid = (out.shape[0] // segments.block_m + page_tables.shape[0], tiles)
     _lora_expand_gemv_kernel[grid](

@@ -89,8 +89,9 @@ class LoraLaunchPolicy:
         kernel's default (1).
     gemv_expand_min_tokens: steps of at least this many tokens whose adapter tables have a slot per token
         (the full decode graphs: an adapter per request; in eager steps, one per token) expand with the
-        one-token kernel (`lora_expand(gemv=True)`: blocks of one token without tl.dot, longer ones with it
-        over 1,024-column tiles) and shrink into one h, which that kernel reads more cheaply than split
+        one-token kernel (`lora_expand(gemv=True)`: blocks of one token without tl.dot, longer ones with
+        tl.dot over 128-column parts of 1,024-column tiles; lora_tile and expand_n_tiles do not apply to
+        it) and shrink into one h, which that kernel reads more cheaply than split
         partial sums; None: never. On the H200 (ninth session, benchmarks/README.md): decode with an adapter
         per request 69.0% / 69.5% / 71.1% of the roofline at batch 64 / 128 / 256 with the rule from 64
         tokens, against 66.1% / 63.8% / 61.8% without it (another command). It starts at 128 because at

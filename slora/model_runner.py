@@ -198,9 +198,11 @@ class ModelRunner:
         step of a slot per token of its first size and of the largest batch (CUDA graphs cover decode steps,
         but eager steps of one token per adapter launch the same kernels)."""
         first = getattr(getattr(self.lora_ops, "policy", None), "gemv_expand_min_tokens", None)
-        if first is None or first > limits.max_batch:
+        # A step has at most max_batch sequences and, with max_loras, at most that many adapter slots.
+        largest = min(limits.max_batch, limits.max_loras or limits.max_batch)
+        if first is None or first > largest:
             return WARM_UP_STEPS
-        return WARM_UP_STEPS + tuple((n, 1, n) for n in sorted({first, limits.max_batch}))
+        return WARM_UP_STEPS + tuple((n, 1, n) for n in sorted({first, largest}))
 
     def _warm_up_inputs(self, num_seqs: int, tokens_each: int, slots: int, limits: GraphLimits,
                         max_rank: int) -> HostInputs:

@@ -1,6 +1,7 @@
 """The engine's CUDA-path wiring (Triton attention and LoRA backends) run through the Triton interpreter
 on the CPU: same greedy tokens as the reference backends, for a mixed-adapter batch with prefill and
 decode steps. (CUDA graphs need a GPU: tests/e2e/test_gpu_engine.py.)"""
+import dataclasses
 import inspect
 import os
 
@@ -107,6 +108,11 @@ def test_warm_up_runs_the_one_token_expand(tiny_llama):
         steps = runner._warm_up_steps(limits)
         assert steps == WARM_UP_STEPS + extra
         assert all(policy.expands_by_gemv(n * each, slots) for n, each, slots in extra)
+    # At most max_loras adapter slots per step: no step of 3 or more tokens has a slot per token.
+    runner.lora_ops = TritonLora(policy=LoraLaunchPolicy(gemv_expand_min_tokens=2))
+    assert runner._warm_up_steps(dataclasses.replace(limits, max_loras=2)) == WARM_UP_STEPS + ((2, 1, 2),)
+    runner.lora_ops = TritonLora(policy=LoraLaunchPolicy(gemv_expand_min_tokens=3))
+    assert runner._warm_up_steps(dataclasses.replace(limits, max_loras=2)) == WARM_UP_STEPS
 
 
 @pytest.mark.parametrize("triton", [False, True])

@@ -130,6 +130,22 @@ def test_lora_small_and_large_pages(page_elems, hoist_pages, tile):
     assert_close(fused, want)
 
 
+@pytest.mark.parametrize("page_elems", [64, 192, 1024])
+@pytest.mark.parametrize("pattern", ["decode", "prefill"])
+def test_one_token_expand_on_narrow_pages(page_elems, pattern):
+    """lora_expand(gemv=True) on pages narrower than its 1,024-column tile, 192 not a power of two: the tile
+    shrinks to fit a page, rows still cross pages (200 columns) and the NaN padding stays out."""
+    gen = make_generator(page_elems + 1)
+    b = make_lora_batch(RANKS, 72, 200, page_elems, torch.float32, gen)
+    slots = SLOT_PATTERNS[pattern](len(RANKS), gen)
+    h = randn((len(slots), 16), torch.float32, gen)
+    out = randn((len(slots), 200), torch.float32, gen)
+    want = out.clone()
+    reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, gemv=True)
+    assert_close(out, want)
+
+
 # Fused modules: q/k/v-like (three outputs, widths not multiples of a tile) and gate/up-like (two).
 # Each module has its own ranks per slot, rank 0 where an adapter does not target that module.
 FUSED_CASES = {
