@@ -8,6 +8,8 @@ from slora.kernels.layout import ALIGN
 MAX_LORA_TILE = 512
 # Output tiles one LoRA expand program may cover.
 LORA_N_TILES = (1, 2, 4, 8)
+# The LoRA kernels index an adapter's pool elements (its pages times page_elems) in int32.
+MAX_ADAPTER_ELEMS = 2 ** 31
 # Output columns per program of the one-token LoRA expand (lora_expand(gemv=True)), on pages at least this
 # wide: 8 columns (a 16-byte load of bfloat16) per thread of 4 warps.
 LORA_GEMV_TILE = 1024
@@ -25,6 +27,13 @@ def check_lora_tile(tile: int, name: str = "tile") -> None:
 def check_lora_n_tiles(n_tiles: int, name: str = "n_tiles") -> None:
     if n_tiles not in LORA_N_TILES:
         raise ValueError(f"{name} must be one of {LORA_N_TILES}, got {n_tiles}")
+
+
+def check_adapter_span(pages: int, page_elems: int, what: str) -> None:
+    """An adapter's pages must hold fewer than MAX_ADAPTER_ELEMS elements; `what` names the adapter."""
+    if pages * page_elems >= MAX_ADAPTER_ELEMS:
+        raise ValueError(f"{what} spans {pages} pages of {page_elems} elements; the LoRA kernels index an "
+                         f"adapter in int32, so it must span fewer than 2**31 elements")
 
 
 def check_query_and_pool(query: Tensor, kv_pool: Tensor, page_size: int, num_kv_heads: int,

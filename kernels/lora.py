@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from slora.kernels.checks import LORA_GEMV_TILE, check_lora_n_tiles, check_lora_tile
+from slora.kernels.checks import LORA_GEMV_TILE, check_adapter_span, check_lora_n_tiles, check_lora_tile
 from slora.kernels.layout import ALIGN, align_up, cdiv
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 from torch import Tensor
@@ -66,7 +66,8 @@ _SHRINK_BLOCK_R = 16
 _NUM_WARPS = 4
 _NUM_STAGES = 2
 # Warps of the expand's one-token (gemv) kernel: 8 columns each of its threads. On the H200 the layer's
-# expands with 256 distinct adapters took 205.1 / 200.5 / 197.0 µs with 1 / 2 / 4 warps (256- to 1024-column tiles).
+# expands with 256 distinct adapters took 205.1 / 200.5 / 197.0 µs with 1 / 2 / 4 warps (256- to 1024-column
+# tiles), measured on its first version (a branch between rows: benchmarks/README.md), not re-measured since.
 _GEMV_WARPS = LORA_GEMV_TILE // (8 * 32)
 
 
@@ -301,15 +302,19 @@ def _lora_shrink_kernel(
 
 
 @triton.jit
+def _pick(module, v0, v1, v2):
+    # The value of module 0, 1 or 2 (scalars or tensors of one shape).
+    return tl.where(module == 0, v0, tl.where(module == 1, v1, v2))
+
+
+@triton.jit
 def _module_of_tile(tile, n0, n1, BLOCK_N: tl.constexpr):
     # Which of up to three column ranges (widths n0, n1, n2 side by side in `out`) output tile `tile`
-    # belongs to: (module, its first column in out, its width, the tile's first column in the module).
+    # belongs to: (module, the module's first column in out, the tile's first column in the module).
     t0 = tl.cdiv(n0, BLOCK_N)
     t1 = tl.cdiv(n1, BLOCK_N)
     module = (tile >= t0).to(tl.int32) + (tile >= t0 + t1).to(tl.int32)
-    first_tile = tl.where(module == 0, 0, tl.where(module == 1, t0, t0 + t1))
-    out_col = tl.where(module == 0, 0, tl.where(module == 1, n0, n0 + n1))
-    return module, out_col, (tile - first_tile) * BLOCK_N
+    return module, _pick(module, 0, n0, n0 + n1), (tile - _pick(module, 0, t0, t0 + t1)) * BLOCK_N
 
 
 # num_splits: 1 or the shrink's split count, which changes with the step's size (a loop bound).
@@ -345,7 +350,7 @@ def _lora_expand_kernel(
             _expand_tile(h_rows + module * h_rank, pool_ptr, pt_row, out_ptr, tokens * stride_ot + out_col,
                          tl.load(b_off_ptr + module * stride_bm + slot),
                          tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32),
-                         tl.where(module == 0, n0, tl.where(module == 1, n1, n2)), col0, rank, num_splits,
+                         _pick(module, n0, n1, n2), col0, rank, num_splits,
                          stride_hsplit, page_elems, row_mask, BLOCK_M, BLOCK_R, BLOCK_N, ALIGN_ELEMS, DOT_PRECISION,
                          USE_PDL)
     pdl_wait(USE_PDL)   # for programs whose tiles all had rank 0
@@ -402,26 +407,13 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
 
 
 @triton.jit
-def _pick(module, v0, v1, v2):
-    # The value of module 0, 1 or 2 (scalars or tensors of one shape).
-    return tl.where(module == 0, v0, tl.where(module == 1, v1, v2))
-
-
-@triton.jit
 def _row_run(pool_ptr, pt_row, offset, r, rank, row_stride, col0, length, page_elems, cols, col_mask,
              ALIGN_ELEMS: tl.constexpr):
     # Columns col0 + cols of row r of a paged matrix (0 past the rank or outside col_mask): [len(cols)]. The
-    # row's pages are looked up as scalars, in int32 (as in _split_pages): a 64-bit division compiles to a
-    # branch, and the next row's loads would wait for this row's.
-    live = r < rank
-    start = (offset + r * row_stride + col0).to(tl.int32)
-    page_idx = start // page_elems
-    in_page = start - page_idx * page_elems
-    room = tl.multiple_of(page_elems - in_page, ALIGN_ELEMS)
-    first = tl.multiple_of(tl.load(pt_row + page_idx, mask=live, other=0).to(tl.int64) * page_elems + in_page,
-                           ALIGN_ELEMS)
-    second = tl.multiple_of(tl.load(pt_row + page_idx + 1, mask=live & (room < length),
-                                    other=0).to(tl.int64) * page_elems - room, ALIGN_ELEMS)
+    # row's pages are looked up as scalars (_split_pages of one row; a row past the rank looks up row 0's,
+    # which exist, and loads nothing).
+    first, second, room = _split_pages(pt_row, offset, tl.where(r < rank, r, 0), row_stride, col0, length,
+                                       page_elems, ALIGN_ELEMS)
     base = tl.where(cols < room, first, second)
     # (the row's mask as a tensor: the interpreter makes `tensor & scalar` an int)
     return tl.load(pool_ptr + base + cols, mask=col_mask & (tl.zeros_like(cols) + r < rank), other=0.0)
@@ -519,7 +511,7 @@ def _lora_fused_kernel(
     rank = tl.load(ranks_ptr + module * stride_rm + slot)
     if empty | (rank == 0):
         return   # a spare block, or the adapter does not target this module
-    out_features = tl.where(module == 0, n0, tl.where(module == 1, n1, n2))
+    out_features = _pick(module, n0, n1, n2)
     pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     a_offset = tl.load(a_off_ptr + module * stride_am + slot)
     b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
@@ -580,9 +572,7 @@ def _check_common(name: str, act: Tensor, pool: Tensor, token_slots: Tensor, pag
     if page_tables.dim() != 2 or page_tables.stride(1) != 1:
         raise ValueError(f"page_tables must be [slots, max_pages] with stride 1 in its rows, "
                          f"got shape {tuple(page_tables.shape)}")
-    if page_tables.shape[1] * pool.shape[1] >= 2 ** 31:
-        raise ValueError(f"an adapter must hold fewer than 2**31 elements: page tables of {page_tables.shape[1]} "
-                         f"pages of {pool.shape[1]} elements")
+    check_adapter_span(page_tables.shape[1], pool.shape[1], "a row of page_tables")
     for label, t in (("token_slots", token_slots), ("page_tables", page_tables), ("ranks", ranks),
                      ("offsets", offsets)):
         if t.dtype not in (torch.int32, torch.int64):
@@ -647,7 +637,11 @@ def _tile_width(page_elems: int, tile: int | None, default: int) -> int:
     fit one."""
     tile = default if tile is None else tile
     check_lora_tile(tile)
-    width = tile
+    return _fit_page(tile, page_elems)
+
+
+def _fit_page(width: int, page_elems: int) -> int:
+    """A power-of-two tile width halved until a tile lies within a page (pages are multiples of ALIGN)."""
     while width > page_elems:
         width //= 2
     return width
@@ -880,11 +874,8 @@ def _gemv_max_splits(num_splits: int) -> int:
 def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: LoraSegments, page_tables: Tensor,
                         ranks: Tensor, b_offsets: Tensor, scalings: Tensor, sizes: list[int], modules: int,
                         pdl: bool) -> None:
-    # 8 columns per thread and row: a row of the tile is one 16-byte load per thread (bf16). A tile lies within
-    # a page, and arange needs a power of two: pages narrower than the tile (multiples of ALIGN) halve it.
-    block_n = LORA_GEMV_TILE
-    while block_n > pool.shape[1]:
-        block_n //= 2
+    # 8 columns per thread and row: a row of the tile is one 16-byte load per thread (bf16).
+    block_n = _fit_page(LORA_GEMV_TILE, pool.shape[1])
     tiles = sum(cdiv(n, block_n) for n in sizes)
     grid = (out.shape[0] // segments.block_m + page_tables.shape[0], tiles)
     _lora_expand_gemv_kernel[grid](

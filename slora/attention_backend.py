@@ -140,10 +140,10 @@ class TritonLora:
 
     def __init__(self, segments: object | None = None, num_layers: int = 0, fused: bool = False,
                  pdl: bool = False, policy: LoraLaunchPolicy = LoraLaunchPolicy(), accumulate: bool = True,
-                 num_slots: int = 0) -> None:
+                 gemv: bool = False) -> None:
         from slora.kernels import lora
         self._lora, self.segments, self._num_layers = lora, segments, num_layers
-        self.fused, self.pdl, self.policy, self._accumulate, self._num_slots = fused, pdl, policy, accumulate, num_slots
+        self.fused, self.pdl, self.policy, self._accumulate, self._gemv = fused, pdl, policy, accumulate, gemv
         self._workspace: Tensor | None = None
         self._used = 0
 
@@ -154,7 +154,7 @@ class TritonLora:
         tokens = token_slots.shape[0]
         segments = self._lora.lora_segments(token_slots, num_slots, self.policy.block_m(tokens, num_slots))
         return TritonLora(segments, num_layers, fused, self.pdl, self.policy,
-                          self.policy.accumulates(tokens, num_slots), num_slots)
+                          self.policy.accumulates(tokens, num_slots), self.policy.expands_by_gemv(tokens, num_slots))
 
     def lora_fused(self, out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                    ranks: Tensor, a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor,
@@ -190,8 +190,7 @@ class TritonLora:
                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
                                out_sizes=out_sizes, segments=self.segments, pdl=self.pdl,
-                               tile=self.policy.lora_tile, n_tiles=self.policy.expand_n_tiles,
-                               gemv=self.policy.expands_by_gemv(out.shape[0], self._num_slots))
+                               tile=self.policy.lora_tile, n_tiles=self.policy.expand_n_tiles, gemv=self._gemv)
 
 
 def backends_for(device: torch.device, pdl: bool = False,

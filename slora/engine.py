@@ -21,6 +21,7 @@ from slora.adapters.weights import load_adapter
 from slora.config import EngineConfig
 from slora.detokenizer import IncrementalDetokenizer
 from slora.cuda_graphs import GraphLimits
+from slora.kernels.checks import check_adapter_span
 from slora.kernels.layout import align_up
 from slora.model_runner import ModelRunner, PoolShape, StepAdapters, profile_activation_bytes
 from slora.models.config import ModelConfig
@@ -162,18 +163,16 @@ class Engine:
                     self.config.page_size, pages * self._page_bytes() / 2 ** 30, activations / 2 ** 30)
         return pages
 
-    def _max_adapter_elems(self) -> int:
-        """Pool elements of the largest adapter this engine takes (max_lora_rank on every module)."""
+    def _max_adapter_pages(self, shape: PoolShape) -> int:
+        """Pool pages of the largest adapter this engine takes (max_lora_rank on every module)."""
         rank = self.config.max_lora_rank
-        return sum(rank * (align_up(i) + align_up(o)) for i, o in map(self.shapes.features, self.shapes.modules))
+        elems = sum(rank * (align_up(i) + align_up(o)) for i, o in map(self.shapes.features, self.shapes.modules))
+        return -(-elems // shape.page_elems)
 
     def _check_adapter_size(self, shape: PoolShape) -> None:
-        """The LoRA kernels index an adapter's elements in int32 (slora.kernels.lora): its pages must hold
-        fewer than 2**31 of them."""
-        pages = -(-self._max_adapter_elems() // shape.page_elems)
-        if pages * shape.page_elems >= 2 ** 31:
-            raise ValueError(f"max_lora_rank={self.config.max_lora_rank} makes an adapter of this model span "
-                             f"{pages * shape.page_elems} pool elements; the limit is 2**31: lower max_lora_rank")
+        """Refused at construction, rather than by the LoRA kernels at the first step with adapters."""
+        check_adapter_span(self._max_adapter_pages(shape), shape.page_elems,
+                           f"an adapter of max_lora_rank={self.config.max_lora_rank} (lower it)")
 
     def _graph_limits(self, shape: PoolShape) -> GraphLimits | None:
         if self.config.device == "cpu" or self.config.enforce_eager:
@@ -185,7 +184,7 @@ class Engine:
         rank = self.config.max_lora_rank
         return GraphLimits(max_batch=self.config.max_num_seqs,
                            max_blocks=-(-self.max_model_len // self.config.page_size),
-                           max_adapter_pages=-(-self._max_adapter_elems() // shape.page_elems), max_lora_rank=rank,
+                           max_adapter_pages=self._max_adapter_pages(shape), max_lora_rank=rank,
                            num_layers=self.model_config.num_layers, max_loras=self.config.max_loras,
                            few_adapters=self.config.graph_few_adapters, lora_fused=self.config.lora_fused)
 

@@ -39,14 +39,19 @@ def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, p
     assert reference == triton
 
 
-def test_gemv_expand_matches_the_reference_backend(tiny_llama):
+def test_gemv_expand_matches_the_reference_backend(tiny_llama, monkeypatch):
     """Decode steps of two sequences on two adapters have a slot per token: with gemv_expand_min_tokens=2 they
     expand with the one-token kernel (rank 16 and the rs-pattern adapter's mixed ranks)."""
+    from slora.kernels import lora
+    launches = []
+    launch = lora._launch_expand_gemv
+    monkeypatch.setattr(lora, "_launch_expand_gemv", lambda *args: (launches.append(args), launch(*args))[1])
     policy = LoraLaunchPolicy(gemv_expand_min_tokens=2)
     assert policy.expands_by_gemv(2, 2)
     reference, triton = _greedy_tokens_both_backends(tiny_llama, policy, random_prompts([5, 11], seed=43),
                                                      ["all-r16", "rs-pattern"])
     assert reference == triton
+    assert launches, "no step ran the one-token expand"
 
 
 def _greedy_tokens_both_backends(tiny_llama, policy: LoraLaunchPolicy, prompts: list[list[int]],
