@@ -66,7 +66,7 @@ def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
 
 def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None,
                 few_adapters: int = 0, lora_fused: bool = False, pdl: bool = True,
-                lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()):
+                lora_policy: LoraLaunchPolicy = LoraLaunchPolicy(), side_stream: bool = True):
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
@@ -76,7 +76,7 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_lora
     shape = PoolShape(cfg.num_layers, kv_pages + num_adapters * adapter_pages, page_size, cfg.num_kv_heads,
                       cfg.head_dim)
     limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras,
-                         few_adapters=few_adapters, lora_fused=lora_fused)
+                         few_adapters=few_adapters, lora_fused=lora_fused, lora_side_stream=side_stream)
     runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits, pdl=pdl, lora_policy=lora_policy)
     return runner, descriptor, adapter_pages
 
@@ -136,13 +136,13 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
 
 def step_rows(batches: list[int], iters: int, max_loras: int | None = None, few_adapters: int = 0,
               lora_fused: bool = False, pdl: bool = True, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy(),
-              mixes: tuple[str, ...] = MIXES) -> list[dict]:
+              mixes: tuple[str, ...] = MIXES, side_stream: bool = True) -> list[dict]:
     """Decode steps per batch size and adapter mix; with max_loras the graphs have that many adapter slots,
     and the distinct mix runs only at batches that fit it."""
     max_batch = max(batches)
     runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras,
                                                     few_adapters=few_adapters, lora_fused=lora_fused,
-                                                    pdl=pdl, lora_policy=lora_policy)
+                                                    pdl=pdl, lora_policy=lora_policy, side_stream=side_stream)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     adapters = place_adapters(runner, allocator, max_batch, adapter_pages)
     rows = []
@@ -368,6 +368,9 @@ def main() -> None:
                         help="the few-adapter graphs run LoRA shrink + expand as one launch")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
                         help="Triton kernels without programmatic dependent launch")
+    parser.add_argument("--no-lora-side-stream", dest="side_stream", action="store_false",
+                        help="the decode graphs add each LoRA after its base GEMM instead of computing it on a "
+                             "second stream while the GEMM runs")
     modes.add_argument("--mixed", action="store_true",
                         help="eager mixed steps (64 decoding + 2 prefills) on 5 vs distinct adapters, by kernel")
     modes.add_argument("--host-profile", action="store_true",
@@ -421,13 +424,14 @@ def main() -> None:
         write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras,
-                     args.graph_few_adapters, args.lora_fused, args.pdl, lora_policy, mixes)
+                     args.graph_few_adapters, args.lora_fused, args.pdl, lora_policy, mixes, args.side_stream)
     print_table(rows)
     write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
                                                                 "rank": RANK, "max_loras": args.max_loras,
                                                                 "graph_few_adapters": args.graph_few_adapters,
                                                                 "lora_fused": args.lora_fused,
                                                                 "pdl": args.pdl,
+                                                                "lora_side_stream": args.side_stream,
                                                                 "lora_policy": dataclasses.asdict(lora_policy),
                                                                 "rows": rows})
 

@@ -84,7 +84,7 @@ def kernel_cases(tile: int) -> dict[str, tuple[object, dict[str, object]]]:
     from slora.kernels import lora
     common = {"BLOCK_M": 16, "BLOCK_R": 16, "ALIGN_ELEMS": 64, "DOT_PRECISION": "tf32", "USE_PDL": False}
     return {"shrink": (lora._lora_shrink_kernel, {**common, "BLOCK_K": tile, "ACCUMULATE": True, "HOIST_PAGES": True}),
-            "expand": (lora._lora_expand_kernel, {**common, "BLOCK_N": tile, "N_TILES": 1}),
+            "expand": (lora._lora_expand_kernel, {**common, "BLOCK_N": tile, "N_TILES": 1, "ADD": True}),
             "fused": (lora._lora_fused_kernel, {key: value for key, value in common.items() if key != "USE_PDL"}
                       | {"BLOCK_K": tile, "BLOCK_N": tile, "HOIST_PAGES": True})}
 

@@ -3,7 +3,11 @@ embedding of q and k inside the fused qkv output, and SiLU(gate) * up.
 
 Same signatures and semantics as `add_rms_norm`, `rotary_qk_` and `silu_and_mul` of
 `slora.kernels.reference`, plus `pdl` (programmatic dependent launch, `slora.kernels.pdl`: the
-weight, cos and sin are read before waiting for the previous kernel, the activations after). Each
+weight, cos and sin are read before waiting for the previous kernel, the activations after). Each takes
+an optional LoRA `delta` (same shape as its input) and the step's `token_slots`: the input rows of
+tokens with an adapter (slot >= 0) get their delta added (rounded to the dtype) before the op, so that
+the LoRA can be computed beside the base GEMM (`lora_expand(add=False)`) and added here without a
+launch of its own. Each
 replaces a chain of small torch ops by one launch; to give the same numbers, every kernel computes in
 float32 but rounds to the input dtype wherever a torch op of the reference would produce a tensor of
 that dtype.
@@ -23,10 +27,19 @@ ROTARY_BLOCK_ELEMS = 2048      # about this many qkv elements per rotary program
 
 
 @triton.jit
+def _with_delta(x, delta_ptr, slots_ptr, token, offsets, mask, dtype: tl.constexpr):
+    # x (float32) plus the token's LoRA delta at `offsets` of its row, rounded to dtype, if the token has an
+    # adapter (slot >= 0); rows without one hold no delta (never written), so their load is discarded.
+    has_adapter = tl.load(slots_ptr + token) >= 0
+    delta = tl.load(delta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(has_adapter, (x + delta).to(dtype).to(tl.float32), x)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
-    stride_x, stride_r, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, delta_ptr, slots_ptr,
+    stride_x, stride_r, stride_d, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program per row: x [hidden] (+ residual), normalised, times weight [hidden].
     row = tl.program_id(0).to(tl.int64)
@@ -37,11 +50,13 @@ def _add_rms_norm_kernel(
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        x = _with_delta(x, delta_ptr, slots_ptr, row, row * stride_d + cols, mask, dtype)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        summed = (x + residual).to(dtype)              # the reference adds in x's dtype
-        tl.store(sum_ptr + row * hidden + cols, summed, mask=mask)
-        x = summed.to(tl.float32)
+        x = (x + residual).to(dtype).to(tl.float32)    # the reference adds in x's dtype
+    if HAS_RESIDUAL or HAS_DELTA:
+        tl.store(sum_ptr + row * hidden + cols, x.to(dtype), mask=mask)
     # Masked columns are 0, so they add nothing to the sum of squares.
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     normed = (x * rstd).to(dtype).to(tl.float32)       # the reference's rms_norm(...).to(dtype)
@@ -50,17 +65,18 @@ def _add_rms_norm_kernel(
 
 @triton.jit
 def _rotary_qk_kernel(
-    qkv_ptr, cos_ptr, sin_ptr,
-    stride_qkv, stride_cos, stride_sin, rot_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+    qkv_ptr, cos_ptr, sin_ptr, delta_ptr, slots_ptr,
+    stride_qkv, stride_cos, stride_sin, stride_d, rot_heads, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr, HAS_DELTA: tl.constexpr,
 ):
     # Program (token, head block): rotates BLOCK_H heads [BLOCK_H, HEAD_DIM] of the q and k columns
-    # (q heads then k heads, `rot_heads` in all) in place, as two halves [BLOCK_H, HALF].
+    # (q heads then k heads, `rot_heads` in all) in place, as two halves [BLOCK_H, HALF]. With a delta the
+    # programs cover all `num_heads` heads, v's too: each adds its delta, and only q and k heads rotate.
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
-    mask = (heads < rot_heads)[:, None]
+    mask = (heads < num_heads)[:, None]
     dtype = qkv_ptr.dtype.element_ty
     pdl_start(USE_PDL)
     # cos/sin [HALF] of each half, shared by every head of the token.
@@ -72,17 +88,25 @@ def _rotary_qk_kernel(
     first = qkv_ptr + token * stride_qkv + heads[:, None] * HEAD_DIM + dims[None, :]
     x1 = tl.load(first, mask=mask).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
+    if HAS_DELTA:
+        offsets = token * stride_d + heads[:, None] * HEAD_DIM + dims[None, :]
+        x1 = _with_delta(x1, delta_ptr, slots_ptr, token, offsets, mask, dtype)
+        x2 = _with_delta(x2, delta_ptr, slots_ptr, token, offsets + HALF, mask, dtype)
     # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to dtype as the torch ops do.
     out1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
     out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+    if HAS_DELTA:
+        rotates = (heads < rot_heads)[:, None]   # v heads: the delta only
+        out1 = tl.where(rotates, out1, x1)
+        out2 = tl.where(rotates, out2, x2)
     tl.store(first, out1.to(dtype), mask=mask)
     tl.store(first + HALF, out2.to(dtype), mask=mask)
 
 
 @triton.jit
 def _silu_and_mul_kernel(
-    gate_up_ptr, out_ptr, stride_in, inter,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    gate_up_ptr, out_ptr, delta_ptr, slots_ptr, stride_in, stride_d, inter,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr, HAS_DELTA: tl.constexpr,
 ):
     # Program (token, column block): out[token, cols] = silu(gate[cols]) * up[cols], where gate is
     # columns [0, inter) and up columns [inter, 2 * inter) of the input row.
@@ -94,6 +118,9 @@ def _silu_and_mul_kernel(
     pdl_wait(USE_PDL)
     gate = tl.load(gate_up_ptr + token * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + token * stride_in + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        gate = _with_delta(gate, delta_ptr, slots_ptr, token, token * stride_d + cols, mask, dtype)
+        up = _with_delta(up, delta_ptr, slots_ptr, token, token * stride_d + inter + cols, mask, dtype)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)   # F.silu's result in dtype
     tl.store(out_ptr + token * inter + cols, (silu * up).to(dtype), mask=mask)
 
@@ -113,6 +140,27 @@ def _check_same_dtype(reference_name: str, reference: Tensor, **tensors: Tensor)
     for name, tensor in tensors.items():
         if tensor.dtype != reference.dtype:
             raise ValueError(f"{name} dtype {tensor.dtype} differs from {reference_name} dtype {reference.dtype}")
+
+
+def _check_delta(name: str, x: Tensor, delta: Tensor | None, token_slots: Tensor | None) -> None:
+    """A LoRA delta comes with the step's token slots, and has x's shape and dtype."""
+    if (delta is None) != (token_slots is None):
+        raise ValueError("delta and token_slots go together: give both or neither")
+    if delta is None:
+        return
+    if delta.shape != x.shape:
+        raise ValueError(f"delta shape {tuple(delta.shape)} differs from {name} shape {tuple(x.shape)}")
+    if token_slots.shape != (x.shape[0],) or token_slots.dtype != torch.int32:
+        raise ValueError(f"token_slots must be int32 [tokens={x.shape[0]}], got {token_slots.dtype} of shape "
+                         f"{tuple(token_slots.shape)}")
+    _check_same_dtype(name, x, delta=delta)
+    check_one_device(**{name: x}, delta=delta, token_slots=token_slots)
+    _check_last_dim_contiguous(delta=delta)
+
+
+def _delta_args(x: Tensor, delta: Tensor | None, token_slots: Tensor | None) -> tuple[Tensor, Tensor, int]:
+    """(delta, token_slots, delta's row stride) for a launch; x and 0 stand in when there is no delta."""
+    return (x, x, 0) if delta is None else (delta, token_slots, delta.stride(0))
 
 
 def _check_rms_norm_inputs(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> None:
@@ -140,21 +188,25 @@ def _rms_norm_warps(block: int) -> int:
 
 
 def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, *,
+                 delta: Tensor | None = None, token_slots: Tensor | None = None,
                  pdl: bool = False) -> tuple[Tensor, Tensor]:
     """(weight * rms_norm(x + residual), x + residual) for x, residual `[tokens, hidden]` and weight
-    `[hidden]`; without residual, the second item is `x` itself. Outputs are new contiguous tensors."""
+    `[hidden]`; without residual (and delta), the second item is `x` itself. Outputs are new contiguous
+    tensors. delta: added to x first in the rows of tokens with an adapter (see the module's note)."""
     _check_rms_norm_inputs(x, weight, eps, residual)
+    _check_delta("x", x, delta, token_slots)
     check_pdl_supported(pdl, x.device)
     tokens, hidden = x.shape
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-    summed = x if residual is None else torch.empty_like(out)
+    summed = x if residual is None and delta is None else torch.empty_like(out)
     if tokens == 0:
         return out, summed
     block = next_power_of_2(hidden)
+    delta, slots, stride_d = _delta_args(x, delta, token_slots)
     _add_rms_norm_kernel[(tokens,)](
-        x, x if residual is None else residual, weight, out, summed,
-        x.stride(0), x.stride(0) if residual is None else residual.stride(0), hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl,
+        x, x if residual is None else residual, weight, out, summed, delta, slots,
+        x.stride(0), x.stride(0) if residual is None else residual.stride(0), stride_d, hidden, eps,
+        HAS_RESIDUAL=residual is not None, HAS_DELTA=token_slots is not None, BLOCK=block, USE_PDL=pdl,
         num_warps=_rms_norm_warps(block), **launch_options(pdl),
     )
     return out, summed
@@ -184,21 +236,25 @@ def _check_rotary_inputs(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, 
 
 
 def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               pdl: bool = False) -> None:
+               delta: Tensor | None = None, token_slots: Tensor | None = None, pdl: bool = False) -> None:
     """Rotate the q and k heads of qkv `[tokens, (num_heads + 2 * num_kv_heads) * head_dim]` in place
-    by cos/sin `[tokens, head_dim]` (the half-split layout of HF Llama); the v columns are untouched."""
+    by cos/sin `[tokens, head_dim]` (the half-split layout of HF Llama); the v columns are untouched.
+    delta: added to all of q, k and v first in the rows of tokens with an adapter (the module's note)."""
     _check_rotary_inputs(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+    _check_delta("qkv", qkv, delta, token_slots)
     check_pdl_supported(pdl, qkv.device)
     tokens = qkv.shape[0]
     if tokens == 0:
         return
     rot_heads = num_heads + num_kv_heads
-    block_h = min(next_power_of_2(rot_heads), max(1, ROTARY_BLOCK_ELEMS // head_dim))
+    heads = rot_heads if delta is None else rot_heads + num_kv_heads   # with a delta, v's heads too
+    block_h = min(next_power_of_2(heads), max(1, ROTARY_BLOCK_ELEMS // head_dim))
+    delta, slots, stride_d = _delta_args(qkv, delta, token_slots)
     # No FMA: the reference rounds x * cos before adding rot * sin (this matters in float32).
-    _rotary_qk_kernel[(tokens, cdiv(rot_heads, block_h))](
-        qkv, cos, sin,
-        qkv.stride(0), cos.stride(0), sin.stride(0), rot_heads,
-        HEAD_DIM=head_dim, BLOCK_H=block_h, USE_PDL=pdl,
+    _rotary_qk_kernel[(tokens, cdiv(heads, block_h))](
+        qkv, cos, sin, delta, slots,
+        qkv.stride(0), cos.stride(0), sin.stride(0), stride_d, rot_heads, heads,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, USE_PDL=pdl, HAS_DELTA=token_slots is not None,
         num_warps=4, enable_fp_fusion=False, **launch_options(pdl),
     )
 
@@ -212,18 +268,22 @@ def _check_silu_inputs(gate_up: Tensor) -> None:
     _check_last_dim_contiguous(gate_up=gate_up)
 
 
-def silu_and_mul(gate_up: Tensor, *, pdl: bool = False) -> Tensor:
+def silu_and_mul(gate_up: Tensor, *, delta: Tensor | None = None, token_slots: Tensor | None = None,
+                 pdl: bool = False) -> Tensor:
     """silu(gate) * up for gate_up `[tokens, 2 * inter]` (gate columns first); returns a new
-    contiguous `[tokens, inter]` tensor in gate_up's dtype."""
+    contiguous `[tokens, inter]` tensor in gate_up's dtype. delta: added to gate_up first in the rows of
+    tokens with an adapter (the module's note)."""
     _check_silu_inputs(gate_up)
+    _check_delta("gate_up", gate_up, delta, token_slots)
     check_pdl_supported(pdl, gate_up.device)
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if tokens == 0:
         return out
     block = min(SILU_BLOCK, next_power_of_2(inter))
+    delta, slots, stride_d = _delta_args(gate_up, delta, token_slots)
     _silu_and_mul_kernel[(tokens, cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), inter,
-        BLOCK=block, USE_PDL=pdl, num_warps=4, **launch_options(pdl),
+        gate_up, out, delta, slots, gate_up.stride(0), stride_d, inter,
+        BLOCK=block, USE_PDL=pdl, HAS_DELTA=token_slots is not None, num_warps=4, **launch_options(pdl),
     )
     return out

@@ -236,12 +236,17 @@ def _rank_rows(r0, rank, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _out_tile(out_ptr, out_rows, col0, cols, row_mask, n_mask):
+def _out_tile(out_ptr, out_rows, col0, cols, row_mask, n_mask, ADD: tl.constexpr):
     # The output tile out[rows, col0 + cols]: its pointers and mask, and its values [BLOCK_M, BLOCK_N] in
-    # out's dtype (loaded where the caller wants them in its chain of loads).
+    # out's dtype (loaded where the caller wants them in its chain of loads); zeros when the kernel
+    # overwrites the tile instead of adding into it (ADD false: nothing is read).
     o_ptrs = out_ptr + out_rows[:, None] + col0 + cols[None, :]
     o_mask = row_mask[:, None] & n_mask[None, :]
-    return o_ptrs, o_mask, tl.load(o_ptrs, mask=o_mask, other=0.0)
+    if ADD:
+        base = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    else:
+        base = tl.zeros(o_mask.shape, out_ptr.dtype.element_ty)
+    return o_ptrs, o_mask, base
 
 
 @triton.jit
@@ -324,8 +329,10 @@ def _lora_expand_kernel(
     scale_ptr, out_ptr, n0, n1, n2, h_rank, num_splits, num_tiles, page_elems,
     stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_TILES: tl.constexpr,
-    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
 ):
+    # ADD false: the block's rows of out are overwritten with the LoRA delta, zeros in modules the adapter
+    # does not target (rank 0), instead of added into.
     # USE_PDL: the block's tables, page lookups and first rank block of Bᵀ are read before waiting for the
     # previous kernel (the shrink that writes h), h and out after (pdl_wait).
     # out[token, col_m + n] += scaling_{m,slot} * sum over r < rank of h[token, m * h_rank + r] * Bᵀ_{m,slot}[r, n]
@@ -346,13 +353,17 @@ def _lora_expand_kernel(
         module, out_col, col0 = _module_of_tile(tile, n0, n1, BLOCK_N)
         # Tiles past the last one (the last program's) read no table entry: there may be no such module.
         rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot, mask=tile < num_tiles, other=0), h_rank)
-        if rank > 0:   # rank 0: the adapter does not target this module
+        # rank 0: the adapter does not target this module; when overwriting, its tile is written as zeros.
+        write = rank > 0
+        if not ADD:
+            write = tile < num_tiles
+        if write:
             _expand_tile(h_rows + module * h_rank, pool_ptr, pt_row, out_ptr, tokens * stride_ot + out_col,
                          tl.load(b_off_ptr + module * stride_bm + slot),
                          tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32),
                          _pick(module, n0, n1, n2), col0, rank, num_splits,
                          stride_hsplit, page_elems, row_mask, BLOCK_M, BLOCK_R, BLOCK_N, ALIGN_ELEMS, DOT_PRECISION,
-                         USE_PDL)
+                         USE_PDL, ADD)
     pdl_wait(USE_PDL)   # for programs whose tiles all had rank 0
 
 
@@ -383,8 +394,9 @@ def _h_dot(h_rows, r0, rank, num_splits, stride_hsplit, row_mask, b, acc, out_dt
 def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling, out_features, col0, rank, num_splits,
                  stride_hsplit, page_elems, row_mask,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN_ELEMS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    # One module's BLOCK_N columns from col0 for the block's rows: out += scaling * h[:, :rank] @ Bᵀ[:rank].
+                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr):
+    # One module's BLOCK_N columns from col0 for the block's rows: out += scaling * h[:, :rank] @ Bᵀ[:rank]
+    # (ADD false: out = ..., and rank 0 writes zeros).
     # out_rows: [BLOCK_M] element offsets of the rows' first column of this module in out. The first rank
     # block of Bᵀ is read before waiting for the previous kernel (USE_PDL); after the wait, the out tile is
     # loaded together with h, not after the product, to shorten the chain of dependent loads.
@@ -395,7 +407,7 @@ def _expand_tile(h_rows, pool_ptr, pt_row, out_ptr, out_rows, b_offset, scaling,
     b = _b_block(pool_ptr, pt_row, b_offset, row_stride, out_features, col0, 0, rank, page_elems, n_mask,
                  BLOCK_R, BLOCK_N, ALIGN_ELEMS)                                   # [BLOCK_R, BLOCK_N]
     pdl_wait(USE_PDL)
-    o_ptrs, o_mask, base = _out_tile(out_ptr, out_rows, col0, cols, row_mask, n_mask)
+    o_ptrs, o_mask, base = _out_tile(out_ptr, out_rows, col0, cols, row_mask, n_mask, ADD)
     acc = _h_dot(h_rows, 0, rank, num_splits, stride_hsplit, row_mask, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
                  dtype, BLOCK_M, BLOCK_R, DOT_PRECISION)
     for r0 in range(BLOCK_R, rank, BLOCK_R):
@@ -447,6 +459,7 @@ def _lora_expand_gemv_kernel(
     stride_hsplit, stride_ht, stride_pt, stride_rm, stride_bm, stride_sm, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_N: tl.constexpr,
     ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    ADD: tl.constexpr,
 ):
     # As _lora_expand_kernel for one BLOCK_N-column tile. A block of one token (decode with an adapter per
     # request) runs without tl.dot: out[token, n] += scaling * sum over r of h[token, r] * Bᵀ[r, n], a row of
@@ -459,9 +472,14 @@ def _lora_expand_gemv_kernel(
     end = tl.load(block_end_ptr + block)
     module, out_col, col0 = _module_of_tile(tl.program_id(1), n0, n1, BLOCK_N)
     rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), h_rank)
-    if (first >= end) | (rank == 0):
+    # A spare block, or (when adding) the adapter does not target this module; overwriting, rank 0 writes
+    # zeros (the row loop below does not run).
+    done = first >= end
+    if ADD:
+        done = done | (rank == 0)
+    if done:
         pdl_wait(USE_PDL)
-        return   # a spare block, or the adapter does not target this module
+        return
     out_features = _pick(module, n0, n1, n2)
     b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
     scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
@@ -478,8 +496,11 @@ def _lora_expand_gemv_kernel(
                               col0, out_features - col0, rank, r0, num_splits, stride_hsplit, page_elems, cols,
                               n_mask, out_ptr.dtype.element_ty, BLOCK_R, ALIGN_ELEMS, MAX_SPLITS)
         o_ptrs = out_ptr + token * stride_ot + out_col + col0 + cols
-        base = tl.load(o_ptrs, mask=n_mask, other=0.0)
-        tl.store(o_ptrs, (base.to(tl.float32) + acc * scaling).to(base.dtype), mask=n_mask)
+        if ADD:
+            acc = tl.load(o_ptrs, mask=n_mask, other=0.0).to(tl.float32) + acc * scaling
+        else:
+            acc = acc * scaling
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
         idx = first + tl.arange(0, BLOCK_M)
         row_mask = idx < end
@@ -488,7 +509,7 @@ def _lora_expand_gemv_kernel(
             _expand_tile(h_ptr + tokens * stride_ht + module * h_rank, pool_ptr, pt_row, out_ptr,
                          tokens * stride_ot + out_col, b_offset, scaling, out_features, col0 + part, rank, num_splits,
                          stride_hsplit, page_elems, row_mask, BLOCK_M, BLOCK_R, DOT_N, ALIGN_ELEMS, DOT_PRECISION,
-                         False)
+                         False, ADD)
 
 
 @triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "b_off_ptr", "scale_ptr", "stride_am", "stride_bm",
@@ -527,7 +548,7 @@ def _lora_fused_kernel(
                      col0, r0, rank, page_elems, n_mask, BLOCK_R, BLOCK_N, ALIGN_ELEMS)    # [BLOCK_R, BLOCK_N]
         # h rounded to the output's dtype, like expand reading a shrink's h.
         acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
-    o_ptrs, o_mask, base = _out_tile(out_ptr, tokens * stride_ot + out_col, col0, cols_n, row_mask, n_mask)
+    o_ptrs, o_mask, base = _out_tile(out_ptr, tokens * stride_ot + out_col, col0, cols_n, row_mask, n_mask, True)
     _store_scaled(o_ptrs, o_mask, base, acc, tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32))
 
 
@@ -816,8 +837,10 @@ def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
                 segments: LoraSegments | None = None, n_tiles: int | None = None, tile: int | None = None,
-                num_warps: int | None = None, pdl: bool = False, gemv: bool = False) -> None:
+                num_warps: int | None = None, pdl: bool = False, gemv: bool = False, add: bool = True) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
+    add=False: out[t] = (h[t, :r] @ Bᵀ_s) * scaling_s instead (the LoRA delta alone, zeros in a module the
+    adapter does not target), so that a later kernel adds it; rows of tokens with slot -1 are not written.
 
     out: [tokens, out_features] (may be a column slice of a wider output); h: [tokens, modules * width]
     or shrink's partials [splits, tokens, modules * width]; b_offsets: element offset of Bᵀ's first row;
@@ -841,11 +864,15 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     _check_devices(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings)
     num_tokens = out.shape[0]
     segments = _segments_for(segments, token_slots, num_tokens, num_slots, out.device)
-    if num_tokens == 0 or num_slots == 0 or partials.shape[2] == 0:
+    if num_tokens == 0 or num_slots == 0:
+        return
+    if partials.shape[2] == 0:   # rank 0 everywhere: the delta is 0
+        if not add:
+            out[token_slots >= 0] = 0
         return
     if gemv:
         _launch_expand_gemv(out, partials, pool, segments, page_tables, ranks, b_offsets, scalings, sizes, modules,
-                            pdl)
+                            pdl, add)
         return
     block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
     tiles = sum(cdiv(n, block_n) for n in sizes)
@@ -860,7 +887,7 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         tiles, pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, num_warps=num_warps,
+        DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, ADD=add, num_warps=num_warps,
         num_stages=_NUM_STAGES,
         **launch_options(pdl),
     )
@@ -873,7 +900,7 @@ def _gemv_max_splits(num_splits: int) -> int:
 
 def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: LoraSegments, page_tables: Tensor,
                         ranks: Tensor, b_offsets: Tensor, scalings: Tensor, sizes: list[int], modules: int,
-                        pdl: bool) -> None:
+                        pdl: bool, add: bool) -> None:
     # 8 columns per thread and row: a row of the tile is one 16-byte load per thread (bf16).
     block_n = _fit_page(LORA_GEMV_TILE, pool.shape[1])
     tiles = sum(cdiv(n, block_n) for n in sizes)
@@ -884,7 +911,7 @@ def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: L
         pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
         _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, DOT_N=min(_EXPAND_TILE, block_n), ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, MAX_SPLITS=_gemv_max_splits(partials.shape[0]),
+        DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, MAX_SPLITS=_gemv_max_splits(partials.shape[0]), ADD=add,
         num_warps=_GEMV_WARPS, num_stages=_NUM_STAGES,
         **launch_options(pdl),
     )

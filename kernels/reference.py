@@ -134,11 +134,19 @@ def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tenso
 
 
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
-                ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int] | None = None) -> None:
+                ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int] | None = None,
+                add: bool = True) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
+    add=False: the rows of tokens with an adapter are set to the delta instead (0 where rank 0).
 
     With `[modules, slots]` tables: module m reads h's m-th equal column block and adds into its
     `out_sizes[m]` columns of out (the modules' outputs side by side, like the fused qkv output)."""
+    if not add:
+        delta = torch.zeros_like(out)
+        lora_expand(delta, h, pool, token_slots, page_tables, ranks, b_offsets, scalings, out_sizes)
+        rows = token_slots >= 0
+        out[rows] = delta[rows]
+        return
     if ranks.dim() == 2:
         width = h.shape[1] // ranks.shape[0]
         for m, (cols, h_m) in enumerate(zip(out.split(out_sizes, dim=1), h.split(width, dim=1))):
@@ -164,10 +172,20 @@ def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_t
     lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings, out_sizes)
 
 
-def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def add_lora_delta(x: Tensor, delta: Tensor | None, token_slots: Tensor | None) -> Tensor:
+    """x with the LoRA delta added (in x's dtype) in the rows of tokens with an adapter (slot >= 0): what
+    the elementwise ops below do first when given a delta (`lora_expand(add=False)` wrote it)."""
+    if delta is None:
+        return x
+    return torch.where((token_slots >= 0)[:, None], x + delta, x)
+
+
+def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
+                 delta: Tensor | None = None, token_slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(weight * rms_norm(x + residual), x + residual) for x, residual `[tokens, hidden]` and weight
     `[hidden]`. The sum is taken in x's dtype and the norm in float32, then rounded to x's dtype;
-    without residual, the second item is `x` itself."""
+    without residual, the second item is `x` itself. delta: see add_lora_delta."""
+    x = add_lora_delta(x, delta, token_slots)
     if residual is not None:
         x = x + residual
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
@@ -182,17 +200,20 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+               delta: Tensor | None = None, token_slots: Tensor | None = None) -> None:
     """Rotate the q heads (first `num_heads`) and k heads (next `num_kv_heads`) of the fused qkv output
     `[tokens, (num_heads + 2 * num_kv_heads) * head_dim]` in place by cos/sin `[tokens, head_dim]`;
-    the v columns are untouched."""
+    the v columns are untouched. delta: added to q, k and v first (see add_lora_delta)."""
+    if delta is not None:
+        qkv.copy_(add_lora_delta(qkv, delta, token_slots))
     for start, heads in ((0, num_heads), (num_heads * head_dim, num_kv_heads)):
         cols = qkv[:, start:start + heads * head_dim]                             # [tokens, heads * head_dim]
         cols.copy_(apply_rotary(cols.unflatten(1, (heads, head_dim)), cos, sin).flatten(1))
 
 
-def silu_and_mul(gate_up: Tensor) -> Tensor:
+def silu_and_mul(gate_up: Tensor, delta: Tensor | None = None, token_slots: Tensor | None = None) -> Tensor:
     """silu(gate) * up for gate_up `[tokens, 2 * inter]` (gate columns first), in gate_up's dtype.
-    Returns a new contiguous `[tokens, inter]` tensor."""
-    gate, up = gate_up.chunk(2, dim=-1)
+    Returns a new contiguous `[tokens, inter]` tensor. delta: see add_lora_delta."""
+    gate, up = add_lora_delta(gate_up, delta, token_slots).chunk(2, dim=-1)
     return (F.silu(gate) * up).contiguous()

@@ -187,10 +187,11 @@ class TritonLora:
         return chunk
 
     def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
-                    ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None:
+                    ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int], add: bool = True) -> None:
         self._lora.lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings,
                                out_sizes=out_sizes, segments=self.segments, pdl=self.pdl,
-                               tile=self.policy.lora_tile, n_tiles=self.policy.expand_n_tiles, gemv=self._gemv)
+                               tile=self.policy.lora_tile, n_tiles=self.policy.expand_n_tiles, gemv=self._gemv,
+                               add=add)
 
 
 def backends_for(device: torch.device, pdl: bool = False,

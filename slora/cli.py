@@ -26,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "sized for that many, with fewer LoRA programs (0: never)")
     parser.add_argument("--lora-fused", action="store_true",
                         help="those graphs run each LoRA shrink and expand as one launch (slower on the H200)")
+    parser.add_argument("--no-lora-side-stream", dest="lora_side_stream", action="store_false",
+                        help="CUDA graphs: add each LoRA after its base GEMM instead of computing it on a "
+                             "second stream while the GEMM runs")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
                         help="CUDA: launch the Triton kernels without programmatic dependent launch")
     parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
@@ -39,6 +42,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
                 graph_few_adapters=args.graph_few_adapters, lora_fused=args.lora_fused, pdl=args.pdl,
+                lora_side_stream=args.lora_side_stream,
                 adapter_host_cache_gib=args.adapter_host_cache_gib, load_format=args.load_format,
                 enforce_eager=args.enforce_eager)
 

@@ -34,6 +34,8 @@ class EngineConfig:
                                               # (slower on the H200: benchmarks/README.md)
     pdl: bool = True                          # CUDA: the Triton kernels start while the kernel before them
                                               # ends (programmatic dependent launch; compute capability 9+)
+    lora_side_stream: bool = True             # CUDA graphs: each LoRA runs on a second stream beside its
+                                              # base GEMM, its delta added by the next op
     max_model_len: int | None = None          # default: what the model supports
     watermark: float = 0.01
     seed: int = 0

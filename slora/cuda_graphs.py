@@ -35,11 +35,18 @@ class GraphLimits:
     # slots: the LoRA grids have a spare block per slot, so fewer slots launch fewer idle programs (0: none).
     few_adapters: int = 0
     lora_fused: bool = False       # the few-adapter graphs run lora_fused (one launch per group)
+    # Each group's LoRA runs on a second stream while its base GEMM runs, as a delta that the op reading the
+    # projection adds (LoraBatch.deltas); not in graphs that run lora_fused, which adds in place.
+    lora_side_stream: bool = True
 
     def lora_slots(self, batch_size: int, few: bool = False) -> int:
         """Adapter slots a bucket's graph is captured for: fewer slots, fewer programs per LoRA launch."""
         slots = batch_size if self.max_loras is None else min(batch_size, self.max_loras)
         return min(slots, self.few_adapters) if few else slots
+
+    def lora_deltas(self, few: bool) -> bool:
+        """Whether a graph's LoRA runs on the side stream as deltas."""
+        return self.lora_side_stream and not (few and self.lora_fused)
 
     def graph_kinds(self, batch_size: int) -> list[tuple[bool, bool]]:
         """(with LoRA, few adapters) of the graphs captured for a bucket: a few-adapter graph only where it
@@ -76,6 +83,7 @@ class DecodeGraphs:
         self.static = StaticInputs(limits, pool.device)
         self.buckets = batch_buckets(limits.max_batch)
         self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.side_stream = torch.cuda.Stream(pool.device) if limits.lora_side_stream else None
 
     def batch(self, size: int, with_lora: bool, few: bool = False) -> ForwardBatch:
         """The ForwardBatch of a bucket, as views of the static buffers."""
@@ -89,7 +97,9 @@ class DecodeGraphs:
                              max_rank=self.limits.max_lora_rank,
                              ops=self.lora_ops.prepare(s.token_slots[:size], slots, self.limits.num_layers,
                                                        few and self.limits.lora_fused),
-                             active=[[True] * len(LORA_MODULES)] * self.limits.num_layers)
+                             active=[[True] * len(LORA_MODULES)] * self.limits.num_layers,
+                             deltas=self.limits.lora_deltas(few),
+                             side_stream=self.side_stream if self.limits.lora_deltas(few) else None)
         return ForwardBatch(s.input_ids[:size], s.positions[:size], s.slot_mapping[:size], s.block_tables[:size],
                             s.query_start_loc[:size + 1], s.context_lens[:size], s.sample_indices[:size],
                             self.page_size, 1, self.limits.max_blocks * self.page_size, lora)

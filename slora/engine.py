@@ -186,7 +186,8 @@ class Engine:
                            max_blocks=-(-self.max_model_len // self.config.page_size),
                            max_adapter_pages=self._max_adapter_pages(shape), max_lora_rank=rank,
                            num_layers=self.model_config.num_layers, max_loras=self.config.max_loras,
-                           few_adapters=self.config.graph_few_adapters, lora_fused=self.config.lora_fused)
+                           few_adapters=self.config.graph_few_adapters, lora_fused=self.config.lora_fused,
+                           lora_side_stream=self.config.lora_side_stream)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)

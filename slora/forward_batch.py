@@ -25,7 +25,8 @@ class LoraOps(Protocol):
                     a_offsets: Tensor, max_rank: int) -> Tensor: ...
 
     def lora_expand(self, out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
-                    ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int]) -> None: ...
+                    ranks: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int],
+                    add: bool = True) -> None: ...
 
     # Whether this step's groups whose input is no wider than their output run lora_fused (one launch).
     fused: bool
@@ -55,6 +56,11 @@ class LoraBatch:
     max_rank: int
     ops: LoraOps
     active: list[list[bool]]   # [layer][module]: whether any adapter of the step targets it (host side)
+    # deltas: each group's LoRA is computed apart as a delta (`delta`), which the op reading the projection
+    # adds, instead of being added into the projection's output after its GEMM. side_stream (a CUDA stream,
+    # with deltas): the delta is computed on it while the GEMM runs on the current stream (decode graphs).
+    deltas: bool = False
+    side_stream: object | None = None
     _views: dict[tuple[int, int], list[tuple[Tensor, Tensor, Tensor, Tensor]]] = field(
         default_factory=dict, init=False, repr=False, compare=False)
 
@@ -71,6 +77,18 @@ class LoraBatch:
             return
         h = self.ops.lora_shrink(x, pool, self.token_slots, self.page_tables, ranks, a_offsets, self.max_rank)
         self.ops.lora_expand(out, h, pool, self.token_slots, self.page_tables, ranks, b_offsets, scalings, out_sizes)
+
+    def delta(self, layer: int, modules: slice, x: Tensor, pool: Tensor, out_sizes: list[int]) -> Tensor | None:
+        """The LoRA of `modules` alone, `[tokens, sum(out_sizes)]` in x's dtype (the rows of tokens without
+        adapter are not written), or None when no adapter of the step targets these modules."""
+        if not any(self.active[layer][modules]):
+            return None
+        ranks, a_offsets, b_offsets, scalings = self._group_tables(modules)[layer]   # each [modules, slots]
+        h = self.ops.lora_shrink(x, pool, self.token_slots, self.page_tables, ranks, a_offsets, self.max_rank)
+        delta = x.new_empty(x.shape[0], sum(out_sizes))
+        self.ops.lora_expand(delta, h, pool, self.token_slots, self.page_tables, ranks, b_offsets, scalings,
+                             out_sizes, add=False)
+        return delta
 
     def _group_tables(self, modules: slice) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
         """Per layer, the views of the four tables for a group of modules, made once per step and group: in

@@ -1,8 +1,11 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over the unified paged pool, with batched multi-LoRA.
 
 Every projection is `out = x @ Wᵀ (+ bias)`, then each token's own adapter adds `scaling * x Aᵀ Bᵀ`,
-reading A and Bᵀ through the adapter's page table (no copy out of the pool).
+reading A and Bᵀ through the adapter's page table (no copy out of the pool). In decode graphs the LoRA
+is a delta computed on a side stream while the GEMM runs, added by the op that reads the projection.
 """
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
@@ -15,16 +18,26 @@ from slora.models.rope import RotaryEmbedding
 Q, K, V, O, GATE, UP, DOWN = range(len(LORA_MODULES))
 
 
+class Projected(NamedTuple):
+    """A projection's output, and its LoRA delta when the op that reads the output adds it."""
+    out: Tensor                      # [tokens, out_features]
+    lora: ops.Delta | None = None
+
+    def rows(self, rows: Tensor) -> "Projected":
+        lora = self.lora
+        return Projected(self.out[rows], None if lora is None else ops.Delta(lora.delta[rows], lora.token_slots[rows]))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: Tensor, residual: Tensor | None = None, pdl: bool = False) -> tuple[Tensor, Tensor]:
-        """(the normed x + residual, x + residual: the residual stream from here on). In float32 like
-        Hugging Face's Llama, then the weight in the model's dtype."""
-        return ops.add_rms_norm(x, self.weight, self.eps, residual, pdl)
+    def forward(self, x: Projected, residual: Tensor | None = None, pdl: bool = False) -> tuple[Tensor, Tensor]:
+        """(the normed x + residual, x + residual: the residual stream from here on), x's LoRA delta added
+        first. In float32 like Hugging Face's Llama, then the weight in the model's dtype."""
+        return ops.add_rms_norm(x.out, self.weight, self.eps, residual, pdl, x.lora)
 
 
 class StepContext:
@@ -35,14 +48,32 @@ class StepContext:
         self.batch, self.pool, self.attention, self.cos, self.sin = batch, pool, attention, cos, sin
         self.pdl = attention.pdl
 
-    def lora(self, layer: int, modules: slice, x: Tensor, out: Tensor, out_sizes: list[int]) -> Tensor:
-        """out += each token's LoRA of `modules` (consecutive modules reading x, outputs side by side)."""
-        if self.batch.lora is not None:
-            self.batch.lora.apply(layer, modules, x, out, self.pool[layer], out_sizes)
-        return out
+    def project(self, layer: int, modules: slice, x: Tensor, linear: nn.Linear, out_sizes: list[int]) -> Projected:
+        """linear(x) and each token's LoRA of `modules` (consecutive modules reading x, outputs side by side):
+        added into the output after the GEMM, or, when the step computes deltas (LoraBatch.deltas), returned
+        for the op that reads the output to add (on the side stream while the GEMM runs, if there is one)."""
+        lora = self.batch.lora
+        if lora is None:
+            return Projected(linear(x))
+        pool = self.pool[layer]
+        if not lora.deltas:
+            out = linear(x)
+            lora.apply(layer, modules, x, out, pool, out_sizes)
+            return Projected(out)
+        if lora.side_stream is None:
+            return Projected(linear(x), self._delta(lora.delta(layer, modules, x, pool, out_sizes)))
+        main = torch.cuda.current_stream(x.device)
+        lora.side_stream.wait_stream(main)            # x is written
+        with torch.cuda.stream(lora.side_stream):
+            delta = lora.delta(layer, modules, x, pool, out_sizes)
+        out = linear(x)
+        # The op after the GEMM reads the delta. Joining here, before anything else is queued, also keeps x
+        # and the delta alive (and unused by other allocations) until the side stream is done with them.
+        main.wait_stream(lora.side_stream)
+        return Projected(out, self._delta(delta))
 
-    def lora_one(self, layer: int, module: int, x: Tensor, out: Tensor) -> Tensor:
-        return self.lora(layer, slice(module, module + 1), x, out, [out.shape[-1]])
+    def _delta(self, delta: Tensor | None) -> ops.Delta | None:
+        return None if delta is None else ops.Delta(delta, self.batch.lora.token_slots)
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -78,23 +109,23 @@ class Attention(nn.Module):
         """q, k (rotated by position) and v, `[tokens, heads, head_dim]` each, from the fused projection."""
         assert self.qkv_proj is not None, "fuse_projections() runs when the weights are loaded"
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x)                                       # [tokens, q_size + 2 * kv_size]
         sizes = [self.q_size, self.kv_size, self.kv_size]
-        # One LoRA call for q, k and v, adding in place into their columns of the fused output.
-        ctx.lora(self.layer, slice(Q, V + 1), x, qkv, sizes)
-        ops.rotary_qk_(qkv, ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim, ctx.pdl)
-        q, k, v = qkv.split(sizes, dim=-1)
+        # One LoRA call for q, k and v, whose columns lie side by side in the fused output.
+        qkv = ctx.project(self.layer, slice(Q, V + 1), x, self.qkv_proj, sizes)   # [tokens, q_size + 2 * kv_size]
+        ops.rotary_qk_(qkv.out, ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim, ctx.pdl,
+                       qkv.lora)
+        q, k, v = qkv.out.split(sizes, dim=-1)
         return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
                 v.view(tokens, self.num_kv_heads, self.head_dim))
 
-    def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
+    def forward(self, x: Tensor, ctx: StepContext) -> Projected:
         tokens = x.shape[0]
         q, k, v = self.rotated_qkv(x, ctx)
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
         ctx.attention.store_kv(k, v, kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size)
         attn = ctx.attention.attend(q, kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         attn = attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
-        return ctx.lora_one(self.layer, O, attn, self.o_proj(attn))
+        return ctx.project(self.layer, slice(O, O + 1), attn, self.o_proj, [self.o_proj.out_features])
 
 
 class MLP(nn.Module):
@@ -116,12 +147,12 @@ class MLP(nn.Module):
         and one fused activation for both."""
         assert self.gate_up_proj is not None, "fuse_projections() runs when the weights are loaded"
         sizes = [self.intermediate_size] * 2
-        gate_up = ctx.lora(self.layer, slice(GATE, UP + 1), x, self.gate_up_proj(x), sizes)   # [tokens, 2 * inter]
-        return ops.silu_and_mul(gate_up, ctx.pdl)
+        gate_up = ctx.project(self.layer, slice(GATE, UP + 1), x, self.gate_up_proj, sizes)   # [tokens, 2 * inter]
+        return ops.silu_and_mul(gate_up.out, ctx.pdl, gate_up.lora)
 
-    def forward(self, x: Tensor, ctx: StepContext) -> Tensor:
+    def forward(self, x: Tensor, ctx: StepContext) -> Projected:
         hidden = self.activated(x, ctx)                              # [tokens, intermediate]
-        return ctx.lora_one(self.layer, DOWN, hidden, self.down_proj(hidden))
+        return ctx.project(self.layer, slice(DOWN, DOWN + 1), hidden, self.down_proj, [self.down_proj.out_features])
 
 
 class DecoderLayer(nn.Module):
@@ -132,9 +163,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layer)
 
-    def forward(self, x: Tensor, residual: Tensor | None, ctx: StepContext) -> tuple[Tensor, Tensor]:
-        """(this layer's MLP output, the residual stream before it): the next norm adds the two, so the
-        residual additions ride in the norm kernels instead of launches of their own."""
+    def forward(self, x: Projected, residual: Tensor | None, ctx: StepContext) -> tuple[Projected, Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two (and the
+        output's LoRA delta), so the residual additions ride in the norm kernels instead of launches of
+        their own."""
         normed, residual = self.input_layernorm(x, residual, ctx.pdl)
         normed, residual = self.post_attention_layernorm(self.self_attn(normed, ctx), residual, ctx.pdl)
         return self.mlp(normed, ctx), residual
@@ -167,12 +199,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: Tensor, attention: AttentionOps) -> Tensor:
         """Logits `[sampled, vocab]` (float32) of the rows `batch.sample_indices`."""
-        x = self.model.embed_tokens(batch.input_ids)                 # [tokens, hidden]
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        embedded = self.model.embed_tokens(batch.input_ids)          # [tokens, hidden]
+        cos, sin = self.rotary.cos_sin(batch.positions, embedded.dtype)
         ctx = StepContext(batch, pool, attention, cos, sin)
-        residual = None
+        x, residual = Projected(embedded), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)
         rows = batch.sample_indices
-        x, _ = self.model.norm(x[rows], None if residual is None else residual[rows], ctx.pdl)   # [sampled, hidden]
-        return self.lm_head(x).float()
+        normed, _ = self.model.norm(x.rows(rows), None if residual is None else residual[rows], ctx.pdl)   # [sampled, hidden]
+        return self.lm_head(normed).float()

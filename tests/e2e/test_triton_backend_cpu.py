@@ -54,6 +54,33 @@ def test_gemv_expand_matches_the_reference_backend(tiny_llama, monkeypatch):
     assert launches, "no step ran the one-token expand"
 
 
+@pytest.mark.parametrize("gemv", [False, True])
+def test_lora_deltas_through_the_triton_kernels_match_the_reference_backend(tiny_llama, monkeypatch, gemv):
+    """Every step with LoraBatch.deltas, as the decode graphs run: the Triton lora_expand(add=False), default or
+    one-token (decode steps of a slot per token: two sequences on two adapters), then the delta added by the
+    ops after the projections (their references on the CPU; tests/kernels/test_fused_ops.py tests the fused
+    kernels' delta)."""
+    from slora.forward_batch import LoraBatch
+    from slora.model_runner import ModelRunner
+    lora_batch = ModelRunner._lora_batch
+    monkeypatch.setattr(ModelRunner, "_lora_batch", lambda self, lora: None if lora is None else
+                        dataclasses.replace(lora_batch(self, lora), deltas=True))
+    calls = []
+    delta = LoraBatch.delta
+    monkeypatch.setattr(LoraBatch, "delta", lambda self, *args: (calls.append(args[0]), delta(self, *args))[1])
+    from slora.kernels import lora
+    adds = []   # the `add` argument of each one-token expand
+    launch = lora._launch_expand_gemv
+    monkeypatch.setattr(lora, "_launch_expand_gemv", lambda *args: (adds.append(args[-1]), launch(*args))[1])
+    policy = LoraLaunchPolicy(gemv_expand_min_tokens=2 if gemv else None)
+    names = ["all-r16", "rs-pattern"] + ([] if gemv else [None])
+    reference, triton = _greedy_tokens_both_backends(tiny_llama, policy, random_prompts([5, 11, 3][:len(names)],
+                                                                                         seed=44), names)
+    assert reference == triton
+    assert calls, "no step computed a LoRA delta"
+    assert (adds and not any(adds)) if gemv else not adds
+
+
 def _greedy_tokens_both_backends(tiny_llama, policy: LoraLaunchPolicy, prompts: list[list[int]],
                                  names: list[str | None]) -> list[list[list[int]]]:
     """Greedy tokens of the prompts on their adapters with the reference backends, then the Triton ones."""

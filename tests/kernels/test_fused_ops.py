@@ -276,3 +276,115 @@ def test_silu_and_mul_gpu(dtype, strided):
     # Triton's exp (ex2.approx) differs from torch's expf by a few float32 ulps: a wider mismatch
     # allowance, still far below a missing rounding step's.
     _check_silu(gate_up, max_mismatch=0.02)
+
+
+# --- a LoRA delta added first (lora_expand(add=False) wrote it; the rows of tokens with an adapter) -----
+
+def _delta_case(like: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """(delta, token_slots) for `like` `[tokens, width]`: about a third of the tokens without adapter, whose
+    delta rows are NaN (never written in the engine), so a kernel that adds them fails."""
+    tokens = like.shape[0]
+    slots = torch.randint(0, 3, (tokens,), generator=gen).to(torch.int32)
+    slots[torch.rand(tokens, generator=gen) < 0.35] = -1
+    slots[0] = -1
+    delta = randn(tuple(like.shape), like.dtype, gen, "cpu")
+    delta[slots < 0] = float("nan")
+    return delta.to(like.device), slots.to(like.device)
+
+
+def _with_delta(x: Tensor, delta: Tensor, slots: Tensor) -> Tensor:
+    """x with delta added in the rows of tokens with an adapter: one rounding of the sum, as torch adds."""
+    added = x.clone()
+    rows = slots >= 0
+    added[rows] = x[rows] + delta[rows]
+    return added
+
+
+def _check_rms_with_delta(x: Tensor, weight: Tensor, residual: Tensor | None, seed: int,
+                          max_mismatch: float = 0.01) -> None:
+    delta, slots = _delta_case(x, make_generator(seed))
+    out, summed = add_rms_norm(x, weight, EPS, residual, delta=delta, token_slots=slots)
+    expected_out, expected_sum = reference.add_rms_norm(_with_delta(x, delta, slots), weight, EPS, residual)
+    assert summed is not x and torch.equal(summed, expected_sum)
+    _assert_matches(out, expected_out, max_ulps=2, max_mismatch=max_mismatch)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_adds_the_lora_delta(dtype, with_residual):
+    x, weight, residual = _rms_case(9, 96, dtype, with_residual, strided=True, seed=20)
+    _check_rms_with_delta(x, weight, residual, seed=21)
+
+
+def _check_rotary_with_delta(wide: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int, int],
+                             seed: int) -> None:
+    delta, slots = _delta_case(qkv, make_generator(seed))
+    expected = wide.clone()
+    start = qkv.storage_offset() - wide.storage_offset()
+    columns = expected[:, start:start + qkv.shape[1]]
+    columns.copy_(_with_delta(columns, delta, slots))
+    reference.rotary_qk_(columns, cos, sin, *heads)
+    rotary_qk_(qkv, cos, sin, *heads, delta=delta, token_slots=slots)
+    # The v columns too hold the delta now; the columns around the slice are untouched.
+    assert torch.equal(wide, expected)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("heads", [(4, 1, 16), (2, 2, 32)])
+def test_rotary_qk_adds_the_lora_delta(dtype, heads):
+    wide, qkv, cos, sin = _rotary_case(9, *heads, dtype, seed=22)
+    _check_rotary_with_delta(wide, qkv, cos, sin, heads, seed=23)
+
+
+def _check_silu_with_delta(gate_up: Tensor, seed: int, max_mismatch: float = 0.01) -> None:
+    delta, slots = _delta_case(gate_up, make_generator(seed))
+    out = silu_and_mul(gate_up, delta=delta, token_slots=slots)
+    expected = reference.silu_and_mul(_with_delta(gate_up, delta, slots))
+    _assert_matches(out, expected, max_ulps=2, max_mismatch=max_mismatch)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_silu_and_mul_adds_the_lora_delta(dtype):
+    _, gate_up = _columns(9, 96, dtype, make_generator(24), "cpu", strided=True)
+    _check_silu_with_delta(gate_up, seed=25)
+
+
+def test_reference_ops_add_the_lora_delta_only_where_there_is_an_adapter():
+    gen = make_generator(26)
+    _, gate_up = _columns(9, 32, torch.float32, gen, "cpu", strided=False)
+    delta, slots = _delta_case(gate_up, gen)
+    got = reference.silu_and_mul(gate_up, delta, slots)
+    rows = slots >= 0
+    assert torch.equal(got[~rows], reference.silu_and_mul(gate_up)[~rows])
+    assert not torch.allclose(got[rows], reference.silu_and_mul(gate_up)[rows])
+
+
+@pytest.mark.parametrize("op", ["norm", "rotary", "silu"])
+@pytest.mark.parametrize("change,match", [
+    (lambda d, s: (d, None), "give both or neither"),
+    (lambda d, s: (d[:, :-2], s), "delta shape"),
+    (lambda d, s: (d, s.long()), "token_slots must be int32"),
+    (lambda d, s: (d, s[:-1]), "token_slots must be int32"),
+    (lambda d, s: (d.half(), s), "dtype"),
+])
+def test_ops_reject_a_bad_delta(op, change, match):
+    gen = make_generator(27)
+    wide, qkv, cos, sin = _rotary_case(4, 4, 1, 16, torch.float32, seed=28)
+    delta, slots = change(*_delta_case(qkv, gen))
+    calls = {"norm": lambda: add_rms_norm(qkv, torch.ones(qkv.shape[1]), EPS, delta=delta, token_slots=slots),
+             "rotary": lambda: rotary_qk_(qkv, cos, sin, 4, 1, 16, delta=delta, token_slots=slots),
+             "silu": lambda: silu_and_mul(qkv, delta=delta, token_slots=slots)}
+    with pytest.raises(ValueError, match=match):
+        calls[op]()
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ops_add_the_lora_delta_gpu(dtype):
+    x, weight, residual = _rms_case(64, 4096, dtype, True, strided=True, seed=29, device="cuda")
+    _check_rms_with_delta(x, weight, residual, seed=30, max_mismatch=0.02)
+    wide, qkv, cos, sin = _rotary_case(64, 32, 8, 128, dtype, seed=31, device="cuda")
+    _check_rotary_with_delta(wide, qkv, cos, sin, (32, 8, 128), seed=32)
+    _, gate_up = _columns(64, 2 * 14336, dtype, make_generator(33), "cuda", strided=True)
+    _check_silu_with_delta(gate_up, seed=34, max_mismatch=0.02)

@@ -185,6 +185,39 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
     assert_close(out, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pattern", ["decode", "prefill"])
+@pytest.mark.parametrize("name", sorted(FUSED_CASES))
+@pytest.mark.parametrize("split_k,gemv", [(1, False), (2, False), (1, True), (2, True)])
+def test_expand_without_add_writes_the_delta(dtype, pattern, name, split_k, gemv):
+    """add=False: rows of tokens with an adapter hold the delta alone, zeros in modules of rank 0 (out starts
+    random, so a tile left unwritten fails); rows of tokens without adapter keep what they held."""
+    x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=10 + split_k)
+    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
+    h = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+    want = torch.zeros_like(out)
+    reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
+    without = slots < 0
+    want[without] = out[without]
+    lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
+                b.b_offsets, b.scalings, out_sizes=out_sizes, gemv=gemv, add=False)
+    assert_close(out, want)
+    ranks_of_tokens = b.ranks[:, slots[~without].long()]             # [modules, tokens with an adapter]
+    assert (ranks_of_tokens == 0).any(), "the case must have modules an adapter does not target"
+
+
+def test_reference_expand_without_add_matches_adding_into_zeros():
+    x, out, b, slots, out_sizes = _fused_case(torch.float32, "prefill", "qkv", seed=3)
+    h = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+    added = torch.zeros_like(out)
+    reference.lora_expand(added, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
+    reference.lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes,
+                          add=False)
+    with_adapter = slots >= 0
+    assert torch.equal(out[with_adapter], added[with_adapter])
+    assert not torch.equal(out[~with_adapter], added[~with_adapter])   # untouched: still the random start
+
+
 def _unwritten_as_nan(partials, slots, ranks, max_rank):
     """partials [splits, tokens, modules * max_rank] with NaN wherever shrink writes nothing."""
     token_ranks = torch.where(slots[None, :] >= 0, ranks[:, slots.long().clamp(min=0)], 0)   # [modules, tokens]
