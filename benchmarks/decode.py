@@ -43,6 +43,20 @@ BF16_FLOPS = 810e12
 CONTEXT, RANK = 1024, 16
 # Adapter mixes of a decode step: no adapter, one adapter shared by every request, one per request.
 MIXES = ("none", "shared", "distinct")
+# Requests per adapter of each adapter mix (None: no adapter; 1: an adapter per request). pairs and quads,
+# not run by default: decode steps whose LoRA blocks have 2 or 4 tokens (--mixes).
+REQUESTS_PER_ADAPTER = {"none": None, "shared": None, "distinct": 1, "pairs": 2, "quads": 4}
+
+
+def adapter_index(mode: str, request: int) -> int:
+    """Which of the placed adapters request `request` of a step of this mix uses (not for "none")."""
+    return 0 if mode == "shared" else request // REQUESTS_PER_ADAPTER[mode]
+
+
+def distinct_adapters(mode: str, batch: int) -> int:
+    if mode in ("none", "shared"):
+        return int(mode == "shared")
+    return -(-batch // REQUESTS_PER_ADAPTER[mode])
 # Command-line help for each field of LoraLaunchPolicy (one flag per field, --field-name).
 POLICY_HELP = {
     "accumulate_max_tokens": "steps of at most this many tokens shrink into one h",
@@ -87,7 +101,7 @@ def build_step(runner: ModelRunner, allocator: PageAllocator, batch: int, adapte
     for i in range(batch):
         ref = None
         if mode != "none":
-            version, pages = adapters[0 if mode == "shared" else i]
+            version, pages = adapters[adapter_index(mode, i)]
             ref = AdapterRef(version, len(pages))
             step_adapters[version] = (descriptor, pages)
         seq = Sequence(i, f"r{i}", [1] * (CONTEXT - 1), SamplingParams(max_tokens=2), ref)
@@ -148,13 +162,12 @@ def step_rows(batches: list[int], iters: int, max_loras: int | None = None, few_
     rows = []
     for batch in batches:
         for mode in mixes:
-            if mode == "distinct" and max_loras is not None and batch > max_loras:
+            if max_loras is not None and distinct_adapters(mode, batch) > max_loras:
                 continue
             scheduled, step_adapters = build_step(runner, allocator, batch, adapters, descriptor, mode)
             seconds = time_steps(runner, scheduled, step_adapters, iters)
             release_kv(allocator, scheduled)
-            distinct = {"none": 0, "shared": 1, "distinct": batch}[mode]
-            roof = roofline_seconds(batch, distinct)
+            roof = roofline_seconds(batch, distinct_adapters(mode, batch))
             rows.append({"batch": batch, "adapters": mode, "step_ms": seconds * 1e3,
                          "tok_s": batch / seconds, "roofline_ms": roof * 1e3, "pct_roofline": 100 * roof / seconds})
     return rows
@@ -377,15 +390,16 @@ def main() -> None:
                         help="cProfile of the host side of eager mixed steps (text report to --out or stdout)")
     modes.add_argument("--profile", action="store_true",
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
-    parser.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated subset of {','.join(MIXES)}")
+    parser.add_argument("--mixes", default=",".join(MIXES),
+                        help=f"comma-separated subset of {','.join(REQUESTS_PER_ADAPTER)}")
     for field in dataclasses.fields(LoraLaunchPolicy):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=field.default,
                             help=f"LoRA launch policy: {POLICY_HELP[field.name]}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     mixes = tuple(args.mixes.split(","))
-    if not set(mixes) <= set(MIXES):
-        parser.error(f"--mixes must name some of {', '.join(MIXES)}, got {args.mixes}")
+    if not set(mixes) <= set(REQUESTS_PER_ADAPTER):
+        parser.error(f"--mixes must name some of {', '.join(REQUESTS_PER_ADAPTER)}, got {args.mixes}")
     try:
         lora_policy = LoraLaunchPolicy(**{field.name: getattr(args, field.name)
                                           for field in dataclasses.fields(LoraLaunchPolicy)})
