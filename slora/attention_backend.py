@@ -97,7 +97,10 @@ class LoraLaunchPolicy:
         tokens, against 66.1% / 63.8% / 61.8% without it (another command). It starts at 128 because at
         64 tokens the layer's LoRA with 16 or 32 adapters over 64 slots (blocks of 2-4 tokens) took 70.5 and
         88.9 µs with it against 56.3 and 66.8 µs without; at 256 tokens with 5 or 32 adapters it was faster
-        (96.3 and 113.8 µs against 152.2 and 159.3); mixes of 128 tokens were not measured."""
+        (96.3 and 113.8 µs against 152.2 and 159.3). With the LoRA on a side stream (tenth session), from 64
+        tokens it took decode with an adapter per request at batch 64 from 71.1% to 73.1% of the roofline
+        but 2 and 4 requests per adapter from 73.7% / 74.5% to 66.5% / 68.9%; at 128 tokens on 64 adapters
+        (blocks of 2) the layer's LoRA took 129.6 µs with it against 113.0 without."""
     accumulate_max_tokens: int = 64
     accumulate_max_slots: int = 4
     accumulate_few_max_tokens: int = 256
