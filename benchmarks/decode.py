@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -43,9 +44,10 @@ BF16_FLOPS = 810e12
 CONTEXT, RANK = 1024, 16
 # Adapter mixes of a decode step: no adapter, one adapter shared by every request, one per request.
 MIXES = ("none", "shared", "distinct")
-# Requests per adapter of each adapter mix (None: no adapter; 1: an adapter per request). pairs and quads,
-# not run by default: decode steps whose LoRA blocks have 2 or 4 tokens (--mixes).
-REQUESTS_PER_ADAPTER = {"none": None, "shared": None, "distinct": 1, "pairs": 2, "quads": 4}
+# Requests per adapter of the mixes that spread requests over adapters (1: an adapter per request); "none"
+# has no adapter and "shared" one for every request. pairs and quads, not run by default: decode steps whose
+# LoRA blocks have 2 or 4 tokens (--mixes).
+REQUESTS_PER_ADAPTER = MappingProxyType({"none": None, "shared": None, "distinct": 1, "pairs": 2, "quads": 4})
 
 
 def adapter_index(mode: str, request: int) -> int:
@@ -54,9 +56,12 @@ def adapter_index(mode: str, request: int) -> int:
 
 
 def distinct_adapters(mode: str, batch: int) -> int:
+    """How many adapters a step of this mix and batch size uses."""
     if mode in ("none", "shared"):
         return int(mode == "shared")
     return -(-batch // REQUESTS_PER_ADAPTER[mode])
+
+
 # Command-line help for each field of LoraLaunchPolicy (one flag per field, --field-name).
 POLICY_HELP = {
     "accumulate_max_tokens": "steps of at most this many tokens shrink into one h",

@@ -4,7 +4,8 @@
 # (default: benchmarks/results/gpu). QUICK=1: small sizes. PEFT=0: skip the PEFT comparison.
 # STEPS picks steps (default "tests kernels sweep resources decode full profile peft"; "resources" lists the
 # LoRA kernels' registers, shared memory and occupancy; "full" is the decode step without the few-adapter
-# graphs, --graph-few-adapters 0; also "mixed" (eager mixed steps by kernel, decode.py --mixed), "ncu" (Nsight
+# graphs, --graph-few-adapters 0; also "serial" (decode with each LoRA added after its GEMM instead of on a side
+# stream, --no-lora-side-stream), "mixed" (eager mixed steps by kernel, decode.py --mixed), "ncu" (Nsight
 # Compute on the distinct-adapter LoRA expands), "gemv" (kernels.py --lora-gemv-sweep), "sharing",
 # "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on). At most 8 files come back from the device tool: pick steps to fit.
@@ -45,6 +46,8 @@ has ncu && run ncu_lora_expand ncu --clock-control none --kernel-name regex:_lor
 has decode && run decode python benchmarks/decode.py "${quick[@]}" --out "$OUT/decode.json"
 has full && run decode_full python benchmarks/decode.py "${quick[@]}" --graph-few-adapters 0 \
   --out "$OUT/decode_full.json"
+has serial && run decode_serial python benchmarks/decode.py "${quick[@]}" --no-lora-side-stream \
+  --out "$OUT/decode_serial.json"
 has mixed && run decode_mixed python benchmarks/decode.py "${quick[@]}" --mixed --out "$OUT/decode_mixed.json"
 has profile && run decode_profile python benchmarks/decode.py "${quick[@]}" --profile --out "$OUT/decode_profile.json"
 has peft && [ "${PEFT:-1}" = 1 ] && run vs_peft python benchmarks/decode.py "${quick[@]}" --vs-peft --out "$OUT/decode_vs_peft.json"

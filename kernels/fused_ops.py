@@ -28,11 +28,11 @@ ROTARY_BLOCK_ELEMS = 2048      # about this many qkv elements per rotary program
 
 @triton.jit
 def _with_delta(x, delta_ptr, slots_ptr, token, offsets, mask, dtype: tl.constexpr):
-    # x (float32) plus the token's LoRA delta at `offsets` of its row, rounded to dtype, if the token has an
-    # adapter (slot >= 0); rows without one hold no delta (never written), so their load is discarded.
-    has_adapter = tl.load(slots_ptr + token) >= 0
-    delta = tl.load(delta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    return tl.where(has_adapter, (x + delta).to(dtype).to(tl.float32), x)
+    # x (float32, values of dtype) plus the token's LoRA delta at `offsets` of its row, rounded to dtype. Rows
+    # of tokens without adapter (slot -1) hold no delta (never written): nothing is read, and x + 0 is x.
+    has_adapter = (tl.zeros_like(offsets) + tl.load(slots_ptr + token)) >= 0   # the row's slot, as a tensor
+    delta = tl.load(delta_ptr + offsets, mask=mask & has_adapter, other=0.0).to(tl.float32)
+    return (x + delta).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -66,17 +66,17 @@ def _add_rms_norm_kernel(
 @triton.jit
 def _rotary_qk_kernel(
     qkv_ptr, cos_ptr, sin_ptr, delta_ptr, slots_ptr,
-    stride_qkv, stride_cos, stride_sin, stride_d, rot_heads, num_heads,
+    stride_qkv, stride_cos, stride_sin, stride_d, rot_heads, covered_heads,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr, HAS_DELTA: tl.constexpr,
 ):
     # Program (token, head block): rotates BLOCK_H heads [BLOCK_H, HEAD_DIM] of the q and k columns
-    # (q heads then k heads, `rot_heads` in all) in place, as two halves [BLOCK_H, HALF]. With a delta the
-    # programs cover all `num_heads` heads, v's too: each adds its delta, and only q and k heads rotate.
+    # (q heads then k heads, `rot_heads` in all) in place, as two halves [BLOCK_H, HALF]. The programs cover
+    # `covered_heads` heads: with a delta, v's heads too, which get their delta added and are not rotated.
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
-    mask = (heads < num_heads)[:, None]
+    mask = (heads < covered_heads)[:, None]
     dtype = qkv_ptr.dtype.element_ty
     pdl_start(USE_PDL)
     # cos/sin [HALF] of each half, shared by every head of the token.
@@ -153,6 +153,8 @@ def _check_delta(name: str, x: Tensor, delta: Tensor | None, token_slots: Tensor
     if token_slots.shape != (x.shape[0],) or token_slots.dtype != torch.int32:
         raise ValueError(f"token_slots must be int32 [tokens={x.shape[0]}], got {token_slots.dtype} of shape "
                          f"{tuple(token_slots.shape)}")
+    if token_slots.shape[0] > 1 and token_slots.stride(0) != 1:
+        raise ValueError(f"token_slots must be contiguous, got stride {token_slots.stride(0)}")
     _check_same_dtype(name, x, delta=delta)
     check_one_device(**{name: x}, delta=delta, token_slots=token_slots)
     _check_last_dim_contiguous(delta=delta)
@@ -191,8 +193,9 @@ def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
                  delta: Tensor | None = None, token_slots: Tensor | None = None,
                  pdl: bool = False) -> tuple[Tensor, Tensor]:
     """(weight * rms_norm(x + residual), x + residual) for x, residual `[tokens, hidden]` and weight
-    `[hidden]`; without residual (and delta), the second item is `x` itself. Outputs are new contiguous
-    tensors. delta: added to x first in the rows of tokens with an adapter (see the module's note)."""
+    `[hidden]`; without residual and delta, the second item is `x` itself, else a new contiguous tensor, as
+    the first item always is. delta: added to x first in the rows of tokens with an adapter (see the
+    module's note)."""
     _check_rms_norm_inputs(x, weight, eps, residual)
     _check_delta("x", x, delta, token_slots)
     check_pdl_supported(pdl, x.device)
@@ -238,8 +241,9 @@ def _check_rotary_inputs(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, 
 def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
                delta: Tensor | None = None, token_slots: Tensor | None = None, pdl: bool = False) -> None:
     """Rotate the q and k heads of qkv `[tokens, (num_heads + 2 * num_kv_heads) * head_dim]` in place
-    by cos/sin `[tokens, head_dim]` (the half-split layout of HF Llama); the v columns are untouched.
-    delta: added to all of q, k and v first in the rows of tokens with an adapter (the module's note)."""
+    by cos/sin `[tokens, head_dim]` (the half-split layout of HF Llama); without delta, the v columns are
+    untouched. delta: added to all of q, k and v first in the rows of tokens with an adapter (the module's
+    note), so the v columns then hold v + delta."""
     _check_rotary_inputs(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     _check_delta("qkv", qkv, delta, token_slots)
     check_pdl_supported(pdl, qkv.device)

@@ -250,6 +250,16 @@ def _out_tile(out_ptr, out_rows, col0, cols, row_mask, n_mask, ADD: tl.constexpr
 
 
 @triton.jit
+def _zero_row(out_ptr, out_row, col0, out_features, BLOCK_N: tl.constexpr):
+    # Zeros into one row's columns col0 .. col0 + BLOCK_N of a module (out_row: the element offset of the
+    # row's first column of the module): the delta of a module the adapter does not target, when the expand
+    # overwrites. Nothing of the adapter is read, so no page lookup can go past a narrow page table.
+    cols = tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + out_row + col0 + cols, tl.zeros([BLOCK_N], out_ptr.dtype.element_ty),
+             mask=col0 + cols < out_features)
+
+
+@triton.jit
 def _store_scaled(o_ptrs, o_mask, base, acc, scaling):
     # base + scaling * acc into the tile, in float32 and rounded once to out's dtype.
     tl.store(o_ptrs, (base.to(tl.float32) + acc * scaling).to(base.dtype), mask=o_mask)
@@ -353,18 +363,28 @@ def _lora_expand_kernel(
         module, out_col, col0 = _module_of_tile(tile, n0, n1, BLOCK_N)
         # Tiles past the last one (the last program's) read no table entry: there may be no such module.
         rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot, mask=tile < num_tiles, other=0), h_rank)
-        # rank 0: the adapter does not target this module; when overwriting, its tile is written as zeros.
-        write = rank > 0
-        if not ADD:
-            write = tile < num_tiles
-        if write:
+        if rank > 0:   # rank 0: the adapter does not target this module
             _expand_tile(h_rows + module * h_rank, pool_ptr, pt_row, out_ptr, tokens * stride_ot + out_col,
                          tl.load(b_off_ptr + module * stride_bm + slot),
                          tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32),
                          _pick(module, n0, n1, n2), col0, rank, num_splits,
                          stride_hsplit, page_elems, row_mask, BLOCK_M, BLOCK_R, BLOCK_N, ALIGN_ELEMS, DOT_PRECISION,
                          USE_PDL, ADD)
+        elif not ADD:
+            # Overwriting: the tile's delta is 0 (a tile past the last one has no columns left: all masked).
+            pdl_wait(USE_PDL)
+            _zero_rows(out_ptr, tokens * stride_ot + out_col, col0, _pick(module, n0, n1, n2), row_mask, BLOCK_N)
     pdl_wait(USE_PDL)   # for programs whose tiles all had rank 0
+
+
+@triton.jit
+def _zero_rows(out_ptr, out_rows, col0, out_features, row_mask, BLOCK_N: tl.constexpr):
+    # _zero_row for the block's rows at once (out_rows: [BLOCK_M] element offsets), a tile of the default
+    # kernel's size.
+    cols = tl.arange(0, BLOCK_N)
+    mask = row_mask[:, None] & (col0 + cols < out_features)[None, :]
+    tl.store(out_ptr + out_rows[:, None] + col0 + cols[None, :], tl.zeros(mask.shape, out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -472,8 +492,7 @@ def _lora_expand_gemv_kernel(
     end = tl.load(block_end_ptr + block)
     module, out_col, col0 = _module_of_tile(tl.program_id(1), n0, n1, BLOCK_N)
     rank = tl.minimum(tl.load(ranks_ptr + module * stride_rm + slot), h_rank)
-    # A spare block, or (when adding) the adapter does not target this module; overwriting, rank 0 writes
-    # zeros (the row loop below does not run).
+    # A spare block, or (when adding) the adapter does not target this module.
     done = first >= end
     if ADD:
         done = done | (rank == 0)
@@ -481,6 +500,13 @@ def _lora_expand_gemv_kernel(
         pdl_wait(USE_PDL)
         return
     out_features = _pick(module, n0, n1, n2)
+    if rank == 0:
+        # Overwriting: the module's delta is 0. A row at a time: a [BLOCK_M, BLOCK_N] tile of pointers would
+        # cost this kernel registers that its other paths do not need.
+        pdl_wait(USE_PDL)
+        for i in range(first, end):
+            _zero_row(out_ptr, tl.load(order_ptr + i).to(tl.int64) * stride_ot + out_col, col0, out_features, BLOCK_N)
+        return
     b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
     scaling = tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32)
     pt_row = pt_ptr + slot.to(tl.int64) * stride_pt

@@ -184,7 +184,7 @@ def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
                  delta: Tensor | None = None, token_slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(weight * rms_norm(x + residual), x + residual) for x, residual `[tokens, hidden]` and weight
     `[hidden]`. The sum is taken in x's dtype and the norm in float32, then rounded to x's dtype;
-    without residual, the second item is `x` itself. delta: see add_lora_delta."""
+    without residual and delta, the second item is `x` itself. delta: see add_lora_delta (added first)."""
     x = add_lora_delta(x, delta, token_slots)
     if residual is not None:
         x = x + residual
@@ -204,7 +204,7 @@ def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
                delta: Tensor | None = None, token_slots: Tensor | None = None) -> None:
     """Rotate the q heads (first `num_heads`) and k heads (next `num_kv_heads`) of the fused qkv output
     `[tokens, (num_heads + 2 * num_kv_heads) * head_dim]` in place by cos/sin `[tokens, head_dim]`;
-    the v columns are untouched. delta: added to q, k and v first (see add_lora_delta)."""
+    without delta, the v columns are untouched. delta: added to q, k and v first (see add_lora_delta)."""
     if delta is not None:
         qkv.copy_(add_lora_delta(qkv, delta, token_slots))
     for start, heads in ((0, num_heads), (num_heads * head_dim, num_kv_heads)):

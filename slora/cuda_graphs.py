@@ -90,7 +90,7 @@ class DecodeGraphs:
         s = self.static
         lora = None
         if with_lora:
-            slots = self.limits.lora_slots(size, few)
+            slots, deltas = self.limits.lora_slots(size, few), self.limits.lora_deltas(few)
             lora = LoraBatch(token_slots=s.token_slots[:size], page_tables=s.page_tables[:slots],
                              ranks=s.ranks[:, :, :slots], a_offsets=s.a_offsets[:, :, :slots],
                              b_offsets=s.b_offsets[:, :, :slots], scalings=s.scalings[:, :, :slots],
@@ -98,8 +98,7 @@ class DecodeGraphs:
                              ops=self.lora_ops.prepare(s.token_slots[:size], slots, self.limits.num_layers,
                                                        few and self.limits.lora_fused),
                              active=[[True] * len(LORA_MODULES)] * self.limits.num_layers,
-                             deltas=self.limits.lora_deltas(few),
-                             side_stream=self.side_stream if self.limits.lora_deltas(few) else None)
+                             deltas=deltas, side_stream=self.side_stream if deltas else None)
         return ForwardBatch(s.input_ids[:size], s.positions[:size], s.slot_mapping[:size], s.block_tables[:size],
                             s.query_start_loc[:size + 1], s.context_lens[:size], s.sample_indices[:size],
                             self.page_size, 1, self.limits.max_blocks * self.page_size, lora)

@@ -2,6 +2,7 @@
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 
@@ -60,7 +61,7 @@ class LoraBatch:
     # adds, instead of being added into the projection's output after its GEMM. side_stream (a CUDA stream,
     # with deltas): the delta is computed on it while the GEMM runs on the current stream (decode graphs).
     deltas: bool = False
-    side_stream: object | None = None
+    side_stream: torch.cuda.Stream | None = None
     _views: dict[tuple[int, int], list[tuple[Tensor, Tensor, Tensor, Tensor]]] = field(
         default_factory=dict, init=False, repr=False, compare=False)
 
@@ -75,20 +76,23 @@ class LoraBatch:
             self.ops.lora_fused(out, x, pool, self.token_slots, self.page_tables, ranks, a_offsets, b_offsets,
                                 scalings, out_sizes)
             return
-        h = self.ops.lora_shrink(x, pool, self.token_slots, self.page_tables, ranks, a_offsets, self.max_rank)
-        self.ops.lora_expand(out, h, pool, self.token_slots, self.page_tables, ranks, b_offsets, scalings, out_sizes)
+        self._shrink_expand(layer, modules, x, out, pool, out_sizes, add=True)
 
     def delta(self, layer: int, modules: slice, x: Tensor, pool: Tensor, out_sizes: list[int]) -> Tensor | None:
         """The LoRA of `modules` alone, `[tokens, sum(out_sizes)]` in x's dtype (the rows of tokens without
         adapter are not written), or None when no adapter of the step targets these modules."""
         if not any(self.active[layer][modules]):
             return None
+        delta = x.new_empty(x.shape[0], sum(out_sizes))
+        self._shrink_expand(layer, modules, x, delta, pool, out_sizes, add=False)
+        return delta
+
+    def _shrink_expand(self, layer: int, modules: slice, x: Tensor, out: Tensor, pool: Tensor, out_sizes: list[int],
+                       add: bool) -> None:
         ranks, a_offsets, b_offsets, scalings = self._group_tables(modules)[layer]   # each [modules, slots]
         h = self.ops.lora_shrink(x, pool, self.token_slots, self.page_tables, ranks, a_offsets, self.max_rank)
-        delta = x.new_empty(x.shape[0], sum(out_sizes))
-        self.ops.lora_expand(delta, h, pool, self.token_slots, self.page_tables, ranks, b_offsets, scalings,
-                             out_sizes, add=False)
-        return delta
+        self.ops.lora_expand(out, h, pool, self.token_slots, self.page_tables, ranks, b_offsets, scalings,
+                             out_sizes, add=add)
 
     def _group_tables(self, modules: slice) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
         """Per layer, the views of the four tables for a group of modules, made once per step and group: in

@@ -1,6 +1,8 @@
 """Tiny random-weight models and PEFT adapters for tests, and the transformers + PEFT oracle."""
+import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 
 from slora.embedded import build_demo_adapter, build_tiny_model
@@ -31,6 +33,19 @@ def make_adapters(model_dir: Path, root: Path, names: list[str] | None = None) -
         paths[name] = root / name
         build_demo_adapter(model_dir, paths[name], rank, targets, alpha, seed, **extra)
     return paths
+
+
+def force_lora_deltas(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make every step's LoRA a delta added by the op after each projection (LoraBatch.deltas, as the CUDA
+    decode graphs run it) instead of added after the GEMM; returns the layers of the deltas computed."""
+    from slora.forward_batch import LoraBatch
+    from slora.model_runner import ModelRunner
+    lora_batch, delta = ModelRunner._lora_batch, LoraBatch.delta
+    layers: list[int] = []
+    monkeypatch.setattr(ModelRunner, "_lora_batch", lambda self, lora: None if lora is None else
+                        dataclasses.replace(lora_batch(self, lora), deltas=True))
+    monkeypatch.setattr(LoraBatch, "delta", lambda self, *args: (layers.append(args[0]), delta(self, *args))[1])
+    return layers
 
 
 def random_prompts(lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:

@@ -67,8 +67,11 @@ class StepContext:
         with torch.cuda.stream(lora.side_stream):
             delta = lora.delta(layer, modules, x, pool, out_sizes)
         out = linear(x)
-        # The op after the GEMM reads the delta. Joining here, before anything else is queued, also keeps x
-        # and the delta alive (and unused by other allocations) until the side stream is done with them.
+        # The op after the GEMM reads the delta: join before anything else is queued. Memory: x and what the
+        # side stream allocates before the join stay referenced until then, and the delta (side-stream memory,
+        # read on the main stream) can only be reused by a later side-stream allocation, which comes after
+        # the next fork, so after the op that reads it. That is why every side-stream allocation must follow
+        # a fork (as here, and the shrink workspace of TritonLora inside delta()).
         main.wait_stream(lora.side_stream)
         return Projected(out, self._delta(delta))
 
@@ -152,7 +155,8 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, ctx: StepContext) -> Projected:
         hidden = self.activated(x, ctx)                              # [tokens, intermediate]
-        return ctx.project(self.layer, slice(DOWN, DOWN + 1), hidden, self.down_proj, [self.down_proj.out_features])
+        return ctx.project(self.layer, slice(DOWN, DOWN + 1), hidden, self.down_proj,
+                           [self.down_proj.out_features])
 
 
 class DecoderLayer(nn.Module):

@@ -32,7 +32,7 @@ def _delta_kwargs(lora: Delta | None) -> dict[str, Tensor]:
 def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
                  pdl: bool = False, lora: Delta | None = None) -> tuple[Tensor, Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual); without residual, (RMSNorm(x) * weight, x). lora:
-    x's LoRA delta, added first."""
+    x's LoRA delta, added to x first (then the second item is a new tensor holding x + delta, + residual)."""
     return _kernel("add_rms_norm", x, pdl)(x, weight, eps, residual, **_delta_kwargs(lora))
 
 

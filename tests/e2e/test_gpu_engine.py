@@ -21,12 +21,15 @@ def tokens(llm: LLM, prompts, names, params=GREEDY) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params, adapters=names)]
 
 
-def test_cuda_graphs_match_cpu_engine_and_peft_in_float32(tiny_llama):
+@pytest.mark.parametrize("lora_side_stream", [True, False])
+def test_cuda_graphs_match_cpu_engine_and_peft_in_float32(tiny_llama, lora_side_stream):
+    """Decode graphs with each LoRA on the side stream (added by the next op) or added after its GEMM."""
     prompts = random_prompts([1, 9, 16, 17, 40, 100, 3, 64], seed=11)
     expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, NAMES, GREEDY.max_tokens)
     cpu = tokens(make_llm(tiny_llama), prompts, NAMES)
-    gpu = make_llm(tiny_llama, device="cuda", dtype="float32")
-    assert gpu.engine.runner.graphs is not None
+    gpu = make_llm(tiny_llama, device="cuda", dtype="float32", lora_side_stream=lora_side_stream)
+    graphs = gpu.engine.runner.graphs
+    assert graphs is not None and (graphs.side_stream is not None) == lora_side_stream
     assert tokens(gpu, prompts, NAMES) == cpu == expected
     gpu.engine.check()
 

@@ -14,7 +14,7 @@ from slora import LLM, SamplingParams
 from slora.attention_backend import LoraLaunchPolicy, TritonAttention, TritonLora
 from slora.cuda_graphs import GraphLimits
 from slora.model_runner import WARM_UP_STEPS, step_max_rank
-from tiny import random_prompts
+from tiny import force_lora_deltas, random_prompts
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs Triton kernels in the interpreter, on CPU-only machines")
@@ -60,14 +60,7 @@ def test_lora_deltas_through_the_triton_kernels_match_the_reference_backend(tiny
     one-token (decode steps of a slot per token: two sequences on two adapters), then the delta added by the
     ops after the projections (their references on the CPU; tests/kernels/test_fused_ops.py tests the fused
     kernels' delta)."""
-    from slora.forward_batch import LoraBatch
-    from slora.model_runner import ModelRunner
-    lora_batch = ModelRunner._lora_batch
-    monkeypatch.setattr(ModelRunner, "_lora_batch", lambda self, lora: None if lora is None else
-                        dataclasses.replace(lora_batch(self, lora), deltas=True))
-    calls = []
-    delta = LoraBatch.delta
-    monkeypatch.setattr(LoraBatch, "delta", lambda self, *args: (calls.append(args[0]), delta(self, *args))[1])
+    layers = force_lora_deltas(monkeypatch)
     from slora.kernels import lora
     adds = []   # the `add` argument of each one-token expand
     launch = lora._launch_expand_gemv
@@ -77,7 +70,7 @@ def test_lora_deltas_through_the_triton_kernels_match_the_reference_backend(tiny
     reference, triton = _greedy_tokens_both_backends(tiny_llama, policy, random_prompts([5, 11, 3][:len(names)],
                                                                                          seed=44), names)
     assert reference == triton
-    assert calls, "no step computed a LoRA delta"
+    assert layers, "no step computed a LoRA delta"
     assert (adds and not any(adds)) if gemv else not adds
 
 

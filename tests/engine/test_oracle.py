@@ -1,10 +1,8 @@
 """Greedy output of the engine equals transformers + PEFT token for token (float32, CPU)."""
-import dataclasses
-
 import pytest
 
 from slora import LLM, SamplingParams
-from tiny import TEST_ADAPTERS, make_adapters, make_model, oracle_greedy, random_prompts
+from tiny import TEST_ADAPTERS, force_lora_deltas, make_adapters, make_model, oracle_greedy, random_prompts
 
 LENGTHS = [1, 7, 16, 17, 40, 64, 130, 200]
 NEW_TOKENS = 6
@@ -42,18 +40,12 @@ def test_mixed_adapter_batch_matches_peft(family, page_size):
 def test_lora_as_deltas_added_by_the_next_op_matches_peft(family, monkeypatch):
     """The decode graphs' way of applying LoRA (LoraBatch.deltas: each group's delta computed apart, then
     added by the rotary, SiLU and norm ops), forced on every step of the CPU engine: still PEFT's tokens."""
-    from slora.forward_batch import LoraBatch
-    from slora.model_runner import ModelRunner
     model_dir, adapters, prompts, names, expected = family
-    lora_batch, delta = ModelRunner._lora_batch, LoraBatch.delta
-    calls = []
-    monkeypatch.setattr(ModelRunner, "_lora_batch", lambda self, lora: None if lora is None else
-                        dataclasses.replace(lora_batch(self, lora), deltas=True))
-    monkeypatch.setattr(LoraBatch, "delta", lambda self, *args: (calls.append(args[0]), delta(self, *args))[1])
+    layers = force_lora_deltas(monkeypatch)
     llm = LLM(str(model_dir), max_num_batched_tokens=256)
     for name, path in adapters.items():
         llm.load_adapter(name, str(path))
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
                            adapters=names)
     assert [o.token_ids for o in outputs] == expected
-    assert calls, "no step computed a LoRA delta"
+    assert layers, "no step computed a LoRA delta"

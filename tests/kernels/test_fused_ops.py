@@ -7,7 +7,7 @@ the GPU: the Triton interpreter truncates float32 -> bfloat16 casts instead of r
 """
 import pytest
 import torch
-from kernel_helpers import make_generator, randn
+from kernel_helpers import has_pdl, make_generator, randn
 from slora.kernels import fused_ops, reference
 from slora.kernels.fused_ops import add_rms_norm, rotary_qk_, silu_and_mul
 from torch import Tensor
@@ -282,12 +282,13 @@ def test_silu_and_mul_gpu(dtype, strided):
 
 def _delta_case(like: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """(delta, token_slots) for `like` `[tokens, width]`: about a third of the tokens without adapter, whose
-    delta rows are NaN (never written in the engine), so a kernel that adds them fails."""
-    tokens = like.shape[0]
+    delta rows are NaN (never written in the engine), so a kernel that adds them fails. The delta is a
+    column slice of a wider tensor, so a kernel that ignores its row stride fails too."""
+    tokens, width = like.shape
     slots = torch.randint(0, 3, (tokens,), generator=gen).to(torch.int32)
     slots[torch.rand(tokens, generator=gen) < 0.35] = -1
     slots[0] = -1
-    delta = randn(tuple(like.shape), like.dtype, gen, "cpu")
+    delta = randn((tokens, width + 5), like.dtype, gen, "cpu")[:, 2:2 + width]
     delta[slots < 0] = float("nan")
     return delta.to(like.device), slots.to(like.device)
 
@@ -301,12 +302,15 @@ def _with_delta(x: Tensor, delta: Tensor, slots: Tensor) -> Tensor:
 
 
 def _check_rms_with_delta(x: Tensor, weight: Tensor, residual: Tensor | None, seed: int,
-                          max_mismatch: float = 0.01) -> None:
+                          max_mismatch: float = 0.01, pdl: bool = False) -> None:
     delta, slots = _delta_case(x, make_generator(seed))
-    out, summed = add_rms_norm(x, weight, EPS, residual, delta=delta, token_slots=slots)
+    out, summed = add_rms_norm(x, weight, EPS, residual, delta=delta, token_slots=slots, pdl=pdl)
     expected_out, expected_sum = reference.add_rms_norm(_with_delta(x, delta, slots), weight, EPS, residual)
     assert summed is not x and torch.equal(summed, expected_sum)
     _assert_matches(out, expected_out, max_ulps=2, max_mismatch=max_mismatch)
+    # The reference's own delta argument gives the same.
+    reference_out, reference_sum = reference.add_rms_norm(x, weight, EPS, residual, delta, slots)
+    assert torch.equal(reference_out, expected_out) and torch.equal(reference_sum, expected_sum)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -317,14 +321,17 @@ def test_add_rms_norm_adds_the_lora_delta(dtype, with_residual):
 
 
 def _check_rotary_with_delta(wide: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int, int],
-                             seed: int) -> None:
+                             seed: int, pdl: bool = False) -> None:
     delta, slots = _delta_case(qkv, make_generator(seed))
     expected = wide.clone()
     start = qkv.storage_offset() - wide.storage_offset()
     columns = expected[:, start:start + qkv.shape[1]]
+    by_reference = columns.clone()
     columns.copy_(_with_delta(columns, delta, slots))
     reference.rotary_qk_(columns, cos, sin, *heads)
-    rotary_qk_(qkv, cos, sin, *heads, delta=delta, token_slots=slots)
+    reference.rotary_qk_(by_reference, cos, sin, *heads, delta, slots)   # the reference's own delta argument
+    assert torch.equal(by_reference, columns)
+    rotary_qk_(qkv, cos, sin, *heads, delta=delta, token_slots=slots, pdl=pdl)
     # The v columns too hold the delta now; the columns around the slice are untouched.
     assert torch.equal(wide, expected)
 
@@ -336,9 +343,9 @@ def test_rotary_qk_adds_the_lora_delta(dtype, heads):
     _check_rotary_with_delta(wide, qkv, cos, sin, heads, seed=23)
 
 
-def _check_silu_with_delta(gate_up: Tensor, seed: int, max_mismatch: float = 0.01) -> None:
+def _check_silu_with_delta(gate_up: Tensor, seed: int, max_mismatch: float = 0.01, pdl: bool = False) -> None:
     delta, slots = _delta_case(gate_up, make_generator(seed))
-    out = silu_and_mul(gate_up, delta=delta, token_slots=slots)
+    out = silu_and_mul(gate_up, delta=delta, token_slots=slots, pdl=pdl)
     expected = reference.silu_and_mul(_with_delta(gate_up, delta, slots))
     _assert_matches(out, expected, max_ulps=2, max_mismatch=max_mismatch)
 
@@ -366,6 +373,7 @@ def test_reference_ops_add_the_lora_delta_only_where_there_is_an_adapter():
     (lambda d, s: (d, s.long()), "token_slots must be int32"),
     (lambda d, s: (d, s[:-1]), "token_slots must be int32"),
     (lambda d, s: (d.half(), s), "dtype"),
+    (lambda d, s: (d, torch.stack([s, s], 1)[:, 0]), "token_slots must be contiguous"),
 ])
 def test_ops_reject_a_bad_delta(op, change, match):
     gen = make_generator(27)
@@ -379,12 +387,15 @@ def test_ops_reject_a_bad_delta(op, change, match):
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_ops_add_the_lora_delta_gpu(dtype):
+def test_ops_add_the_lora_delta_gpu(dtype, pdl):
+    if pdl and not has_pdl():
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
     x, weight, residual = _rms_case(64, 4096, dtype, True, strided=True, seed=29, device="cuda")
-    _check_rms_with_delta(x, weight, residual, seed=30, max_mismatch=0.02)
+    _check_rms_with_delta(x, weight, residual, seed=30, max_mismatch=0.02, pdl=pdl)
     wide, qkv, cos, sin = _rotary_case(64, 32, 8, 128, dtype, seed=31, device="cuda")
-    _check_rotary_with_delta(wide, qkv, cos, sin, (32, 8, 128), seed=32)
+    _check_rotary_with_delta(wide, qkv, cos, sin, (32, 8, 128), seed=32, pdl=pdl)
     _, gate_up = _columns(64, 2 * 14336, dtype, make_generator(33), "cuda", strided=True)
-    _check_silu_with_delta(gate_up, seed=34, max_mismatch=0.02)
+    _check_silu_with_delta(gate_up, seed=34, max_mismatch=0.02, pdl=pdl)

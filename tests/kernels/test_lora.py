@@ -188,10 +188,12 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("split_k,gemv", [(1, False), (2, False), (1, True), (2, True)])
-def test_expand_without_add_writes_the_delta(dtype, pattern, name, split_k, gemv):
+@pytest.mark.parametrize("split_k,gemv,n_tiles,tile", [(1, False, 1, None), (2, False, 2, 64), (1, False, 4, 256),
+                                                      (1, True, 1, None), (2, True, 1, None)])
+def test_expand_without_add_writes_the_delta(dtype, pattern, name, split_k, gemv, n_tiles, tile):
     """add=False: rows of tokens with an adapter hold the delta alone, zeros in modules of rank 0 (out starts
-    random, so a tile left unwritten fails); rows of tokens without adapter keep what they held."""
+    random, so a tile left unwritten fails); rows of tokens without adapter keep what they held. Several
+    tiles per program: the last program has tiles past the last one, which must write nothing."""
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=10 + split_k)
     partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
     h = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
@@ -200,7 +202,7 @@ def test_expand_without_add_writes_the_delta(dtype, pattern, name, split_k, gemv
     without = slots < 0
     want[without] = out[without]
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
-                b.b_offsets, b.scalings, out_sizes=out_sizes, gemv=gemv, add=False)
+                b.b_offsets, b.scalings, out_sizes=out_sizes, gemv=gemv, add=False, n_tiles=n_tiles, tile=tile)
     assert_close(out, want)
     ranks_of_tokens = b.ranks[:, slots[~without].long()]             # [modules, tokens with an adapter]
     assert (ranks_of_tokens == 0).any(), "the case must have modules an adapter does not target"
@@ -211,11 +213,24 @@ def test_reference_expand_without_add_matches_adding_into_zeros():
     h = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     added = torch.zeros_like(out)
     reference.lora_expand(added, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
+    before = out.clone()
     reference.lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes,
                           add=False)
     with_adapter = slots >= 0
     assert torch.equal(out[with_adapter], added[with_adapter])
-    assert not torch.equal(out[~with_adapter], added[~with_adapter])   # untouched: still the random start
+    assert torch.equal(out[~with_adapter], before[~with_adapter])
+
+
+@pytest.mark.parametrize("gemv", [False, True])
+def test_expand_without_add_of_rank_zero_h_writes_zeros(gemv):
+    """h of width 0 (every rank 0): the delta is 0 in the rows of tokens with an adapter, the rest untouched."""
+    x, out, b, slots, out_sizes = _fused_case(torch.float32, "prefill", "qkv", seed=4)
+    before = out.clone()
+    lora_expand(out, torch.empty(len(slots), 0), b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
+                out_sizes=out_sizes, gemv=gemv, add=False)
+    with_adapter = slots >= 0
+    assert torch.equal(out[with_adapter], torch.zeros_like(out[with_adapter]))
+    assert torch.equal(out[~with_adapter], before[~with_adapter])
 
 
 def _unwritten_as_nan(partials, slots, ranks, max_rank):
