@@ -44,10 +44,10 @@ BF16_FLOPS = 810e12
 CONTEXT, RANK = 1024, 16
 # Adapter mixes of a decode step: no adapter, one adapter shared by every request, one per request.
 MIXES = ("none", "shared", "distinct")
-# Requests per adapter of the mixes that spread requests over adapters (1: an adapter per request); "none"
-# has no adapter and "shared" one for every request. pairs and quads, not run by default: decode steps whose
-# LoRA blocks have 2 or 4 tokens (--mixes).
-REQUESTS_PER_ADAPTER = MappingProxyType({"none": None, "shared": None, "distinct": 1, "pairs": 2, "quads": 4})
+# Requests per adapter of the mixes that spread requests over adapters; pairs and quads, run only when
+# --mixes names them, give decode steps whose LoRA blocks have 2 or 4 tokens.
+REQUESTS_PER_ADAPTER = MappingProxyType({"distinct": 1, "pairs": 2, "quads": 4})
+ALL_MIXES = ("none", "shared", *REQUESTS_PER_ADAPTER)
 
 
 def adapter_index(mode: str, request: int) -> int:
@@ -57,9 +57,9 @@ def adapter_index(mode: str, request: int) -> int:
 
 def distinct_adapters(mode: str, batch: int) -> int:
     """How many adapters a step of this mix and batch size uses."""
-    if mode in ("none", "shared"):
-        return int(mode == "shared")
-    return -(-batch // REQUESTS_PER_ADAPTER[mode])
+    if mode in REQUESTS_PER_ADAPTER:
+        return cdiv(batch, REQUESTS_PER_ADAPTER[mode])
+    return int(mode == "shared")
 
 
 # Command-line help for each field of LoraLaunchPolicy (one flag per field, --field-name).
@@ -396,15 +396,15 @@ def main() -> None:
     modes.add_argument("--profile", action="store_true",
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
     parser.add_argument("--mixes", default=",".join(MIXES),
-                        help=f"comma-separated subset of {','.join(REQUESTS_PER_ADAPTER)}")
+                        help=f"comma-separated subset of {','.join(ALL_MIXES)}")
     for field in dataclasses.fields(LoraLaunchPolicy):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=field.default,
                             help=f"LoRA launch policy: {POLICY_HELP[field.name]}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     mixes = tuple(args.mixes.split(","))
-    if not set(mixes) <= set(REQUESTS_PER_ADAPTER):
-        parser.error(f"--mixes must name some of {', '.join(REQUESTS_PER_ADAPTER)}, got {args.mixes}")
+    if not set(mixes) <= set(ALL_MIXES):
+        parser.error(f"--mixes must name some of {', '.join(ALL_MIXES)}, got {args.mixes}")
     try:
         lora_policy = LoraLaunchPolicy(**{field.name: getattr(args, field.name)
                                           for field in dataclasses.fields(LoraLaunchPolicy)})

@@ -373,18 +373,11 @@ def _lora_expand_kernel(
         elif not ADD:
             # Overwriting: the tile's delta is 0 (a tile past the last one has no columns left: all masked).
             pdl_wait(USE_PDL)
-            _zero_rows(out_ptr, tokens * stride_ot + out_col, col0, _pick(module, n0, n1, n2), row_mask, BLOCK_N)
+            cols = tl.arange(0, BLOCK_N)
+            o_ptrs, o_mask, zeros = _out_tile(out_ptr, tokens * stride_ot + out_col, col0, cols, row_mask,
+                                              col0 + cols < _pick(module, n0, n1, n2), False)
+            tl.store(o_ptrs, zeros, mask=o_mask)
     pdl_wait(USE_PDL)   # for programs whose tiles all had rank 0
-
-
-@triton.jit
-def _zero_rows(out_ptr, out_rows, col0, out_features, row_mask, BLOCK_N: tl.constexpr):
-    # _zero_row for the block's rows at once (out_rows: [BLOCK_M] element offsets), a tile of the default
-    # kernel's size.
-    cols = tl.arange(0, BLOCK_N)
-    mask = row_mask[:, None] & (col0 + cols < out_features)[None, :]
-    tl.store(out_ptr + out_rows[:, None] + col0 + cols[None, :], tl.zeros(mask.shape, out_ptr.dtype.element_ty),
-             mask=mask)
 
 
 @triton.jit
@@ -907,16 +900,32 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     num_warps = num_warps or _NUM_WARPS
     if num_warps not in (1, 2, 4, 8):
         raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
-    _lora_expand_kernel[(num_tokens // segments.block_m + num_slots, cdiv(tiles, n_tiles))](
-        partials, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end,
-        page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0],
-        tiles, pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
-        _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
+    tables, strides = _expand_operands(out, partials, pool, segments, page_tables, ranks, b_offsets, scalings, sizes,
+                                       modules)
+    _lora_expand_kernel[(_expand_blocks(out, segments, page_tables), cdiv(tiles, n_tiles))](
+        *tables, tiles, *strides,
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, ADD=add, num_warps=num_warps,
         num_stages=_NUM_STAGES,
         **launch_options(pdl),
     )
+
+
+def _expand_operands(out: Tensor, partials: Tensor, pool: Tensor, segments: LoraSegments, page_tables: Tensor,
+                     ranks: Tensor, b_offsets: Tensor, scalings: Tensor, sizes: list[int],
+                     modules: int) -> tuple[tuple, tuple]:
+    """The expand kernels' shared arguments: (the tensors, sizes and counts before `num_tiles`, which only the
+    default kernel takes; page_elems and the strides after it)."""
+    tables = (partials, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end,
+              page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0])
+    strides = (pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0),
+               _module_stride(ranks), _module_stride(b_offsets), _module_stride(scalings), out.stride(0))
+    return tables, strides
+
+
+def _expand_blocks(out: Tensor, segments: LoraSegments, page_tables: Tensor) -> int:
+    """Programs along the blocks of tokens: the most blocks a step can have, a spare one per slot."""
+    return out.shape[0] // segments.block_m + page_tables.shape[0]
 
 
 def _gemv_max_splits(num_splits: int) -> int:
@@ -930,12 +939,10 @@ def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: L
     # 8 columns per thread and row: a row of the tile is one 16-byte load per thread (bf16).
     block_n = _fit_page(LORA_GEMV_TILE, pool.shape[1])
     tiles = sum(cdiv(n, block_n) for n in sizes)
-    grid = (out.shape[0] // segments.block_m + page_tables.shape[0], tiles)
-    _lora_expand_gemv_kernel[grid](
-        partials, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end,
-        page_tables, ranks, b_offsets, scalings, out, *sizes, partials.shape[2] // modules, partials.shape[0],
-        pool.shape[1], _split_stride(partials), partials.stride(1), page_tables.stride(0), _module_stride(ranks),
-        _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
+    tables, strides = _expand_operands(out, partials, pool, segments, page_tables, ranks, b_offsets, scalings, sizes,
+                                       modules)
+    _lora_expand_gemv_kernel[(_expand_blocks(out, segments, page_tables), tiles)](
+        *tables, *strides,
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, DOT_N=min(_EXPAND_TILE, block_n), ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, MAX_SPLITS=_gemv_max_splits(partials.shape[0]), ADD=add,
         num_warps=_GEMV_WARPS, num_stages=_NUM_STAGES,

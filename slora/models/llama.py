@@ -24,8 +24,9 @@ class Projected(NamedTuple):
     lora: ops.Delta | None = None
 
     def rows(self, rows: Tensor) -> "Projected":
+        """These rows of the output, with their delta."""
         lora = self.lora
-        return Projected(self.out[rows], None if lora is None else ops.Delta(lora.delta[rows], lora.token_slots[rows]))
+        return Projected(self.out[rows], None if lora is None else ops.Delta(*(t[rows] for t in lora)))
 
 
 class RMSNorm(nn.Module):
@@ -210,5 +211,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)
         rows = batch.sample_indices
-        normed, _ = self.model.norm(x.rows(rows), None if residual is None else residual[rows], ctx.pdl)   # [sampled, hidden]
+        residual = None if residual is None else residual[rows]
+        normed, _ = self.model.norm(x.rows(rows), residual, ctx.pdl)                         # [sampled, hidden]
         return self.lm_head(normed).float()
