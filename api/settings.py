@@ -32,6 +32,9 @@ class ServerSettings:
     max_upload_bytes: int = 2 * 2 ** 30       # adapter uploads
     max_pending_requests: int = 1024          # whole server: requests in the engine plus queued ones
     retry_after_s: int = 1
+    tokenizer_workers: int = 2                # threads tokenizing prompts, each with its own tokenizer copy
+    max_tokenize_pending: int = 64            # requests waiting for a tokenizer thread; beyond that, 429
+    max_prompt_chars: int = 1_000_000         # characters of text in one request (prompts or messages)
     shutdown_timeout_s: float = 30.0          # in-flight requests get this long to finish on SIGTERM
     stall_timeout_s: float = 120.0            # /health fails when one engine step takes longer
 
@@ -47,7 +50,8 @@ class ServerSettings:
             raise ValueError(f"refusing to serve without a tenants file on {self.host}, which is not a loopback "
                              "address; give --tenants FILE or --allow-unauthenticated")
         for name in ("max_n", "max_choices", "max_stop_sequences", "max_stop_length", "max_body_bytes",
-                     "max_upload_bytes", "max_pending_requests", "retry_after_s"):
+                     "max_upload_bytes", "max_pending_requests", "retry_after_s", "tokenizer_workers",
+                     "max_tokenize_pending", "max_prompt_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:

@@ -7,7 +7,17 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None          # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None          # "stop" | "length" | "abort" | "error" | None while running
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why the engine failed one request (finish_reason "error"); the other requests are unaffected.
+    `code` is "adapter_unavailable" (its adapter's files changed or vanished: the client's to fix) or
+    "internal_error" (a fault inside the engine while handling this request alone)."""
+
+    code: str
+    message: str
 
 
 @dataclass
@@ -20,6 +30,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    error: RequestError | None = None  # set when the engine failed this request
 
     @property
     def token_ids(self) -> list[int]:
