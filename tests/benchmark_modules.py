@@ -15,3 +15,6 @@ def load_benchmark(script: str, name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+# A guard against a hung benchmark, not a speed check: a loaded 2-core machine must never reach it.
+SUBPROCESS_TIMEOUT_S = 1800

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmark_modules import SUBPROCESS_TIMEOUT_S
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SIMULATE_KEYS = {"policy", "page_size", "watermark", "budget_gb", "mean_batch", "utilisation", "tokens_per_s",
                  "preemptions", "recomputed_tokens", "mean_end_waste"}
@@ -18,7 +20,7 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 def run_quick(script: str, out: Path) -> list[dict]:
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mean_batch" in done.stdout                  # the table
     if HAS_MATPLOTLIB:
@@ -99,14 +101,14 @@ def test_other_benchmarks_quick_modes_run_and_write_rows(script, tmp_path):
     # torch references there).
     out = tmp_path / "out.json"
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(out.read_text())["rows"]
 
 
 def test_decode_benchmark_quick_says_it_needs_a_gpu_on_the_cpu(tmp_path):
     done = subprocess.run([sys.executable, str(BENCHMARKS / "decode.py"), "--quick", "--out", str(tmp_path / "d.json")],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no GPU here" in done.stderr and not (tmp_path / "d.json").exists()
 
@@ -115,7 +117,7 @@ def test_host_overhead_quick_times_every_step_kind(tmp_path):
     """benchmarks/host_overhead.py (the LoRA wrappers' host time with the kernels stubbed) runs on the CPU."""
     out = tmp_path / "host.json"
     done = subprocess.run([sys.executable, str(BENCHMARKS / "host_overhead.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["step"] for r in rows] == ["decode, 64 adapters", "mixed, 5 adapters", "mixed, 66 adapters"]

@@ -4,10 +4,12 @@ import sys
 
 from slora import LLM, SamplingParams
 
+from benchmark_modules import SUBPROCESS_TIMEOUT_S
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "slora.cli", "generate", *args], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=SUBPROCESS_TIMEOUT_S)
 
 
 def test_generate_with_a_demo_adapter_prints_the_offline_completion():

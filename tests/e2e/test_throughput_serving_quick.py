@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmark_modules import load_benchmark
+from benchmark_modules import load_benchmark, SUBPROCESS_TIMEOUT_S
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -20,7 +20,7 @@ def load_workloads():
 
 def run_quick(script: str, out: Path, marker: str) -> dict:
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--device", "cpu", "--out", str(out)],
-                          capture_output=True, text=True, timeout=180, check=False)
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     assert marker in done.stdout                          # the table
     if HAS_MATPLOTLIB:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmark_modules import SUBPROCESS_TIMEOUT_S
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ptx_loads.py"
 
 
@@ -16,7 +18,7 @@ def test_align_wide_tiles_read_adapter_weights_with_vector_loads(tmp_path):
     out = tmp_path / "ptx_loads.json"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {(row["kernel"], row["tile"]): row for row in json.loads(out.read_text())["rows"]}
     assert {kernel for kernel, _ in rows} == {"shrink", "expand", "fused"}
