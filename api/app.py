@@ -20,6 +20,7 @@ from slora.api.async_engine import AsyncEngine, EngineSource
 from slora.api.errors import APIError, bad_request, install_error_handlers, model_not_found, unavailable
 from slora.api.limits import Admission
 from slora.api.metrics import CONTENT_TYPE, ServerMetrics
+from slora.api.openapi import install_openapi
 from slora.api.protocol import (AdapterLoadRequest, ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
                                 UnloadLoraAdapterRequest)
 from slora.api.serving import GenerationService, Tokenization
@@ -125,7 +126,8 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
         finally:
             await ctx.close()
 
-    app = FastAPI(title="slora", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="slora", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    install_openapi(app)
     app.state.ctx = ctx
     install_error_handlers(app, on_error=lambda status: ctx.metrics.errors.inc(status=str(status)))
     app.add_middleware(BodyLimit, max_body=settings.max_body_bytes, max_upload=settings.max_upload_bytes)

@@ -1,0 +1,279 @@
+"""The OpenAPI schema served at /openapi.json: FastAPI's own, completed with what FastAPI cannot see.
+
+FastAPI documents only what it parses itself, so the schema it builds lacks the hand-parsed body of
+`POST /v1/adapters` (JSON or a multipart upload), the bearer keys, the error answers (it documents a 422 that
+this server never gives: validation errors are 400s) and the media types of answers built by hand (server-sent
+events, Prometheus text). The table below says, per operation, what it answers; `install_openapi` merges it
+into the generated schema once, on the first request for it.
+"""
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema, models_json_schema
+
+from slora.api.protocol import AdapterLoadRequest
+
+REF = "#/components/schemas/{model}"
+JSON, SSE, TEXT, HTML, MULTIPART = ("application/json", "text/event-stream", "text/plain", "text/html",
+                                    "multipart/form-data")
+BEARER = "bearer"
+# Bodies without a model: Prometheus or vLLM's plain text, the Swagger page, the schema itself.
+_STRING = MappingProxyType({"type": "string"})
+_OBJECT = MappingProxyType({"type": "object"})
+
+
+# ---- documentation models: the shapes the routes answer (they build them as plain dicts) --------------------
+def _drop_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
+def absent(description: str | None = None) -> Any:  # noqa: ANN401 - a pydantic Field
+    """A field that is left out rather than null: documented with its type alone, without `default: null`."""
+    return Field(default=None, description=description, json_schema_extra=_drop_default)
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer, as APIError.body() builds it."""
+
+    model_config = ConfigDict(extra="forbid")
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+    token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
+    prompt_token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: str | None
+    token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
+    prompt_token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ServerSentEvent(BaseModel):
+    """One event of a stream (`stream: true`): `data` is a JSON chunk or error object, the last one `[DONE]`."""
+
+    data: str
+    event: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class AdapterInfo(BaseModel):
+    name: str
+    version: str
+    owner: str | None = Field(description="null for other tenants' public adapters and in single-user mode")
+    public: bool
+    residency: Literal["pool", "host", "disk"]
+    rank: int | SkipJsonSchema[None] = absent()
+    target_modules: list[str] | SkipJsonSchema[None] = absent()
+    pages: int | SkipJsonSchema[None] = absent()
+    bytes: int | SkipJsonSchema[None] = absent()
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"]
+    data: list[AdapterInfo]
+
+
+class AdapterDeleted(BaseModel):
+    name: str
+    owner: str | None
+    deleted: Literal[True]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class AdapterUpload(BaseModel):
+    """The multipart form of `POST /v1/adapters`: the two files of a PEFT folder."""
+
+    name: str
+    public: bool = Field(default=False, description="admins only: visible to every tenant")
+    owner: str | SkipJsonSchema[None] = absent("admins only: the tenant to load it for")
+    adapter_config: bytes = Field(alias="adapter_config.json")
+    adapter_model: bytes = Field(alias="adapter_model.safetensors")
+
+
+# ---- what each operation answers --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OperationDoc:
+    errors: tuple[int, ...]
+    ok: tuple[tuple[str, type[BaseModel] | Mapping[str, Any]], ...]   # media type, body model or schema
+    public: bool = False                                  # served without an API key
+    bodies: tuple[tuple[str, type[BaseModel]], ...] = ()  # request bodies FastAPI cannot see
+
+
+# Every route reads its body through the body limit and may fail unexpectedly (500); the ones behind a key
+# answer 401 without one, and 503 while the model loads or the server drains.
+_KEYED = (400, 401, 413, 500, 503)
+_GENERATION = _KEYED + (404, 429)
+OPERATIONS: Mapping[tuple[str, str], OperationDoc] = MappingProxyType({
+    ("post", "/v1/completions"): OperationDoc(_GENERATION, ((JSON, Completion), (SSE, ServerSentEvent))),
+    ("post", "/v1/chat/completions"): OperationDoc(_GENERATION, ((JSON, ChatCompletion), (SSE, ServerSentEvent))),
+    ("get", "/v1/models"): OperationDoc(_KEYED, ((JSON, ModelList),)),
+    ("get", "/v1/models/{model_id}"): OperationDoc(_KEYED + (404,), ((JSON, ModelCard),)),
+    ("get", "/v1/adapters"): OperationDoc(_KEYED, ((JSON, AdapterList),)),
+    ("post", "/v1/adapters"): OperationDoc(_KEYED + (403, 404), ((JSON, AdapterInfo),),
+                                           bodies=((JSON, AdapterLoadRequest), (MULTIPART, AdapterUpload))),
+    ("delete", "/v1/adapters/{name}"): OperationDoc(_KEYED + (404,), ((JSON, AdapterDeleted),)),
+    ("post", "/v1/load_lora_adapter"): OperationDoc(_KEYED + (403,), ((TEXT, _STRING),)),
+    ("post", "/v1/unload_lora_adapter"): OperationDoc(_KEYED + (404,), ((TEXT, _STRING),)),
+    ("get", "/metrics"): OperationDoc((400, 401, 413, 500), ((TEXT, _STRING),)),
+    ("get", "/health"): OperationDoc((400, 413, 500, 503), ((JSON, Health),), public=True),
+    ("get", "/openapi.json"): OperationDoc((400, 413, 500), ((JSON, _OBJECT),), public=True),
+    ("get", "/docs"): OperationDoc((400, 413, 500), ((HTML, _STRING),), public=True),
+})
+_ERROR_DESCRIPTIONS = MappingProxyType({
+    400: "Invalid request: the message names the problem and `param` the field",
+    401: "Missing or unknown API key",
+    403: "Not allowed for this API key (publishing without admin rights, or over the adapter quota)",
+    404: "No such model or adapter, or one that belongs to another tenant",
+    413: "The request body is larger than the server's limit",
+    429: "Over this API key's concurrency or token rate, or the server is at capacity; see Retry-After",
+    500: "Internal error; the details are in the server log",
+    503: "The model is loading or the server is shutting down; see Retry-After",
+})
+_RETRY_AFTER = MappingProxyType({"Retry-After": {"description": "seconds to wait before retrying",
+                                                 "schema": {"type": "integer"}}})
+_DOC_MODELS = (ErrorResponse, Completion, ChatCompletion, ServerSentEvent, ModelList, AdapterList, AdapterDeleted,
+               Health, AdapterLoadRequest, AdapterUpload)
+_UPLOAD_ENCODING = MappingProxyType({"adapter_config.json": {"contentType": JSON},
+                                     "adapter_model.safetensors": {"contentType": "application/octet-stream"}})
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make `app.openapi()` (and so /openapi.json and /docs) return the completed schema."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            generated = get_openapi(title=app.title, version=app.version, description=app.description,
+                                    routes=app.routes)
+            app.openapi_schema = complete_schema(generated)
+        return app.openapi_schema
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the schema
+
+
+def complete_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` (as FastAPI generates it) with the models, security, bodies and answers of OPERATIONS."""
+    components = schema.setdefault("components", {})
+    components.setdefault("schemas", {}).update(_model_schemas())
+    components["securitySchemes"] = {BEARER: {"type": "http", "scheme": "bearer",
+                                              "description": "an API key of a tenant in the tenants file"}}
+    schema["security"] = [{BEARER: []}]
+    for (method, path), doc in OPERATIONS.items():
+        operation = schema.setdefault("paths", {}).setdefault(path, {}).setdefault(method, _new_operation(method, path))
+        _document(operation, doc)
+    for name in ("HTTPValidationError", "ValidationError"):   # only FastAPI's 422, which this server never gives
+        components["schemas"].pop(name, None)
+    return schema
+
+
+def _model_schemas() -> dict[str, Any]:
+    _, top = models_json_schema([(model, "validation") for model in _DOC_MODELS], ref_template=REF)
+    return top["$defs"]
+
+
+def _new_operation(method: str, path: str) -> dict[str, Any]:
+    """An operation FastAPI leaves out of its schema (its own /openapi.json and /docs)."""
+    name = path.strip("/").replace(".", "_").replace("/", "_")
+    return {"summary": name.replace("_", " ").capitalize(), "operationId": f"{method}_{name}"}
+
+
+def _document(operation: dict[str, Any], doc: OperationDoc) -> None:
+    if doc.public:
+        operation["security"] = []
+    if doc.bodies:
+        operation["requestBody"] = {"required": True, "content": {media: _body(media, model)
+                                                                   for media, model in doc.bodies}}
+    responses = operation.setdefault("responses", {})
+    responses.pop("422", None)
+    success = responses.setdefault("200", {"description": "Successful Response"})
+    success["content"] = {media: {"schema": _schema_of(model)} for media, model in doc.ok}
+    responses.update({str(status): _error_response(status) for status in sorted(doc.errors)})
+
+
+def _body(media: str, model: type[BaseModel]) -> dict[str, Any]:
+    body: dict[str, Any] = {"schema": _schema_of(model)}
+    if media == MULTIPART:
+        body["encoding"] = dict(_UPLOAD_ENCODING)
+    return body
+
+
+def _schema_of(model: type[BaseModel] | Mapping[str, Any]) -> dict[str, Any]:
+    return dict(model) if isinstance(model, Mapping) else {"$ref": REF.format(model=model.__name__)}
+
+
+def _error_response(status: int) -> dict[str, Any]:
+    response: dict[str, Any] = {"description": _ERROR_DESCRIPTIONS[status],
+                                "content": {JSON: {"schema": _schema_of(ErrorResponse)}}}
+    if status in (429, 503):
+        response["headers"] = dict(_RETRY_AFTER)
+    return response
