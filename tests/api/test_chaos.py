@@ -1,0 +1,69 @@
+"""A bounded chaos soak (benchmarks/soak.py) against a real server with tenants: base and adapter requests,
+random client aborts, n and stop, adapter loads and unloads, and hostile requests, all at once. No answer
+may be a server error, none may hang, and the pool must return to its idle counts."""
+import httpx
+import pytest
+
+from benchmark_modules import load_benchmark
+from conftest import BASE_MODEL, TEST_ADAPTERS, start_server
+from slora.api.tenants import hash_key
+
+KEYS = {"ops": "chaos-admin-key", "alpha": "chaos-alpha-key", "beta": "chaos-beta-key"}
+SOAK_REQUESTS = 500
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, adapter_root):
+    folder = tmp_path_factory.mktemp("chaos")
+    tenants = folder / "tenants.toml"
+    tenants.write_text(f"""
+[tenants.ops]
+role = "admin"
+key_sha256 = "{hash_key(KEYS['ops'])}"
+
+[tenants.alpha]
+key_sha256 = "{hash_key(KEYS['alpha'])}"
+max_concurrent = 4
+max_queued = 64
+
+[tenants.beta]
+key_sha256 = "{hash_key(KEYS['beta'])}"
+""")
+    srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root))
+    with srv.http(KEYS["ops"]) as admin:            # adapters every tenant may use
+        for name in TEST_ADAPTERS:
+            response = admin.post("/v1/adapters", json={"name": name, "path": name, "public": True})
+            assert response.status_code == 200, response.text
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def soak_result(server):
+    soak = load_benchmark("soak.py", "bench_soak")
+    config = soak.SoakConfig(server.url, [KEYS["alpha"], KEYS["beta"]], KEYS["ops"], BASE_MODEL, TEST_ADAPTERS,
+                             TEST_ADAPTERS[:2], requests=SOAK_REQUESTS, seed=7)
+    return soak.soak(config)
+
+
+def test_soak_has_no_server_error_and_no_hang(soak_result):
+    assert soak_result.requests == SOAK_REQUESTS
+    assert soak_result.server_errors == [], soak_result.server_errors[:20]
+    assert soak_result.hangs == []
+
+
+def test_soak_ran_every_kind_and_hostile_requests_were_refused(soak_result):
+    kinds = {key.split(":")[0] for key in soak_result.statuses}
+    assert {"completion", "chat", "stream-abort", "adapter-cycle", "hostile"} <= kinds, soak_result.statuses
+    hostile = {key: count for key, count in soak_result.statuses.items() if key.startswith("hostile:")}
+    assert hostile and all(400 <= int(key.split(":")[1]) < 500 for key in hostile), hostile
+    assert soak_result.statuses["completion:200"] > 0 and soak_result.statuses["chat:200"] > 0
+
+
+def test_pool_returns_to_idle_and_server_still_serves(server, soak_result):
+    assert soak_result.idle_pool, "the pool did not return to its idle counts"
+    with server.http(KEYS["beta"]) as http:
+        response = http.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "hi", "max_tokens": 4})
+        assert response.status_code == 200, response.text
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert "Traceback" not in server.log()
