@@ -10,7 +10,16 @@ from pathlib import Path
 
 from slora.adapters.config import AdapterConfig
 from slora.adapters.packing import AdapterDescriptor, PackedAdapter
-from slora.adapters.weights import LoadedAdapter
+from slora.adapters.weights import WEIGHTS_FILE, LoadedAdapter
+
+ADAPTER_FILES = ("adapter_config.json", WEIGHTS_FILE)
+
+
+def folder_bytes(path: Path | None) -> int:
+    """Bytes on disk of an adapter folder's two files (those present: a vanished file counts nothing)."""
+    if path is None:
+        return 0
+    return sum(file.stat().st_size for file in (path / name for name in ADAPTER_FILES) if file.is_file())
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,7 @@ class PreparedAdapter:
     loaded: LoadedAdapter
     packed: PackedAdapter
     path: Path | None
+    disk_bytes: int = 0                    # its folder's files, measured when it was read
 
     @property
     def version(self) -> str:
@@ -36,6 +46,8 @@ class StoredAdapter:
     weight_bytes: int                      # A and B in the pool's dtype, alignment padding not counted
     path: Path | None                      # where it is read back from after leaving the host cache
     packed: PackedAdapter | None           # None: on disk only
+    disk_bytes: int = 0                    # the folder's two files (per-tenant byte quotas)
+    owns_files: bool = False               # the engine deletes `path` once the version is dropped
     requests: int = 0                      # live requests on this version
     last_used: int = 0                     # store clock, for LRU
     reload: Future | None = None           # a background read from disk in progress
@@ -68,7 +80,8 @@ class AdapterStore:
             packed = prepared.packed
             weights = sum(w.lora_a.numel() + w.lora_b.numel() for w in prepared.loaded.weights.values())
             stored = StoredAdapter(prepared.version, prepared.loaded.config, packed.descriptor, packed.num_pages,
-                                   packed.num_bytes, weights * packed.pages.element_size(), prepared.path, packed)
+                                   packed.num_bytes, weights * packed.pages.element_size(), prepared.path, packed,
+                                   prepared.disk_bytes)
             self.versions[prepared.version] = stored
         elif stored.packed is None:
             stored.packed = prepared.packed
@@ -90,13 +103,13 @@ class AdapterStore:
         assert stored.requests > 0, "adapter released more often than acquired"
         stored.requests -= 1
 
-    def forget_if_unused(self, version: str, named: bool) -> bool:
-        """Drop a version that no name and no request uses; True if it was dropped."""
+    def forget_if_unused(self, version: str, named: bool) -> StoredAdapter | None:
+        """Drop a version that no name and no request uses; the dropped version, None if it stays."""
         stored = self.versions.get(version)
         if stored is None or stored.requests or named:
-            return False
+            return None
         del self.versions[version]
-        return True
+        return stored
 
     @property
     def host_bytes(self) -> int:

@@ -5,14 +5,18 @@ import hmac
 import itertools
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
-from slora.adapter_store import AdapterStore, PreparedAdapter, StoredAdapter
+from slora.adapter_store import AdapterStore, PreparedAdapter, StoredAdapter, folder_bytes
 from slora.adapters.errors import AdapterError
 from slora.adapters.packing import pack_adapter
 from slora.adapters.registry import AdapterEntry, AdapterRegistry
@@ -26,7 +30,7 @@ from slora.kernels.layout import align_up
 from slora.model_runner import ModelRunner, PoolShape, StepAdapters, profile_activation_bytes
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
-from slora.outputs import CompletionOutput, RequestOutput
+from slora.outputs import ADAPTER_UNAVAILABLE, INTERNAL_ERROR, CompletionOutput, RequestError, RequestOutput
 from slora.page_pool import PageAllocator
 from slora.sampler import Sampler
 from slora.sampling_params import SamplingParams
@@ -43,6 +47,24 @@ class UnknownAdapterError(ValueError):
     """The request names an adapter that does not exist or that the caller may not use."""
 
 
+def _remove_folder(folder: Path | None) -> None:
+    """Delete an adapter folder the engine owns; one already gone is fine."""
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        logger.info("adapter folder %s deleted", folder)
+
+
+@contextmanager
+def _removed_if_refused(folder: Path | None, owns_files: bool) -> Iterator[None]:
+    """An owned folder whose adapter is refused is deleted: nothing would ever read it again."""
+    try:
+        yield
+    except Exception:
+        if owns_files:
+            _remove_folder(folder)
+        raise
+
+
 @dataclass
 class RequestState:
     request_id: str
@@ -53,6 +75,7 @@ class RequestState:
     num_samples: int = 1              # samples 1.. are forked from sample 0 after its prefill
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
     stream: bool = True               # the caller reads outputs while it runs (False: only the final one)
+    error: RequestError | None = None  # why the engine failed it (its unfinished samples end with "error")
 
     @property
     def finished(self) -> bool:
@@ -62,7 +85,7 @@ class RequestState:
         samples = [CompletionOutput(s.sample_index, list(s.output_token_ids), self.texts[i], s.finish_reason)
                    for i, s in enumerate(self.seqs)]
         return RequestOutput(self.request_id, self.prompt_token_ids, samples, self.finished,
-                             self.seqs[0].num_cached_tokens)
+                             self.seqs[0].num_cached_tokens, self.error)
 
     @property
     def needs_fork(self) -> bool:
@@ -107,7 +130,7 @@ class Engine:
         self.store = AdapterStore(config.adapter_host_cache_bytes)
         self.scheduler.adapter_ready = self.adapter_ready
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-adapter-reader")
-        self._failed: list[str] = []          # requests aborted because their adapter could not be read
+        self._failed: list[str] = []          # requests failed (_fail_request) since the last step returned
         self._reloading: dict[str, StoredAdapter] = {}   # versions being read back from disk
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
@@ -203,19 +226,18 @@ class Engine:
         packed = pack_adapter(loaded, self.shapes, self.runner.shape.page_elems, self.config.torch_dtype)
         if self.config.device != "cpu":       # pinned, so copies into the pool run asynchronously
             packed = dataclasses.replace(packed, pages=packed.pages.pin_memory())
-        return PreparedAdapter(loaded, packed, Path(path))
+        return PreparedAdapter(loaded, packed, Path(path), folder_bytes(Path(path)))
 
     def register_adapter(self, name: str, prepared: PreparedAdapter, owner: str | None = None,
-                         public: bool = False) -> AdapterEntry:
+                         public: bool = False, owns_files: bool = False) -> AdapterEntry:
         """Make a prepared adapter known under `name` (engine thread). Requests that resolved a version
-        this name pointed at before keep it until they finish."""
-        if not name or not isinstance(name, str):
-            raise AdapterError("adapter name must be a non-empty string")
-        usable = self.scheduler.usable_pages
-        if prepared.packed.num_pages >= usable:
-            raise AdapterError(f"adapter needs {prepared.packed.num_pages} pages but the pool has only "
-                               f"{usable} usable")
-        self.store.add(prepared)
+        this name pointed at before keep it until they finish. owns_files: its folder (prepared.path) is the
+        engine's from this call on, deleted once the version is dropped (no name points at it and no
+        request uses it), or at once if the adapter is refused."""
+        with _removed_if_refused(prepared.path, owns_files):
+            self._check_registrable(name, prepared)
+        stored = self.store.add(prepared)
+        self._take_folder(stored, prepared.path, owns_files)
         entry = AdapterEntry(name, prepared.version, owner, public)
         replaced = self.registry.register(entry)
         if replaced is not None:
@@ -226,9 +248,35 @@ class Engine:
         return entry
 
     def load_adapter(self, name: str, path: str | Path, owner: str | None = None,
-                     public: bool = False) -> AdapterEntry:
-        """Validate and pack a PEFT folder and register it under `name`. Raises AdapterError."""
-        return self.register_adapter(name, self.prepare_adapter(path), owner, public)
+                     public: bool = False, owns_files: bool = False) -> AdapterEntry:
+        """Validate and pack a PEFT folder and register it under `name`. Raises AdapterError.
+        owns_files: as in register_adapter."""
+        with _removed_if_refused(Path(path), owns_files):
+            prepared = self.prepare_adapter(path)
+        return self.register_adapter(name, prepared, owner, public, owns_files)
+
+    def _check_registrable(self, name: str, prepared: PreparedAdapter) -> None:
+        if not name or not isinstance(name, str):
+            raise AdapterError("adapter name must be a non-empty string")
+        usable = self.scheduler.usable_pages
+        if prepared.packed.num_pages >= usable:
+            raise AdapterError(f"adapter needs {prepared.packed.num_pages} pages but the pool has only "
+                               f"{usable} usable")
+
+    def _take_folder(self, stored: StoredAdapter, folder: Path | None, owns_files: bool) -> None:
+        """Take over an owned folder. A version is read back from the folder it was first stored from, so
+        another folder of the same content (the same upload made twice) is never read: it goes at once."""
+        if not owns_files or folder is None:
+            return
+        if stored.path is not None and stored.path.resolve() == folder.resolve():
+            stored.owns_files = True
+        else:
+            _remove_folder(folder)
+
+    def adapter_disk_bytes(self, namespace: str | None) -> int:
+        """Bytes on disk of the adapter folders behind the names in `namespace`, each version counted once."""
+        versions = {entry.version for (owner, _), entry in self.registry.entries.items() if owner == namespace}
+        return sum(self.store.versions[version].disk_bytes for version in versions)
 
     # ---- the host tier ------------------------------------------------------------------------------
     def adapter_ready(self, version: str) -> bool:
@@ -256,23 +304,38 @@ class Engine:
 
     def _finish_reload(self, stored: StoredAdapter) -> None:
         future, stored.reload = stored.reload, None
+        if self.store.versions.get(stored.version) is not stored:
+            return      # dropped while it was read (its requests were aborted): kept, it would never leave
+        prepared = self._reloaded(stored.version, future)
+        if prepared is not None:
+            self.store.add(prepared)
+            self.store.num_reloads += 1
+            self.store.trim(set(self.scheduler.adapters.resident))
+
+    def _reloaded(self, version: str, future: Future) -> PreparedAdapter | None:
+        """The version read back from disk; None if it could not be (its waiting requests are failed). Any
+        exception counts: the files are the tenant's, and whatever they hold must not stop the engine."""
         try:
             prepared = future.result()
-        except (AdapterError, OSError) as exc:
-            self._fail_version(stored.version, f"adapter could not be read back from disk: {exc}")
-            return
-        if prepared.version != stored.version:
-            self._fail_version(stored.version, "adapter files changed on disk since it was loaded")
-            return
-        self.store.add(prepared)
-        self.store.num_reloads += 1
-        self.store.trim(set(self.scheduler.adapters.resident))
+        except AdapterError as exc:
+            self._fail_version(version, f"its files on disk are no longer valid: {exc}")
+            return None
+        except Exception:
+            logger.exception("adapter version %s could not be read back from disk", version[:12])
+            self._fail_version(version, "its files on disk could not be read")
+            return None
+        if prepared.version != version:
+            self._fail_version(version, "its files changed on disk since it was loaded")
+            return None
+        return prepared
 
     def _fail_version(self, version: str, reason: str) -> None:
-        logger.error("%s (version %s): its waiting requests are aborted", reason, version[:12])
-        for seq in [s for s in self.scheduler.waiting if s.adapter and s.adapter.version == version]:
-            self.scheduler.finish(seq, "abort")
-            self._failed.append(seq.request_id)
+        """Fail the requests waiting for a version that cannot be read back (running ones have it in the pool)."""
+        logger.error("adapter version %s is unavailable: %s; its waiting requests fail", version[:12], reason)
+        error = RequestError(ADAPTER_UNAVAILABLE, f"the adapter is unavailable: {reason}; load it again")
+        waiting = [s.request_id for s in self.scheduler.waiting if s.adapter and s.adapter.version == version]
+        for request_id in dict.fromkeys(waiting):
+            self._fail_request(request_id, error)
 
     def unload_adapter(self, name: str, owner: str | None = None) -> None:
         """Forget the name; running requests on it finish, then its pages are freed."""
@@ -282,9 +345,14 @@ class Engine:
         self._drop_if_unused(entry.version)
 
     def _drop_if_unused(self, version: str) -> None:
-        """A version no name and no request uses leaves the host cache and, once idle, the pool."""
-        if self.store.forget_if_unused(version, self.registry.is_named(version)):
-            self.scheduler.adapters.retire(version)
+        """A version no name and no request uses leaves the host cache and, once idle, the pool; the folder
+        the engine owns goes with it, unless another stored version is read back from the same folder."""
+        dropped = self.store.forget_if_unused(version, self.registry.is_named(version))
+        if dropped is None:
+            return
+        self.scheduler.adapters.retire(version)
+        if dropped.owns_files and all(s.path != dropped.path for s in self.store.versions.values()):
+            _remove_folder(dropped.path)
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -377,14 +445,14 @@ class Engine:
         tenth of the host work per step at batch 64, for a caller that reads none of them)."""
         self._refresh_host_tier()
         out = self.scheduler.schedule()
-        touched: dict[str, RequestState] = {rid: self.requests[rid] for rid in self._failed}
-        self._failed.clear()
+        touched: dict[str, RequestState] = {}
         for seq in out.rejected:
             self.scheduler.finish(seq, "length")
             touched[seq.request_id] = self.requests[seq.request_id]
         self.runner.move_pages(out, {v: self.store.versions[v].packed for v, _ in out.adapters_to_load})
         if out.scheduled:
             self._run(out, touched)
+        touched.update(self._take_failed())
         return [self._finalize(state) for state in touched.values() if state.stream or state.finished]
 
     def _run(self, out: SchedulerOutput, touched: dict[str, RequestState]) -> None:
@@ -403,9 +471,51 @@ class Engine:
                                                    - item.seq.num_computed_tokens)
             self.scheduler.on_computed(item.seq, item.num_tokens)
         rows, seqs = self._sampling_rows(completing)
-        for seq, token in zip(seqs, self.sampler(logits[rows], seqs)):
-            self._append_token(seq, token)
-            touched[seq.request_id] = self.requests[seq.request_id]
+        self._append_tokens(self._sample(logits[rows], seqs), touched)
+
+    def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """A token for each sequence (row of `logits`), sampled as one batch. Should the batch raise, the
+        rows are sampled one by one, so that only the requests whose own rows raise fail."""
+        try:
+            return list(zip(seqs, self.sampler(logits, seqs)))
+        except Exception:
+            logger.warning("sampling a batch of %d rows failed; sampling them one by one", len(seqs),
+                           exc_info=True)
+        sampled = []
+        for row, seq in enumerate(seqs):
+            if seq.status is SequenceStatus.FINISHED:
+                continue                               # another sample's fault failed its request
+            with self._request_scope(seq, "sampling its next token"):
+                sampled.append((seq, self.sampler(logits[row:row + 1], [seq])[0]))
+        return sampled
+
+    @contextmanager
+    def _request_scope(self, seq: Sequence, stage: str) -> Iterator[None]:
+        """Work on one request's sequence: an exception raised inside fails that request alone. The log gets
+        the traceback; the client an internal_error naming the stage, not the engine's internals."""
+        try:
+            yield
+        except Exception:
+            logger.exception("request %s failed while %s; the other requests go on", seq.request_id, stage)
+            self._fail_request(seq.request_id, RequestError(INTERNAL_ERROR, f"internal error while {stage}; "
+                                                            "the request was stopped"))
+
+    def _fail_request(self, request_id: str, error: RequestError) -> None:
+        """The one way a request fails alone: its unfinished samples end with "error" and free their pages,
+        and the step returns its output with `error` (the first one, if it fails twice)."""
+        state = self.requests.get(request_id)
+        if state is None or state.error is not None:
+            return
+        state.error = error
+        for seq in state.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.finish(seq, "error")
+        self._failed.append(request_id)
+
+    def _take_failed(self) -> dict[str, RequestState]:
+        """The requests failed since the last step returned, except those aborted meanwhile."""
+        failed, self._failed = self._failed, []
+        return {request_id: self.requests[request_id] for request_id in failed if request_id in self.requests}
 
     def _sampling_rows(self, completing: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """The logits row of each sequence that samples now; forked samples share their parent's row."""
@@ -416,6 +526,14 @@ class Engine:
             rows += [row] * len(family)
             seqs += family
         return rows, seqs
+
+    def _append_tokens(self, sampled: list[tuple[Sequence, int]], touched: dict[str, RequestState]) -> None:
+        for seq, token in sampled:
+            if seq.status is SequenceStatus.FINISHED:
+                continue                               # another sample's fault failed its request
+            with self._request_scope(seq, "handling its new token"):
+                self._append_token(seq, token)
+            touched[seq.request_id] = self.requests[seq.request_id]
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)

@@ -33,7 +33,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
                  adapters: Seq[str | None] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); one output per prompt, in order."""
+        """Generate for every prompt (text or token ids); one output per prompt, in order. A request the
+        engine failed alone (its adapter's files became unreadable, or a fault while handling it) comes back
+        with finish_reason "error" and `.error` saying why; the others are unaffected."""
         prompts = self._as_prompt_list(prompts)
         params_list = self._broadcast(params or SamplingParams(), len(prompts), "params")
         adapter_list = self._broadcast(adapters, len(prompts), "adapters") if adapters is not None \

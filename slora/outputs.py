@@ -10,6 +10,10 @@ class CompletionOutput:
     finish_reason: str | None          # "stop" | "length" | "abort" | "error" | None while running
 
 
+ADAPTER_UNAVAILABLE = "adapter_unavailable"
+INTERNAL_ERROR = "internal_error"
+
+
 @dataclass(frozen=True)
 class RequestError:
     """Why the engine failed one request (finish_reason "error"); the other requests are unaffected.
@@ -18,6 +22,9 @@ class RequestError:
 
     code: str
     message: str
+
+    def __post_init__(self) -> None:
+        assert self.code in (ADAPTER_UNAVAILABLE, INTERNAL_ERROR), f"unknown request error code {self.code!r}"
 
 
 @dataclass
@@ -30,7 +37,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
-    error: RequestError | None = None  # set when the engine failed this request
+    error: RequestError | None = None  # set when the engine failed this request: its unfinished samples
+                                       # end with "error" (one that had already ended keeps its reason)
 
     @property
     def token_ids(self) -> list[int]:

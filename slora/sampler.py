@@ -53,10 +53,10 @@ class SamplingTensors:
     steps: Tensor          # [rows] int64, the output position being sampled
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence], device: torch.device) -> "SamplingTensors":
+    def from_seqs(cls, seqs: list[Sequence], device: torch.device, vocab_size: int) -> "SamplingTensors":
         # Greedy rows have no seed; their noise is never used.
-        rows = [(s.params.temperature, max(s.params.top_k, 0), s.params.top_p, s.seed or 0, len(s.output_token_ids))
-                for s in seqs]
+        rows = [(s.params.temperature, effective_top_k(s, vocab_size), s.params.top_p, s.seed or 0,
+                 len(s.output_token_ids)) for s in seqs]
         temperature, top_k, top_p, seed, step = zip(*rows)
         return cls(torch.tensor(temperature, dtype=torch.float32), torch.tensor(top_k, dtype=torch.int64),
                    torch.tensor(top_p, dtype=torch.float32), torch.tensor(seed, dtype=torch.int64),
@@ -100,10 +100,17 @@ def sample(logits: Tensor, params: SamplingTensors, truncate: bool = True) -> Te
     return torch.where(params.temperatures == 0, greedy, sampled)
 
 
+def effective_top_k(seq: Sequence, vocab_size: int) -> int:
+    """The sequence's top_k, 0 (off) where it keeps the whole vocabulary: -1, 0, or at least vocab_size."""
+    top_k = seq.params.top_k
+    return top_k if 0 < top_k < vocab_size else 0
+
+
 class Sampler:
     def __call__(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` `[seqs, vocab]`; one device-to-host copy for the whole batch."""
         if all(s.params.greedy for s in seqs):
             return logits.argmax(dim=-1).tolist()
-        truncate = any(s.params.top_k > 0 or s.params.top_p < 1 for s in seqs)
-        return sample(logits, SamplingTensors.from_seqs(seqs, logits.device), truncate).tolist()
+        vocab_size = logits.shape[-1]
+        truncate = any(effective_top_k(s, vocab_size) or s.params.top_p < 1 for s in seqs)
+        return sample(logits, SamplingTensors.from_seqs(seqs, logits.device, vocab_size), truncate).tolist()

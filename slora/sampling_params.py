@@ -2,6 +2,13 @@
 import math
 from dataclasses import dataclass, field
 
+# Seeds become int64 tensor elements in the sampler; a seed outside int64 would make the batched sampler
+# raise on the engine thread.
+MIN_SEED, MAX_SEED = -2 ** 63, 2 ** 63 - 1
+# Any top_k at or above the vocabulary means "no top-k" (the sampler clamps it); the bound only keeps the
+# value a plain integer that every layer (tensors, JSON clients) represents exactly.
+MAX_TOP_K = 2 ** 31 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -23,18 +30,28 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1",
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1",
                  self.max_tokens)
-        _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
-                 "a finite number >= 0", self.temperature)
-        _require(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _require(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "-1, 0 or a positive integer",
-                 self.top_k)
-        _require(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _require(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None", self.seed)
+        _require(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+                 "temperature", "a finite number >= 0", self.temperature)
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _require(_is_int(self.top_k) and -1 <= self.top_k <= MAX_TOP_K, "top_k",
+                 f"-1, 0 or a positive integer up to {MAX_TOP_K}", self.top_k)
+        _require(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        self._check_seed()
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "non-negative integers", self.stop_token_ids)
+
+    def _check_seed(self) -> None:
+        """Every sample's seed (seed + i for i < n) must fit in int64."""
+        if self.seed is None:
+            return
+        _require(_is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED, "seed",
+                 f"an integer in [{MIN_SEED}, {MAX_SEED}] or None", self.seed)
+        _require(self.seed + self.n - 1 <= MAX_SEED, "seed",
+                 f"at most {MAX_SEED} - (n - 1) = {MAX_SEED - self.n + 1} with n={self.n} "
+                 f"(sample i uses seed + i)", self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +60,14 @@ class SamplingParams:
     def sample_seed(self, index: int) -> int | None:
         """The seed of sample `index` of this request."""
         return None if self.seed is None else self.seed + index
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, expected: str, got: object) -> None:

@@ -125,6 +125,41 @@ def test_invalid_sampling_params_name_the_field(bad):
         SamplingParams(**bad)
 
 
+@pytest.mark.parametrize("bad, field", [
+    (dict(seed=2 ** 63), "seed"), (dict(seed=-2 ** 63 - 1), "seed"),
+    (dict(seed=2 ** 63 - 1, n=2), "seed"),              # sample 1 would use seed + 1, past int64
+    (dict(seed=2 ** 63 - 3, n=4), "seed"),
+    (dict(top_k=2 ** 63), "top_k"), (dict(top_k=2 ** 31), "top_k"),
+    (dict(seed=1.5), "seed"), (dict(seed=True), "seed"), (dict(temperature="hot"), "temperature"),
+    (dict(top_p="1"), "top_p"), (dict(max_tokens=2.0), "max_tokens"),
+])
+def test_sampling_params_outside_their_range_are_refused_naming_the_field(bad, field):
+    with pytest.raises(ValueError, match=f"SamplingParams\\.{field} must be"):
+        SamplingParams(**bad)
+
+
+def test_seeds_at_the_ends_of_int64_sample(llm):
+    """The extreme seeds that are allowed run through the sampler (every sample's seed fits in int64), each
+    sample with its own seed."""
+    prompts = [PROMPT, PROMPT[:6]]
+    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=2 ** 63 - 2, n=2, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=1.0, seed=-2 ** 63, n=2, ignore_eos=True)]
+    outs = llm.generate(prompts, params)
+    assert [[len(o.token_ids) for o in out.outputs] for out in outs] == [[4, 4], [4, 4]]
+    assert all(o.finish_reason == "length" for out in outs for o in out.outputs)
+    last = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=1.0, seed=2 ** 63 - 1, ignore_eos=True))
+    assert last[0].token_ids == outs[0].outputs[1].token_ids        # sample 1 of seed 2**63 - 2
+
+
+def test_a_top_k_at_least_the_vocabulary_is_no_top_k(llm):
+    vocab = llm.engine.model_config.vocab_size
+    unfiltered = sample(llm, temperature=1.3, seed=21, max_tokens=6).token_ids
+    for top_k in (vocab, 2 ** 31 - 1):
+        assert sample(llm, temperature=1.3, seed=21, max_tokens=6, top_k=top_k).token_ids == unfiltered
+    # A top_k below the vocabulary still filters: the same seed then draws otherwise.
+    assert sample(llm, temperature=1.3, seed=21, max_tokens=6, top_k=2).token_ids != unfiltered
+
+
 def test_a_bad_prompt_in_a_batch_leaves_nothing_queued(llm):
     before = llm.pool_stats()
     with pytest.raises(ValueError, match="adapter 'missing' does not exist"):
