@@ -2,21 +2,23 @@
 as one JSON object or as server-sent events."""
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import re
+import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from slora.api import protocol
 from slora.api.async_engine import AsyncEngine, EngineUnavailable, RequestStream
-from slora.api.errors import APIError, bad_request, internal_error, model_not_found, unavailable
+from slora.api.errors import APIError, bad_request, internal_error, model_not_found, rate_limited, unavailable
 from slora.api.limits import Admission
 from slora.api.metrics import ServerMetrics
 from slora.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -24,7 +26,7 @@ from slora.api.settings import ServerSettings
 from slora.api.streaming import ClientGone, EventStreamResponse, unless_disconnected
 from slora.api.tenants import Tenant
 from slora.engine import UnknownAdapterError
-from slora.outputs import RequestOutput
+from slora.outputs import RequestError, RequestOutput
 from slora.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,13 @@ DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['cont
                          "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 DONE_EVENT = "data: [DONE]\n\n"
 _PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
+
+
+def _outcome_of(exc: BaseException) -> str:
+    """The metrics outcome of a job that failed before it was answered."""
+    if isinstance(exc, APIError):
+        return "rejected"
+    return "disconnected" if isinstance(exc, asyncio.CancelledError) else "error"
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -148,26 +157,119 @@ class Job:
         return sum(out.num_cached_tokens for out in self.finals.values())
 
 
+class Tokenizer(Protocol):
+    """What the API uses of a Hugging Face tokenizer."""
+
+    chat_template: str | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...  # noqa: ANN401
+
+
+class TokenizationCancelled(Exception):
+    """The request's client went away: its tokenizer work stopped before the next prompt."""
+
+
+class _TokenizerCopy(NamedTuple):
+    source: Tokenizer            # the API's tokenizer it was copied from
+    own: Tokenizer               # this worker thread's copy
+
+
+TokenizerWork = Callable[[Tokenizer, threading.Event], T]
+
+
 class Tokenization:
-    """Tokenizer work on one dedicated thread: it keeps the event loop free and never uses the API's
-    tokenizer copy from two threads at once."""
+    """Tokenizer work of every tenant on a bounded pool: `workers` threads, each with its own copy of the
+    tokenizer (HF fast tokenizers are not thread-safe), and at most `max_pending` requests waiting for a
+    thread; beyond that, 429. A request cancelled while it waits leaves the queue at once; one cancelled while
+    its work runs stops before its next prompt (the work checks its `cancelled` event), freeing the thread."""
 
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-tokenize")
+    def __init__(self, workers: int, max_pending: int, retry_after_s: int) -> None:
+        self.max_pending = max_pending
+        self.retry_after_s = retry_after_s
+        self.waiting = 0
+        # A worker thread is taken here, on the event loop, so the executor never queues work itself: its
+        # queue could not be bounded, and cancelling there would not free anything.
+        self._free_threads = asyncio.Semaphore(workers)
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slora-tokenize")
+        self._running: set[threading.Event] = set()
+        self._local = threading.local()
+        self._copy_lock = threading.Lock()
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+    async def run(self, tokenizer: Tokenizer, work: TokenizerWork[T]) -> T:
+        """`work(own copy of tokenizer, cancelled)` on a worker thread, once one is free."""
+        await self._take_thread()
+        loop = asyncio.get_running_loop()
+        cancelled = threading.Event()
+        try:
+            future = self._executor.submit(self._on_worker, tokenizer, work, cancelled)
+        except RuntimeError:                     # closed: the server is shutting down
+            self._free_threads.release()
+            raise unavailable("the server is shutting down; retry later", self.retry_after_s) from None
+        self._running.add(cancelled)
+        future.add_done_callback(lambda _: _call_on_loop(loop, self._thread_done, cancelled))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            cancelled.set()                      # the thread is given back once the work has stopped
+            raise
+
+    async def _take_thread(self) -> None:
+        if self.waiting >= self.max_pending:
+            raise rate_limited(f"The tokenizer queue is full ({self.max_pending} requests waiting); retry later.",
+                               self.retry_after_s)
+        self.waiting += 1
+        try:
+            await self._free_threads.acquire()
+        finally:
+            self.waiting -= 1
+
+    def _thread_done(self, cancelled: threading.Event) -> None:
+        self._running.discard(cancelled)
+        self._free_threads.release()
+
+    def _on_worker(self, source: Tokenizer, work: TokenizerWork[T], cancelled: threading.Event) -> T:
+        if cancelled.is_set():
+            raise TokenizationCancelled()
+        return work(self._own_copy(source), cancelled)
+
+    def _own_copy(self, source: Tokenizer) -> Tokenizer:
+        held: _TokenizerCopy | None = getattr(self._local, "tokenizer", None)
+        if held is None or held.source is not source:
+            with self._copy_lock:                # copies read the source; never two at once
+                held = self._local.tokenizer = _TokenizerCopy(source, copy.deepcopy(source))
+        return held.own
 
     def close(self) -> None:
+        for cancelled in list(self._running):   # running work stops at its next prompt
+            cancelled.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
+def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:  # noqa: ANN401
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:                         # the loop is closed: nobody waits for the thread any more
+        pass
+
+
+def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
     """Text -> ids exactly as the offline `LLM.encode` does, so both give the same tokens."""
     return list(tokenizer.encode(text))
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+def encode_texts(tokenizer: Tokenizer, texts: list[str], cancelled: threading.Event) -> list[list[int]]:
+    """Each prompt's ids; stops between prompts once `cancelled` is set."""
+    ids = []
+    for text in texts:
+        if cancelled.is_set():
+            raise TokenizationCancelled()
+        ids.append(encode_text(tokenizer, text))
+    return ids
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
     text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
@@ -185,32 +287,49 @@ class GenerationService:
 
     # ---- entry points ------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, tenant: Tenant, request: Request) -> Response:
-        self._check_common(body)
-        prompts = await self._completion_prompts(body.prompt)
-        job = self._job("completion", body, tenant, prompts, body.max_tokens, "prompt")
-        return await self._run(job, request)
+        self._check_request(body, body.num_prompts, body.text_chars, "prompt")
+        return await self._serve(request, lambda: self._completion_job(body, tenant))
 
     async def chat(self, body: ChatCompletionRequest, tenant: Tenant, request: Request) -> Response:
-        self._check_common(body)
+        self._check_request(body, 1, body.text_chars, "messages")
+        return await self._serve(request, lambda: self._chat_job(body, tenant))
+
+    async def _completion_job(self, body: CompletionRequest, tenant: Tenant) -> Job:
+        prompts = await self._completion_prompts(body.prompt)
+        return self._job("completion", body, tenant, prompts, body.max_tokens, "prompt")
+
+    async def _chat_job(self, body: ChatCompletionRequest, tenant: Tenant) -> Job:
         prompt = await self._chat_prompt(body)
-        job = self._job("chat", body, tenant, [prompt], body.token_limit, "messages")
-        return await self._run(job, request)
+        return self._job("chat", body, tenant, [prompt], body.token_limit, "messages")
 
     # ---- validation --------------------------------------------------------------------------------------
-    def _check_common(self, body: SamplingRequest) -> None:
-        unsupported = body.unsupported()
-        if unsupported is not None:
-            raise bad_request(unsupported[1], param=unsupported[0])
-        if not 1 <= body.n <= self.settings.max_n:
+    def _check_request(self, body: SamplingRequest, num_prompts: int, text_chars: int, prompt_param: str) -> None:
+        """The run-time limits (the settings, tighter than the models' hard caps) on the raw request, before
+        any tokenizer work is done for it."""
+        self._check_samples(body, num_prompts)
+        self._check_stops(body.stop_list)
+        if text_chars > self.settings.max_prompt_chars:
+            raise bad_request(f"{prompt_param} has {text_chars} characters of text; the limit is "
+                              f"{self.settings.max_prompt_chars} per request (max_prompt_chars)", param=prompt_param,
+                              code="request_too_large")
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+
+    def _check_samples(self, body: SamplingRequest, num_prompts: int) -> None:
+        if body.n > self.settings.max_n:
             raise bad_request(f"n must be between 1 and {self.settings.max_n}", param="n")
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if num_prompts * body.n > self.settings.max_choices:
+            raise bad_request(f"prompts x n must be at most {self.settings.max_choices}, got {num_prompts} x "
+                              f"{body.n}", param="n")
+
+    def _check_stops(self, stops: list[str]) -> None:
         if len(stops) > self.settings.max_stop_sequences:
             raise bad_request(f"at most {self.settings.max_stop_sequences} stop sequences are allowed", param="stop")
-        if any(not s or len(s) > self.settings.max_stop_length for s in stops):
+        if any(len(s) > self.settings.max_stop_length for s in stops):
             raise bad_request(f"stop sequences must be 1 to {self.settings.max_stop_length} characters",
                               param="stop")
 
-    def _tokenizer(self, what: str) -> Any:
+    def _tokenizer(self, what: str) -> Tokenizer:
         tokenizer = self.engine.info.tokenizer
         if tokenizer is None:
             raise bad_request(f"this model has no tokenizer: {what} needs one; give prompts as token ids",
@@ -218,23 +337,21 @@ class GenerationService:
         return tokenizer
 
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if not prompt:
-            raise bad_request("prompt must not be empty", param="prompt")
-        if isinstance(prompt[0], int):
-            return [list(prompt)]
-        if isinstance(prompt[0], list):
-            return [list(p) for p in prompt]
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if isinstance(texts[0], int):            # CompletionRequest refuses empty lists
+            return [list(texts)]
+        if isinstance(texts[0], list):
+            return [list(p) for p in texts]
         tokenizer = self._tokenizer("text prompts")
-        return await self.tokenization.run(lambda: [encode_text(tokenizer, p) for p in prompt])
+        return await self.tokenization.run(tokenizer, lambda own, cancelled: encode_texts(own, texts, cancelled))
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self._tokenizer("chat")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                      **({"name": m.name} if m.name else {})} for m in body.messages]
         try:
-            return await self.tokenization.run(lambda: render_chat(tokenizer, messages, body.add_generation_prompt))
+            return await self.tokenization.run(
+                tokenizer, lambda own, _: render_chat(own, messages, body.add_generation_prompt))
         except (ValueError, TypeError, KeyError) as exc:
             raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") \
                 from None
@@ -245,13 +362,9 @@ class GenerationService:
 
     def _job(self, kind: str, body: SamplingRequest, tenant: Tenant, prompts: list[list[int]],
              max_tokens: int | None, prompt_param: str) -> Job:
-        if len(prompts) * body.n > self.settings.max_choices:
-            raise bad_request(f"prompts x n must be at most {self.settings.max_choices}", param="n")
         params = self._params(body, prompts, max_tokens, prompt_param)
         adapter = None if body.model == self.engine.info.model_name else body.model
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        if body.stream_options is not None and not body.stream:
-            raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
         job = Job(kind, body.model, adapter, tenant, prompts, params, body.stream, include_usage,
                   body.return_token_ids, body.user)
         job.reserved_tokens = job.token_reservation(max_tokens is not None)
@@ -267,10 +380,10 @@ class GenerationService:
             raise bad_request(f"This model's maximum context length is {context} tokens, but the prompt has "
                               f"{longest} tokens (at least one token must be generated).", param=prompt_param,
                               code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = context - longest
         limit = self.settings.max_tokens_limit or context
-        if max_tokens < 1 or max_tokens > limit:
+        if max_tokens is None:               # as much as the context leaves, within the server's limit
+            max_tokens = min(limit, context - longest)
+        if max_tokens > limit:
             raise bad_request(f"max_tokens must be between 1 and {limit}", param="max_tokens")
         if longest + max_tokens > context:
             raise bad_request(f"This model's maximum context length is {context} tokens. However, you requested "
@@ -280,7 +393,7 @@ class GenerationService:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k is None else body.top_k,
-                seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], n=body.n,
+                seed=body.seed, stop=body.stop_list, stop_token_ids=body.stop_token_ids or [], n=body.n,
                 ignore_eos=body.ignore_eos)
         except ValueError as exc:
             found = _PARAM_IN_MESSAGE.search(str(exc))
@@ -292,7 +405,18 @@ class GenerationService:
         if not self.engine.accepting:
             raise unavailable(f"the server is {self.engine.state.value}; retry later", self.settings.retry_after_s)
 
-    async def _run(self, job: Job, request: Request) -> Response:
+    async def _serve(self, request: Request, prepare: Callable[[], Awaitable[Job]]) -> Response:
+        """Tokenize (`prepare`), admit and submit a job, then answer it. A client that goes away while any of
+        that waits is noticed there too, and its work is cancelled where it is (in the tokenizer queue or
+        between two prompts, in admission, or while its engine requests are added)."""
+        try:
+            job = await unless_disconnected(request.receive, self._admitted(prepare))
+        except ClientGone:
+            return Response(status_code=499)      # nobody reads it
+        return await self._answer(job, request)
+
+    async def _admitted(self, prepare: Callable[[], Awaitable[Job]]) -> Job:
+        job = await prepare()
         self._require_ready()
         self.admission.charge_tokens(job.tenant, job.reserved_tokens)
         try:
@@ -303,9 +427,12 @@ class GenerationService:
         try:
             await self._submit(job)
         except BaseException as exc:
-            job.outcome = "rejected" if isinstance(exc, APIError) else "error"
+            job.outcome = _outcome_of(exc)
             self._close(job)
             raise
+        return job
+
+    async def _answer(self, job: Job, request: Request) -> Response:
         if job.stream:
             return EventStreamResponse(self._events(job), lambda gone: self._on_stream_closed(job, gone))
         try:
@@ -360,11 +487,26 @@ class GenerationService:
                 task.cancel()
 
     def _observe(self, job: Job, index: int, output: RequestOutput) -> RequestOutput:
+        """Record an output; raise the APIError of an engine request that failed, which fails the job."""
         if job.first_token is None and any(o.token_ids for o in output.outputs):
             job.first_token = time.perf_counter()
         if output.finished:
             job.finals[index] = output
+        if output.error is not None:
+            raise self._failure(job, output.request_id, output.error)
         return output
+
+    @staticmethod
+    def _failure(job: Job, request_id: str, error: RequestError) -> APIError:
+        """What the client is told about an engine request that failed (the engine's message may name server
+        paths or internals, so it goes to the log only)."""
+        logger.warning("request %s failed in the engine (%s): %s", request_id, error.code, error.message)
+        if error.code == "adapter_unavailable":
+            return APIError(409, f"The adapter `{job.model}` can no longer be used: its files on the server changed "
+                                 "or vanished since it was loaded. Its owner must load the adapter again.",
+                            code="adapter_unavailable", param="model")
+        return APIError(500, "The server failed while generating this request (other requests were not "
+                             "affected); retry it, and report the problem if it persists.", code="internal_error")
 
     async def _collect(self, job: Job) -> None:
         try:

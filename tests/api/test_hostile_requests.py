@@ -1,0 +1,384 @@
+"""Hostile request bodies at the HTTP boundary: out-of-range sampling values, huge lists, lone surrogates, the
+shared tokenizer pool (bounded, cancellable), engine failures mapped to the right status, and the max_tokens
+default under --max-tokens-limit."""
+import asyncio
+import dataclasses
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from starlette.requests import Request
+from starlette.testclient import TestClient
+
+from conftest import BASE_MODEL, assert_error_shape, start_server
+from slora.api.app import create_app
+from slora.api.async_engine import EngineInfo
+from slora.api.errors import APIError
+from slora.api.limits import Admission
+from slora.api.metrics import ServerMetrics
+from slora.api.protocol import CompletionRequest
+from slora.api.serving import GenerationService, Tokenization, TokenizationCancelled, encode_texts
+from slora.api.settings import ServerSettings
+from slora.api.tenants import Tenant
+from slora.config import EngineConfig
+from slora.engine import Engine
+from slora.outputs import RequestError, RequestOutput
+
+MAX_TOKENS_LIMIT = 5
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+FAST_S = 30.0          # generous for a loaded 2-core machine; the unbounded versions took minutes
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("logs"), "--max-tokens-limit", str(MAX_TOKENS_LIMIT))
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def error_of(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert_error_shape(body, status)
+    return body["error"]
+
+
+def completion(http: httpx.Client, **fields) -> httpx.Response:
+    return http.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "Hello", "max_tokens": 2, **fields})
+
+
+def chat(http: httpx.Client, **fields) -> httpx.Response:
+    return http.post("/v1/chat/completions", json={"model": BASE_MODEL, "messages": MESSAGES, "max_tokens": 2,
+                                                   **fields})
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    assert http.get("/health").json() == {"status": "ok"}
+    out = completion(http, temperature=0)
+    assert out.status_code == 200, out.text
+    assert out.json()["usage"]["completion_tokens"] >= 1
+
+
+# ---- sampling values the engine cannot take ------------------------------------------------------------
+OUT_OF_RANGE = {
+    "seed-2**63": ({"seed": 2 ** 63}, "seed"),
+    "seed-below-int64": ({"seed": -2 ** 63 - 1}, "seed"),
+    "seed-plus-n-overflows": ({"seed": 2 ** 63 - 1, "n": 2}, "seed"),
+    "seed-2**64": ({"seed": 2 ** 64}, "seed"),
+    "top_k-2**63": ({"top_k": 2 ** 63}, "top_k"),
+    "top_k-2**31": ({"top_k": 2 ** 31}, "top_k"),
+    "top_k-below-minus-one": ({"top_k": -2}, "top_k"),
+}
+
+
+@pytest.mark.parametrize("route", [completion, chat], ids=["completions", "chat"])
+@pytest.mark.parametrize("case", sorted(OUT_OF_RANGE))
+def test_out_of_range_seed_and_top_k_are_400_naming_the_field(http, route, case):
+    fields, param = OUT_OF_RANGE[case]
+    error = error_of(route(http, temperature=1.0, **fields))
+    assert error["param"] == param and param in error["message"], error
+    assert_still_serving(http)
+
+
+def test_the_largest_seeds_are_served(http):
+    for fields in ({"seed": 2 ** 63 - 2, "n": 2}, {"seed": -2 ** 63}, {"top_k": 2 ** 31 - 1}):
+        response = completion(http, temperature=1.0, **fields)
+        assert response.status_code == 200, (fields, response.text)
+
+
+# ---- sizes checked before any tokenizer work ---------------------------------------------------------
+def timed(send) -> tuple[httpx.Response, float]:
+    start = time.monotonic()
+    response = send()
+    return response, time.monotonic() - start
+
+
+def test_700000_prompts_get_a_fast_400_and_others_are_not_held_up(server):
+    body = {"model": BASE_MODEL, "prompt": ["a"] * 700_000, "max_tokens": 1}
+    with server.http() as big, server.http() as small, ThreadPoolExecutor(2) as pool:
+        hostile = pool.submit(timed, lambda: big.post("/v1/completions", json=body))
+        time.sleep(0.05)
+        unrelated = pool.submit(timed, lambda: completion(small, prompt="Hi there", max_tokens=1, temperature=0))
+        (response, hostile_s), (other, other_s) = hostile.result(), unrelated.result()
+    error = error_of(response)
+    assert error["param"].startswith("prompt") and "1024" in error["message"], error
+    assert hostile_s < FAST_S, hostile_s
+    assert other.status_code == 200, other.text
+    assert other_s < FAST_S, other_s
+
+
+def test_100000_chat_messages_get_a_fast_400(http):
+    response, seconds = timed(lambda: chat(http, messages=[{"role": "user", "content": "a"}] * 100_000))
+    error = error_of(response)
+    assert error["param"] == "messages" and "1024" in error["message"], error
+    assert seconds < FAST_S, seconds
+
+
+def test_prompts_times_n_is_checked_on_the_raw_prompt_list(http):
+    error = error_of(completion(http, prompt=["a"] * 40, n=2))      # the default max_choices is 64
+    assert error["param"] == "n" and "64" in error["message"] and "40 x 2" in error["message"], error
+
+
+def test_total_prompt_characters_are_bounded(http):
+    half = "word " * 120_000                                        # 600,000 characters each
+    error = error_of(completion(http, prompt=[half, half]))
+    assert error["param"] == "prompt" and "1000000" in error["message"], error
+    assert "max_prompt_chars" in error["message"]
+    long_messages = [{"role": "user", "content": half}, {"role": "assistant", "content": [{"type": "text",
+                                                                                           "text": half}]}]
+    error = error_of(chat(http, messages=long_messages))
+    assert error["param"] == "messages" and "1200000" in error["message"], error
+
+
+def test_too_many_stop_token_ids_are_400(http):
+    for count in (257, 1_200_000):
+        response, seconds = timed(lambda: completion(http, stop_token_ids=[5] * count))
+        error = error_of(response)
+        assert error["param"] == "stop_token_ids" and "256" in error["message"], error
+        assert seconds < FAST_S, seconds
+    error = error_of(completion(http, stop_token_ids=[2 ** 31]))
+    assert error["param"] == "stop_token_ids.0", error
+    assert completion(http, stop_token_ids=[5] * 256).status_code == 200
+
+
+# ---- text that is not Unicode ------------------------------------------------------------------------
+SURROGATES = {          # raw JSON: the escape decodes to a lone surrogate, which no encoder takes
+    "prompt": ('/v1/completions', '{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt.text"),
+    "prompt-list": ('/v1/completions', '{"model": "%s", "prompt": ["ok", "\\udfff"], "max_tokens": 2}',
+                    "prompt.texts.1"),
+    "message": ('/v1/chat/completions', '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                "messages.0.content.string"),
+    "stop": ('/v1/completions', '{"model": "%s", "prompt": "hi", "stop": "\\ud83d"}', "stop.string"),
+    "user": ('/v1/completions', '{"model": "%s", "prompt": "hi", "user": "x\\udc00"}', "user"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SURROGATES))
+def test_a_lone_surrogate_is_400_naming_the_field(http, case):
+    route, body, param = SURROGATES[case]
+    response = http.post(route, content=(body % BASE_MODEL).encode(), headers={"content-type": "application/json"})
+    error = error_of(response)
+    assert error["param"] == param and "surrogate" in error["message"], error
+
+
+def test_valid_non_ascii_text_is_served(http):
+    body = '{"model": "%s", "prompt": "caf\\u00e9 \\ud83d\\ude00", "max_tokens": 2}' % BASE_MODEL
+    response = http.post("/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+
+
+# ---- fields accepted only at their neutral value -------------------------------------------------------
+def test_neutral_values_of_unsupported_fields_are_accepted(http):
+    neutral = dict(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, echo=False, logprobs=None, best_of=1,
+                   suffix="")
+    assert completion(http, **neutral).status_code == 200
+    assert chat(http, logprobs=False, top_logprobs=0, logit_bias=None).status_code == 200
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("frequency_penalty", -1), ("echo", True),
+                                         ("logit_bias", {"5": 1.0}), ("logprobs", 1), ("suffix", "end"),
+                                         ("best_of", 2)])
+def test_other_values_of_unsupported_fields_are_400(http, field, value):
+    error = error_of(completion(http, **{field: value}))
+    assert error["param"] == field and "not supported" in error["message"], error
+
+
+# ---- max_tokens under --max-tokens-limit ---------------------------------------------------------------
+def test_chat_without_max_tokens_is_capped_by_the_limit(http):
+    response = http.post("/v1/chat/completions", json={"model": BASE_MODEL, "messages": MESSAGES, "temperature": 0,
+                                                       "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["completion_tokens"] == MAX_TOKENS_LIMIT
+    assert body["choices"][0]["finish_reason"] == "length"
+    error = error_of(chat(http, max_tokens=MAX_TOKENS_LIMIT + 1))
+    assert error["param"] == "max_tokens" and str(MAX_TOKENS_LIMIT) in error["message"], error
+
+
+# ---- the tokenizer pool --------------------------------------------------------------------------------
+class SlowTokenizer:
+    """Takes `delay_s` per prompt and records which object encoded on which thread."""
+
+    chat_template = None
+
+    def __init__(self, delay_s: float, calls: list) -> None:
+        self.delay_s = delay_s
+        self.calls = calls          # shared by the copies: (id of the copy, thread name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls.append((id(self), threading.current_thread().name))
+        time.sleep(self.delay_s)
+        return [len(text)]
+
+    def apply_chat_template(self, conversation, **kwargs):
+        raise NotImplementedError
+
+    def __deepcopy__(self, memo):
+        return SlowTokenizer(self.delay_s, self.calls)
+
+
+def encode_work(texts):
+    return lambda own, cancelled: encode_texts(own, texts, cancelled)
+
+
+def test_pool_gives_each_worker_its_own_tokenizer_copy():
+    calls: list = []
+    source = SlowTokenizer(0.05, calls)
+
+    async def scenario():
+        pool = Tokenization(workers=2, max_pending=8, retry_after_s=1)
+        try:
+            results = await asyncio.gather(*(pool.run(source, encode_work(["ab", "abc"])) for _ in range(6)))
+        finally:
+            pool.close()
+        assert results == [[[2], [3]]] * 6
+    asyncio.run(scenario())
+    copies = {copy_id for copy_id, _ in calls}
+    threads = {thread for _, thread in calls}
+    assert id(source) not in copies                         # the API's tokenizer itself is never used
+    assert len(threads) == 2 and len(copies) == 2           # one copy per worker thread, kept between requests
+    assert all(t.startswith("slora-tokenize") for t in threads)
+
+
+def test_pool_queue_overflow_is_429_with_retry_after():
+    source = SlowTokenizer(0.2, [])
+
+    async def scenario():
+        pool = Tokenization(workers=1, max_pending=2, retry_after_s=3)
+        try:
+            running = [asyncio.ensure_future(pool.run(source, encode_work(["x"]))) for _ in range(3)]
+            await asyncio.sleep(0.05)                         # one runs, two wait
+            assert pool.waiting == 2
+            with pytest.raises(APIError) as info:
+                await pool.run(source, encode_work(["x"]))
+            assert info.value.status == 429 and info.value.headers["Retry-After"] == "3"
+            assert await asyncio.gather(*running) == [[[1]]] * 3      # the admitted ones are all served
+            assert pool.waiting == 0
+            assert await pool.run(source, encode_work(["xy"])) == [[2]]
+        finally:
+            pool.close()
+    asyncio.run(scenario())
+
+
+def test_pool_cancellation_frees_the_queue_and_the_thread():
+    calls: list = []
+    source = SlowTokenizer(0.05, calls)
+
+    async def scenario():
+        pool = Tokenization(workers=1, max_pending=4, retry_after_s=1)
+        try:
+            hostile = asyncio.ensure_future(pool.run(source, encode_work(["a"] * 1000)))   # 50 s if not stopped
+            queued = asyncio.ensure_future(pool.run(source, encode_work(["b"] * 1000)))
+            await asyncio.sleep(0.3)
+            assert pool.waiting == 1
+            queued.cancel()                                   # its client left while it waited
+            await asyncio.gather(queued, return_exceptions=True)
+            assert pool.waiting == 0
+            hostile.cancel()                                  # its client left while it was tokenized
+            await asyncio.gather(hostile, return_exceptions=True)
+            start = time.monotonic()
+            assert await pool.run(source, encode_work(["abcd"])) == [[4]]
+            return time.monotonic() - start
+        finally:
+            pool.close()
+    waited_s = asyncio.run(scenario())
+    assert waited_s < FAST_S / 3, waited_s
+    assert len(calls) < 200, len(calls)                      # the 1000-prompt work stopped early
+    assert len(calls) >= 2                                   # and it did start
+
+
+def test_a_client_that_leaves_frees_the_tokenizer_thread():
+    # The service's own wiring: a non-streamed request whose client disconnects while its 1000 prompts are
+    # tokenized (50 s of work) is answered 499 at once, and the one thread it held is free again.
+    calls: list = []
+    info = EngineInfo("base", 2048, 32000, SlowTokenizer(0.05, calls))
+    engine = SimpleNamespace(info=info, accepting=True)
+    settings = ServerSettings(max_choices=1024)
+    pool = Tokenization(workers=1, max_pending=4, retry_after_s=1)
+    service = GenerationService(engine, settings, Admission(16, 1), ServerMetrics(), pool)
+
+    async def leaves_after(seconds: float) -> dict:
+        await asyncio.sleep(seconds)
+        return {"type": "http.disconnect"}
+
+    async def scenario() -> float:
+        request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []},
+                          lambda: leaves_after(0.3))
+        body = CompletionRequest(model="base", prompt=["a"] * 1000)
+        response = await asyncio.wait_for(service.completions(body, Tenant("t"), request), FAST_S)
+        assert response.status_code == 499
+        start = time.monotonic()
+        assert await pool.run(info.tokenizer, encode_work(["abc"])) == [[3]]
+        return time.monotonic() - start
+    try:
+        waited_s = asyncio.run(scenario())
+    finally:
+        pool.close()
+    assert waited_s < FAST_S / 3, waited_s
+    assert 2 <= len(calls) < 200, len(calls)
+
+
+def test_cancelled_work_stops_between_prompts():
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(TokenizationCancelled):
+        encode_texts(SlowTokenizer(0, []), ["a", "b"], cancelled)
+
+
+# ---- engine failures of one request --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def failing_app():
+    """An in-process server whose engine fails every request it runs with `mode["code"]` (as the engine does
+    when an adapter's files changed, or a fault hits one request); None lets requests run normally."""
+    engine = Engine(EngineConfig(num_pages=64))
+    mode = {"code": None}
+    real_step = engine.step
+
+    def step() -> list[RequestOutput]:
+        outputs = real_step()
+        if mode["code"] is None:
+            return outputs
+        return [fail(engine, out, mode["code"]) for out in outputs]
+    engine.step = step
+    with TestClient(create_app(engine, ServerSettings()), raise_server_exceptions=False) as client:
+        yield client, mode, engine
+
+
+def fail(engine: Engine, output: RequestOutput, code: str) -> RequestOutput:
+    final = engine.abort(output.request_id) or output          # frees its pages, like the engine's own path
+    samples = [dataclasses.replace(o, finish_reason="error") for o in final.outputs]
+    error = RequestError(code, "reading /srv/secret/adapter failed: weights changed")
+    return dataclasses.replace(final, outputs=samples, finished=True, error=error)
+
+
+def sse_payloads(text: str) -> list:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("code,status", [("adapter_unavailable", 409), ("internal_error", 500)])
+def test_engine_failures_map_to_their_status(failing_app, code, status):
+    client, mode, engine = failing_app
+    mode["code"] = code
+    try:
+        body = {"model": BASE_MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["code"] == code and "/srv/secret" not in error["message"], error
+        if code == "adapter_unavailable":
+            assert "load the adapter again" in error["message"] and error["param"] == "model"
+            assert "shutting down" not in error["message"]
+        streamed = client.post("/v1/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200
+        payloads = sse_payloads(streamed.text)
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["error"]["code"] == code
+    finally:
+        mode["code"] = None
+    assert client.post("/v1/completions", json=body).status_code == 200      # the engine still serves
+    assert client.get("/health").json() == {"status": "ok"}
+    assert engine.pool_stats()["kv_pages"] == 0
