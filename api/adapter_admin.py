@@ -6,19 +6,24 @@ on the engine thread between two steps, so running requests keep streaming while
 and unload are short commands on the engine thread.
 """
 import asyncio
+import errno
 import logging
+import os
 import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
+from slora.adapter_store import PreparedAdapter
 from slora.adapters.errors import AdapterError
 from slora.adapters.weights import PICKLE_SUFFIXES, WEIGHTS_FILE
-from slora.api.async_engine import AsyncEngine
-from slora.api.errors import APIError, adapter_not_found, bad_request
+from slora.api.async_engine import AsyncEngine, EngineUnavailable
+from slora.api.errors import APIError, adapter_not_found, bad_request, unavailable
 from slora.api.metrics import ServerMetrics
 from slora.api.tenants import Tenant, TenantDirectory
 from slora.engine import Engine, UnknownAdapterError
@@ -27,6 +32,7 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+T = TypeVar("T")
 
 
 def check_adapter_name(name: str, base_model: str) -> None:
@@ -39,16 +45,34 @@ def check_adapter_name(name: str, base_model: str) -> None:
 
 def resolve_in_root(root: Path | None, user_path: str, param: str) -> Path:
     """The adapter folder `user_path` names inside `root`. Refuses `..`, absolute paths and symlinks that
-    lead outside the root; the folder and its two files must all resolve inside it."""
+    lead outside the root; the folder and its two files must all resolve inside it. Every failure of the file
+    system is a 400 naming the problem, never the server-side path."""
     if root is None:
         raise bad_request("loading adapters by path is disabled: the server has no adapter root "
                           "(start it with --adapter-root DIR, or upload the files)", param=param)
+    _check_path_text(user_path, param)
+    try:
+        return _folder_in_root(root.resolve(), user_path, param)
+    except OSError as exc:
+        raise bad_request(f"adapter path cannot be used: {os_problem(exc)}", param=param) from None
+    except RuntimeError:                  # what Path.resolve raises for a loop of symlinks (Python 3.11)
+        raise bad_request("adapter path cannot be used: it leads into a loop of symbolic links",
+                          param=param) from None
+
+
+def _check_path_text(user_path: str, param: str) -> None:
     if not user_path or "\x00" in user_path:
         raise bad_request("adapter path is empty or invalid", param=param)
-    pure = PurePosixPath(user_path)
-    if ".." in pure.parts or ".." in PureWindowsPath(user_path).parts:
+    try:
+        os.fsencode(user_path)
+    except UnicodeEncodeError:            # lone surrogates, which JSON can carry and no file name holds
+        raise bad_request("adapter path is not valid text", param=param) from None
+    if ".." in PurePosixPath(user_path).parts or ".." in PureWindowsPath(user_path).parts:
         raise bad_request("adapter path must not contain '..'", param=param)
-    real_root = root.resolve()
+
+
+def _folder_in_root(real_root: Path, user_path: str, param: str) -> Path:
+    pure = PurePosixPath(user_path)
     candidate = Path(user_path) if pure.is_absolute() else real_root / pure
     folder = candidate.resolve()
     targets = [folder] + [(folder / name).resolve() for name in ADAPTER_FILES if (folder / name).exists()]
@@ -59,16 +83,24 @@ def resolve_in_root(root: Path | None, user_path: str, param: str) -> Path:
     return folder
 
 
+def os_problem(exc: OSError) -> str:
+    """What went wrong, in words, without the path that the exception's own text holds."""
+    if exc.errno == errno.ENAMETOOLONG:
+        return "it is too long (a name in it over the file system's limit, usually 255 bytes)"
+    return os.strerror(exc.errno).lower() if exc.errno else "the file system refused it"
+
+
 @dataclass(frozen=True)
 class UploadedFile:
     field: str
     filename: str
     source: BinaryIO            # the spooled upload; copied to disk in chunks, never read whole into memory
+    size: int
 
 
-def save_upload(upload_dir: Path, namespace: str, name: str, files: list[UploadedFile]) -> Path:
-    """Write the two PEFT files of an upload into a fresh folder. Pickle files are refused unread."""
-    by_name: dict[str, BinaryIO] = {}
+def choose_upload_files(files: list[UploadedFile]) -> dict[str, UploadedFile]:
+    """The upload's two PEFT files, by their names in the adapter folder. Pickle files are refused unread."""
+    chosen: dict[str, UploadedFile] = {}
     for item in files:
         filename = PurePosixPath(item.filename.replace("\\", "/")).name
         if filename.endswith(PICKLE_SUFFIXES) or item.field.endswith(PICKLE_SUFFIXES):
@@ -78,16 +110,28 @@ def save_upload(upload_dir: Path, namespace: str, name: str, files: list[Uploade
         if target is None:
             raise bad_request(f"unexpected file {filename!r}: upload exactly {CONFIG_FILE} and {WEIGHTS_FILE}",
                               param=item.field)
-        by_name[target] = item.source
-    missing = [f for f in ADAPTER_FILES if f not in by_name]
+        chosen[target] = item
+    missing = [f for f in ADAPTER_FILES if f not in chosen]
     if missing:
         raise bad_request(f"the upload lacks {', '.join(missing)}", param="files")
+    return chosen
+
+
+def write_upload(upload_dir: Path, namespace: str, name: str, files: dict[str, UploadedFile]) -> Path:
+    """Copy the chosen files into a fresh folder, a MiB at a time; nothing of it is left if the copy fails."""
     folder = upload_dir / namespace / f"{name}-{uuid.uuid4().hex[:12]}"
-    folder.mkdir(parents=True)
-    for filename, source in by_name.items():
-        source.seek(0)
-        with open(folder / filename, "wb") as out:
-            shutil.copyfileobj(source, out, length=2 ** 20)
+    try:
+        folder.mkdir(parents=True)
+        for filename, item in files.items():
+            item.source.seek(0)
+            with open(folder / filename, "wb") as out:
+                shutil.copyfileobj(item.source, out, length=2 ** 20)
+    except BaseException as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(exc, OSError):      # a full disk, above all
+            raise APIError(507, f"the upload could not be stored: {os_problem(exc)}",
+                           code="insufficient_storage", error_type="server_error") from None
+        raise
     return folder
 
 
@@ -121,15 +165,18 @@ def describe(engine: Engine, entry: Any) -> dict[str, Any]:
 
 class AdapterService:
     """The adapter routes' logic, with tenant rules: a tenant manages only its own namespace; an admin may
-    name another tenant's (`owner`) and mark adapters public."""
+    name another tenant's (`owner`) and mark adapters public. A namespace holds at most `max_adapters` names
+    and `max_adapter_bytes` of adapter files (Engine.adapter_disk_bytes: uploads and path loads alike)."""
 
     def __init__(self, engine: AsyncEngine, tenants: TenantDirectory, metrics: ServerMetrics,
-                 adapter_root: Path | None, upload_dir: Path) -> None:
+                 adapter_root: Path | None, upload_dir: Path, default_byte_quota: int | None = None) -> None:
         self.engine = engine
         self.tenants = tenants
         self.metrics = metrics
         self.adapter_root = adapter_root
         self.upload_dir = upload_dir
+        self.default_byte_quota = default_byte_quota
+        self._uploading: dict[str | None, int] = {}      # bytes of uploads being stored, by namespace
 
     def namespace_for(self, tenant: Tenant, owner: str | None) -> str | None:
         """The namespace an operation acts on. A non-admin naming someone else's namespace gets 404, the
@@ -143,6 +190,19 @@ class AdapterService:
             raise bad_request(f"no tenant {owner!r}", param="owner")
         return owner
 
+    def byte_quota(self, namespace: str | None) -> int | None:
+        """The namespace's max_adapter_bytes: its tenant's own, else the server's default (None: no limit)."""
+        tenant = self.tenants.get(namespace) if namespace is not None else None
+        own = tenant.max_adapter_bytes if tenant is not None else None
+        return own if own is not None else self.default_byte_quota
+
+    def check_declared_upload(self, tenant: Tenant, declared: int | None) -> None:
+        """Refuse, before its body is read, an upload larger than the caller's whole byte quota. An admin's
+        upload may be for another namespace, named in the form: it is checked once the form is read."""
+        quota = self.byte_quota(tenant.namespace)
+        if declared is not None and quota is not None and not tenant.is_admin and declared > quota:
+            raise _over_byte_quota(tenant.namespace, quota, 0, f"this upload of {declared} bytes")
+
     async def list_adapters(self, tenant: Tenant) -> list[dict[str, Any]]:
         def command(engine: Engine) -> list[dict[str, Any]]:
             if tenant.is_admin:
@@ -152,40 +212,47 @@ class AdapterService:
                 if info["owner"] != tenant.namespace:
                     info["owner"] = None
             return described
-        return await self.engine.call(command)
+        return await self._call(command)
 
     async def load_path(self, tenant: Tenant, name: str, user_path: str, public: bool = False,
                         owner: str | None = None, param: str = "path") -> dict[str, Any]:
         namespace = self.namespace_for(tenant, owner)
-        folder = resolve_in_root(self.adapter_root, user_path, param)
-        return await self.load_folder(tenant, name, folder, namespace, public)
+        self._check_load(tenant, name, public)
+        folder = await asyncio.to_thread(resolve_in_root, self.adapter_root, user_path, param)
+        # A tenant at its quota is refused before the server reads and packs anything.
+        await self._call(lambda engine: self._check_quota(engine, namespace, name))
+        return await self._load(name, folder, namespace, public, owns_files=False)
 
     async def load_upload(self, tenant: Tenant, name: str, files: list[UploadedFile], public: bool = False,
                           owner: str | None = None) -> dict[str, Any]:
+        """Store an upload in a folder of its own, which the engine owns (and deletes) once registered."""
         namespace = self.namespace_for(tenant, owner)
         self._check_load(tenant, name, public)
-        folder = await asyncio.to_thread(save_upload, self.upload_dir, namespace or "_local", name, files)
-        try:
-            return await self.load_folder(tenant, name, folder, namespace, public)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
+        chosen = choose_upload_files(files)
+        with self._reserving(namespace, sum(item.size for item in chosen.values())):
+            pending = self._uploading[namespace]       # this upload's bytes and those of others being stored
+            await self._call(lambda engine: self._check_room(engine, namespace, name, pending))
+            folder = await asyncio.to_thread(write_upload, self.upload_dir, namespace or "_local", name, chosen)
+            return await self._load(name, folder, namespace, public, owns_files=True)
 
-    async def load_folder(self, tenant: Tenant, name: str, folder: Path, namespace: str | None,
-                          public: bool) -> dict[str, Any]:
-        self._check_load(tenant, name, public)
+    @contextmanager
+    def _reserving(self, namespace: str | None, size: int) -> Iterator[None]:
+        """Count an upload's bytes against its namespace while it is stored and registered, so that
+        concurrent uploads cannot each pass the quota check and together fill the disk."""
+        self._uploading[namespace] = self._uploading.get(namespace, 0) + size
+        try:
+            yield
+        finally:
+            self._uploading[namespace] -= size
+            if not self._uploading[namespace]:
+                del self._uploading[namespace]
+
+    async def _load(self, name: str, folder: Path, namespace: str | None, public: bool,
+                    owns_files: bool) -> dict[str, Any]:
         started = time.perf_counter()
-
-        def command(engine: Engine) -> dict[str, Any]:
-            # On the engine thread, so two concurrent loads cannot both take the last free name.
-            self._check_quota(engine, namespace, name)
-            return describe(engine, engine.register_adapter(name, prepared, owner=namespace, public=public))
         try:
-            # A tenant at its quota is refused before the server reads and packs anything; the check is
-            # made again, atomically, when registering.
-            await self.engine.call(lambda engine: self._check_quota(engine, namespace, name))
-            prepared = await self.engine.prepare_adapter(folder)
-            info = await self.engine.call(command)
+            prepared = await self._prepare(folder, owns_files)
+            info = await self._register(name, prepared, namespace, public, owns_files)
         except AdapterError as exc:
             raise bad_request(_sanitize(str(exc), self._hidden()), param="adapter") from None
         elapsed = time.perf_counter() - started
@@ -194,6 +261,50 @@ class AdapterService:
         logger.info("adapter %s loaded for %s as %s in %.3fs", name, namespace or "local", info["version"][:12],
                     elapsed)
         return info
+
+    async def _prepare(self, folder: Path, owns_files: bool) -> PreparedAdapter:
+        try:
+            return await self.engine.prepare_adapter(folder)
+        except BaseException:
+            if owns_files:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+    async def _register(self, name: str, prepared: PreparedAdapter, namespace: str | None, public: bool,
+                        owns_files: bool) -> dict[str, Any]:
+        def command(engine: Engine) -> dict[str, Any]:
+            # On the engine thread, so two concurrent loads cannot both take the last free name or bytes.
+            try:
+                self._check_room(engine, namespace, name, prepared.disk_bytes)
+            except APIError:
+                if owns_files:
+                    shutil.rmtree(folder, ignore_errors=True)
+                raise
+            # From here the engine owns an uploaded folder: it deletes it if it refuses the adapter, and
+            # once the version is dropped (unloaded or replaced, after its last request).
+            entry = engine.register_adapter(name, prepared, owner=namespace, public=public, owns_files=owns_files)
+            return describe(engine, entry)
+        folder = prepared.path
+        # Shielded: once queued, the command decides what becomes of the folder, even if this request is
+        # cancelled meanwhile; its outcome is then read by nobody, which the callback says is fine.
+        registration = asyncio.ensure_future(self.engine.call(command))
+        registration.add_done_callback(lambda task: task.cancelled() or task.exception())
+        try:
+            return await asyncio.shield(registration)
+        except EngineUnavailable as exc:
+            if owns_files:                    # the engine stopped before the command ran
+                shutil.rmtree(folder, ignore_errors=True)
+            raise unavailable(f"the engine is {exc}; retry later") from None
+
+    async def _call(self, command: Callable[[Engine], T]) -> T:
+        try:
+            return await self.engine.call(command)
+        except EngineUnavailable as exc:
+            raise unavailable(f"the engine is {exc}; retry later") from None
+
+    def _check_room(self, engine: Engine, namespace: str | None, name: str, new_bytes: int) -> None:
+        self._check_quota(engine, namespace, name)
+        self._check_bytes(engine, namespace, name, new_bytes)
 
     def _check_quota(self, engine: Engine, namespace: str | None, name: str) -> None:
         """The namespace's tenant may hold at most `max_adapters` names; replacing one of them is allowed."""
@@ -206,6 +317,16 @@ class AdapterService:
                            f"{held}: unload one before loading {name!r}", code="adapter_quota_exceeded",
                            param="name")
 
+    def _check_bytes(self, engine: Engine, namespace: str | None, name: str, new_bytes: int) -> None:
+        """The namespace's adapter files, with `new_bytes` more under `name` (whose present version's files
+        no longer count, unless another name keeps them), must fit its byte quota."""
+        quota = self.byte_quota(namespace)
+        if quota is None:
+            return
+        held = engine.adapter_disk_bytes(namespace) - _replaced_bytes(engine, namespace, name)
+        if held + new_bytes > quota:
+            raise _over_byte_quota(namespace, quota, held, f"{name!r}'s {new_bytes} bytes")
+
     def _check_load(self, tenant: Tenant, name: str, public: bool) -> None:
         if self.engine.info is not None:
             check_adapter_name(name, self.engine.info.model_name)
@@ -213,7 +334,8 @@ class AdapterService:
             raise APIError(403, "only admins may publish adapters", param="public")
 
     async def unload(self, tenant: Tenant, name: str, owner: str | None = None) -> dict[str, Any]:
-        """Forget the name now (new requests get 404); in-flight requests finish, then pages are freed."""
+        """Forget the name now (new requests get 404); in-flight requests finish, then pages are freed and
+        an uploaded folder is deleted."""
         namespace = self.namespace_for(tenant, owner)
 
         def command(engine: Engine) -> dict[str, Any]:
@@ -225,7 +347,7 @@ class AdapterService:
             engine.unload_adapter(name, owner=target)
             return {"name": name, "owner": target, "deleted": True}
         try:
-            result = await self.engine.call(command)
+            result = await self._call(command)
         except UnknownAdapterError:
             raise adapter_not_found(name) from None
         logger.info("adapter %s unloaded for %s", name, result["owner"] or "local")
@@ -233,3 +355,21 @@ class AdapterService:
 
     def _hidden(self) -> list[Path]:
         return [p for p in (self.adapter_root, self.upload_dir) if p is not None]
+
+
+def _replaced_bytes(engine: Engine, namespace: str | None, name: str) -> int:
+    """Bytes the namespace stops holding when `name` points at another version: its version's files,
+    unless another of its names points at the same version."""
+    key = (namespace, name)
+    entry = engine.registry.entries.get(key)
+    if entry is None or any(other.version == entry.version and other_key != key and other_key[0] == namespace
+                            for other_key, other in engine.registry.entries.items()):
+        return 0
+    return engine.store.versions[entry.version].disk_bytes
+
+
+def _over_byte_quota(namespace: str | None, quota: int, held: int, what: str) -> APIError:
+    holder = f"tenant {namespace!r}" if namespace is not None else "this server's adapters"
+    return APIError(403, f"{holder} may hold at most {quota} bytes of adapter files (max_adapter_bytes) and "
+                    f"holds {held}: {what} do not fit; unload an adapter first", code="adapter_quota_exceeded",
+                    param="files")

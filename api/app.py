@@ -2,7 +2,7 @@
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -10,14 +10,15 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
-from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.datastructures import FormData, Headers, UploadFile
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from slora.api import protocol
 from slora.api.adapter_admin import AdapterService, UploadedFile
 from slora.api.async_engine import AsyncEngine, EngineSource
-from slora.api.errors import APIError, bad_request, install_error_handlers, model_not_found, unavailable
+from slora.api.errors import APIError, bad_request, install_error_handlers, model_not_found, too_large, unavailable
 from slora.api.limits import Admission
 from slora.api.metrics import CONTENT_TYPE, ServerMetrics
 from slora.api.openapi import install_openapi
@@ -30,6 +31,10 @@ from slora.engine import Engine
 
 logger = logging.getLogger(__name__)
 UPLOAD_ROUTE = "/v1/adapters"
+METRICS_ROUTE = "/metrics"
+KEYED_PREFIX = "/v1/"           # every route under it needs a key; /health, /metrics and the docs do not
+MULTIPART = "multipart/form-data"
+TENANT_STATE = "tenant"         # where Authentication leaves the caller, in the ASGI scope's state
 
 
 class ServerContext:
@@ -41,20 +46,26 @@ class ServerContext:
         self.engine = AsyncEngine(source)
         self.metrics = ServerMetrics()
         self.admission = Admission(settings.max_pending_requests, settings.retry_after_s)
-        self.tokenization = Tokenization()
-        self._temporary_uploads = settings.upload_dir is None
-        self.upload_dir = Path(settings.upload_dir or tempfile.mkdtemp(prefix="slora-uploads-"))
-        self.upload_dir.mkdir(parents=True, exist_ok=True)
+        self.tokenization = Tokenization(settings.tokenizer_workers, settings.max_tokenize_pending,
+                                         settings.retry_after_s)
+        # A folder of this run's own inside the upload dir: nothing reloads uploads after a restart, so they
+        # all go at shutdown, and two servers sharing an upload dir never touch each other's.
+        base = Path(settings.upload_dir) if settings.upload_dir else Path(tempfile.gettempdir())
+        base.mkdir(parents=True, exist_ok=True)
+        self.upload_dir = Path(tempfile.mkdtemp(prefix="slora-uploads-", dir=base))
         root = Path(settings.adapter_root) if settings.adapter_root else None
-        self.adapters = AdapterService(self.engine, self.tenants, self.metrics, root, self.upload_dir)
+        self.adapters = AdapterService(self.engine, self.tenants, self.metrics, root, self.upload_dir,
+                                       settings.max_adapter_bytes)
         self.generation = GenerationService(self.engine, settings, self.admission, self.metrics, self.tokenization)
         self.created = protocol.now()
 
     async def close(self) -> None:
         await self.engine.shutdown(self.settings.shutdown_timeout_s)
         self.tokenization.close()
-        if self._temporary_uploads:
-            shutil.rmtree(self.upload_dir, ignore_errors=True)
+        shutil.rmtree(self.upload_dir, ignore_errors=True)
+
+    def count_error(self, status: int) -> None:
+        self.metrics.errors.inc(status=str(status))
 
     def require_engine(self) -> None:
         if self.engine.info is None or not self.engine.accepting:
@@ -62,40 +73,89 @@ class ServerContext:
 
 
 class BodyLimit:
-    """Refuses request bodies over the limit (uploads to /v1/adapters have their own, larger one), whether
-    or not the client announced a Content-Length."""
+    """Picks a request's body limit by what the body is: only a multipart/form-data POST to the upload route
+    may send up to `max_upload` bytes; every other body, JSON included, `max_body`. A declared Content-Length
+    over the limit is refused (413) before the app runs; a body without one is counted as it arrives by
+    Starlette's RequestBodyLimitMiddleware, which refuses it (413) once it passes the limit."""
 
-    def __init__(self, app: ASGIApp, max_body: int, max_upload: int) -> None:
+    def __init__(self, app: ASGIApp, max_body: int, max_upload: int, on_error: Callable[[int], None]) -> None:
         self.app = app
         self.max_body = max_body
         self.max_upload = max_upload
+        self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_upload if scope["path"] == UPLOAD_ROUTE else self.max_body
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _too_large(limit).response()(scope, receive, send)
+        headers = Headers(scope=scope)
+        limit = self.max_upload if _is_upload(scope, headers) else self.max_body
+        declared = declared_length(headers)
+        if declared is not None and declared > limit:
+            await answer_unread(too_large(limit), self.on_error, scope, receive, send)
             return
-        received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    # An HTTPException, because FastAPI turns any other error while reading a body into a
-                    # generic "error parsing the body".
-                    raise StarletteHTTPException(400, _too_large(limit).message)
-            return message
-        await self.app(scope, limited_receive, send)
+        await RequestBodyLimitMiddleware(self.app, limit)(scope, receive, send)
 
 
-def _too_large(limit: int) -> APIError:
-    return bad_request(f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
+class Authentication:
+    """Checks the API key from the headers alone, before anything reads the body: a missing or wrong key is
+    a 401 at once, whatever the body. It guards every route under /v1/ (and /metrics with
+    metrics_require_key) and leaves the tenant in the scope's state, where `caller` reads it."""
+
+    def __init__(self, app: ASGIApp, tenants: TenantDirectory, guard_metrics: bool,
+                 on_error: Callable[[int], None]) -> None:
+        self.app = app
+        self.tenants = tenants
+        self.guard_metrics = guard_metrics
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self._guarded(scope["path"]):
+            try:
+                tenant = authenticate(self.tenants, Headers(scope=scope))
+            except APIError as error:
+                await answer_unread(error, self.on_error, scope, receive, send)
+                return
+            scope.setdefault("state", {})[TENANT_STATE] = tenant
+        await self.app(scope, receive, send)
+
+    def _guarded(self, path: str) -> bool:
+        return path.startswith(KEYED_PREFIX) or (self.guard_metrics and path == METRICS_ROUTE)
+
+
+def authenticate(tenants: TenantDirectory, headers: Headers) -> Tenant:
+    """The tenant of the request's bearer key; APIError 401 without a valid one."""
+    scheme, _, key = headers.get("authorization", "").partition(" ")
+    key = key.strip() if scheme.lower() == "bearer" else ""
+    tenant = tenants.authenticate(key)
+    if tenant is None:
+        message = "Incorrect API key provided." if key else \
+            "Missing API key: send it as 'Authorization: Bearer <key>'."
+        raise APIError(401, message, code="invalid_api_key")
+    return tenant
+
+
+async def answer_unread(error: APIError, on_error: Callable[[int], None], scope: Scope, receive: Receive,
+                        send: Send) -> None:
+    """Answer a request whose body was not read. The connection closes after the answer, so that the server
+    does not go on reading (and discarding) a body the client may still be sending."""
+    on_error(error.status)
+    response = error.response()
+    response.headers["Connection"] = "close"
+    await response(scope, receive, send)
+
+
+def declared_length(headers: Headers) -> int | None:
+    value = headers.get("content-length")
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
+def media_type(headers: Headers) -> str:
+    return headers.get("content-type", "").partition(";")[0].strip().lower()
+
+
+def _is_upload(scope: Scope, headers: Headers) -> bool:
+    return scope["path"] == UPLOAD_ROUTE and scope["method"] == "POST" and media_type(headers) == MULTIPART
 
 
 def _parse(model: type[BaseModel], raw: bytes) -> Any:
@@ -129,26 +189,26 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
     app = FastAPI(title="slora", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     install_openapi(app)
     app.state.ctx = ctx
-    install_error_handlers(app, on_error=lambda status: ctx.metrics.errors.inc(status=str(status)))
-    app.add_middleware(BodyLimit, max_body=settings.max_body_bytes, max_upload=settings.max_upload_bytes)
+    app.router.redirect_slashes = False        # its redirect would echo the client's Host header back
+    install_error_handlers(app, on_error=ctx.count_error)
+    app.add_middleware(BodyLimit, max_body=settings.max_body_bytes, max_upload=settings.max_upload_bytes,
+                       on_error=ctx.count_error)
+    # Added last, so it runs first: the key is checked before the body limit or anything else looks further.
+    app.add_middleware(Authentication, tenants=ctx.tenants, guard_metrics=settings.metrics_require_key,
+                       on_error=ctx.count_error)
     caller = _auth_dependency(ctx.tenants)
     _add_generation_routes(app, ctx, caller)
     _add_model_routes(app, ctx, caller)
     _add_adapter_routes(app, ctx, caller)
-    _add_ops_routes(app, ctx)
+    _add_ops_routes(app, ctx, caller)
     return app
 
 
 def _auth_dependency(tenants: TenantDirectory):  # noqa: ANN202 - a FastAPI dependency
     async def caller(request: Request) -> Tenant:
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        key = key.strip() if scheme.lower() == "bearer" else ""
-        tenant = tenants.authenticate(key)
-        if tenant is None:
-            message = "Incorrect API key provided." if key else \
-                "Missing API key: send it as 'Authorization: Bearer <key>'."
-            raise APIError(401, message, code="invalid_api_key")
-        return tenant
+        # Authentication has checked the key already on the routes it guards; any other route checks it here.
+        tenant = request.scope.get("state", {}).get(TENANT_STATE)
+        return tenant if tenant is not None else authenticate(tenants, request.headers)
     return caller
 
 
@@ -203,7 +263,7 @@ def _add_adapter_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
     @app.post("/v1/adapters")
     async def load_adapter(request: Request, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
         ctx.require_engine()
-        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        if media_type(request.headers) == MULTIPART:
             return await _load_upload(ctx, request, tenant)
         body: AdapterLoadRequest = _parse(AdapterLoadRequest, await request.body())
         return await ctx.adapters.load_path(tenant, body.name, body.path, body.public, body.owner)
@@ -227,13 +287,18 @@ def _add_adapter_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
 
 
 async def _load_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> dict[str, Any]:
-    form = await request.form(max_files=4, max_fields=8)
+    try:
+        ctx.adapters.check_declared_upload(tenant, declared_length(request.headers))
+    except APIError as error:
+        error.headers["Connection"] = "close"       # refused unread: nor is the rest of it read and dropped
+        raise
+    form = await _read_form(request)
     try:
         name = form.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request("the upload needs a 'name' field", param="name")
         owner = form.get("owner")
-        files = [UploadedFile(field, value.filename or "", value.file)
+        files = [UploadedFile(field, value.filename or "", value.file, value.size or 0)
                  for field, value in form.multi_items() if isinstance(value, UploadFile)]
         return await ctx.adapters.load_upload(tenant, name, files, _form_bool(form.get("public")),
                                               owner if isinstance(owner, str) and owner else None)
@@ -241,7 +306,20 @@ async def _load_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> 
         await form.close()
 
 
-def _add_ops_routes(app: FastAPI, ctx: ServerContext) -> None:
+async def _read_form(request: Request) -> FormData:
+    """The multipart form, its files spooled to anonymous temporary files: the parser closes (and so removes)
+    them if the body fails, the caller once the form is used."""
+    try:
+        return await request.form(max_files=4, max_fields=8)
+    except ClientDisconnect:
+        raise bad_request("the client disconnected before the upload was complete", param="files") from None
+
+
+def _add_ops_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
+    async def metrics_reader(request: Request) -> None:
+        if ctx.settings.metrics_require_key and not (await caller(request)).is_admin:
+            raise APIError(403, "/metrics needs an admin tenant's key", code="permission_denied")
+
     @app.get("/health")
     async def health() -> Response:
         ok, reason = ctx.engine.health(ctx.settings.stall_timeout_s)
@@ -249,7 +327,7 @@ def _add_ops_routes(app: FastAPI, ctx: ServerContext) -> None:
             return unavailable(f"not healthy: {reason}", ctx.settings.retry_after_s).response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get(METRICS_ROUTE, dependencies=[Depends(metrics_reader)])
     async def metrics() -> Response:
         queued = ctx.admission.queued
         text = ctx.metrics.render(ctx.engine, queued=queued, inflight=ctx.admission.pending - queued)

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ def unavailable(message: str, retry_after_s: int | None = None) -> APIError:
     return APIError(503, message, code="service_unavailable", headers=headers)
 
 
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
+
+
 def internal_error() -> APIError:
     return APIError(500, "The server had an internal error while processing the request.", code="internal_error")
 
@@ -103,6 +108,9 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        limit = request.scope.get(MAX_BODY_SIZE_SCOPE_KEY)
+        if exc.status_code == 413 and limit is not None:     # Starlette's body limit: name the limit
+            return respond(too_large(limit))
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         return respond(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
 

@@ -37,6 +37,12 @@ class ServerSettings:
     max_prompt_chars: int = 1_000_000         # characters of text in one request (prompts or messages)
     shutdown_timeout_s: float = 30.0          # in-flight requests get this long to finish on SIGTERM
     stall_timeout_s: float = 120.0            # /health fails when one engine step takes longer
+    max_adapter_bytes: int | None = None      # uploaded adapter bytes per tenant unless its own limit says otherwise
+    timeout_keep_alive_s: float = 5.0         # an idle connection is closed this long after its last response
+    timeout_header_s: float = 10.0            # a client has this long to send a request's headers
+    timeout_body_idle_s: float = 30.0         # the longest pause allowed while a client sends a request body
+    max_connections: int = 1000               # open connections served; requests on more get 503
+    metrics_require_key: bool = False         # /metrics answers only with an admin tenant's key
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -51,13 +57,19 @@ class ServerSettings:
                              "address; give --tenants FILE or --allow-unauthenticated")
         for name in ("max_n", "max_choices", "max_stop_sequences", "max_stop_length", "max_body_bytes",
                      "max_upload_bytes", "max_pending_requests", "retry_after_s", "tokenizer_workers",
-                     "max_tokenize_pending", "max_prompt_chars"):
+                     "max_tokenize_pending", "max_prompt_chars", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
-            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        for name in ("max_tokens_limit", "max_adapter_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.shutdown_timeout_s < 0 or self.stall_timeout_s <= 0:
             raise ValueError("shutdown_timeout_s must be >= 0 and stall_timeout_s > 0")
+        for name in ("timeout_keep_alive_s", "timeout_header_s", "timeout_body_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.metrics_require_key and self.tenants_file is None:
+            raise ValueError("metrics_require_key needs a tenants file: without one there are no keys")
 
     @property
     def single_user(self) -> bool:

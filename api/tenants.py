@@ -8,6 +8,8 @@ The tenants file is TOML, one table per tenant:
     max_concurrent = 4              # requests in the engine at once (default: unlimited)
     max_queued = 8                  # requests waiting for one of those slots (default: 0)
     max_adapters = 50               # adapter names in its namespace (default: unlimited)
+    max_adapter_bytes = 2147483648  # bytes of the adapter files its names point at, uploaded or loaded
+                                    # by path (default: the server's --max-adapter-bytes)
     max_tokens_per_minute = 100000  # prompt tokens + max_tokens of its requests (default: unlimited)
 """
 import hashlib
@@ -37,6 +39,7 @@ class Tenant:
     max_concurrent: int | None = None
     max_queued: int = 0
     max_adapters: int | None = None  # adapter names its namespace may hold
+    max_adapter_bytes: int | None = None   # bytes of its adapters' files; None: the server's default
     max_tokens_per_minute: int | None = None   # prompt + max_tokens of admitted requests, per minute
     local: bool = False              # the single user of a server without a tenants file
 
@@ -53,6 +56,8 @@ class Tenant:
             raise ValueError(f"tenant {self.id}: max_adapters must be >= 1, got {self.max_adapters}")
         if self.max_tokens_per_minute is not None and self.max_tokens_per_minute < 1:
             raise ValueError(f"tenant {self.id}: max_tokens_per_minute must be >= 1, got {self.max_tokens_per_minute}")
+        if self.max_adapter_bytes is not None and self.max_adapter_bytes < 1:
+            raise ValueError(f"tenant {self.id}: max_adapter_bytes must be >= 1, got {self.max_adapter_bytes}")
 
     @property
     def is_admin(self) -> bool:
@@ -111,7 +116,7 @@ def _parse_tenant(tenant_id: str, fields: Any) -> Tenant:
     if not isinstance(fields, dict):
         raise ValueError(f"tenants.{tenant_id} must be a table")
     unknown = set(fields) - {"role", "key_sha256", "max_concurrent", "max_queued", "max_adapters",
-                             "max_tokens_per_minute"}
+                             "max_tokens_per_minute", "max_adapter_bytes"}
     if unknown:
         raise ValueError(f"tenants.{tenant_id}: unknown field(s) {', '.join(sorted(unknown))}")
     hashes = fields.get("key_sha256", [])
@@ -126,14 +131,16 @@ def _parse_tenant(tenant_id: str, fields: Any) -> Tenant:
     max_queued = fields.get("max_queued", 0)
     max_adapters = fields.get("max_adapters")
     max_tpm = fields.get("max_tokens_per_minute")
+    max_bytes = fields.get("max_adapter_bytes")
     for name, value in (("max_concurrent", max_concurrent), ("max_queued", max_queued),
-                        ("max_adapters", max_adapters), ("max_tokens_per_minute", max_tpm)):
+                        ("max_adapters", max_adapters), ("max_tokens_per_minute", max_tpm),
+                        ("max_adapter_bytes", max_bytes)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ValueError(f"tenants.{tenant_id}.{name} must be an integer")
     return Tenant(tenant_id, role=fields.get("role", "tenant"),
                   key_hashes=tuple(bytes.fromhex(h.lower()) for h in hashes),
                   max_concurrent=max_concurrent, max_queued=max_queued, max_adapters=max_adapters,
-                  max_tokens_per_minute=max_tpm)
+                  max_tokens_per_minute=max_tpm, max_adapter_bytes=max_bytes)
 
 
 def _check_unique_keys(tenants: list[Tenant]) -> None:

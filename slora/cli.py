@@ -1,9 +1,14 @@
 """Command line: `slora generate` (offline) and `slora serve` (HTTP)."""
 import argparse
+import dataclasses
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from slora.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from slora.api.settings import ServerSettings
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +71,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# `slora serve` flags of ServerSettings' limits: (flag, field, type, help). Their defaults are ServerSettings';
+# a flag not given leaves the field at its default, so the values are validated in one place.
+SERVE_LIMITS = (
+    ("--max-n", "max_n", int, "samples per prompt (n)"),
+    ("--max-choices", "max_choices", int, "prompts x n in one request"),
+    ("--max-tokens-limit", "max_tokens_limit", int, "largest max_tokens (default: the model's context)"),
+    ("--max-stop-sequences", "max_stop_sequences", int, "stop sequences in one request"),
+    ("--max-stop-length", "max_stop_length", int, "characters of one stop sequence"),
+    ("--max-prompt-chars", "max_prompt_chars", int, "characters of text in one request (prompts or messages)"),
+    ("--max-body-bytes", "max_body_bytes", int, "bytes of a request body, JSON or other (413 beyond)"),
+    ("--max-upload-bytes", "max_upload_bytes", int,
+     "bytes of a multipart adapter upload to /v1/adapters (413 beyond)"),
+    ("--max-adapter-bytes", "max_adapter_bytes", int,
+     "bytes of adapter files one tenant's adapters may hold, uploaded or loaded by path, unless the tenants "
+     "file gives the tenant its own max_adapter_bytes (default: no limit; 403 beyond)"),
+    ("--max-pending-requests", "max_pending_requests", int, "requests in the engine plus queued ones (429 beyond)"),
+    ("--retry-after", "retry_after_s", int, "seconds the Retry-After header of 429 and 503 answers says"),
+    ("--tokenizer-workers", "tokenizer_workers", int, "threads tokenizing prompts"),
+    ("--max-tokenize-pending", "max_tokenize_pending", int,
+     "requests waiting for a tokenizer thread (429 beyond)"),
+    ("--shutdown-timeout", "shutdown_timeout_s", float, "seconds in-flight requests get to finish on SIGTERM"),
+    ("--stall-timeout", "stall_timeout_s", float, "/health fails while one engine step runs longer (seconds)"),
+    ("--timeout-keep-alive", "timeout_keep_alive_s", float,
+     "seconds an idle connection stays open after its last response"),
+    ("--timeout-header", "timeout_header_s", float,
+     "seconds a client has to send a request's headers, from the connection's start or the request's first byte"),
+    ("--timeout-body-idle", "timeout_body_idle_s", float,
+     "seconds a request body may pause before the connection is closed"),
+    ("--max-connections", "max_connections", int, "open connections served (requests on more get 503)"),
+)
+
+
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    from slora.api.settings import ServerSettings
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP service")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
@@ -76,28 +114,36 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--adapter-root", default=None, metavar="DIR",
                        help="folder that adapters loaded by path must be inside")
     serve.add_argument("--upload-dir", default=None, metavar="DIR",
-                       help="where uploaded adapters are kept (default: a temporary folder)")
+                       help="where uploaded adapters are kept while the server runs (default: a temporary folder)")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="allow single-user mode (no API keys) on a non-loopback address")
+    serve.add_argument("--metrics-require-key", action="store_true",
+                       help="/metrics answers only requests with the key of a tenant whose role is admin in the "
+                            "tenants file (401 without a valid key, 403 for other tenants); needs --tenants")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--num-pages", type=int, default=None, help="pool size in pages (overrides sizing)")
     serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--max-pending-requests", type=int, default=1024)
-    serve.add_argument("--max-tokens-limit", type=int, default=None)
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish on SIGTERM")
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
+    for flag, field, kind, help_text in SERVE_LIMITS:
+        shown = "" if defaults[field] is None else f" (default: {defaults[field]})"
+        serve.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=help_text + shown,
+                           metavar="SECONDS" if kind is float else "N")
+
+
+def serve_settings(args: argparse.Namespace) -> "ServerSettings":
+    """The ServerSettings of `slora serve`'s arguments (ValueError naming a bad one)."""
+    from slora.api.settings import ServerSettings
+    limits = {field: getattr(args, field) for _, field, _, _ in SERVE_LIMITS if hasattr(args, field)}
+    return ServerSettings(host=args.host, port=args.port, tenants_file=args.tenants, adapter_root=args.adapter_root,
+                          upload_dir=args.upload_dir, allow_unauthenticated=args.allow_unauthenticated,
+                          metrics_require_key=args.metrics_require_key, **limits)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from slora.api.server import serve
-    from slora.api.settings import ServerSettings
     from slora.config import EngineConfig
 
-    settings = ServerSettings(host=args.host, port=args.port, tenants_file=args.tenants,
-                              adapter_root=args.adapter_root, upload_dir=args.upload_dir,
-                              allow_unauthenticated=args.allow_unauthenticated,
-                              max_pending_requests=args.max_pending_requests,
-                              max_tokens_limit=args.max_tokens_limit, shutdown_timeout_s=args.shutdown_timeout)
+    settings = serve_settings(args)
     if settings.tenants_file is not None:        # fail fast on a bad tenants file, before loading the model
         from slora.api.tenants import load_tenants
         load_tenants(settings.tenants_file)
