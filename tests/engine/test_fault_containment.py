@@ -2,6 +2,7 @@
 "error" with a RequestError), frees its pages and leaves every other request's tokens as they were; the
 engine goes on serving. Also: adapter folders the engine owns are deleted once their version is dropped,
 and the bytes on disk of a namespace's adapters."""
+import asyncio
 import json
 import re
 import shutil
@@ -200,6 +201,32 @@ def test_llm_generate_returns_a_failed_request_beside_the_others(llm, reference,
     assert outs[0].error.code == "internal_error" and outs[1].error is None and outs[2].error is None
     assert [tokens(o) for o in outs[1:]] == [reference.tokens["seeded"], reference.tokens["greedy"]]
     assert not llm.engine.requests and llm.pool_stats() == reference.pool
+
+
+def test_through_the_engine_thread_a_failed_request_reaches_its_stream_and_the_server_stays_ready(
+        llm, reference, monkeypatch):
+    from slora.api.async_engine import AsyncEngine, EngineState
+    fault_in_stop_check(monkeypatch, llm.engine)
+    batch = {r.request_id: r for r in requests()}
+
+    async def scenario() -> dict[str, RequestOutput]:
+        front = AsyncEngine(llm.engine)
+        front.start()
+        while front.state is EngineState.STARTING:
+            await asyncio.sleep(0.01)
+        streams = [await front.generate(r.request_id, r.prompt, r.params, r.adapter, None) for r in batch.values()]
+        finals = {}
+        for stream in streams:
+            async for output in stream:
+                finals[output.request_id] = output
+        assert front.state is EngineState.READY and front.health(stall_timeout_s=60) == (True, "ok")
+        await front.shutdown(5)
+        return finals
+    finals = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+    assert finals[VICTIM].finish_reason == "error" and finals[VICTIM].error.code == "internal_error"
+    assert tokens(finals["seeded"]) == reference.tokens["seeded"]
+    assert tokens(finals["greedy"]) == reference.tokens["greedy"]
+    assert llm.pool_stats() == reference.pool
 
 
 # ---- adapters read back from disk ---------------------------------------------------------------------
