@@ -28,7 +28,7 @@ MAX_CONTENT_PARTS = 1024                    # text parts of one message
 MAX_TOKENS = 2 ** 24                        # max_tokens / max_completion_tokens
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024                  # enough to list every token of a small vocabulary
+MAX_STOP_TOKEN_IDS = 1024                   # enough to list every token of a small vocabulary
 MAX_NAME_CHARS = 256                        # model, user, message and adapter names
 MAX_PATH_CHARS = 4096
 
