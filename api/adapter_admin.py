@@ -201,7 +201,7 @@ class AdapterService:
         upload may be for another namespace, named in the form: it is checked once the form is read."""
         quota = self.byte_quota(tenant.namespace)
         if declared is not None and quota is not None and not tenant.is_admin and declared > quota:
-            raise _over_byte_quota(tenant.namespace, quota, 0, f"this upload of {declared} bytes")
+            raise _over_byte_quota(tenant.namespace, quota, f"this upload of {declared} bytes")
 
     async def list_adapters(self, tenant: Tenant) -> list[dict[str, Any]]:
         def command(engine: Engine) -> list[dict[str, Any]]:
@@ -272,29 +272,31 @@ class AdapterService:
 
     async def _register(self, name: str, prepared: PreparedAdapter, namespace: str | None, public: bool,
                         owns_files: bool) -> dict[str, Any]:
-        def command(engine: Engine) -> dict[str, Any]:
-            # On the engine thread, so two concurrent loads cannot both take the last free name or bytes.
-            try:
-                self._check_room(engine, namespace, name, prepared.disk_bytes)
-            except APIError:
-                if owns_files:
-                    shutil.rmtree(folder, ignore_errors=True)
-                raise
-            # From here the engine owns an uploaded folder: it deletes it if it refuses the adapter, and
-            # once the version is dropped (unloaded or replaced, after its last request).
-            entry = engine.register_adapter(name, prepared, owner=namespace, public=public, owns_files=owns_files)
-            return describe(engine, entry)
-        folder = prepared.path
         # Shielded: once queued, the command decides what becomes of the folder, even if this request is
         # cancelled meanwhile; its outcome is then read by nobody, which the callback says is fine.
-        registration = asyncio.ensure_future(self.engine.call(command))
+        registration = asyncio.ensure_future(self.engine.call(
+            lambda engine: self._register_now(engine, name, prepared, namespace, public, owns_files)))
         registration.add_done_callback(lambda task: task.cancelled() or task.exception())
         try:
             return await asyncio.shield(registration)
         except EngineUnavailable as exc:
             if owns_files:                    # the engine stopped before the command ran
-                shutil.rmtree(folder, ignore_errors=True)
+                shutil.rmtree(prepared.path, ignore_errors=True)
             raise unavailable(f"the engine is {exc}; retry later") from None
+
+    def _register_now(self, engine: Engine, name: str, prepared: PreparedAdapter, namespace: str | None,
+                      public: bool, owns_files: bool) -> dict[str, Any]:
+        """On the engine thread, so that two concurrent loads cannot both take the last free name or bytes."""
+        try:
+            self._check_room(engine, namespace, name, prepared.disk_bytes)
+        except APIError:
+            if owns_files:
+                shutil.rmtree(prepared.path, ignore_errors=True)
+            raise
+        # From here the engine owns an uploaded folder: it deletes it if it refuses the adapter, and once the
+        # version is dropped (unloaded or replaced, after its last request).
+        entry = engine.register_adapter(name, prepared, owner=namespace, public=public, owns_files=owns_files)
+        return describe(engine, entry)
 
     async def _call(self, command: Callable[[Engine], T]) -> T:
         try:
@@ -325,7 +327,7 @@ class AdapterService:
             return
         held = engine.adapter_disk_bytes(namespace) - _replaced_bytes(engine, namespace, name)
         if held + new_bytes > quota:
-            raise _over_byte_quota(namespace, quota, held, f"{name!r}'s {new_bytes} bytes")
+            raise _over_byte_quota(namespace, quota, f"{new_bytes} more bytes under {name!r}", held)
 
     def _check_load(self, tenant: Tenant, name: str, public: bool) -> None:
         if self.engine.info is not None:
@@ -368,8 +370,9 @@ def _replaced_bytes(engine: Engine, namespace: str | None, name: str) -> int:
     return engine.store.versions[entry.version].disk_bytes
 
 
-def _over_byte_quota(namespace: str | None, quota: int, held: int, what: str) -> APIError:
-    holder = f"tenant {namespace!r}" if namespace is not None else "this server's adapters"
-    return APIError(403, f"{holder} may hold at most {quota} bytes of adapter files (max_adapter_bytes) and "
-                    f"holds {held}: {what} do not fit; unload an adapter first", code="adapter_quota_exceeded",
+def _over_byte_quota(namespace: str | None, quota: int, what: str, held: int | None = None) -> APIError:
+    holder = f"tenant {namespace!r}" if namespace is not None else "the local namespace"
+    holding = f" and holds {held}" if held is not None else ""
+    return APIError(403, f"{holder} may hold at most {quota} bytes of adapter files (max_adapter_bytes)"
+                    f"{holding}: {what} would not fit; unload an adapter first", code="adapter_quota_exceeded",
                     param="files")

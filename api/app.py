@@ -5,7 +5,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -286,24 +286,39 @@ def _add_adapter_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
+class UploadForm(NamedTuple):
+    name: str
+    files: list[UploadedFile]
+    public: bool
+    owner: str | None
+
+
 async def _load_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> dict[str, Any]:
+    _check_declared_upload(ctx, request, tenant)
+    form = await _read_form(request)
+    try:
+        return await ctx.adapters.load_upload(tenant, *_upload_form(form))
+    finally:
+        await form.close()
+
+
+def _check_declared_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> None:
     try:
         ctx.adapters.check_declared_upload(tenant, declared_length(request.headers))
     except APIError as error:
         error.headers["Connection"] = "close"       # refused unread: nor is the rest of it read and dropped
         raise
-    form = await _read_form(request)
-    try:
-        name = form.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request("the upload needs a 'name' field", param="name")
-        owner = form.get("owner")
-        files = [UploadedFile(field, value.filename or "", value.file, value.size or 0)
-                 for field, value in form.multi_items() if isinstance(value, UploadFile)]
-        return await ctx.adapters.load_upload(tenant, name, files, _form_bool(form.get("public")),
-                                              owner if isinstance(owner, str) and owner else None)
-    finally:
-        await form.close()
+
+
+def _upload_form(form: FormData) -> UploadForm:
+    name = form.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request("the upload needs a 'name' field", param="name")
+    owner = form.get("owner")
+    files = [UploadedFile(field, value.filename or "", value.file, value.size or 0)
+             for field, value in form.multi_items() if isinstance(value, UploadFile)]
+    owner = owner if isinstance(owner, str) and owner else None
+    return UploadForm(name, files, _form_bool(form.get("public")), owner)
 
 
 async def _read_form(request: Request) -> FormData:

@@ -15,6 +15,7 @@ from typing import Any
 
 import h11
 import uvicorn
+from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from slora.api.app import create_app
@@ -121,8 +122,9 @@ def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port. Bound before the model loads, so that a taken port is a clear error at
     once; uvicorn's own bind comes after the app's startup and aborts the process."""
     where = f"{host}:{port}"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET     # as uvicorn: a name means IPv4
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, family, socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
         raise ListenError(f"cannot listen on {where}: {exc.strerror}") from None
@@ -137,7 +139,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
+def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
     timeouts = ReadTimeouts(settings.timeout_header_s, settings.timeout_body_idle_s)
     # The app aborts what still runs after shutdown_timeout_s (so clients get a proper 503 error event);
     # uvicorn's own timeout, which just cancels the connections' tasks, is only a backstop behind it.
@@ -152,18 +154,19 @@ def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
 
 def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
     """Run the server until SIGTERM or SIGINT; returns the exit status. Raises ListenError."""
-    sock = listen(settings.host, settings.port)
-    try:
+    with listen(settings.host, settings.port) as sock:
         app = create_app(lambda: Engine(engine_config), settings)
         server = _Server(uvicorn_config(app, settings),
                          lambda: app.state.ctx.engine.begin_drain(settings.shutdown_timeout_s))
         logger.info("listening on http://%s:%d", settings.host, sock.getsockname()[1])
-        previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            server.run(sockets=[sock])
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    finally:
-        sock.close()
+        _run(server, sock)
     return 0 if server.started else 1
+
+
+def _run(server: uvicorn.Server, sock: socket.socket) -> None:
+    previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
