@@ -83,10 +83,9 @@ class SoakConfig:
 
 @dataclass
 class SoakResult:
-    statuses: Counter = field(default_factory=Counter)     # "kind:status" -> count
+    statuses: Counter = field(default_factory=Counter)     # "kind:status" (or client-left, dropped) -> count
     server_errors: list[str] = field(default_factory=list)
     hangs: list[str] = field(default_factory=list)
-    client_aborts: int = 0
     wall_s: float = 0.0
     idle_pool: dict[str, float] = field(default_factory=dict)
 
@@ -96,7 +95,7 @@ class SoakResult:
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "wall_s": round(self.wall_s, 2), "server_errors": self.server_errors,
-                "hangs": self.hangs, "client_aborts": self.client_aborts, "statuses": dict(sorted(self.statuses.items())),
+                "hangs": self.hangs, "statuses": dict(sorted(self.statuses.items())),
                 "idle_pool": self.idle_pool}
 
 
@@ -163,7 +162,6 @@ class Soak:
             response = await client.post("/v1/completions", json=body, headers=_headers(key),
                                          timeout=self.rng.uniform(0.01, 0.2))
         except httpx.TimeoutException:
-            self.result.client_aborts += 1
             return None
         return response.status_code
 
@@ -202,9 +200,11 @@ class Soak:
             self.result.hangs.append(f"{index}:{kind}")
             return
         except httpx.TransportError as exc:       # a connection the server dropped is a failure too
+            self.result.statuses[f"{kind}:dropped"] += 1
             self.result.server_errors.append(f"{index}:{kind}: {type(exc).__name__}: {exc}")
             return
         if status is None:
+            self.result.statuses[f"{kind}:client-left"] += 1
             return
         self.result.statuses[f"{kind}:{status}"] += 1
         if status >= 500:

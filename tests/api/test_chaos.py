@@ -56,6 +56,7 @@ def test_soak_ran_every_kind_and_hostile_requests_were_refused(soak_result):
     kinds = {key.split(":")[0] for key in soak_result.statuses}
     assert {"completion", "chat", "stream-abort", "adapter-cycle", "hostile"} <= kinds, soak_result.statuses
     hostile = {key: count for key, count in soak_result.statuses.items() if key.startswith("hostile:")}
+    assert sum(hostile.values()) >= SOAK_REQUESTS // 5
     assert hostile and all(400 <= int(key.split(":")[1]) < 500 for key in hostile), hostile
     assert soak_result.statuses["completion:200"] > 0 and soak_result.statuses["chat:200"] > 0
 
