@@ -167,10 +167,13 @@ def test_unknown_model_is_404(client):
 def test_malformed_and_oversized_bodies(server):
     with server.http() as http:
         for response in (http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
-                         http.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "x" * (5 * 2 ** 20)}),
                          http.post("/v1/chat/completions", json={"model": BASE_MODEL, "messages": []})):
             assert response.status_code == 400, response.text
             assert_error_shape(response.json(), 400)
+        too_large = http.post("/v1/completions", json={"model": BASE_MODEL, "prompt": "x" * (5 * 2 ** 20)})
+        assert too_large.status_code == 413, too_large.text
+        assert_error_shape(too_large.json(), 413)
+        assert too_large.json()["error"]["code"] == "request_too_large"
         missing = http.get("/v1/nothing-here")
         assert missing.status_code == 404
         assert_error_shape(missing.json(), 404)
