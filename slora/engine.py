@@ -485,20 +485,19 @@ class Engine:
         for row, seq in enumerate(seqs):
             if seq.status is SequenceStatus.FINISHED:
                 continue                               # another sample's fault failed its request
-            with self._request_scope(seq, "sampling its next token"):
+            try:
                 sampled.append((seq, self.sampler(logits[row:row + 1], [seq])[0]))
+            except Exception:
+                self._fail_internal(seq, "sampling its next token")
         return sampled
 
-    @contextmanager
-    def _request_scope(self, seq: Sequence, stage: str) -> Iterator[None]:
-        """Work on one request's sequence: an exception raised inside fails that request alone. The log gets
-        the traceback; the client an internal_error naming the stage, not the engine's internals."""
-        try:
-            yield
-        except Exception:
-            logger.exception("request %s failed while %s; the other requests go on", seq.request_id, stage)
-            self._fail_request(seq.request_id, RequestError(INTERNAL_ERROR, f"internal error while {stage}; "
-                                                            "the request was stopped"))
+    def _fail_internal(self, seq: Sequence, stage: str) -> None:
+        """Called from an `except` around one request's work: that request alone fails. The log gets the
+        traceback; the client an internal_error naming the stage, not the engine's internals. (A plain
+        try/except at each call site, not a context manager: it runs per token on the decode path.)"""
+        logger.exception("request %s failed while %s; the other requests go on", seq.request_id, stage)
+        self._fail_request(seq.request_id, RequestError(INTERNAL_ERROR, f"internal error while {stage}; "
+                                                        "the request was stopped"))
 
     def _fail_request(self, request_id: str, error: RequestError) -> None:
         """The one way a request fails alone: its unfinished samples end with "error" and free their pages,
@@ -531,8 +530,10 @@ class Engine:
         for seq, token in sampled:
             if seq.status is SequenceStatus.FINISHED:
                 continue                               # another sample's fault failed its request
-            with self._request_scope(seq, "handling its new token"):
+            try:
                 self._append_token(seq, token)
+            except Exception:
+                self._fail_internal(seq, "handling its new token")
             touched[seq.request_id] = self.requests[seq.request_id]
 
     def _append_token(self, seq: Sequence, token: int) -> None:
