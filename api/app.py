@@ -187,7 +187,7 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
             await ctx.close()
 
     app = FastAPI(title="slora", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
-    install_openapi(app)
+    install_openapi(app, metrics_require_key=settings.metrics_require_key)
     app.state.ctx = ctx
     app.router.redirect_slashes = False        # its redirect would echo the client's Host header back
     install_error_handlers(app, on_error=ctx.count_error)

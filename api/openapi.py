@@ -16,7 +16,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema, models_json_schema
 
-from slora.api.protocol import AdapterLoadRequest
+from slora.api.adapter_admin import CONFIG_FILE, WEIGHTS_FILE
+from slora.api.protocol import AdapterLoadRequest, Name
 
 REF = "#/components/schemas/{model}"
 JSON, SSE, TEXT, HTML, MULTIPART = ("application/json", "text/event-stream", "text/plain", "text/html",
@@ -156,11 +157,11 @@ class Health(BaseModel):
 class AdapterUpload(BaseModel):
     """The multipart form of `POST /v1/adapters`: the two files of a PEFT folder."""
 
-    name: str
+    name: Name
     public: bool = Field(default=False, description="admins only: visible to every tenant")
-    owner: str | SkipJsonSchema[None] = absent("admins only: the tenant to load it for")
-    adapter_config: bytes = Field(alias="adapter_config.json")
-    adapter_model: bytes = Field(alias="adapter_model.safetensors")
+    owner: Name | SkipJsonSchema[None] = absent("admins only: the tenant to load it for")
+    adapter_config: bytes = Field(alias=CONFIG_FILE)
+    adapter_model: bytes = Field(alias=WEIGHTS_FILE)
 
 
 # ---- what each operation answers --------------------------------------------------------------------------
@@ -172,68 +173,82 @@ class OperationDoc:
     bodies: tuple[tuple[str, type[BaseModel]], ...] = ()  # request bodies FastAPI cannot see
 
 
-# Every route reads its body through the body limit and may fail unexpectedly (500); the ones behind a key
-# answer 401 without one, and 503 while the model loads or the server drains.
-_KEYED = (400, 401, 413, 500, 503)
-_GENERATION = _KEYED + (404, 429)
+# Any request may carry a body over the limit (413), meet an unexpected failure (500) or find the server over
+# its connection limit, loading the model or draining (503); the routes behind a key answer 401 without one,
+# those that parse a body or a query answer 400 when it is invalid.
+_ANY = (413, 500, 503)
+_KEYED = _ANY + (401,)
+_PARSED = _KEYED + (400,)
+_GENERATION = _PARSED + (404, 409, 429)
+_METRICS = ("get", "/metrics")
 OPERATIONS: Mapping[tuple[str, str], OperationDoc] = MappingProxyType({
     ("post", "/v1/completions"): OperationDoc(_GENERATION, ((JSON, Completion), (SSE, ServerSentEvent))),
     ("post", "/v1/chat/completions"): OperationDoc(_GENERATION, ((JSON, ChatCompletion), (SSE, ServerSentEvent))),
     ("get", "/v1/models"): OperationDoc(_KEYED, ((JSON, ModelList),)),
     ("get", "/v1/models/{model_id}"): OperationDoc(_KEYED + (404,), ((JSON, ModelCard),)),
     ("get", "/v1/adapters"): OperationDoc(_KEYED, ((JSON, AdapterList),)),
-    ("post", "/v1/adapters"): OperationDoc(_KEYED + (403, 404), ((JSON, AdapterInfo),),
+    ("post", "/v1/adapters"): OperationDoc(_PARSED + (403, 404, 507), ((JSON, AdapterInfo),),
                                            bodies=((JSON, AdapterLoadRequest), (MULTIPART, AdapterUpload))),
-    ("delete", "/v1/adapters/{name}"): OperationDoc(_KEYED + (404,), ((JSON, AdapterDeleted),)),
-    ("post", "/v1/load_lora_adapter"): OperationDoc(_KEYED + (403,), ((TEXT, _STRING),)),
-    ("post", "/v1/unload_lora_adapter"): OperationDoc(_KEYED + (404,), ((TEXT, _STRING),)),
-    ("get", "/metrics"): OperationDoc((400, 401, 413, 500), ((TEXT, _STRING),)),
-    ("get", "/health"): OperationDoc((400, 413, 500, 503), ((JSON, Health),), public=True),
-    ("get", "/openapi.json"): OperationDoc((400, 413, 500), ((JSON, _OBJECT),), public=True),
-    ("get", "/docs"): OperationDoc((400, 413, 500), ((HTML, _STRING),), public=True),
+    ("delete", "/v1/adapters/{name}"): OperationDoc(_PARSED + (404,), ((JSON, AdapterDeleted),)),
+    ("post", "/v1/load_lora_adapter"): OperationDoc(_PARSED + (403,), ((TEXT, _STRING),)),
+    ("post", "/v1/unload_lora_adapter"): OperationDoc(_PARSED + (404,), ((TEXT, _STRING),)),
+    _METRICS: OperationDoc(_ANY, ((TEXT, _STRING),), public=True),
+    ("get", "/health"): OperationDoc(_ANY, ((JSON, Health),), public=True),
+    ("get", "/openapi.json"): OperationDoc(_ANY, ((JSON, _OBJECT),), public=True),
+    ("get", "/docs"): OperationDoc(_ANY, ((HTML, _STRING),), public=True),
 })
+# /metrics with ServerSettings.metrics_require_key: an admin's key only.
+_KEYED_METRICS = OperationDoc(_KEYED + (403,), OPERATIONS[_METRICS].ok)
 _ERROR_DESCRIPTIONS = MappingProxyType({
     400: "Invalid request: the message names the problem and `param` the field",
     401: "Missing or unknown API key",
-    403: "Not allowed for this API key (publishing without admin rights, or over the adapter quota)",
+    403: "Not allowed for this API key (publishing without admin rights, over an adapter quota, or /metrics "
+         "without an admin's key)",
     404: "No such model or adapter, or one that belongs to another tenant",
+    409: "The adapter's files changed or vanished on the server since it was loaded; its owner must load it again",
     413: "The request body is larger than the server's limit",
     429: "Over this API key's concurrency or token rate, or the server is at capacity; see Retry-After",
     500: "Internal error; the details are in the server log",
-    503: "The model is loading or the server is shutting down; see Retry-After",
+    503: "The model is loading, the server is shutting down or at its connection limit; see Retry-After",
+    507: "The server has no room to store the upload",
 })
 _RETRY_AFTER = MappingProxyType({"Retry-After": {"description": "seconds to wait before retrying",
                                                  "schema": {"type": "integer"}}})
 _DOC_MODELS = (ErrorResponse, Completion, ChatCompletion, ServerSentEvent, ModelList, AdapterList, AdapterDeleted,
                Health, AdapterLoadRequest, AdapterUpload)
-_UPLOAD_ENCODING = MappingProxyType({"adapter_config.json": {"contentType": JSON},
-                                     "adapter_model.safetensors": {"contentType": "application/octet-stream"}})
+_UPLOAD_ENCODING = MappingProxyType({CONFIG_FILE: {"contentType": JSON},
+                                     WEIGHTS_FILE: {"contentType": "application/octet-stream"}})
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Make `app.openapi()` (and so /openapi.json and /docs) return the completed schema."""
+def install_openapi(app: FastAPI, metrics_require_key: bool = False) -> None:
+    """Make `app.openapi()` (and so /openapi.json and /docs) return the completed schema; /metrics is documented
+    as behind an admin's key when the server has `metrics_require_key`."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             generated = get_openapi(title=app.title, version=app.version, description=app.description,
                                     routes=app.routes)
-            app.openapi_schema = complete_schema(generated)
+            app.openapi_schema = complete_schema(generated, metrics_require_key)
         return app.openapi_schema
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace the schema
 
 
-def complete_schema(schema: dict[str, Any]) -> dict[str, Any]:
+def complete_schema(schema: dict[str, Any], metrics_require_key: bool = False) -> dict[str, Any]:
     """`schema` (as FastAPI generates it) with the models, security, bodies and answers of OPERATIONS."""
     components = schema.setdefault("components", {})
     components.setdefault("schemas", {}).update(_model_schemas())
     components["securitySchemes"] = {BEARER: {"type": "http", "scheme": "bearer",
                                               "description": "an API key of a tenant in the tenants file"}}
     schema["security"] = [{BEARER: []}]
-    for (method, path), doc in OPERATIONS.items():
+    for (method, path), doc in _operations(metrics_require_key).items():
         operation = schema.setdefault("paths", {}).setdefault(path, {}).setdefault(method, _new_operation(method, path))
         _document(operation, doc)
     for name in ("HTTPValidationError", "ValidationError"):   # only FastAPI's 422, which this server never gives
         components["schemas"].pop(name, None)
     return schema
+
+
+def _operations(metrics_require_key: bool) -> Mapping[tuple[str, str], OperationDoc]:
+    return {**OPERATIONS, _METRICS: _KEYED_METRICS} if metrics_require_key else OPERATIONS
 
 
 def _model_schemas() -> dict[str, Any]:

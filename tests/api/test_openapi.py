@@ -12,6 +12,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
 from conftest import BASE_MODEL, TEST_ADAPTERS, start_server
+from slora.api.app import create_app
 from slora.api.openapi import OPERATIONS
 from slora.api.tenants import hash_key
 from slora.embedded import DEMO_ADAPTERS
@@ -35,9 +36,10 @@ key_sha256 = "{hash_key(KEYS['admin'])}"
 [tenants.acme]
 key_sha256 = "{hash_key(KEYS['tenant'])}"
 """)
-    # A small max_tokens limit keeps every generated completion short (larger ones get a documented 400).
+    # A small max_tokens limit keeps every generated completion short (larger ones get a documented 400);
+    # /metrics behind an admin's key documents (and answers) 401 and 403 too.
     srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root),
-                       "--max-tokens-limit", "16")
+                       "--max-tokens-limit", "16", "--metrics-require-key")
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -54,13 +56,24 @@ def api_schema(server, document):
     return schemathesis.openapi.from_dict(document)
 
 
+def public_operations(document: dict) -> set[tuple[str, str]]:
+    return {(method, path) for path, item in document["paths"].items() for method, operation in item.items()
+            if operation.get("security") == []}
+
+
 def test_security_scheme_is_bearer_except_on_public_routes(document):
     assert document["components"]["securitySchemes"] == {
         "bearer": {"type": "http", "scheme": "bearer", "description": "an API key of a tenant in the tenants file"}}
     assert document["security"] == [{"bearer": []}]
-    public = {(method, path) for path, item in document["paths"].items() for method, operation in item.items()
-              if operation.get("security") == []}
-    assert public == {("get", "/health"), ("get", "/openapi.json"), ("get", "/docs")}
+    assert public_operations(document) == {("get", "/health"), ("get", "/openapi.json"), ("get", "/docs")}
+    assert {"401", "403"} <= set(document["paths"]["/metrics"]["get"]["responses"])
+
+
+def test_metrics_are_public_without_metrics_require_key():
+    document = create_app(lambda: None).openapi()      # never started: the schema needs no engine
+    assert public_operations(document) == {("get", "/health"), ("get", "/openapi.json"), ("get", "/docs"),
+                                           ("get", "/metrics")}
+    assert not {"401", "403"} & set(document["paths"]["/metrics"]["get"]["responses"])
 
 
 def test_adapter_load_documents_json_and_multipart_bodies(document):
@@ -85,12 +98,12 @@ def test_every_route_documents_its_errors_and_no_422(document):
         responses = operation["responses"]
         assert "422" not in responses, key
         errors = {status for status in responses if status != "200"}
-        assert {"400", "500"} <= errors, key
+        assert {"413", "500", "503"} <= errors, key
         assert ("401" in errors) != (operation.get("security") == []), key
         for status in errors:
             assert responses[status]["content"]["application/json"]["schema"] == {"$ref": ERROR_REF}, (key, status)
-    assert {"404", "429", "503"} <= set(operations[("post", "/v1/completions")]["responses"])
-    assert {"403", "404"} <= set(operations[("post", "/v1/adapters")]["responses"])
+    assert {"400", "404", "409", "429"} <= set(operations[("post", "/v1/completions")]["responses"])
+    assert {"400", "403", "404", "507"} <= set(operations[("post", "/v1/adapters")]["responses"])
     assert "HTTPValidationError" not in document["components"]["schemas"]
     assert set(document["components"]["schemas"]["ErrorResponse"]["properties"]) == {"error"}
     detail = document["components"]["schemas"]["ErrorDetail"]
