@@ -25,13 +25,14 @@ from slora.adapters.weights import PICKLE_SUFFIXES, WEIGHTS_FILE
 from slora.api.async_engine import AsyncEngine, EngineUnavailable
 from slora.api.errors import APIError, adapter_not_found, bad_request, unavailable
 from slora.api.metrics import ServerMetrics
+from slora.api.protocol import ADAPTER_NAME_PATTERN
 from slora.api.tenants import Tenant, TenantDirectory
 from slora.engine import Engine, UnknownAdapterError
 
 logger = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(ADAPTER_NAME_PATTERN)
 T = TypeVar("T")
 
 

@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from slora.api import protocol
 from slora.api.adapter_admin import AdapterService, UploadedFile
 from slora.api.async_engine import AsyncEngine, EngineSource
-from slora.api.errors import APIError, bad_request, install_error_handlers, model_not_found, too_large, unavailable
+from slora.api.errors import (APIError, bad_request, install_error_handlers, invalid_request, model_not_found,
+                              too_large, unavailable)
 from slora.api.limits import Admission
 from slora.api.metrics import CONTENT_TYPE, ServerMetrics
 from slora.api.openapi import install_openapi
@@ -162,10 +163,7 @@ def _parse(model: type[BaseModel], raw: bytes) -> Any:
     try:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        raise bad_request(f"{param}: {first.get('msg')}" if param else first.get("msg", "invalid body"),
-                          param=param) from None
+        raise invalid_request(exc.errors()) from None
 
 
 def _form_bool(value: Any) -> bool:
@@ -271,7 +269,7 @@ def _add_adapter_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
     @app.delete("/v1/adapters/{name}")
     async def delete_adapter(name: str, tenant: Tenant = Depends(caller), owner: str | None = None) -> dict:
         ctx.require_engine()
-        return await ctx.adapters.unload(tenant, name, owner)
+        return await ctx.adapters.unload(tenant, name, owner or None)   # `?owner=` names nobody, as in uploads
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraAdapterRequest, tenant: Tenant = Depends(caller)) -> Response:

@@ -5,7 +5,7 @@ client; the details go to the server log instead.
 """
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -79,15 +79,17 @@ def internal_error() -> APIError:
     return APIError(500, "The server had an internal error while processing the request.", code="internal_error")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def invalid_request(errors: Sequence[Any]) -> APIError:
+    """The 400 for pydantic's validation errors of a request: the first one, naming its field."""
     if not errors:
-        return "invalid request", None
+        return bad_request("invalid request")
     first = errors[0]
+    if first.get("type") == "json_invalid":       # its loc is a byte offset, not a field
+        return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid value")
-    return (f"{param}: {message}" if param else message), param
+    return bad_request(f"{param}: {message}" if param else message, param=param)
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
@@ -103,8 +105,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return respond(bad_request(message, param=param))
+        return respond(invalid_request(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema, models_json_schema
 
 from slora.api.adapter_admin import CONFIG_FILE, WEIGHTS_FILE
-from slora.api.protocol import AdapterLoadRequest, Name
+from slora.api.protocol import AdapterLoadRequest, AdapterName, Name
 
 REF = "#/components/schemas/{model}"
 JSON, SSE, TEXT, HTML, MULTIPART = ("application/json", "text/event-stream", "text/plain", "text/html",
@@ -157,7 +157,7 @@ class Health(BaseModel):
 class AdapterUpload(BaseModel):
     """The multipart form of `POST /v1/adapters`: the two files of a PEFT folder."""
 
-    name: Name
+    name: AdapterName
     public: bool = Field(default=False, description="admins only: visible to every tenant")
     owner: Name | SkipJsonSchema[None] = absent("admins only: the tenant to load it for")
     adapter_config: bytes = Field(alias=CONFIG_FILE)

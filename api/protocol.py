@@ -61,7 +61,13 @@ VALID_UNICODE = BeforeValidator(_valid_unicode)
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), VALID_UNICODE]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), VALID_UNICODE]
 ModelName = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), VALID_UNICODE]
-AdapterPath = Annotated[str, Field(max_length=MAX_PATH_CHARS), VALID_UNICODE]
+# What an adapter may be called (declared here so the schema says it; the admin routes check the same).
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+AdapterName = Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN,
+                                   description="1-128 letters, digits, '.', '_' or '-', starting with a letter "
+                                               "or digit.")]
+AdapterPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS), VALID_UNICODE]
+PromptText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS), VALID_UNICODE]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), VALID_UNICODE]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
@@ -89,8 +95,8 @@ def _prompt_kind(value: Any) -> str | None:  # noqa: ANN401 - the raw JSON value
 
 
 Prompt = Annotated[
-    Annotated[Text, Tag("text")]
-    | Annotated[list[Text], Tag("texts"), Field(min_length=1, max_length=MAX_PROMPTS)]
+    Annotated[PromptText, Tag("text")]
+    | Annotated[list[PromptText], Tag("texts"), Field(min_length=1, max_length=MAX_PROMPTS)]
     | Annotated[TokenIds, Tag("token_ids"), Field(min_length=1)]
     | Annotated[list[TokenIds], Tag("token_id_lists"), Field(min_length=1, max_length=MAX_PROMPTS)],
     Discriminator(_prompt_kind, custom_error_type="invalid_prompt",
@@ -229,7 +235,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 class AdapterLoadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: Name
+    name: AdapterName
     path: AdapterPath
     public: bool = False
     owner: Name | None = None                # admins: load into another tenant's namespace
@@ -239,7 +245,7 @@ class LoadLoraAdapterRequest(BaseModel):
     """vLLM's `POST /v1/load_lora_adapter` body."""
 
     model_config = ConfigDict(extra="ignore")
-    lora_name: Name
+    lora_name: AdapterName
     lora_path: AdapterPath
 
 

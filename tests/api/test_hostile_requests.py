@@ -134,6 +134,19 @@ def test_total_prompt_characters_are_bounded(http):
     assert error["param"] == "messages" and "1200000" in error["message"], error
 
 
+@pytest.mark.parametrize("prompt", ["", ["ok", ""]])
+def test_an_empty_text_prompt_is_400_as_the_schema_says(http, prompt):
+    assert error_of(completion(http, prompt=prompt))["param"].startswith("prompt")
+    schema = http.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
+    assert '"minLength": 1' in json.dumps(schema["properties"]["prompt"])
+
+
+def test_broken_json_is_400_without_a_byte_offset_as_param(http):
+    response = http.post("/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    error = error_of(response)
+    assert error["param"] is None and "not valid JSON" in error["message"], error
+
+
 def test_too_many_stop_token_ids_are_400(http):
     for count in (1025, 1_200_000):
         response, seconds = timed(lambda: completion(http, stop_token_ids=[5] * count))

@@ -1,5 +1,6 @@
 """The OpenAPI schema at /openapi.json: plain checks of what it documents, and a bounded Schemathesis run of
 every operation against a real server, with an admin key, a tenant key and no key."""
+import re
 from pathlib import Path
 
 import httpx
@@ -88,6 +89,16 @@ def test_adapter_load_documents_json_and_multipart_bodies(document):
         "type": "string", "format": "binary", "title": "Adapter Model.Safetensors"}
     request = document["components"]["schemas"]["AdapterLoadRequest"]
     assert set(request["required"]) == {"name", "path"}
+    assert request["properties"]["path"]["minLength"] == 1
+    assert request["properties"]["name"]["pattern"] == upload["properties"]["name"]["pattern"]
+    assert re.fullmatch(request["properties"]["name"]["pattern"].strip("^$"), "support-bot.v2")
+    assert not re.fullmatch(request["properties"]["name"]["pattern"].strip("^$"), "../etc")
+
+
+def test_an_empty_owner_query_names_nobody(server):
+    with server.http(KEYS["admin"]) as admin:
+        response = admin.delete("/v1/adapters/no-such-adapter", params={"owner": ""})
+    assert response.status_code == 404, response.text
 
 
 def test_every_route_documents_its_errors_and_no_422(document):
