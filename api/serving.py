@@ -8,6 +8,7 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -181,31 +182,45 @@ TokenizerWork = Callable[[Tokenizer, threading.Event], T]
 
 class Tokenization:
     """Tokenizer work of every tenant on a bounded pool: `workers` threads, each with its own copy of the
-    tokenizer (HF fast tokenizers are not thread-safe), and at most `max_pending` requests waiting for a
-    thread; beyond that, 429. A request cancelled while it waits leaves the queue at once; one cancelled while
-    its work runs stops before its next prompt (the work checks its `cancelled` event), freeing the thread."""
+    tokenizer (HF fast tokenizers are not thread-safe). Requests waiting for a thread are served round-robin
+    across tenants (each tenant has its own FIFO), so a tenant with a long queue delays another by about one
+    request per busy tenant, not by its whole queue. At most `max_pending` requests wait in all, and at most
+    `max(1, max_pending // 2)` of one tenant, so one tenant cannot fill the queue alone; beyond either bound,
+    429. A request cancelled while it waits leaves its tenant's queue at once; one cancelled while its work
+    runs stops before its next prompt (the work checks its `cancelled` event), freeing the thread."""
 
     def __init__(self, workers: int, max_pending: int, retry_after_s: int) -> None:
         self.max_pending = max_pending
+        self.max_pending_per_tenant = max(1, max_pending // 2)
         self.retry_after_s = retry_after_s
-        self.waiting = 0
-        # A worker thread is taken here, on the event loop, so the executor never queues work itself: its
-        # queue could not be bounded, and cancelling there would not free anything.
-        self._free_threads = asyncio.Semaphore(workers)
+        # Threads are taken here, on the event loop, so the executor never queues work itself: its queue could
+        # be neither bounded nor fair, and cancelling there would not free anything.
+        self._free_threads = workers
+        # Tenant -> its waiters in arrival order; the dict's order is the rotation (next tenant served first).
+        self._queues: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slora-tokenize")
         self._running: set[threading.Event] = set()
         self._local = threading.local()
         self._copy_lock = threading.Lock()
 
-    async def run(self, tokenizer: Tokenizer, work: TokenizerWork[T]) -> T:
-        """`work(own copy of tokenizer, cancelled)` on a worker thread, once one is free."""
-        await self._take_thread()
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a thread, of all tenants."""
+        return sum(len(queue) for queue in self._queues.values())
+
+    def waiting_of(self, tenant_id: str) -> int:
+        return len(self._queues.get(tenant_id, ()))
+
+    async def run(self, tenant_id: str, tokenizer: Tokenizer, work: TokenizerWork[T]) -> T:
+        """`work(own copy of tokenizer, cancelled)` on a worker thread, once one is free and it is
+        `tenant_id`'s turn."""
+        await self._take_thread(tenant_id)
         loop = asyncio.get_running_loop()
         cancelled = threading.Event()
         try:
             future = self._executor.submit(self._on_worker, tokenizer, work, cancelled)
         except RuntimeError:                     # closed: the server is shutting down
-            self._free_threads.release()
+            self._give_thread()
             raise unavailable("the server is shutting down; retry later", self.retry_after_s) from None
         self._running.add(cancelled)
         future.add_done_callback(lambda _: _call_on_loop(loop, self._thread_done, cancelled))
@@ -215,19 +230,63 @@ class Tokenization:
             cancelled.set()                      # the thread is given back once the work has stopped
             raise
 
-    async def _take_thread(self) -> None:
+    async def _take_thread(self, tenant_id: str) -> None:
+        if self._free_threads > 0:               # then nobody waits: a freed thread goes to a waiter first
+            self._free_threads -= 1
+            return
+        self._check_room(tenant_id)
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queues.setdefault(tenant_id, deque()).append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._give_thread()              # handed a thread just as it was cancelled: pass it on
+            else:
+                self._leave_queue(tenant_id, turn)
+            raise
+
+    def _check_room(self, tenant_id: str) -> None:
+        if self.waiting_of(tenant_id) >= self.max_pending_per_tenant:
+            raise rate_limited(f"This tenant already has {self.max_pending_per_tenant} requests waiting for the "
+                               "tokenizer (the per-tenant limit, half the tokenizer queue); retry later.",
+                               self.retry_after_s)
         if self.waiting >= self.max_pending:
             raise rate_limited(f"The tokenizer queue is full ({self.max_pending} requests waiting); retry later.",
                                self.retry_after_s)
-        self.waiting += 1
-        try:
-            await self._free_threads.acquire()
-        finally:
-            self.waiting -= 1
+
+    def _leave_queue(self, tenant_id: str, turn: asyncio.Future[None]) -> None:
+        queue = self._queues.get(tenant_id)
+        if queue is not None and turn in queue:  # not there if a freed thread already skipped it
+            queue.remove(turn)
+            if not queue:
+                del self._queues[tenant_id]
+
+    def _give_thread(self) -> None:
+        """A freed thread goes to the next waiter in rotation, else back to the free ones."""
+        turn = self._next_turn()
+        if turn is None:
+            self._free_threads += 1
+        else:
+            turn.set_result(None)
+
+    def _next_turn(self) -> asyncio.Future[None] | None:
+        """The first live waiter of the tenant first in rotation; that tenant then goes last."""
+        while self._queues:
+            tenant_id, queue = next(iter(self._queues.items()))
+            turn = queue.popleft()
+            if not queue:
+                del self._queues[tenant_id]
+            if turn.done():                      # cancelled, its task not yet resumed to leave: skip it
+                continue
+            if queue:
+                self._queues.move_to_end(tenant_id)   # its next waiter goes behind the other tenants' first
+            return turn
+        return None
 
     def _thread_done(self, cancelled: threading.Event) -> None:
         self._running.discard(cancelled)
-        self._free_threads.release()
+        self._give_thread()
 
     def _on_worker(self, source: Tokenizer, work: TokenizerWork[T], cancelled: threading.Event) -> T:
         if cancelled.is_set():
@@ -295,11 +354,11 @@ class GenerationService:
         return await self._serve(request, lambda: self._chat_job(body, tenant))
 
     async def _completion_job(self, body: CompletionRequest, tenant: Tenant) -> Job:
-        prompts = await self._completion_prompts(body.prompt)
+        prompts = await self._completion_prompts(body.prompt, tenant)
         return self._job("completion", body, tenant, prompts, body.max_tokens, "prompt")
 
     async def _chat_job(self, body: ChatCompletionRequest, tenant: Tenant) -> Job:
-        prompt = await self._chat_prompt(body)
+        prompt = await self._chat_prompt(body, tenant)
         return self._job("chat", body, tenant, [prompt], body.token_limit, "messages")
 
     # ---- validation --------------------------------------------------------------------------------------
@@ -336,22 +395,24 @@ class GenerationService:
                               param="prompt" if what == "text prompts" else "messages")
         return tokenizer
 
-    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
+                                  tenant: Tenant) -> list[list[int]]:
         texts = [prompt] if isinstance(prompt, str) else prompt
         if isinstance(texts[0], int):            # CompletionRequest refuses empty lists
             return [list(texts)]
         if isinstance(texts[0], list):
             return [list(p) for p in texts]
         tokenizer = self._tokenizer("text prompts")
-        return await self.tokenization.run(tokenizer, lambda own, cancelled: encode_texts(own, texts, cancelled))
+        return await self.tokenization.run(tenant.id, tokenizer,
+                                           lambda own, cancelled: encode_texts(own, texts, cancelled))
 
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, body: ChatCompletionRequest, tenant: Tenant) -> list[int]:
         tokenizer = self._tokenizer("chat")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                      **({"name": m.name} if m.name else {})} for m in body.messages]
         try:
             return await self.tokenization.run(
-                tokenizer, lambda own, _: render_chat(own, messages, body.add_generation_prompt))
+                tenant.id, tokenizer, lambda own, _: render_chat(own, messages, body.add_generation_prompt))
         except (ValueError, TypeError, KeyError) as exc:
             raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") \
                 from None
