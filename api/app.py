@@ -1,4 +1,6 @@
 """The FastAPI app: `create_app(engine, settings)` builds everything a server needs and holds no global state."""
+import asyncio
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -36,6 +38,7 @@ METRICS_ROUTE = "/metrics"
 KEYED_PREFIX = "/v1/"           # every route under it needs a key; /health, /metrics and the docs do not
 MULTIPART = "multipart/form-data"
 TENANT_STATE = "tenant"         # where Authentication leaves the caller, in the ASGI scope's state
+DISCARD_S = 1.0                 # how long a refused request's body is read and dropped before the answer
 
 
 class ServerContext:
@@ -99,22 +102,25 @@ class BodyLimit:
 
 
 class Authentication:
-    """Checks the API key from the headers alone, before anything reads the body: a missing or wrong key is
-    a 401 at once, whatever the body. It guards every route under /v1/ (and /metrics with
+    """Checks the API key from the headers alone, before anything parses the body: a missing or wrong key is
+    a 401 whatever the body (what arrives of it within a second is dropped unread, see discard_body). It guards every route under /v1/ (and /metrics with
     metrics_require_key) and leaves the tenant in the scope's state, where `caller` reads it."""
 
     def __init__(self, app: ASGIApp, tenants: TenantDirectory, guard_metrics: bool,
-                 on_error: Callable[[int], None]) -> None:
+                 on_error: Callable[[int], None], max_discard: int) -> None:
         self.app = app
         self.tenants = tenants
         self.guard_metrics = guard_metrics
         self.on_error = on_error
+        self.max_discard = max_discard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._guarded(scope["path"]):
+            headers = Headers(scope=scope)
             try:
-                tenant = authenticate(self.tenants, Headers(scope=scope))
+                tenant = authenticate(self.tenants, headers)
             except APIError as error:
+                await discard_body(receive, headers, self.max_discard)
                 await answer_unread(error, self.on_error, scope, receive, send)
                 return
             scope.setdefault("state", {})[TENANT_STATE] = tenant
@@ -144,6 +150,26 @@ async def answer_unread(error: APIError, on_error: Callable[[int], None], scope:
     response = error.response()
     response.headers["Connection"] = "close"
     await response(scope, receive, send)
+
+
+async def discard_body(receive: Receive, headers: Headers, limit: int) -> None:
+    """Drop what arrives of a refused request's body, unparsed, for at most DISCARD_S and `limit` bytes. The
+    connection closes after the answer, and closing a socket with unread bytes resets it: a client still
+    sending its body would see the reset instead of the answer. A larger or slower body is not waited for."""
+    declared = declared_length(headers)
+    if declared is not None and declared > limit:
+        return
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(_drop_body(receive, limit), DISCARD_S)
+
+
+async def _drop_body(receive: Receive, limit: int) -> None:
+    received = 0
+    while received <= limit:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        received += len(message.get("body", b""))
 
 
 def declared_length(headers: Headers) -> int | None:
@@ -193,7 +219,7 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
                        on_error=ctx.count_error)
     # Added last, so it runs first: the key is checked before the body limit or anything else looks further.
     app.add_middleware(Authentication, tenants=ctx.tenants, guard_metrics=settings.metrics_require_key,
-                       on_error=ctx.count_error)
+                       on_error=ctx.count_error, max_discard=settings.max_body_bytes)
     caller = _auth_dependency(ctx.tenants)
     _add_generation_routes(app, ctx, caller)
     _add_model_routes(app, ctx, caller)

@@ -33,7 +33,7 @@ class ServerSettings:
     max_pending_requests: int = 1024          # whole server: requests in the engine plus queued ones
     retry_after_s: int = 1
     tokenizer_workers: int = 2                # threads tokenizing prompts, each with its own tokenizer copy
-    max_tokenize_pending: int = 64            # requests waiting for a tokenizer thread; beyond that, 429
+    max_tokenize_pending: int = 64            # requests waiting for a tokenizer thread (half per tenant); beyond, 429
     max_prompt_chars: int = 1_000_000         # characters of text in one request (prompts or messages)
     shutdown_timeout_s: float = 30.0          # in-flight requests get this long to finish on SIGTERM
     stall_timeout_s: float = 120.0            # /health fails when one engine step takes longer

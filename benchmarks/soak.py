@@ -84,6 +84,7 @@ class SoakConfig:
 @dataclass
 class SoakResult:
     statuses: Counter = field(default_factory=Counter)     # "kind:status" (or client-left, dropped) -> count
+    hostile_cases: Counter = field(default_factory=Counter)  # "case:status" of the hostile requests
     server_errors: list[str] = field(default_factory=list)
     hangs: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -96,6 +97,7 @@ class SoakResult:
     def as_dict(self) -> dict:
         return {"requests": self.requests, "wall_s": round(self.wall_s, 2), "server_errors": self.server_errors,
                 "hangs": self.hangs, "statuses": dict(sorted(self.statuses.items())),
+                "hostile_cases": dict(sorted(self.hostile_cases.items())),
                 "idle_pool": self.idle_pool}
 
 
@@ -188,7 +190,12 @@ class Soak:
         headers = {**_headers(key), "Content-Type": "application/json"}
         if self.rng.random() < 0.1:
             headers["Authorization"] = "Bearer not-a-key"
-        response = await client.post(path, content=content.encode(), headers=headers)
+        try:
+            response = await client.post(path, content=content.encode(), headers=headers)
+        except httpx.TransportError:
+            self.result.hostile_cases[f"{name}:dropped"] += 1
+            raise
+        self.result.hostile_cases[f"{name}:{response.status_code}"] += 1
         return response.status_code
 
     async def one(self, client: httpx.AsyncClient, index: int) -> None:

@@ -90,7 +90,7 @@ SERVE_LIMITS = (
     ("--retry-after", "retry_after_s", int, "seconds the Retry-After header of 429 and 503 answers says"),
     ("--tokenizer-workers", "tokenizer_workers", int, "threads tokenizing prompts"),
     ("--max-tokenize-pending", "max_tokenize_pending", int,
-     "requests waiting for a tokenizer thread (429 beyond)"),
+     "requests waiting for a tokenizer thread, at most half of them one tenant's (429 beyond)"),
     ("--shutdown-timeout", "shutdown_timeout_s", float, "seconds in-flight requests get to finish on SIGTERM"),
     ("--stall-timeout", "stall_timeout_s", float, "/health fails while one engine step runs longer (seconds)"),
     ("--timeout-keep-alive", "timeout_keep_alive_s", float,

@@ -1,6 +1,10 @@
 """A bounded chaos soak (benchmarks/soak.py) against a real server with tenants: base and adapter requests,
 random client aborts, n and stop, adapter loads and unloads, and hostile requests, all at once. No answer
 may be a server error, none may hang, and the pool must return to its idle counts."""
+import json
+import socket
+import time
+
 import httpx
 import pytest
 
@@ -68,3 +72,19 @@ def test_pool_returns_to_idle_and_server_still_serves(server, soak_result):
         assert response.status_code == 200, response.text
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
     assert "Traceback" not in server.log()
+
+
+def test_a_bad_key_with_a_body_still_arriving_gets_a_readable_401(server):
+    """The refused body is dropped unread before the connection closes: closing on unread bytes resets the
+    connection, and a client still sending its body would see the reset instead of the 401 (a 2,000-request
+    soak saw it once without this)."""
+    body = json.dumps({"model": BASE_MODEL, "prompt": ["a"] * 200_000}).encode()     # 1 MB, under the limit
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer wrong\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        for start in range(0, len(body), len(body) // 8):     # still sending after the server has decided
+            time.sleep(0.02)
+            sock.sendall(body[start:start + len(body) // 8])
+        answer = sock.makefile("rb").read()
+    assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer, answer[:300]
