@@ -1,9 +1,12 @@
 """Tiny random-weight models and PEFT adapters for tests, and the transformers + PEFT oracle."""
 import dataclasses
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from slora.embedded import build_demo_adapter, build_tiny_model
 
@@ -87,3 +90,22 @@ def _forward_padded(model, rows: list[list[int]], adapter_names: list[str], with
     kwargs = {"adapter_names": adapter_names} if with_peft else {}
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, **kwargs)
     return out.logits[:, -1, :]
+
+
+def edit_config(folder: Path, **changes: object) -> None:
+    """Overwrite fields of a PEFT folder's adapter_config.json."""
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def edit_weights(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Let `change` edit a PEFT folder's tensors in place, then save them back."""
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path))
+
+
+def first_key(tensors: dict[str, torch.Tensor], part: str) -> str:
+    """The first tensor name (sorted) that contains `part`."""
+    return next(k for k in sorted(tensors) if part in k)

@@ -1,6 +1,5 @@
 """Adapters uploaded by a hostile tenant (the findings of a hostile review): each is refused fast with an
 AdapterError naming the field or tensor, and leaves the engine untouched."""
-import json
 import re
 import shutil
 import threading
@@ -9,7 +8,6 @@ import time
 import pytest
 import torch
 from peft.utils.other import get_pattern_key
-from safetensors.torch import load_file, save_file
 
 from slora import LLM
 from slora.adapters import config as adapter_config
@@ -18,6 +16,7 @@ from slora.adapters.errors import AdapterError
 from slora.adapters.packing import pack_adapter
 from slora.adapters.weights import load_adapter
 from slora.kernels.layout import LORA_MODULES
+from tiny import edit_config, edit_weights, first_key
 
 # Exponential backtracking against every module name: none holds three digits in a row, so the engine
 # tries every way of splitting the name between the three loops before it fails.
@@ -40,20 +39,10 @@ def folder(tiny_llama, tmp_path):
     return copy
 
 
-def edit_config(folder, **changes):
-    path = folder / "adapter_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
-def edit_weights(folder, change):
-    path = folder / "adapter_model.safetensors"
-    tensors = load_file(str(path))
-    change(tensors)
-    save_file(tensors, str(path))
 
 
-def first_key(tensors, part):
-    return next(k for k in sorted(tensors) if part in k)
 
 
 def refuse(llm, folder, message: str) -> str:

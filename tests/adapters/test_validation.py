@@ -1,33 +1,20 @@
 """Every refusal of DESIGN §5's validation table names its field, and leaves the engine untouched."""
-import json
 import math
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from slora import LLM, SamplingParams
 from slora.adapters.errors import AdapterError
-from tiny import random_prompts
+from tiny import edit_config, edit_weights, first_key, random_prompts
 
 
-def edit_config(folder, **changes):
-    path = folder / "adapter_config.json"
-    config = json.loads(path.read_text())
-    config.update(changes)
-    path.write_text(json.dumps(config))
 
 
-def edit_weights(folder, change):
-    path = folder / "adapter_model.safetensors"
-    tensors = load_file(str(path))
-    change(tensors)
-    save_file(tensors, str(path))
 
 
-def first_key(tensors, part):
-    return next(k for k in sorted(tensors) if part in k)
 
 
 def set_first_a_nan(tensors):

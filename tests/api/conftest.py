@@ -80,6 +80,20 @@ class Server:
             raise
 
 
+def write_tenants(folder: Path, tenants: dict[str, dict]) -> Path:
+    """A tenants TOML in `folder`: {tenant: {"key": API key or list of keys, other fields as they are}}."""
+    from slora.api.tenants import hash_key
+    blocks = []
+    for name, fields in tenants.items():
+        keys = fields["key"] if isinstance(fields["key"], list) else [fields["key"]]
+        lines = [f"[tenants.{name}]", f"key_sha256 = {[hash_key(k) for k in keys]!r}".replace("'", '"')]
+        lines += [f"{field} = {value!r}".replace("'", '"') for field, value in fields.items() if field != "key"]
+        blocks.append("\n".join(lines))
+    path = folder / "tenants.toml"
+    path.write_text("\n\n".join(blocks) + "\n")
+    return path
+
+
 def start_server(log_dir: Path, *args: str) -> Server:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"

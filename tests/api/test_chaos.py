@@ -9,8 +9,7 @@ import httpx
 import pytest
 
 from benchmark_modules import load_benchmark
-from conftest import BASE_MODEL, TEST_ADAPTERS, start_server
-from slora.api.tenants import hash_key
+from conftest import BASE_MODEL, TEST_ADAPTERS, start_server, write_tenants
 
 KEYS = {"ops": "chaos-admin-key", "alpha": "chaos-alpha-key", "beta": "chaos-beta-key"}
 SOAK_REQUESTS = 500
@@ -19,20 +18,9 @@ SOAK_REQUESTS = 500
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, adapter_root):
     folder = tmp_path_factory.mktemp("chaos")
-    tenants = folder / "tenants.toml"
-    tenants.write_text(f"""
-[tenants.ops]
-role = "admin"
-key_sha256 = "{hash_key(KEYS['ops'])}"
-
-[tenants.alpha]
-key_sha256 = "{hash_key(KEYS['alpha'])}"
-max_concurrent = 4
-max_queued = 64
-
-[tenants.beta]
-key_sha256 = "{hash_key(KEYS['beta'])}"
-""")
+    tenants = write_tenants(folder, {"ops": {"key": KEYS["ops"], "role": "admin"},
+                                     "alpha": {"key": KEYS["alpha"], "max_concurrent": 4, "max_queued": 64},
+                                     "beta": {"key": KEYS["beta"]}})
     srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root))
     with srv.http(KEYS["ops"]) as admin:            # adapters every tenant may use
         for name in TEST_ADAPTERS:

@@ -12,10 +12,9 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
-from conftest import BASE_MODEL, TEST_ADAPTERS, start_server
+from conftest import BASE_MODEL, TEST_ADAPTERS, start_server, write_tenants
 from slora.api.app import create_app
 from slora.api.openapi import OPERATIONS
-from slora.api.tenants import hash_key
 from slora.embedded import DEMO_ADAPTERS
 
 KEYS = {"admin": "openapi-admin-key", "tenant": "openapi-tenant-key"}
@@ -28,15 +27,7 @@ UPLOADED = "openapi-bot"              # an adapter name the run loads, uses and 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, adapter_root):
     folder = tmp_path_factory.mktemp("openapi")
-    tenants = folder / "tenants.toml"
-    tenants.write_text(f"""
-[tenants.ops]
-role = "admin"
-key_sha256 = "{hash_key(KEYS['admin'])}"
-
-[tenants.acme]
-key_sha256 = "{hash_key(KEYS['tenant'])}"
-""")
+    tenants = write_tenants(folder, {"ops": {"key": KEYS["admin"], "role": "admin"}, "acme": {"key": KEYS["tenant"]}})
     # A small max_tokens limit keeps every generated completion short (larger ones get a documented 400);
     # /metrics behind an admin's key documents (and answers) 401 and 403 too.
     srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root),

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import BASE_MODEL, assert_error_shape, start_server
+from conftest import BASE_MODEL, assert_error_shape, start_server, write_tenants
 from slora.api.settings import ServerSettings
 from slora.api.tenants import hash_key
 from slora.cli import SERVE_LIMITS, build_parser, serve_settings
@@ -42,20 +42,9 @@ def upload_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, adapter_root, upload_dir):
     folder = tmp_path_factory.mktemp("limits")
-    tenants = folder / "tenants.toml"
-    tenants.write_text(f"""
-[tenants.ops]
-role = "admin"
-key_sha256 = "{hash_key(KEYS['ops'])}"
-
-[tenants.acme]
-key_sha256 = "{hash_key(KEYS['acme'])}"
-max_adapter_bytes = {ACME_QUOTA}
-
-[tenants.tiny]
-key_sha256 = "{hash_key(KEYS['tiny'])}"
-max_adapter_bytes = {TINY_QUOTA}
-""")
+    tenants = write_tenants(folder, {"ops": {"key": KEYS["ops"], "role": "admin"},
+                                     "acme": {"key": KEYS["acme"], "max_adapter_bytes": ACME_QUOTA},
+                                     "tiny": {"key": KEYS["tiny"], "max_adapter_bytes": TINY_QUOTA}})
     srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root), "--upload-dir",
                        str(upload_dir), "--metrics-require-key", "--max-body-bytes", str(MAX_BODY),
                        "--max-upload-bytes", str(MAX_UPLOAD), "--max-adapter-bytes", str(SERVER_QUOTA),

@@ -7,8 +7,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import BASE_MODEL, assert_error_shape, free_port, greedy, start_server
-from slora.api.tenants import hash_key
+from conftest import BASE_MODEL, assert_error_shape, free_port, greedy, start_server, write_tenants
 
 PROMPT = "The quick brown fox"
 KEYS = {"ops": "admin-key-123", "acme": "acme-key-456", "globex": "globex-key-789", "initech": "initech-key-000",
@@ -18,33 +17,13 @@ KEYS = {"ops": "admin-key-123", "acme": "acme-key-456", "globex": "globex-key-78
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, adapter_root):
     folder = tmp_path_factory.mktemp("tenants")
-    tenants = folder / "tenants.toml"
-    tenants.write_text(f"""
-[tenants.ops]
-role = "admin"
-key_sha256 = "{hash_key(KEYS['ops'])}"
-
-[tenants.acme]
-role = "tenant"
-key_sha256 = ["{hash_key(KEYS['acme'])}", "{hash_key('acme-second-key')}"]
-max_concurrent = 1
-max_queued = 1
-
-[tenants.globex]
-key_sha256 = "{hash_key(KEYS['globex'])}"
-
-[tenants.initech]
-key_sha256 = "{hash_key(KEYS['initech'])}"
-max_adapters = 2
-
-[tenants.hooli]
-key_sha256 = "{hash_key(KEYS['hooli'])}"
-max_tokens_per_minute = 60
-
-[tenants.umbrella]
-key_sha256 = "{hash_key(KEYS['umbrella'])}"
-max_tokens_per_minute = 60
-""")
+    tenants = write_tenants(folder, {
+        "ops": {"key": KEYS["ops"], "role": "admin"},
+        "acme": {"key": [KEYS["acme"], "acme-second-key"], "role": "tenant", "max_concurrent": 1, "max_queued": 1},
+        "globex": {"key": KEYS["globex"]},
+        "initech": {"key": KEYS["initech"], "max_adapters": 2},
+        "hooli": {"key": KEYS["hooli"], "max_tokens_per_minute": 60},
+        "umbrella": {"key": KEYS["umbrella"], "max_tokens_per_minute": 60}})
     srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root))
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
