@@ -8,6 +8,7 @@ resolved once into tables, which the loader's per-layer, per-module questions th
 import dataclasses
 import json
 import math
+import re
 import reprlib
 import time
 from collections.abc import Callable
@@ -18,14 +19,24 @@ from typing import Any
 import regex
 
 from slora.adapters.errors import AdapterError
+
+try:                  # Python 3.11+: the parser of `re`, whose trees show each repeat's counts
+    from re import _constants as sre_constants
+    from re import _parser as sre_parse
+except ImportError:   # Python 3.10
+    import sre_constants
+    import sre_parse
 from slora.kernels.layout import LORA_MODULES
 
 ALL_LINEAR = "all-linear"
 # Real configs are about a kilobyte; the bound keeps a hostile file's read and parse short.
 MAX_CONFIG_BYTES = 1 << 20
-# Real patterns name a module or a few (".*\.(q|v)_proj", "model.layers.3.mlp.down_proj"); a short
-# pattern also keeps each compile short, since compiling cannot be interrupted.
+# Real patterns name a module or a few (".*\.(q|v)_proj", "model.layers.3.mlp.down_proj").
 MAX_PATTERN_CHARS = 256
+# Compiling expands counted repeats, holding the GIL, and cannot be interrupted: "(?:a{60000}){60000}" takes
+# gigabytes and the whole process. So the counts of nested repeats, multiplied, are bounded before compiling
+# (module names are under a hundred characters: real patterns never count near this).
+MAX_REPEAT_PRODUCT = 1000
 # One match of one pattern against one module name takes microseconds; backtracking blow-ups take
 # seconds to years. The bound is generous for a loaded machine and still bounded.
 MATCH_TIMEOUT_S = 0.25
@@ -122,9 +133,42 @@ def _compile(field_name: str, pattern: str, deadline: float) -> regex.Pattern:
     if time.monotonic() > deadline:
         raise _too_long(field_name)
     try:
+        _check_repeats(field_name, sre_parse.parse(pattern))
         return regex.compile(pattern)
-    except (regex.error, OverflowError, RecursionError) as exc:
+    except (re.error, regex.error, OverflowError, RecursionError) as exc:
         raise AdapterError(f"{field_name}: invalid regular expression: {exc}") from None
+
+
+_REPEATS = tuple(getattr(sre_constants, name) for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+                 if hasattr(sre_constants, name))
+
+
+def _check_repeats(field_name: str, tree: sre_parse.SubPattern, outer: int = 1) -> None:
+    """Refuse counted repeats whose counts, nested, multiply past MAX_REPEAT_PRODUCT. An open bound
+    (`*`, `+`, `{m,}`) counts its minimum: the compiler expands only what is counted."""
+    for op, arg in tree.data:
+        if op in _REPEATS:
+            low, high, body = arg
+            count = max(low, 1) if high == sre_constants.MAXREPEAT else max(high, 1)
+            if outer * count > MAX_REPEAT_PRODUCT:
+                raise AdapterError(f"{field_name}: the regex repeats {outer * count} times in a row; at most "
+                                   f"{MAX_REPEAT_PRODUCT} are allowed")
+            _check_repeats(field_name, body, outer * count)
+        else:
+            for child in _subpatterns(arg):
+                _check_repeats(field_name, child, outer)
+
+
+def _subpatterns(arg: object) -> list[sre_parse.SubPattern]:
+    """The nested patterns of one parsed node (groups, alternatives, lookarounds, conditionals)."""
+    items = arg if isinstance(arg, (tuple, list)) else [arg]
+    found = []
+    for item in items:
+        if isinstance(item, sre_parse.SubPattern):
+            found.append(item)
+        elif isinstance(item, (tuple, list)):
+            found += _subpatterns(item)
+    return found
 
 
 def _check_length(field_name: str, pattern: str) -> str:

@@ -39,12 +39,6 @@ def folder(tiny_llama, tmp_path):
     return copy
 
 
-
-
-
-
-
-
 def refuse(llm, folder, message: str) -> str:
     """Load `folder`, expect an AdapterError holding `message`, check the engine is untouched."""
     before = llm.pool_stats()
@@ -100,6 +94,27 @@ def test_regex_budget_bounds_a_config_of_many_patterns(monkeypatch):
     with pytest.raises(AdapterError, match=r"^rank_pattern\[.*\]: the regex took too long"):
         parse_adapter_config(base_config(rank_pattern=pattern), 2, MAX_RANK)
     assert time.monotonic() - start < GENEROUS_S
+
+
+@pytest.mark.parametrize("pattern", [r"(?:a{60000}){60000}", r"(?:(?:a{1000}){1000}){1000}x",
+                                     r"[\w\W]{4294967294}", r"(?:q{40}){40}_proj"])
+@pytest.mark.parametrize("field", ["target_modules", "rank_pattern", "alpha_pattern"])
+def test_regex_whose_compile_would_explode_is_refused_before_compiling(field, pattern):
+    """Compiling expands counted repeats and cannot be interrupted: the first pattern took gigabytes and held
+    the GIL for seconds. Such patterns are refused from their parse tree, before any compile."""
+    raw = base_config(**{field: pattern if field == "target_modules" else {pattern: 4}})
+    start = time.monotonic()
+    with pytest.raises(AdapterError, match=rf"^{field}.*: the regex repeats \d+ times in a row; at most 1000"):
+        parse_adapter_config(raw, 2, MAX_RANK)
+    assert time.monotonic() - start < GENEROUS_S
+
+
+def test_counted_repeats_of_real_patterns_are_accepted():
+    raw = base_config(target_modules=r"model\.layers\.\d{1,3}\.self_attn\.(q|v)_proj",
+                      rank_pattern={r"layers\.[0-9]{1}\.self_attn\.q_proj": 8})
+    config = parse_adapter_config(raw, 2, MAX_RANK)
+    assert config.target_modules == ("q_proj", "v_proj")
+    assert config.module_rank(qualified_module_name(1, "q_proj")) == 8
 
 
 @pytest.mark.parametrize("field", ["target_modules", "rank_pattern", "alpha_pattern"])
