@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 
 def check_adapter_name(name: str, base_model: str) -> None:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):           # fullmatch: `$` alone would let a final newline through
         raise bad_request("adapter name must be 1-128 letters, digits, '.', '_' or '-', starting with a letter "
                           "or digit", param="name")
     if name == base_model:

@@ -16,9 +16,10 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
                       ValidationInfo, ValidatorFunctionWrapHandler, WrapValidator, field_validator)
 from pydantic_core import PydanticCustomError
 
-INT64_MIN = -2 ** 63
-INT64_MAX = 2 ** 63 - 1
-INT32_MAX = 2 ** 31 - 1                     # token ids and top_k: the sampler and kernels index in int32
+from slora.sampling_params import MAX_SEED, MAX_TOP_K, MIN_SEED
+
+INT64_MIN, INT64_MAX = MIN_SEED, MAX_SEED     # seeds: the sampler's int64
+INT32_MAX = MAX_TOP_K                         # token ids and top_k: the sampler and kernels index in int32
 MAX_N = 128                                 # samples per prompt
 MAX_PROMPTS = 1024                          # prompts in one completion request
 MAX_TEXT_CHARS = 2 ** 24                    # characters of one prompt, message or content part
@@ -70,7 +71,7 @@ AdapterPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS), VAL
 PromptText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS), VALID_UNICODE]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), VALID_UNICODE]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-TokenIds = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
 NEUTRAL_ONLY = "Not supported yet: only the neutral value shown is accepted."
 
 

@@ -27,7 +27,7 @@ from slora.api.settings import ServerSettings
 from slora.api.streaming import ClientGone, EventStreamResponse, unless_disconnected
 from slora.api.tenants import Tenant
 from slora.engine import UnknownAdapterError
-from slora.outputs import RequestError, RequestOutput
+from slora.outputs import ADAPTER_UNAVAILABLE, RequestError, RequestOutput
 from slora.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -229,6 +229,8 @@ class Tokenization:
         except asyncio.CancelledError:
             cancelled.set()                      # the thread is given back once the work has stopped
             raise
+        except TokenizationCancelled:            # not by this caller, so by close(): the server stops
+            raise unavailable("the server is shutting down; retry later", self.retry_after_s) from None
 
     async def _take_thread(self, tenant_id: str) -> None:
         if self._free_threads > 0:               # then nobody waits: a freed thread goes to a waiter first
@@ -562,7 +564,7 @@ class GenerationService:
         """What the client is told about an engine request that failed (the engine's message may name server
         paths or internals, so it goes to the log only)."""
         logger.warning("request %s failed in the engine (%s): %s", request_id, error.code, error.message)
-        if error.code == "adapter_unavailable":
+        if error.code == ADAPTER_UNAVAILABLE:
             return APIError(409, f"The adapter `{job.model}` can no longer be used: its files on the server changed "
                                  "or vanished since it was loaded. Its owner must load the adapter again.",
                             code="adapter_unavailable", param="model")

@@ -221,12 +221,18 @@ class Engine:
     # ---- adapters -----------------------------------------------------------------------------------
     def prepare_adapter(self, path: str | Path) -> PreparedAdapter:
         """Read, validate, hash and pack a PEFT folder. Reads only immutable engine settings, so it may
-        run on any thread. Raises AdapterError naming the field."""
+        run on any thread. Raises AdapterError naming the field, or the file that could not be read."""
+        try:
+            return self._prepare(Path(path))
+        except OSError as exc:                # e.g. a file removed or unreadable while it was read
+            raise AdapterError(f"the adapter files could not be read: {exc.strerror or exc}") from None
+
+    def _prepare(self, path: Path) -> PreparedAdapter:
         loaded = load_adapter(path, self.shapes, self.config.max_lora_rank)
         packed = pack_adapter(loaded, self.shapes, self.runner.shape.page_elems, self.config.torch_dtype)
         if self.config.device != "cpu":       # pinned, so copies into the pool run asynchronously
             packed = dataclasses.replace(packed, pages=packed.pages.pin_memory())
-        return PreparedAdapter(loaded, packed, Path(path), folder_bytes(Path(path)))
+        return PreparedAdapter(loaded, packed, path, folder_bytes(path))
 
     def register_adapter(self, name: str, prepared: PreparedAdapter, owner: str | None = None,
                          public: bool = False, owns_files: bool = False) -> AdapterEntry:
@@ -513,6 +519,8 @@ class Engine:
 
     def _take_failed(self) -> dict[str, RequestState]:
         """The requests failed since the last step returned, except those aborted meanwhile."""
+        if not self._failed:                          # the common step: nothing to build
+            return {}
         failed, self._failed = self._failed, []
         return {request_id: self.requests[request_id] for request_id in failed if request_id in self.requests}
 

@@ -53,10 +53,10 @@ class SamplingTensors:
     steps: Tensor          # [rows] int64, the output position being sampled
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence], device: torch.device, vocab_size: int) -> "SamplingTensors":
+    def from_seqs(cls, seqs: list[Sequence], device: torch.device, top_ks: list[int]) -> "SamplingTensors":
         # Greedy rows have no seed; their noise is never used.
-        rows = [(s.params.temperature, effective_top_k(s, vocab_size), s.params.top_p, s.seed or 0,
-                 len(s.output_token_ids)) for s in seqs]
+        rows = [(s.params.temperature, top_k, s.params.top_p, s.seed or 0, len(s.output_token_ids))
+                for s, top_k in zip(seqs, top_ks)]
         temperature, top_k, top_p, seed, step = zip(*rows)
         return cls(torch.tensor(temperature, dtype=torch.float32), torch.tensor(top_k, dtype=torch.int64),
                    torch.tensor(top_p, dtype=torch.float32), torch.tensor(seed, dtype=torch.int64),
@@ -111,6 +111,6 @@ class Sampler:
         """One token per row of `logits` `[seqs, vocab]`; one device-to-host copy for the whole batch."""
         if all(s.params.greedy for s in seqs):
             return logits.argmax(dim=-1).tolist()
-        vocab_size = logits.shape[-1]
-        truncate = any(effective_top_k(s, vocab_size) or s.params.top_p < 1 for s in seqs)
-        return sample(logits, SamplingTensors.from_seqs(seqs, logits.device, vocab_size), truncate).tolist()
+        top_ks = [effective_top_k(s, logits.shape[-1]) for s in seqs]
+        truncate = any(top_ks) or any(s.params.top_p < 1 for s in seqs)
+        return sample(logits, SamplingTensors.from_seqs(seqs, logits.device, top_ks), truncate).tolist()

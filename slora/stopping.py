@@ -17,7 +17,7 @@ def check_stop(seq: Sequence, text: str, eos_token_ids: frozenset[int], max_mode
     params, last = seq.params, seq.output_token_ids[-1]
     if not params.ignore_eos and last in eos_token_ids:
         return StopResult("stop", text)
-    if last in params.stop_token_ids:
+    if last in params.stop_token_set:
         return StopResult("stop", text)
     for stop in params.stop:
         cut = text.find(stop, max(0, previous_len - len(stop) + 1))   # only where the new text can complete it

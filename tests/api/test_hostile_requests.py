@@ -134,7 +134,7 @@ def test_total_prompt_characters_are_bounded(http):
     assert error["param"] == "messages" and "1200000" in error["message"], error
 
 
-@pytest.mark.parametrize("prompt", ["", ["ok", ""]])
+@pytest.mark.parametrize("prompt", ["", ["ok", ""], [[1], []]])
 def test_an_empty_text_prompt_is_400_as_the_schema_says(http, prompt):
     assert error_of(completion(http, prompt=prompt))["param"].startswith("prompt")
     schema = http.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
@@ -258,19 +258,20 @@ def test_pool_gives_each_worker_its_own_tokenizer_copy():
 
 
 def test_pool_queue_overflow_is_429_with_retry_after():
-    source = SlowTokenizer(0.2, [])
+    source, order, gate = SlowTokenizer(0, []), [], threading.Event()
 
     async def scenario():
         pool = Tokenization(workers=1, max_pending=2, retry_after_s=3)
         try:
-            running = [asyncio.ensure_future(pool.run(tenant, source, encode_work(["x"]))) for tenant in "abc"]
-            await asyncio.sleep(0.05)                         # one runs, two wait (one tenant may have one)
-            assert pool.waiting == 2
+            running = [asyncio.ensure_future(pool.run(tenant, source, gated(gate, order, tenant)))
+                       for tenant in "abc"]
+            await until(lambda: pool.waiting == 2)            # one runs, two wait (one tenant may have one)
             with pytest.raises(APIError) as info:
                 await pool.run("d", source, encode_work(["x"]))
             assert info.value.status == 429 and info.value.headers["Retry-After"] == "3"
             assert "queue is full" in info.value.message, info.value.message
-            assert await asyncio.gather(*running) == [[[1]]] * 3      # the admitted ones are all served
+            gate.set()
+            assert await asyncio.gather(*running) == ["a", "b", "c"]      # the admitted ones are all served
             assert pool.waiting == 0
             assert await pool.run("d", source, encode_work(["xy"])) == [[2]]
         finally:
@@ -534,3 +535,27 @@ def test_engine_failures_map_to_their_status(failing_app, code, status):
     assert client.post("/v1/completions", json=body).status_code == 200      # the engine still serves
     assert client.get("/health").json() == {"status": "ok"}
     assert engine.pool_stats()["kv_pages"] == 0
+
+
+def test_work_stopped_by_close_is_503_not_500():
+    """A request still being tokenized when the server shuts down is told so (503), not given a 500."""
+    source = SlowTokenizer(0.05, [])
+
+    async def scenario():
+        pool = Tokenization(workers=1, max_pending=4, retry_after_s=1)
+        running = asyncio.ensure_future(pool.run("t", source, encode_work(["a"] * 1000)))
+        await asyncio.sleep(0.3)
+        pool.close()
+        with pytest.raises(APIError) as refused:
+            await asyncio.wait_for(running, FAST_S)
+        return refused.value
+    error = asyncio.run(scenario())
+    assert error.status == 503 and "shutting down" in error.message
+
+
+@pytest.mark.parametrize("name", ["abc\n", "abc\ndef", "-lead", "a" * 129, "sp ace"])
+def test_adapter_names_outside_the_pattern_are_refused(name):
+    from slora.api.adapter_admin import check_adapter_name
+    with pytest.raises(APIError) as refused:
+        check_adapter_name(name, BASE_MODEL)
+    assert refused.value.status == 400 and refused.value.param == "name"
