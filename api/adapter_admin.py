@@ -201,7 +201,12 @@ class AdapterService:
         """Refuse, before its body is read, an upload larger than the caller's whole byte quota. An admin's
         upload may be for another namespace, named in the form: it is checked once the form is read."""
         quota = self.byte_quota(tenant.namespace)
-        if declared is not None and quota is not None and not tenant.is_admin and declared > quota:
+        if quota is None or tenant.is_admin:
+            return
+        if declared is None:      # else up to max_upload_bytes would be spooled to disk before the check
+            raise APIError(411, "an adapter upload needs a Content-Length header: this tenant has a byte quota "
+                           f"of {quota} bytes (max_adapter_bytes)", code="length_required")
+        if declared > quota:
             raise _over_byte_quota(tenant.namespace, quota, f"this upload of {declared} bytes")
 
     async def list_adapters(self, tenant: Tenant) -> list[dict[str, Any]]:
@@ -362,13 +367,15 @@ class AdapterService:
 
 def _replaced_bytes(engine: Engine, namespace: str | None, name: str) -> int:
     """Bytes the namespace stops holding when `name` points at another version: its version's files,
-    unless another of its names points at the same version."""
+    unless another of its names points at the same version or a running request still uses it (an upload's
+    folder then stays on disk, and counts, until that request ends)."""
     key = (namespace, name)
     entry = engine.registry.entries.get(key)
     if entry is None or any(other.version == entry.version and other_key != key and other_key[0] == namespace
                             for other_key, other in engine.registry.entries.items()):
         return 0
-    return engine.store.versions[entry.version].disk_bytes
+    stored = engine.store.versions[entry.version]
+    return 0 if stored.requests else stored.disk_bytes
 
 
 def _over_byte_quota(namespace: str | None, quota: int, what: str, held: int | None = None) -> APIError:

@@ -318,7 +318,7 @@ class UploadForm(NamedTuple):
 
 
 async def _load_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> dict[str, Any]:
-    _check_declared_upload(ctx, request, tenant)
+    await _check_declared_upload(ctx, request, tenant)
     form = await _read_form(request)
     try:
         return await ctx.adapters.load_upload(tenant, *_upload_form(form))
@@ -326,11 +326,12 @@ async def _load_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> 
         await form.close()
 
 
-def _check_declared_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> None:
+async def _check_declared_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> None:
     try:
         ctx.adapters.check_declared_upload(tenant, declared_length(request.headers))
     except APIError as error:
-        error.headers["Connection"] = "close"       # refused unread: nor is the rest of it read and dropped
+        await discard_body(request.receive, request.headers, ctx.settings.max_body_bytes)
+        error.headers["Connection"] = "close"       # refused unparsed: nor is the rest of it read and dropped
         raise
 
 

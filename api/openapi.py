@@ -187,7 +187,7 @@ OPERATIONS: Mapping[tuple[str, str], OperationDoc] = MappingProxyType({
     ("get", "/v1/models"): OperationDoc(_KEYED, ((JSON, ModelList),)),
     ("get", "/v1/models/{model_id}"): OperationDoc(_KEYED + (404,), ((JSON, ModelCard),)),
     ("get", "/v1/adapters"): OperationDoc(_KEYED, ((JSON, AdapterList),)),
-    ("post", "/v1/adapters"): OperationDoc(_PARSED + (403, 404, 507), ((JSON, AdapterInfo),),
+    ("post", "/v1/adapters"): OperationDoc(_PARSED + (403, 404, 411, 507), ((JSON, AdapterInfo),),
                                            bodies=((JSON, AdapterLoadRequest), (MULTIPART, AdapterUpload))),
     ("delete", "/v1/adapters/{name}"): OperationDoc(_PARSED + (404,), ((JSON, AdapterDeleted),)),
     ("post", "/v1/load_lora_adapter"): OperationDoc(_PARSED + (403,), ((TEXT, _STRING),)),
@@ -205,6 +205,7 @@ _ERROR_DESCRIPTIONS = MappingProxyType({
     403: "Not allowed for this API key (publishing without admin rights, over an adapter quota, or /metrics "
          "without an admin's key)",
     404: "No such model or adapter, or one that belongs to another tenant",
+    411: "An upload without a Content-Length from a tenant with a byte quota",
     409: "The adapter's files changed or vanished on the server since it was loaded; its owner must load it again",
     413: "The request body is larger than the server's limit",
     429: "Over this API key's concurrency or token rate, or the server is at capacity; see Retry-After",

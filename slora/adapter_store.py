@@ -48,6 +48,7 @@ class StoredAdapter:
     packed: PackedAdapter | None           # None: on disk only
     disk_bytes: int = 0                    # the folder's two files (per-tenant byte quotas)
     owns_files: bool = False               # the engine deletes `path` once the version is dropped
+    files_namespace: str | None = None     # with owns_files: whose upload the folder is (its byte quota)
     requests: int = 0                      # live requests on this version
     last_used: int = 0                     # store clock, for LRU
     reload: Future | None = None           # a background read from disk in progress

@@ -243,7 +243,7 @@ class Engine:
         with _removed_if_refused(prepared.path, owns_files):
             self._check_registrable(name, prepared)
         stored = self.store.add(prepared)
-        self._take_folder(stored, prepared.path, owns_files)
+        self._take_folder(stored, prepared.path, owns_files, owner)
         entry = AdapterEntry(name, prepared.version, owner, public)
         replaced = self.registry.register(entry)
         if replaced is not None:
@@ -269,20 +269,26 @@ class Engine:
             raise AdapterError(f"adapter needs {prepared.packed.num_pages} pages but the pool has only "
                                f"{usable} usable")
 
-    def _take_folder(self, stored: StoredAdapter, folder: Path | None, owns_files: bool) -> None:
-        """Take over an owned folder. A version is read back from the folder it was first stored from, so
-        another folder of the same content (the same upload made twice) is never read: it goes at once."""
+    def _take_folder(self, stored: StoredAdapter, folder: Path | None, owns_files: bool,
+                     namespace: str | None) -> None:
+        """Take over an owned folder, the upload of `namespace`. A version is read back from the folder it was
+        first stored from, so another folder of the same content (the same upload made twice) is never read:
+        it goes at once."""
         if not owns_files or folder is None:
             return
         if stored.path is not None and stored.path.resolve() == folder.resolve():
-            stored.owns_files = True
+            stored.owns_files, stored.files_namespace = True, namespace
         else:
             _remove_folder(folder)
 
     def adapter_disk_bytes(self, namespace: str | None) -> int:
-        """Bytes on disk of the adapter folders behind the names in `namespace`, each version counted once."""
-        versions = {entry.version for (owner, _), entry in self.registry.entries.items() if owner == namespace}
-        return sum(self.store.versions[version].disk_bytes for version in versions)
+        """Bytes on disk of the adapter folders behind the names in `namespace`, and of its uploads whose
+        folders are still on disk (a replaced or unloaded upload stays until its last request ends), each
+        version counted once."""
+        named = {entry.version for (owner, _), entry in self.registry.entries.items() if owner == namespace}
+        uploaded = {version for version, stored in self.store.versions.items()
+                    if stored.owns_files and stored.files_namespace == namespace}
+        return sum(self.store.versions[version].disk_bytes for version in named | uploaded)
 
     # ---- the host tier ------------------------------------------------------------------------------
     def adapter_ready(self, version: str) -> bool:

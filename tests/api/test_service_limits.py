@@ -235,6 +235,15 @@ def test_an_upload_declared_over_the_quota_is_refused_unread(server, upload_dir)
     assert folders(upload_dir, "tiny") == []
 
 
+def test_an_upload_without_a_length_is_411_for_a_tenant_with_a_byte_quota(server, upload_dir):
+    """Without a Content-Length the whole upload (up to max_upload_bytes) would be spooled to disk before the
+    quota could be checked; a tenant with a quota must say its size first."""
+    request = head("POST", "/v1/adapters", KEYS["tiny"], "multipart/form-data; boundary=x", None)
+    status, _, body = raw_request(server, request.replace("\n\n", "\nTransfer-Encoding: chunked\n\n"))
+    assert status == 411 and b"Content-Length" in body and b"length_required" in body
+    assert folders(upload_dir, "tiny") == []
+
+
 # ---- 3. path errors are 400s -----------------------------------------------------------------------------------
 def test_path_errors_are_400_naming_the_problem(server, adapter_root):
     loop = adapter_root / "loop-a"

@@ -21,7 +21,7 @@ from slora import LLM, SamplingParams
 from slora.adapters.errors import AdapterError
 from slora.engine import Engine
 from slora.outputs import RequestOutput
-from tiny import random_prompts
+from tiny import edit_weights, first_key, random_prompts
 
 VICTIM = "victim"
 FAULT_AT = 2                 # output tokens the victim's first sample has when the injected fault strikes
@@ -410,3 +410,26 @@ def test_adapter_disk_bytes_counts_each_version_of_a_namespace_once(store_llm, t
     engine.unload_adapter("three", owner="quota")
     assert engine.adapter_disk_bytes("quota") == big_bytes
     assert engine.adapter_disk_bytes("other") == small_bytes
+
+
+def test_an_owned_folder_counts_until_it_is_deleted(store_llm, tiny_llama, tmp_path):
+    """A replaced or unloaded upload still used by a request keeps its folder on disk: it counts against its
+    namespace until it goes, so re-uploading under a running request cannot grow past a byte quota."""
+    engine = store_llm.engine
+    first = copy_adapter(tiny_llama, "all-r16", tmp_path / "first")
+    second = copy_adapter(tiny_llama, "attn-r4", tmp_path / "second")
+    for folder in (first, second):             # versions of their own, not the module's earlier ones
+        edit_weights(folder, lambda tensors: tensors[first_key(tensors, "lora_A")].mul_(0.5))
+    first_bytes, second_bytes = adapter_files_bytes(first), adapter_files_bytes(second)
+    engine.load_adapter("x", first, owner="uploader", owns_files=True)
+    engine.add_request("held", PROMPTS[1], SamplingParams(max_tokens=3, temperature=0), "x", owner="uploader")
+    engine.load_adapter("x", second, owner="uploader", owns_files=True)          # replaced under the request
+    assert first.is_dir()
+    assert engine.adapter_disk_bytes("uploader") == first_bytes + second_bytes
+    assert engine.adapter_disk_bytes("bystander") == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert not first.exists() and engine.adapter_disk_bytes("uploader") == second_bytes
+    engine.unload_adapter("x", owner="uploader")
+    assert engine.adapter_disk_bytes("uploader") == 0
+    engine.check()
