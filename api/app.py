@@ -103,8 +103,9 @@ class BodyLimit:
 
 class Authentication:
     """Checks the API key from the headers alone, before anything parses the body: a missing or wrong key is
-    a 401 whatever the body (what arrives of it within a second is dropped unread, see discard_body). It guards every route under /v1/ (and /metrics with
-    metrics_require_key) and leaves the tenant in the scope's state, where `caller` reads it."""
+    a 401 whatever the body (what arrives of it within a second is dropped unparsed, see discard_body). It
+    guards every route under /v1/ (and /metrics with metrics_require_key) and leaves the tenant in the
+    scope's state, where `caller` reads it."""
 
     def __init__(self, app: ASGIApp, tenants: TenantDirectory, guard_metrics: bool,
                  on_error: Callable[[int], None], max_discard: int) -> None:

@@ -16,12 +16,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from benchmark_modules import load_benchmark
 from slora import LLM, SamplingParams
 
 BASE_MODEL = "slora-tiny-llama"
 TEST_ADAPTERS = ["attn-r4", "mlp-r8", "all-r16"]
+SOAK = load_benchmark("soak.py", "bench_soak")     # the chaos soak; its /metrics parser serves every test
 STARTUP_TIMEOUT_S = 600   # a loaded 2-core machine loads the model slowly; only a hang reaches it
 
 
@@ -46,13 +47,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics as {'name{label="v"}': value}, parsed by prometheus_client."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
+        return SOAK.metric_samples(self.url, None)
 
     def wait_for(self, condition, timeout_s: float = 30.0, what: str = "condition") -> dict[str, float]:
         """Poll /metrics until `condition(samples)` holds."""

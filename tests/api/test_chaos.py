@@ -8,8 +8,7 @@ import time
 import httpx
 import pytest
 
-from benchmark_modules import load_benchmark
-from conftest import BASE_MODEL, TEST_ADAPTERS, start_server, write_tenants
+from conftest import BASE_MODEL, SOAK, TEST_ADAPTERS, start_server, write_tenants
 
 KEYS = {"ops": "chaos-admin-key", "alpha": "chaos-alpha-key", "beta": "chaos-beta-key"}
 SOAK_REQUESTS = 500
@@ -32,10 +31,9 @@ def server(tmp_path_factory, adapter_root):
 
 @pytest.fixture(scope="module")
 def soak_result(server):
-    soak = load_benchmark("soak.py", "bench_soak")
-    config = soak.SoakConfig(server.url, [KEYS["alpha"], KEYS["beta"]], KEYS["ops"], BASE_MODEL, TEST_ADAPTERS,
+    config = SOAK.SoakConfig(server.url, [KEYS["alpha"], KEYS["beta"]], KEYS["ops"], BASE_MODEL, TEST_ADAPTERS,
                              TEST_ADAPTERS[:2], requests=SOAK_REQUESTS, seed=7)
-    return soak.soak(config)
+    return SOAK.soak(config)
 
 
 def test_soak_has_no_server_error_and_no_hang(soak_result):

@@ -238,6 +238,20 @@ def encode_work(texts):
     return lambda own, cancelled: encode_texts(own, texts, cancelled)
 
 
+def with_pool(scenario, gate: threading.Event | None = None, **settings):
+    """`scenario(pool)` on a fresh event loop with a new pool; the gate opens and the pool closes however the
+    scenario ends (a failed assertion must not leave a thread waiting on the gate)."""
+    async def run():
+        pool = Tokenization(**settings)
+        try:
+            return await scenario(pool)
+        finally:
+            if gate is not None:
+                gate.set()
+            pool.close()
+    return asyncio.run(run())
+
+
 def test_pool_gives_each_worker_its_own_tokenizer_copy():
     calls: list = []
     source = SlowTokenizer(0.05, calls)
@@ -260,47 +274,38 @@ def test_pool_gives_each_worker_its_own_tokenizer_copy():
 def test_pool_queue_overflow_is_429_with_retry_after():
     source, order, gate = SlowTokenizer(0, []), [], threading.Event()
 
-    async def scenario():
-        pool = Tokenization(workers=1, max_pending=2, retry_after_s=3)
-        try:
-            running = [asyncio.ensure_future(pool.run(tenant, source, gated(gate, order, tenant)))
-                       for tenant in "abc"]
-            await until(lambda: pool.waiting == 2)            # one runs, two wait (one tenant may have one)
-            with pytest.raises(APIError) as info:
-                await pool.run("d", source, encode_work(["x"]))
-            assert info.value.status == 429 and info.value.headers["Retry-After"] == "3"
-            assert "queue is full" in info.value.message, info.value.message
-            gate.set()
-            assert await asyncio.gather(*running) == ["a", "b", "c"]      # the admitted ones are all served
-            assert pool.waiting == 0
-            assert await pool.run("d", source, encode_work(["xy"])) == [[2]]
-        finally:
-            pool.close()
-    asyncio.run(scenario())
+    async def scenario(pool: Tokenization):
+        running = [asyncio.ensure_future(pool.run(tenant, source, gated(gate, order, tenant)))
+                   for tenant in "abc"]
+        await until(lambda: pool.waiting == 2)            # one runs, two wait (one tenant may have one)
+        with pytest.raises(APIError) as info:
+            await pool.run("d", source, encode_work(["x"]))
+        assert info.value.status == 429 and info.value.headers["Retry-After"] == "3"
+        assert "queue is full" in info.value.message, info.value.message
+        gate.set()
+        assert await asyncio.gather(*running) == ["a", "b", "c"]      # the admitted ones are all served
+        assert pool.waiting == 0
+        assert await pool.run("d", source, encode_work(["xy"])) == [[2]]
+    with_pool(scenario, gate, workers=1, max_pending=2, retry_after_s=3)
 
 
 def test_pool_cancellation_frees_the_queue_and_the_thread():
     calls: list = []
     source = SlowTokenizer(0.05, calls)
 
-    async def scenario():
-        pool = Tokenization(workers=1, max_pending=4, retry_after_s=1)
-        try:
-            hostile = asyncio.ensure_future(pool.run("t", source, encode_work(["a"] * 1000)))  # 50 s if not stopped
-            queued = asyncio.ensure_future(pool.run("t", source, encode_work(["b"] * 1000)))
-            await asyncio.sleep(0.3)
-            assert pool.waiting == 1
-            queued.cancel()                                   # its client left while it waited
-            await asyncio.gather(queued, return_exceptions=True)
-            assert pool.waiting == 0
-            hostile.cancel()                                  # its client left while it was tokenized
-            await asyncio.gather(hostile, return_exceptions=True)
-            start = time.monotonic()
-            assert await pool.run("t", source, encode_work(["abcd"])) == [[4]]
-            return time.monotonic() - start
-        finally:
-            pool.close()
-    waited_s = asyncio.run(scenario())
+    async def scenario(pool: Tokenization):
+        hostile = asyncio.ensure_future(pool.run("t", source, encode_work(["a"] * 1000)))  # 50 s if not stopped
+        queued = asyncio.ensure_future(pool.run("t", source, encode_work(["b"] * 1000)))
+        await until(lambda: pool.waiting == 1)
+        queued.cancel()                                   # its client left while it waited
+        await asyncio.gather(queued, return_exceptions=True)
+        assert pool.waiting == 0
+        hostile.cancel()                                  # its client left while it was tokenized
+        await asyncio.gather(hostile, return_exceptions=True)
+        start = time.monotonic()
+        assert await pool.run("t", source, encode_work(["abcd"])) == [[4]]
+        return time.monotonic() - start
+    waited_s = with_pool(scenario, workers=1, max_pending=4, retry_after_s=1)
     assert waited_s < FAST_S / 3, waited_s
     assert len(calls) < 200, len(calls)                      # the 1000-prompt work stopped early
     assert len(calls) >= 2                                   # and it did start
@@ -332,102 +337,82 @@ def test_pool_serves_waiting_tenants_in_turn():
     # a's first, not behind all five of a's.
     source, order, gate = SlowTokenizer(0, []), [], threading.Event()
 
-    async def scenario():
-        pool = Tokenization(workers=1, max_pending=12, retry_after_s=1)
-        try:
-            busy = asyncio.ensure_future(pool.run("c", source, gated(gate, order, "c")))
-            await until(lambda: order == ["c"])
-            of_a = [asyncio.ensure_future(pool.run("a", source, recorded(order, f"a{i}"))) for i in range(1, 6)]
-            await until(lambda: pool.waiting_of("a") == 5)
-            of_b = asyncio.ensure_future(pool.run("b", source, recorded(order, "b1")))
-            await until(lambda: pool.waiting == 6)
-            gate.set()
-            await asyncio.wait_for(asyncio.gather(busy, of_b, *of_a), FAST_S)
-        finally:
-            gate.set()
-            pool.close()
-    asyncio.run(scenario())
+    async def scenario(pool: Tokenization):
+        busy = asyncio.ensure_future(pool.run("c", source, gated(gate, order, "c")))
+        await until(lambda: order == ["c"])
+        of_a = [asyncio.ensure_future(pool.run("a", source, recorded(order, f"a{i}"))) for i in range(1, 6)]
+        await until(lambda: pool.waiting_of("a") == 5)
+        of_b = asyncio.ensure_future(pool.run("b", source, recorded(order, "b1")))
+        await until(lambda: pool.waiting == 6)
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(busy, of_b, *of_a), FAST_S)
+    with_pool(scenario, gate, workers=1, max_pending=12, retry_after_s=1)
     assert order == ["c", "a1", "b1", "a2", "a3", "a4", "a5"], order
 
 
 def test_pool_per_tenant_bound_is_429_while_another_tenant_gets_in():
     source, order, gate = SlowTokenizer(0, []), [], threading.Event()
 
-    async def scenario():
-        pool = Tokenization(workers=1, max_pending=4, retry_after_s=3)
+    async def scenario(pool: Tokenization):
         assert pool.max_pending_per_tenant == 2
-        try:
-            busy = asyncio.ensure_future(pool.run("a", source, gated(gate, order, "busy")))
-            await until(lambda: order == ["busy"])
-            admitted = [asyncio.ensure_future(pool.run("a", source, recorded(order, "a"))) for _ in range(2)]
-            await until(lambda: pool.waiting_of("a") == 2)
-            with pytest.raises(APIError) as info:
-                await pool.run("a", source, recorded(order, "a over"))
-            assert info.value.status == 429 and info.value.headers["Retry-After"] == "3"
-            assert "per-tenant" in info.value.message, info.value.message
-            admitted += [asyncio.ensure_future(pool.run("b", source, recorded(order, "b"))) for _ in range(2)]
-            await until(lambda: pool.waiting == 4)              # b got in although a is at its bound
-            with pytest.raises(APIError) as info:
-                await pool.run("c", source, recorded(order, "c over"))
-            assert info.value.status == 429 and "queue is full" in info.value.message, info.value.message
-            gate.set()
-            assert await asyncio.wait_for(asyncio.gather(busy, *admitted), FAST_S) == ["busy", "a", "a", "b", "b"]
-        finally:
-            gate.set()
-            pool.close()
-    asyncio.run(scenario())
+        busy = asyncio.ensure_future(pool.run("a", source, gated(gate, order, "busy")))
+        await until(lambda: order == ["busy"])
+        admitted = [asyncio.ensure_future(pool.run("a", source, recorded(order, "a"))) for _ in range(2)]
+        await until(lambda: pool.waiting_of("a") == 2)
+        with pytest.raises(APIError) as info:
+            await pool.run("a", source, recorded(order, "a over"))
+        assert info.value.status == 429 and info.value.headers["Retry-After"] == "3"
+        assert "per-tenant" in info.value.message, info.value.message
+        admitted += [asyncio.ensure_future(pool.run("b", source, recorded(order, "b"))) for _ in range(2)]
+        await until(lambda: pool.waiting == 4)              # b got in although a is at its bound
+        with pytest.raises(APIError) as info:
+            await pool.run("c", source, recorded(order, "c over"))
+        assert info.value.status == 429 and "queue is full" in info.value.message, info.value.message
+        gate.set()
+        assert await asyncio.wait_for(asyncio.gather(busy, *admitted), FAST_S) == ["busy", "a", "a", "b", "b"]
+    with_pool(scenario, gate, workers=1, max_pending=4, retry_after_s=3)
     assert sorted(order) == ["a", "a", "b", "b", "busy"], order
 
 
 def test_pool_cancelled_waiter_frees_its_place_and_the_pool_still_serves():
     source, order, gate = SlowTokenizer(0, []), [], threading.Event()
 
-    async def scenario():
-        pool = Tokenization(workers=1, max_pending=2, retry_after_s=1)
-        try:
-            busy = asyncio.ensure_future(pool.run("x", source, gated(gate, order, "busy")))
-            await until(lambda: order == ["busy"])
-            leaving = asyncio.ensure_future(pool.run("a", source, recorded(order, "left")))
-            await until(lambda: pool.waiting_of("a") == 1)
-            with pytest.raises(APIError):                     # a is at its bound of one
-                await pool.run("a", source, recorded(order, "a over"))
-            leaving.cancel()
-            await asyncio.gather(leaving, return_exceptions=True)
-            assert pool.waiting == 0
-            again = asyncio.ensure_future(pool.run("a", source, recorded(order, "a")))   # its place is free
-            await until(lambda: pool.waiting_of("a") == 1)
-            gate.set()
-            assert await asyncio.wait_for(asyncio.gather(busy, again), FAST_S) == ["busy", "a"]
-            await one_thread_still_serves(pool, source)
-        finally:
-            gate.set()
-            pool.close()
-    asyncio.run(scenario())
+    async def scenario(pool: Tokenization):
+        busy = asyncio.ensure_future(pool.run("x", source, gated(gate, order, "busy")))
+        await until(lambda: order == ["busy"])
+        leaving = asyncio.ensure_future(pool.run("a", source, recorded(order, "left")))
+        await until(lambda: pool.waiting_of("a") == 1)
+        with pytest.raises(APIError):                     # a is at its bound of one
+            await pool.run("a", source, recorded(order, "a over"))
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert pool.waiting == 0
+        again = asyncio.ensure_future(pool.run("a", source, recorded(order, "a")))   # its place is free
+        await until(lambda: pool.waiting_of("a") == 1)
+        gate.set()
+        assert await asyncio.wait_for(asyncio.gather(busy, again), FAST_S) == ["busy", "a"]
+        await one_thread_still_serves(pool, source)
+    with_pool(scenario, gate, workers=1, max_pending=2, retry_after_s=1)
     assert "left" not in order, order
 
 
 def test_pool_a_waiter_cancelled_as_it_is_handed_the_thread_passes_it_on():
     source, order, gate = SlowTokenizer(0, []), [], threading.Event()
 
-    async def scenario():
-        pool = Tokenization(workers=1, max_pending=4, retry_after_s=1)
-        try:
-            busy = asyncio.ensure_future(pool.run("x", source, gated(gate, order, "busy")))
-            await until(lambda: order == ["busy"])
-            leaving = asyncio.ensure_future(pool.run("a", source, recorded(order, "left")))
-            after = asyncio.ensure_future(pool.run("b", source, recorded(order, "b")))
-            await until(lambda: pool.waiting == 2)
-            gate.set()
-            await until(lambda: pool.waiting_of("a") == 0)    # a was handed the thread but has not resumed yet
-            leaving.cancel()
-            assert await asyncio.wait_for(after, FAST_S) == "b"           # the thread went on to b
-            await asyncio.gather(leaving, return_exceptions=True)
-            assert leaving.cancelled() and await busy == "busy"
-            await one_thread_still_serves(pool, source)
-        finally:
-            gate.set()
-            pool.close()
-    asyncio.run(scenario())
+    async def scenario(pool: Tokenization):
+        busy = asyncio.ensure_future(pool.run("x", source, gated(gate, order, "busy")))
+        await until(lambda: order == ["busy"])
+        leaving = asyncio.ensure_future(pool.run("a", source, recorded(order, "left")))
+        after = asyncio.ensure_future(pool.run("b", source, recorded(order, "b")))
+        await until(lambda: pool.waiting == 2)
+        gate.set()
+        await until(lambda: pool.waiting_of("a") == 0)    # a was handed the thread but has not resumed yet
+        leaving.cancel()
+        assert await asyncio.wait_for(after, FAST_S) == "b"           # the thread went on to b
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert leaving.cancelled() and await busy == "busy"
+        await one_thread_still_serves(pool, source)
+    with_pool(scenario, gate, workers=1, max_pending=4, retry_after_s=1)
     assert "left" not in order, order
 
 
