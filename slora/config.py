@@ -17,7 +17,7 @@ def physical_memory_bytes() -> int:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None                  # Hugging Face folder; None = the embedded default model
+    model: str | None = None                  # builtin name, HF folder or .gguf; None: DEFAULT_MODEL
     device: str = "cpu"
     dtype: str | None = None                  # default: float32 on the CPU, bfloat16 on CUDA
     page_size: int = 16

@@ -22,6 +22,7 @@ from slora.adapters.packing import pack_adapter
 from slora.adapters.registry import AdapterEntry, AdapterRegistry
 from slora.adapters.shapes import TargetShapes
 from slora.adapters.weights import load_adapter
+from slora.builtin_models import resolve_model
 from slora.config import EngineConfig
 from slora.detokenizer import IncrementalDetokenizer
 from slora.cuda_graphs import GraphLimits
@@ -94,13 +95,12 @@ class RequestState:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        from slora.embedded import ensure_embedded
         self.config = config
-        embedded = ensure_embedded() if config.model is None else None
-        folder = Path(config.model) if config.model else embedded.model_dir
+        source = resolve_model(config.model)
+        folder = source.folder
         self.model = load_model(folder, config.torch_dtype, config.torch_device, config.load_format)
         self.model_config: ModelConfig = self.model.config
-        self.model_name = folder.name if config.model else "slora-tiny-llama"
+        self.model_name = source.served_name
         self.tokenizer = load_tokenizer(folder)
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)
@@ -134,11 +134,10 @@ class Engine:
         self._reloading: dict[str, StoredAdapter] = {}   # versions being read back from disk
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
-        if embedded is not None:
-            self._load_demo_adapters(embedded.adapters)
+        self._load_demo_adapters(source.demo_adapters)
 
     def _load_demo_adapters(self, adapters: dict[str, Path]) -> None:
-        """The embedded model's demo adapters, except those the configuration cannot take."""
+        """The builtin model's demo adapters, except those the configuration cannot take."""
         for name, path in adapters.items():
             try:
                 self.load_adapter(name, path, public=True)

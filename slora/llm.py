@@ -8,6 +8,7 @@ from slora.outputs import RequestOutput
 from slora.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+Conversation = Seq[dict[str, str]]          # [{"role": "user", "content": "..."}, ...]
 
 
 class LLM:
@@ -52,6 +53,20 @@ class LLM:
                 if request_id not in finished:
                     self.engine.abort(request_id)
         return [finished[i] for i in ids]
+
+    def chat(self, conversations: Conversation | Seq[Conversation], params: SamplingParams | Seq[SamplingParams] |
+             None = None, adapters: Seq[str | None] | None = None) -> list[RequestOutput]:
+        """Reply to every conversation: each is rendered by the model's own chat template, with the prompt of
+        the assistant's turn, then generated as `generate` does."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.render_chat(c) for c in conversations], params, adapters)
+
+    def render_chat(self, conversation: Conversation) -> str:
+        """The prompt text of a conversation under the model's chat template."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template: use generate with prompt text")
+        return self.tokenizer.apply_chat_template(list(conversation), tokenize=False, add_generation_prompt=True)
 
     def _submit(self, prompt: Prompt, params: SamplingParams, adapter: str | None) -> str:
         request_id = f"offline-{next(self._ids)}"

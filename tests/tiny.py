@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slora.embedded import build_demo_adapter, build_tiny_model
+from slora.tiny_model import build_demo_adapter, build_tiny_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, targets, alpha, seed, extra LoraConfig fields)

@@ -3,7 +3,7 @@ all-linear targets. Each must match transformers + PEFT."""
 import pytest
 
 from slora import LLM, SamplingParams
-from slora.embedded import build_demo_adapter
+from slora.tiny_model import build_demo_adapter
 from tiny import oracle_greedy, random_prompts
 
 FEATURES = {

@@ -1,6 +1,6 @@
 """A real `slora serve` process on 127.0.0.1 per test module, driven by the official openai client.
 
-Adapters for the tests are made from the embedded model (the server's default), into an adapter root
+Servers run the tiny model (`--model slora-tiny-llama`). Adapters for the tests are made from it, into an adapter root
 shared by the session; the offline `LLM` with the same adapters is the reference for token equality.
 """
 import os
@@ -95,7 +95,7 @@ def start_server(log_dir: Path, *args: str) -> Server:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "slora.cli", "serve", "--host", "127.0.0.1",
-                                    "--port", str(port), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                    "--port", str(port), "--model", BASE_MODEL, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -112,24 +112,24 @@ def start_server(log_dir: Path, *args: str) -> Server:
 
 
 @pytest.fixture(scope="session")
-def embedded():
-    from slora.embedded import ensure_embedded
-    return ensure_embedded()
+def tiny_model():
+    from slora.tiny_model import ensure_tiny_model
+    return ensure_tiny_model()
 
 
 @pytest.fixture(scope="session")
-def adapter_root(tmp_path_factory, embedded) -> Path:
-    """A folder with the test adapters, built for the embedded model."""
+def adapter_root(tmp_path_factory, tiny_model) -> Path:
+    """A folder with the test adapters, built for the tiny model."""
     from tiny import make_adapters
     root = tmp_path_factory.mktemp("adapter-root")
-    make_adapters(embedded.model_dir, root, TEST_ADAPTERS)
+    make_adapters(tiny_model.model_dir, root, TEST_ADAPTERS)
     return root
 
 
 @pytest.fixture(scope="session")
 def offline(adapter_root) -> LLM:
     """The offline reference: the same engine settings as the servers, the same adapters by name."""
-    llm = LLM()
+    llm = LLM(BASE_MODEL)
     for name in TEST_ADAPTERS:
         llm.load_adapter(name, str(adapter_root / name))
     return llm

@@ -9,6 +9,7 @@ from slora.adapters.errors import AdapterError
 from slora.config import EngineConfig
 from slora.engine import Engine
 from slora.sampling_params import SamplingParams
+from slora.builtin_models import TINY_MODEL
 
 
 def state(engine: Engine) -> dict:
@@ -50,8 +51,8 @@ def via_api(engine, name, path, owner=None, public=False):
 
 def test_split_load_matches_engine_load(adapter_root):
     config = dict(num_pages=256)
-    assert scenario(Engine(EngineConfig(**config)), via_api, adapter_root) == \
-        scenario(Engine(EngineConfig(**config)), via_engine, adapter_root)
+    assert scenario(Engine(EngineConfig(TINY_MODEL, **config)), via_api, adapter_root) == \
+        scenario(Engine(EngineConfig(TINY_MODEL, **config)), via_engine, adapter_root)
 
 
 def test_prepare_refuses_and_leaves_nothing_behind(adapter_root, tmp_path):
@@ -61,7 +62,7 @@ def test_prepare_refuses_and_leaves_nothing_behind(adapter_root, tmp_path):
     shutil.copytree(adapter_root / "attn-r4", broken)
     config = json.loads((broken / "adapter_config.json").read_text())
     (broken / "adapter_config.json").write_text(json.dumps({**config, "r": 0}))
-    engine = Engine(EngineConfig(num_pages=256))
+    engine = Engine(EngineConfig(TINY_MODEL, num_pages=256))
     before = state(engine)
     with ThreadPoolExecutor(1) as worker, pytest.raises(AdapterError, match="r: the LoRA rank"):
         worker.submit(engine.prepare_adapter, broken).result()

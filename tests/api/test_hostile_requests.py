@@ -27,6 +27,7 @@ from slora.api.tenants import Tenant
 from slora.config import EngineConfig
 from slora.engine import Engine
 from slora.outputs import RequestError, RequestOutput
+from slora.builtin_models import TINY_MODEL
 
 MAX_TOKENS_LIMIT = 5
 MESSAGES = [{"role": "user", "content": "Hello there"}]
@@ -472,7 +473,7 @@ def test_cancelled_work_stops_between_prompts():
 def failing_app():
     """An in-process server whose engine fails every request it runs with `mode["code"]` (as the engine does
     when an adapter's files changed, or a fault hits one request); None lets requests run normally."""
-    engine = Engine(EngineConfig(num_pages=64))
+    engine = Engine(EngineConfig(TINY_MODEL, num_pages=64))
     mode = {"code": None}
     real_step = engine.step
 

@@ -15,7 +15,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance, statu
 from conftest import BASE_MODEL, TEST_ADAPTERS, start_server, write_tenants
 from slora.api.app import create_app
 from slora.api.openapi import OPERATIONS
-from slora.embedded import DEMO_ADAPTERS
+from slora.tiny_model import DEMO_ADAPTERS
 
 KEYS = {"admin": "openapi-admin-key", "tenant": "openapi-tenant-key"}
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]

@@ -17,6 +17,7 @@ from slora.api.tenants import Tenant, hash_key, load_tenants
 from slora.config import EngineConfig
 from slora.engine import Engine
 from slora.sampling_params import SamplingParams
+from slora.builtin_models import TINY_MODEL
 
 
 def test_admission_queues_hands_over_and_refuses():
@@ -116,16 +117,16 @@ def test_stream_deltas_withhold_partial_characters_and_stop_prefixes():
 
 
 def test_default_chat_template_when_the_tokenizer_has_none():
-    from slora.embedded import ensure_embedded
+    from slora.tiny_model import ensure_tiny_model
     from slora.tokenizer import load_tokenizer
-    tokenizer = copy.deepcopy(load_tokenizer(ensure_embedded().model_dir))
+    tokenizer = copy.deepcopy(load_tokenizer(ensure_tiny_model().model_dir))
     tokenizer.chat_template = None
     ids = render_chat(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert tokenizer.decode(ids) == "<|user|>\nhi</s>\n<|assistant|>\n"
 
 
 def test_engine_loop_failure_and_stall_are_unhealthy():
-    engine = Engine(EngineConfig(num_pages=64))
+    engine = Engine(EngineConfig(TINY_MODEL, num_pages=64))
     real_step = engine.step
     calls = {"n": 0}
 

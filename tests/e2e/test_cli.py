@@ -3,20 +3,21 @@ import subprocess
 import sys
 
 from slora import LLM, SamplingParams
+from slora.builtin_models import TINY_MODEL
 
 from benchmark_modules import SUBPROCESS_TIMEOUT_S
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "slora.cli", "generate", *args], capture_output=True,
-                          text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    return subprocess.run([sys.executable, "-m", "slora.cli", "generate", "--model", TINY_MODEL, *args],
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
 
 
 def test_generate_with_a_demo_adapter_prints_the_offline_completion():
     result = run_cli("--adapter", "demo-r8-mlp", "--max-tokens", "6", "Hello there")
     assert result.returncode == 0, result.stderr
-    expected = LLM().generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0),
-                              adapters=["demo-r8-mlp"])[0]
+    expected = LLM(TINY_MODEL).generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0),
+                                        adapters=["demo-r8-mlp"])[0]
     assert f"'Hello there' -> {expected.text!r} [{expected.finish_reason}]" in result.stdout
 
 

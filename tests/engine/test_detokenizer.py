@@ -5,12 +5,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from slora.detokenizer import IncrementalDetokenizer, fast_decoder
-from slora.embedded import ensure_embedded
+from slora.tiny_model import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(str(ensure_embedded().model_dir))
+    return AutoTokenizer.from_pretrained(str(ensure_tiny_model().model_dir))
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -36,7 +36,7 @@ def test_real_text_streams_exactly(tokenizer):
 
 @pytest.mark.parametrize("clean_up", [False, True])
 def test_fast_decoder_gives_what_transformers_decode_gives(clean_up, monkeypatch):
-    tok = AutoTokenizer.from_pretrained(str(ensure_embedded().model_dir), clean_up_tokenization_spaces=clean_up)
+    tok = AutoTokenizer.from_pretrained(str(ensure_tiny_model().model_dir), clean_up_tokenization_spaces=clean_up)
     decode = fast_decoder(tok)
     rng = random.Random(7)
     texts = ["Hello , world ! it 's fine .", "a  b\n\tc", "x"]

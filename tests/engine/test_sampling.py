@@ -5,6 +5,7 @@ import torch
 from slora import LLM, SamplingParams
 from slora.sampler import SamplingTensors, filter_logits, uniform_noise
 from slora.sampler import sample as sample_tokens
+from slora.builtin_models import TINY_MODEL
 from tiny import random_prompts
 
 
@@ -169,8 +170,8 @@ def test_a_bad_prompt_in_a_batch_leaves_nothing_queued(llm):
     assert llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0))[0].finish_reason == "length"
 
 
-def test_embedded_model_with_a_small_max_lora_rank_skips_larger_demo_adapters():
-    llm = LLM(max_lora_rank=8)
+def test_tiny_model_with_a_small_max_lora_rank_skips_larger_demo_adapters():
+    llm = LLM(TINY_MODEL, max_lora_rank=8)
     names = {entry.name for entry in llm.engine.registry.visible_to(None)}
     assert names == {"demo-r4-attn", "demo-r8-mlp"}
 
@@ -179,7 +180,7 @@ def test_a_max_lora_rank_whose_adapters_exceed_the_kernels_int32_indexing_is_rej
     """The LoRA kernels index an adapter's pool elements in int32: an engine whose largest adapter would
     span 2**31 of them is refused at construction, naming the setting."""
     with pytest.raises(ValueError, match="max_lora_rank=.*2\\*\\*31"):
-        LLM(max_lora_rank=2 ** 24)
+        LLM(TINY_MODEL, max_lora_rank=2 ** 24)
 
 
 def test_rows_without_top_k_or_top_p_sample_as_if_unfiltered():

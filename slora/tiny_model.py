@@ -1,5 +1,6 @@
-"""The embedded default: a tiny Llama-architecture model, its tokenizer and three demo adapters, made
-deterministically (fixed seeds) into a cache folder on first use. Nothing is downloaded."""
+"""`slora-tiny-llama`: a tiny random-weight Llama-architecture model, its tokenizer and three random demo
+adapters, made deterministically (fixed seeds) into the cache folder on first use. It answers in gibberish;
+it is there for fast tests and benchmarks of the machinery, not for people."""
 import logging
 import os
 import shutil
@@ -11,7 +12,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_VERSION = "v1"
+TINY_VERSION = "v1"
 # Text the byte-level BPE merges are learned from: enough to give common English pieces.
 _CORPUS = """slora serves one base model and thousands of LoRA fine-tunes of it, for many customers at once.
 Requests for different adapters are batched into the same forward pass. The key and value cache and the
@@ -29,20 +30,21 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}
 
 
 @dataclass(frozen=True)
-class EmbeddedPaths:
+class TinyModelPaths:
     model_dir: Path
     adapters: dict[str, Path]
 
 
 def cache_root() -> Path:
+    """The slora cache folder: $SLORA_CACHE, or ~/.cache/slora."""
     base = os.environ.get("SLORA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "slora")
-    return Path(base) / f"embedded-{EMBEDDED_VERSION}"
+    return Path(base)
 
 
-def ensure_embedded() -> EmbeddedPaths:
-    """Create the embedded model and demo adapters if the cache does not hold them yet."""
-    root = cache_root()
-    paths = EmbeddedPaths(root / "model", {n: root / "adapters" / n for n in DEMO_ADAPTERS})
+def ensure_tiny_model() -> TinyModelPaths:
+    """Create the tiny model and its demo adapters if the cache does not hold them yet."""
+    root = cache_root() / f"tiny-{TINY_VERSION}"
+    paths = TinyModelPaths(root / "model", {n: root / "adapters" / n for n in DEMO_ADAPTERS})
     if not (root / "complete").is_file():
         _build_atomically(root)
     return paths
@@ -51,11 +53,11 @@ def ensure_embedded() -> EmbeddedPaths:
 def _build_atomically(root: Path) -> None:
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root.parent, prefix=".building-"))
-    logger.info("creating the embedded model in %s", root)
+    logger.info("creating the tiny model in %s", root)
     build_tiny_model(staging / "model", seed=0)
     for name, (rank, targets, alpha, seed) in DEMO_ADAPTERS.items():
         build_demo_adapter(staging / "model", staging / "adapters" / name, rank, targets, alpha, seed)
-    (staging / "complete").write_text(EMBEDDED_VERSION)
+    (staging / "complete").write_text(TINY_VERSION)
     try:
         os.replace(staging, root)
     except OSError:                      # another process won the race: its copy is identical
@@ -63,7 +65,7 @@ def _build_atomically(root: Path) -> None:
 
 
 def build_tokenizer(folder: Path) -> None:
-    """A byte-level BPE tokenizer learned from the embedded corpus, saved in Hugging Face format."""
+    """A byte-level BPE tokenizer learned from the tiny corpus, saved in Hugging Face format."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -80,7 +82,7 @@ def build_tokenizer(folder: Path) -> None:
 
 
 def build_tiny_model(folder: Path, seed: int, architecture: str = "llama", **overrides: object) -> None:
-    """A random-weight model of the Llama family (with the embedded tokenizer) saved as safetensors."""
+    """A random-weight model of the Llama family (with the tiny tokenizer) saved as safetensors."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
         Qwen2ForCausalLM
 

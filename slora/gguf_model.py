@@ -1,0 +1,119 @@
+"""Turning a GGUF file into a Hugging Face folder that slora (and transformers) load, once per file.
+
+transformers reads GGUF and dequantizes every tensor to float; `save_pretrained` then writes an ordinary
+folder (config, safetensors, tokenizer, chat template). The folder is keyed by the file's content hash
+under the slora cache, built in a staging folder beside it and published with one rename, under a file
+lock: a conversion that is interrupted (an exception, Ctrl-C, a kill) never leaves a folder that a later
+start would take for a model, and two processes starting together convert once.
+"""
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+# GGUF `general.architecture` values whose transformers conversion gives a model slora runs.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+COMPLETE_MARKER = "complete"
+_STAGING_PREFIX = ".building-"
+_HASH_CHUNK_BYTES = 8 << 20
+
+
+class ModelFileError(ValueError):
+    """A model file that cannot be used; the message names the file and what to do."""
+
+
+def converted_folder(gguf_path: Path, cache: Path, fix: str) -> Path:
+    """The HF folder converted from `gguf_path` under `cache`, converting it first if it is not there.
+    `fix` tells the user how to get a good file, for the errors about this one."""
+    gguf_path = _existing_file(gguf_path, fix)
+    target = cache / f"{gguf_path.stem}-{_content_hash(gguf_path)[:16]}"
+    if _is_complete(target):
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not _is_complete(target):           # another process may have converted it while we waited
+            _remove_stale(cache, target.name)
+            _convert_atomically(gguf_path, target, fix)
+    return target
+
+
+def gguf_architecture(gguf_path: Path, fix: str) -> str:
+    """The file's `general.architecture`; ModelFileError if the file is not a readable GGUF."""
+    from gguf import GGUFReader
+    try:
+        field = GGUFReader(str(gguf_path)).get_field("general.architecture")
+    except (ValueError, OSError, IndexError, KeyError) as exc:   # what a truncated or foreign file raises
+        raise ModelFileError(f"{gguf_path} is not a readable GGUF file ({exc}); {fix}") from None
+    if field is None:
+        raise ModelFileError(f"{gguf_path} has no general.architecture; {fix}")
+    return str(field.contents())
+
+
+def _existing_file(gguf_path: Path, fix: str) -> Path:
+    if not gguf_path.is_file():
+        raise ModelFileError(f"model file {gguf_path} not found; {fix}")
+    return gguf_path.resolve()
+
+
+def _content_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / COMPLETE_MARKER).is_file()
+
+
+def _remove_stale(cache: Path, name: str) -> None:
+    """Staging folders of conversions that were killed (we hold the lock, so none is running)."""
+    for stale in cache.glob(f"{_STAGING_PREFIX}{name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(cache / name, ignore_errors=True)   # a folder without its marker is not a model
+
+
+def _convert_atomically(gguf_path: Path, target: Path, fix: str) -> None:
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{_STAGING_PREFIX}{target.name}-"))
+    try:
+        convert(gguf_path, staging, fix)
+        (staging / COMPLETE_MARKER).write_text(gguf_path.name)
+        os.replace(staging, target)
+    finally:                                   # after a failure or an interrupt, nothing half-written stays
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def convert(gguf_path: Path, folder: Path, fix: str) -> None:
+    """Dequantize `gguf_path` into an HF folder (float32 safetensors, tokenizer, chat template)."""
+    architecture = gguf_architecture(gguf_path, fix)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelFileError(f"{gguf_path} holds a {architecture!r} model; slora serves GGUF models of "
+                             f"the architectures {', '.join(SUPPORTED_ARCHITECTURES)}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    logger.info("converting %s into %s (once; about a minute on 2 cores)", gguf_path, folder)
+    source, name = str(gguf_path.parent), gguf_path.name
+    with tqdm(total=3, desc=f"slora: converting {name}", unit="step") as progress:
+        AutoTokenizer.from_pretrained(source, gguf_file=name).save_pretrained(str(folder))
+        progress.update()
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+        progress.update()
+        _save_dequantized(model, folder)
+        progress.update()
+
+
+def _save_dequantized(model: torch.nn.Module, folder: Path) -> None:
+    """transformers refuses to save a model it loaded from GGUF although every weight is already float:
+    drop the quantizer and its config so that it is saved as the plain model it is."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(folder), safe_serialization=True)
