@@ -24,8 +24,10 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(PY) -m pytest -q
 
+# e.g. make serve SERVE_ARGS="--port 8001 --device cuda"
+SERVE_ARGS ?=
 serve: install
-	$(VENV)/bin/slora serve
+	$(VENV)/bin/slora serve $(SERVE_ARGS)
 
 generate: install
 	$(VENV)/bin/slora generate --chat --adapter demo-pirate "What is the capital of France?"

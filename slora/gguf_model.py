@@ -102,9 +102,12 @@ def convert(gguf_path: Path, folder: Path, fix: str) -> None:
     logger.info("converting %s into %s (once; about a minute on 2 cores)", gguf_path, folder)
     source, name = str(gguf_path.parent), gguf_path.name
     with tqdm(total=3, desc=f"slora: converting {name}", unit="step") as progress:
-        AutoTokenizer.from_pretrained(source, gguf_file=name).save_pretrained(str(folder))
-        progress.update()
-        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+        try:
+            AutoTokenizer.from_pretrained(source, gguf_file=name).save_pretrained(str(folder))
+            progress.update()
+            model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+        except (ValueError, KeyError, TypeError) as exc:   # what transformers raises on a file it cannot map
+            raise ModelFileError(f"transformers could not convert {gguf_path}: {exc}; {fix}") from None
         progress.update()
         _save_dequantized(model, folder)
         progress.update()

@@ -89,13 +89,15 @@ def write_tenants(folder: Path, tenants: dict[str, dict]) -> Path:
     return path
 
 
-def start_server(log_dir: Path, *args: str) -> Server:
+def start_server(log_dir: Path, *args: str, model: str | None = BASE_MODEL) -> Server:
+    """`slora serve` of `model` (None: the default model) with `args`, once it answers /health."""
     port = free_port()
+    model_args = [] if model is None else ["--model", model]
     log_path = log_dir / f"server-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "slora.cli", "serve", "--host", "127.0.0.1",
-                                    "--port", str(port), "--model", BASE_MODEL, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                    "--port", str(port), *model_args, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
