@@ -27,3 +27,10 @@ def tiny_llama(tmp_path_factory) -> TinySetup:
     root = tmp_path_factory.mktemp("tiny-llama")
     model_dir = make_model(root, "llama", seed=5)
     return TinySetup(model_dir, make_adapters(model_dir, root))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default model, SmolLM2-135M-Instruct, as the offline API serves it (converted on first use)."""
+    from slora import LLM
+    return LLM()

@@ -1,0 +1,80 @@
+"""SmolLM2-135M-Instruct, the default model: the conversion of its packaged GGUF, greedy output token-exact
+against transformers (base) and PEFT (its demo adapters) in float32, and what each demo adapter does."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from slora import SamplingParams
+from slora.builtin_models import DEFAULT_MODEL, resolve_model
+
+DEMO_ADAPTERS = ["demo-pirate", "demo-caps", "demo-json"]
+# Questions through the chat template (with its default system prompt); none is in the adapters' training set.
+QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?", "Name a primary colour.",
+             "What is 4 + 4?", "What do bees make?"]
+ORACLE_TOKENS = 24
+PIRATE_WORDS = re.compile(r"\b(arr+|matey|ahoy|ye|aye|me hearty|scallywag|landlubber|yo ho)\b", re.IGNORECASE)
+
+
+def user(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def source():
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def peft_model(source):
+    """transformers' model of the converted folder, with the demo adapters through PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, str(source.demo_adapters[DEMO_ADAPTERS[0]]),
+                                      adapter_name=DEMO_ADAPTERS[0])
+    for name in DEMO_ADAPTERS[1:]:
+        model.load_adapter(str(source.demo_adapters[name]), adapter_name=name)
+    return model.eval()
+
+
+@torch.inference_mode()
+def oracle(peft_model, prompt_ids: list[int], adapter: str | None, max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    if adapter is None:                   # the base rows: transformers alone, with PEFT's layers off
+        with peft_model.disable_adapter():
+            out = peft_model.generate(input_ids=ids, max_new_tokens=max_tokens, do_sample=False)
+    else:
+        out = peft_model.generate(input_ids=ids, adapter_names=[adapter], max_new_tokens=max_tokens,
+                                  do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_the_conversion_is_an_hf_folder_that_both_load(source, smollm2, peft_model):
+    config = json.loads((source.folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["vocab_size"]) == (30, 9, 3, 49152)
+    assert (source.folder / "model.safetensors").is_file() and (source.folder / "chat_template.jinja").is_file()
+    assert set(DEMO_ADAPTERS) <= set(source.demo_adapters)
+    assert smollm2.chat(user("What is the capital of France?"),
+                        SamplingParams(max_tokens=16, temperature=0))[0].text == "The capital of France is Paris."
+
+
+def test_greedy_output_is_token_exact_with_the_adapters_mixed_in_one_batch(smollm2, peft_model):
+    rows = [(question, adapter) for question in QUESTIONS for adapter in [None, *DEMO_ADAPTERS]]
+    params = SamplingParams(max_tokens=ORACLE_TOKENS, temperature=0)
+    outputs = smollm2.chat([user(q) for q, _ in rows], params, [a for _, a in rows])
+    for (question, adapter), output in zip(rows, outputs):
+        expected = oracle(peft_model, smollm2.chat_prompt_ids(user(question)), adapter, ORACLE_TOKENS)
+        # transformers stops after the end-of-turn token and includes it; slora stops on it too
+        assert output.token_ids == expected[:len(output.token_ids)], (question, adapter)
+        assert len(output.token_ids) == len(expected), (question, adapter)
+
+
+def test_chat_ends_on_the_tokenizers_end_of_turn_token(smollm2):
+    out = smollm2.chat(user("What is the capital of France?"), SamplingParams(max_tokens=64, temperature=0))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
