@@ -60,13 +60,15 @@ class LLM:
         the assistant's turn, then generated as `generate` does."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.render_chat(c) for c in conversations], params, adapters)
+        return self.generate([self.chat_prompt_ids(c) for c in conversations], params, adapters)
 
-    def render_chat(self, conversation: Conversation) -> str:
-        """The prompt text of a conversation under the model's chat template."""
+    def chat_prompt_ids(self, conversation: Conversation) -> list[int]:
+        """A conversation's prompt under the model's chat template, encoded as the server encodes it: the
+        template writes the special tokens itself."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template: use generate with prompt text")
-        return self.tokenizer.apply_chat_template(list(conversation), tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _submit(self, prompt: Prompt, params: SamplingParams, adapter: str | None) -> str:
         request_id = f"offline-{next(self._ids)}"
