@@ -1,20 +1,29 @@
-"""Offline generation: slora against transformers + PEFT mixed-adapter `generate`, same prompts,
-same adapters, same machine, in one run: the model's demo adapters mixed with the base model in every batch
-(SmolLM2-135M-Instruct and its three trained adapters by default), random prompts of equal length, greedy,
-ignore_eos.
+"""Offline generation: slora against transformers + PEFT mixed-adapter `generate`, same prompts, same
+adapters, same machine, in one run. The model's demo adapters are mixed with the base model in every batch
+(SmolLM2-135M-Instruct and its three trained adapters by default); random prompts of equal length (no
+padding for PEFT), greedy, ignore_eos. slora's decode steps are also reported on their own: tokens/s and
+the bytes they had to read per second, against the GPU's copy bandwidth.
 
-    python benchmarks/offline.py [--quick] [--model NAME] [--out benchmarks/results/offline_cpu.json]
+--random-weights CONFIG runs the model of that config.json with random weights in both systems (a machine
+without the model's files, such as the GPU machine: the throughput does not depend on the weights'
+values, and the demo adapters still fit the shapes).
+
+    python benchmarks/offline.py [--quick] [--model NAME] [--device cuda] [--batches 64,256]
+                                 [--random-weights benchmarks/smollm2_config.json] [--no-peft] [--out FILE]
 """
 import argparse
+import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from common import RESULTS, print_table, write_json
+from common import RESULTS, bandwidth_columns, machine, print_table, write_json
 from slora import LLM, SamplingParams
-from slora.builtin_models import DEFAULT_MODEL, resolve_model
+from slora.builtin_models import DEFAULT_MODEL, resolve_model, shipped_demo_adapters
+from slora.step_stats import StepStats
 
 
 def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 42) -> list[list[int]]:
@@ -27,20 +36,24 @@ def adapter_mix(batch: int, adapters: list[str]) -> list[str | None]:
     return [names[i % len(names)] for i in range(batch)]
 
 
-def run_slora(llm: LLM, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> float:
+def run_slora(llm: LLM, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> dict[str, float]:
+    """End-to-end tokens/s, and the decode steps' tokens/s and bytes read per second."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm.engine.step_stats = StepStats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, adapters=names)
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == new_tokens for o in outputs)
-    return len(prompts) * new_tokens / elapsed
+    stats = llm.engine.step_stats
+    decode_s = stats.seconds["decode"]
+    return {"slora_tok_s": len(prompts) * new_tokens / elapsed,
+            "slora_decode_tok_s": stats.tokens["decode"] / decode_s if decode_s else None,
+            **bandwidth_columns(stats.decode_bytes, decode_s, "slora_decode")}
 
 
-def build_peft(model_dir, adapters):
+def build_peft(model: torch.nn.Module, adapters: dict[str, Path]) -> torch.nn.Module:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     names = list(adapters)
     model = PeftModel.from_pretrained(model, str(adapters[names[0]]), adapter_name=names[0])
     for name in names[1:]:
@@ -49,8 +62,9 @@ def build_peft(model_dir, adapters):
 
 
 @torch.inference_mode()
-def run_peft(model, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> float:
-    input_ids = torch.tensor(prompts)                      # equal lengths: no padding needed
+def run_peft(model: torch.nn.Module, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> float:
+    device = next(model.parameters()).device
+    input_ids = torch.tensor(prompts, device=device)       # equal lengths: no padding needed
     start = time.perf_counter()
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                          adapter_names=[n or "__base__" for n in names], max_new_tokens=new_tokens,
@@ -60,31 +74,72 @@ def run_peft(model, prompts: list[list[int]], names: list[str | None], new_token
     return len(prompts) * new_tokens / elapsed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def load_systems(args: argparse.Namespace, workdir: Path) -> tuple[LLM, torch.nn.Module | None, list[str]]:
+    """slora's engine, transformers' model (None with --no-peft) and the demo adapters' names."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    if args.random_weights:
+        folder = workdir / "model"
+        folder.mkdir()
+        (folder / "config.json").write_text(Path(args.random_weights).read_text())
+        adapters = shipped_demo_adapters()
+        llm = LLM(str(folder), device=args.device, load_format="dummy", max_num_seqs=max(args.batches))
+        for name, path in adapters.items():
+            llm.load_adapter(name, str(path))
+        hf = None if args.no_peft else AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)),
+                                                                       dtype=dtype)
+    else:
+        source = resolve_model(args.model)
+        adapters = source.demo_adapters
+        llm = LLM(args.model, device=args.device, max_num_seqs=max(args.batches))
+        hf = None if args.no_peft else AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=dtype)
+    peft = None if hf is None else build_peft(hf.to(args.device).eval(), adapters)
+    return llm, peft, list(adapters)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a builtin model with demo adapters")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--random-weights", default=None, metavar="CONFIG_JSON")
+    parser.add_argument("--no-peft", action="store_true", help="slora alone")
     parser.add_argument("--out", default=str(RESULTS / "offline_cpu.json"))
     args = parser.parse_args()
+    args.batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
+    if args.quick:
+        args.prompt_len, args.new_tokens = 16, 8
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(42)
-    batches, prompt_len, new_tokens = ([1, 4], 16, 8) if args.quick else ([1, 8, 32], 64, 32)
-    source = resolve_model(args.model)
-    llm = LLM(args.model)
-    peft_model = build_peft(source.folder, source.demo_adapters)
-    adapters = list(source.demo_adapters)
-    rows = []
-    for batch in batches:
-        prompts = make_prompts(batch, prompt_len, peft_model.config.vocab_size)
-        names = adapter_mix(batch, adapters)
-        run_slora(llm, prompts[:1], names[:1], 2)              # warm-up
-        slora_tps = run_slora(llm, prompts, names, new_tokens)
-        peft_tps = run_peft(peft_model, prompts, names, new_tokens)
-        rows.append({"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                     "slora_tok_s": slora_tps, "peft_tok_s": peft_tps, "ratio": slora_tps / peft_tps})
+    with tempfile.TemporaryDirectory() as tmp:
+        llm, peft_model, adapters = load_systems(args, Path(tmp))
+        vocab_size = json.loads((Path(tmp) / "model" / "config.json").read_text())["vocab_size"] \
+            if args.random_weights else llm.tokenizer.vocab_size
+        rows = []
+        for batch in args.batches:
+            prompts = make_prompts(batch, args.prompt_len, vocab_size)
+            names = adapter_mix(batch, adapters)
+            run_slora(llm, prompts[:1], names[:1], 2)              # warm-up
+            row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                   **run_slora(llm, prompts, names, args.new_tokens)}
+            if peft_model is not None:
+                row["peft_tok_s"] = run_peft(peft_model, prompts, names, args.new_tokens)
+                row["ratio"] = row["slora_tok_s"] / row["peft_tok_s"]
+            rows.append(row)
     print_table(rows)
     write_json(Path(args.out), {"benchmark": "offline", "quick": args.quick, "model": args.model,
-                                "adapters": adapters, "threads": torch.get_num_threads(), "rows": rows})
+                                "random_weights": args.random_weights, "device": args.device,
+                                "machine": machine(), "threads": torch.get_num_threads(),
+                                "adapters": adapters, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ def start_server(log_dir: Path, *args: str, model: str | None = BASE_MODEL) -> S
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "slora.cli", "serve", "--host", "127.0.0.1",
-                                    "--port", str(port), *model_args, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                    "--port", str(port), *model_args, *args], stdout=log,
+                                   stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -26,3 +26,13 @@ def test_unknown_adapter_is_a_clear_error_not_a_traceback():
     assert result.returncode == 2
     assert "adapter 'no-such-adapter' does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_generate_chat_sends_each_prompt_through_the_chat_template():
+    result = run_cli("--chat", "--max-tokens", "5", "Hello there")
+    assert result.returncode == 0, result.stderr
+    llm, params = LLM(TINY_MODEL), SamplingParams(max_tokens=5, temperature=0)
+    expected = llm.chat([{"role": "user", "content": "Hello there"}], params)[0]
+    plain = llm.generate(["Hello there"], params)[0]
+    assert f"'Hello there' -> {expected.text!r} [{expected.finish_reason}]" in result.stdout
+    assert expected.prompt_token_ids != plain.prompt_token_ids

@@ -2,7 +2,6 @@
 against transformers (base) and PEFT (its demo adapters) in float32, and what each demo adapter does."""
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
