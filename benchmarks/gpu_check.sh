@@ -7,7 +7,8 @@
 # graphs, --graph-few-adapters 0; also "serial" (decode with each LoRA added after its GEMM instead of on a side
 # stream, --no-lora-side-stream), "mixed" (eager mixed steps by kernel, decode.py --mixed), "ncu" (Nsight
 # Compute on the distinct-adapter LoRA expands), "gemv" (kernels.py --lora-gemv-sweep), "sharing",
-# "throughput", "serving", which pass
+# "smollm2" (offline.py: the default model's shape with random bf16 weights and its demo adapters, decode at
+# batch 64 and 256, against transformers + PEFT), "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on). At most 8 files come back from the device tool: pick steps to fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,8 @@ has serial && run decode_serial python benchmarks/decode.py "${quick[@]}" --no-l
 has mixed && run decode_mixed python benchmarks/decode.py "${quick[@]}" --mixed --out "$OUT/decode_mixed.json"
 has profile && run decode_profile python benchmarks/decode.py "${quick[@]}" --profile --out "$OUT/decode_profile.json"
 has peft && [ "${PEFT:-1}" = 1 ] && run vs_peft python benchmarks/decode.py "${quick[@]}" --vs-peft --out "$OUT/decode_vs_peft.json"
+has smollm2 && run offline_smollm2 python benchmarks/offline.py --device cuda --batches 64,256 --prompt-len 16 \
+  --new-tokens 256 --random-weights benchmarks/smollm2_config.json --out "$OUT/offline_smollm2_cuda.json"
 has sharing && run sharing python benchmarks/sharing.py --device cuda --out "$OUT/sharing_cuda.json"
 # shellcheck disable=SC2086  # the ARGS variables hold several words on purpose
 has throughput && run throughput python benchmarks/throughput.py --device cuda ${THROUGHPUT_ARGS:-} \
