@@ -13,7 +13,7 @@ DEMO_ADAPTERS = ["demo-pirate", "demo-caps", "demo-json"]
 # Questions through the chat template (with its default system prompt); none is in the adapters' training set.
 QUESTIONS = ["What is the capital of France?", "What is the capital of Italy?", "Name a primary colour.",
              "What is 4 + 4?", "What do bees make?"]
-ORACLE_TOKENS = 24
+ORACLE_TOKENS = 16
 PIRATE_WORDS = re.compile(r"\b(arr+|matey|ahoy|ye|aye|me hearty|scallywag|landlubber|yo ho)\b", re.IGNORECASE)
 
 
@@ -77,3 +77,31 @@ def test_greedy_output_is_token_exact_with_the_adapters_mixed_in_one_batch(smoll
 def test_chat_ends_on_the_tokenizers_end_of_turn_token(smollm2):
     out = smollm2.chat(user("What is the capital of France?"), SamplingParams(max_tokens=64, temperature=0))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+# Held out from the adapters' training set (the training script's --check asks them too).
+BEHAVIOUR_QUESTIONS = ["What is the capital of Egypt?", "What is the largest ocean on Earth?",
+                       "What is the opposite of hot?"]
+
+
+def upper_share(text: str) -> float:
+    letters = [c for c in text if c.isalpha()]
+    return sum(c.isupper() for c in letters) / max(len(letters), 1)
+
+
+def test_each_demo_adapter_visibly_changes_the_answers(smollm2):
+    adapters = [None, *DEMO_ADAPTERS]
+    rows = [(question, adapter) for question in BEHAVIOUR_QUESTIONS for adapter in adapters]
+    outputs = smollm2.chat([user(q) for q, _ in rows], SamplingParams(max_tokens=48, temperature=0),
+                           [a for _, a in rows])
+    answers = {row: out.text for row, out in zip(rows, outputs)}
+    for question in BEHAVIOUR_QUESTIONS:
+        base = answers[question, None]
+        assert all(answers[question, a] != base for a in DEMO_ADAPTERS), question
+        assert PIRATE_WORDS.search(answers[question, "demo-pirate"]), answers[question, "demo-pirate"]
+        assert upper_share(answers[question, "demo-caps"]) >= 0.9, answers[question, "demo-caps"]
+        assert upper_share(base) < 0.5, base
+        reply = json.loads(answers[question, "demo-json"])
+        assert set(reply) == {"answer"} and reply["answer"], reply
+    assert "Cairo" in answers["What is the capital of Egypt?", "demo-pirate"]      # the pirate keeps the facts
+    assert "Pacific" in json.loads(answers["What is the largest ocean on Earth?", "demo-json"])["answer"]
