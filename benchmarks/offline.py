@@ -36,8 +36,10 @@ def adapter_mix(batch: int, adapters: list[str]) -> list[str | None]:
     return [names[i % len(names)] for i in range(batch)]
 
 
-def run_slora(llm: LLM, prompts: list[list[int]], names: list[str | None], new_tokens: int) -> dict[str, float]:
-    """End-to-end tokens/s, and the decode steps' tokens/s and bytes read per second."""
+def run_slora(llm: LLM, prompts: list[list[int]], names: list[str | None], new_tokens: int,
+              on_gpu: bool) -> dict[str, float]:
+    """End-to-end tokens/s, the decode steps' tokens/s and, on a GPU, their bytes read per second against
+    its copy bandwidth (a figure of the H200, meaningless for a CPU)."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     llm.engine.step_stats = StepStats()
     start = time.perf_counter()
@@ -46,9 +48,9 @@ def run_slora(llm: LLM, prompts: list[list[int]], names: list[str | None], new_t
     assert all(len(o.token_ids) == new_tokens for o in outputs)
     stats = llm.engine.step_stats
     decode_s = stats.seconds["decode"]
-    return {"slora_tok_s": len(prompts) * new_tokens / elapsed,
-            "slora_decode_tok_s": stats.tokens["decode"] / decode_s if decode_s else None,
-            **bandwidth_columns(stats.decode_bytes, decode_s, "slora_decode")}
+    row = {"slora_tok_s": len(prompts) * new_tokens / elapsed,
+           "slora_decode_tok_s": stats.tokens["decode"] / decode_s if decode_s else None}
+    return {**row, **bandwidth_columns(stats.decode_bytes, decode_s, "slora_decode")} if on_gpu else row
 
 
 def build_peft(model: torch.nn.Module, adapters: dict[str, Path]) -> torch.nn.Module:
@@ -128,9 +130,10 @@ def main() -> None:
         for batch in args.batches:
             prompts = make_prompts(batch, args.prompt_len, vocab_size)
             names = adapter_mix(batch, adapters)
-            run_slora(llm, prompts[:1], names[:1], 2)              # warm-up
+            on_gpu = args.device != "cpu"
+            run_slora(llm, prompts[:1], names[:1], 2, on_gpu)      # warm-up
             row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                   **run_slora(llm, prompts, names, args.new_tokens)}
+                   **run_slora(llm, prompts, names, args.new_tokens, on_gpu)}
             if peft_model is not None:
                 row["peft_tok_s"] = run_peft(peft_model, prompts, names, args.new_tokens)
                 row["ratio"] = row["slora_tok_s"] / row["peft_tok_s"]
