@@ -17,6 +17,7 @@ import logging
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -76,8 +77,15 @@ def run_peft(model: torch.nn.Module, prompts: list[list[int]], names: list[str |
     return len(prompts) * new_tokens / elapsed
 
 
-def load_systems(args: argparse.Namespace, workdir: Path) -> tuple[LLM, torch.nn.Module | None, list[str]]:
-    """slora's engine, transformers' model (None with --no-peft) and the demo adapters' names."""
+class Systems(NamedTuple):
+    llm: LLM
+    peft: torch.nn.Module | None            # None with --no-peft
+    adapters: list[str]                     # the demo adapters' names
+    vocab_size: int
+
+
+def load_systems(args: argparse.Namespace, workdir: Path) -> Systems:
+    """Both systems on the same model and demo adapters."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -93,11 +101,12 @@ def load_systems(args: argparse.Namespace, workdir: Path) -> tuple[LLM, torch.nn
                                                                        dtype=dtype)
     else:
         source = resolve_model(args.model)
-        adapters = source.demo_adapters
+        folder, adapters = source.folder, source.demo_adapters
         llm = LLM(args.model, device=args.device, max_num_seqs=max(args.batches))
         hf = None if args.no_peft else AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=dtype)
     peft = None if hf is None else build_peft(hf.to(args.device).eval(), adapters)
-    return llm, peft, list(adapters)
+    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    return Systems(llm, peft, list(adapters), vocab_size)
 
 
 def parse_args() -> argparse.Namespace:
@@ -123,9 +132,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(42)
     with tempfile.TemporaryDirectory() as tmp:
-        llm, peft_model, adapters = load_systems(args, Path(tmp))
-        vocab_size = json.loads((Path(tmp) / "model" / "config.json").read_text())["vocab_size"] \
-            if args.random_weights else llm.tokenizer.vocab_size
+        llm, peft_model, adapters, vocab_size = load_systems(args, Path(tmp))
         rows = []
         for batch in args.batches:
             prompts = make_prompts(batch, args.prompt_len, vocab_size)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slora.gguf_model import ModelFileError, converted_folder
-from slora.tiny_model import cache_root, ensure_tiny_model
+from slora.model_cache import cache_root
+from slora.tiny_model import ensure_tiny_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TINY_MODEL = "slora-tiny-llama"
@@ -67,6 +68,4 @@ def gguf_cache() -> Path:
 
 def shipped_demo_adapters() -> dict[str, Path]:
     """The demo adapters trained for the default model: every folder of slora/demo_adapters."""
-    if not DEMO_ADAPTER_DIR.is_dir():
-        return {}
     return {p.name: p for p in sorted(DEMO_ADAPTER_DIR.iterdir()) if (p / "adapter_config.json").is_file()}

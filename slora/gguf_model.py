@@ -1,28 +1,22 @@
 """Turning a GGUF file into a Hugging Face folder that slora (and transformers) load, once per file.
 
 transformers reads GGUF and dequantizes every tensor to float; `save_pretrained` then writes an ordinary
-folder (config, safetensors, tokenizer, chat template). The folder is keyed by the file's content hash
-under the slora cache, built in a staging folder beside it and published with one rename, under a file
-lock: a conversion that is interrupted (an exception, Ctrl-C, a kill) never leaves a folder that a later
-start would take for a model, and two processes starting together convert once.
+folder (config, safetensors, tokenizer, chat template), made once per file content in the slora cache
+(`model_cache.build_once`: an interrupted conversion leaves no folder a later start would use).
 """
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 from tqdm import tqdm
+
+from slora.model_cache import build_once
 
 logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` values whose transformers conversion gives a model slora runs.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-COMPLETE_MARKER = "complete"
-_STAGING_PREFIX = ".building-"
 _HASH_CHUNK_BYTES = 8 << 20
 
 
@@ -31,18 +25,11 @@ class ModelFileError(ValueError):
 
 
 def converted_folder(gguf_path: Path, cache: Path, fix: str) -> Path:
-    """The HF folder converted from `gguf_path` under `cache`, converting it first if it is not there.
-    `fix` tells the user how to get a good file, for the errors about this one."""
+    """The HF folder converted from `gguf_path` under `cache` (named by the file's content hash), converting
+    it first if it is not there. `fix` tells the user how to get a good file, for the errors about this one."""
     gguf_path = _existing_file(gguf_path, fix)
     target = cache / f"{gguf_path.stem}-{_content_hash(gguf_path)[:16]}"
-    if _is_complete(target):
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock"):
-        if not _is_complete(target):           # another process may have converted it while we waited
-            _remove_stale(cache, target.name)
-            _convert_atomically(gguf_path, target, fix)
-    return target
+    return build_once(target, lambda staging: convert(gguf_path, staging, fix))
 
 
 def gguf_architecture(gguf_path: Path, fix: str) -> str:
@@ -69,27 +56,6 @@ def _content_hash(path: Path) -> str:
         while chunk := file.read(_HASH_CHUNK_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _is_complete(folder: Path) -> bool:
-    return (folder / COMPLETE_MARKER).is_file()
-
-
-def _remove_stale(cache: Path, name: str) -> None:
-    """Staging folders of conversions that were killed (we hold the lock, so none is running)."""
-    for stale in cache.glob(f"{_STAGING_PREFIX}{name}-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    shutil.rmtree(cache / name, ignore_errors=True)   # a folder without its marker is not a model
-
-
-def _convert_atomically(gguf_path: Path, target: Path, fix: str) -> None:
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{_STAGING_PREFIX}{target.name}-"))
-    try:
-        convert(gguf_path, staging, fix)
-        (staging / COMPLETE_MARKER).write_text(gguf_path.name)
-        os.replace(staging, target)
-    finally:                                   # after a failure or an interrupt, nothing half-written stays
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def convert(gguf_path: Path, folder: Path, fix: str) -> None:

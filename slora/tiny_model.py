@@ -2,13 +2,12 @@
 adapters, made deterministically (fixed seeds) into the cache folder on first use. It answers in gibberish;
 it is there for fast tests and benchmarks of the machinery, not for people."""
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from slora.model_cache import build_once, cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -35,33 +34,17 @@ class TinyModelPaths:
     adapters: dict[str, Path]
 
 
-def cache_root() -> Path:
-    """The slora cache folder: $SLORA_CACHE, or ~/.cache/slora."""
-    base = os.environ.get("SLORA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "slora")
-    return Path(base)
-
-
 def ensure_tiny_model() -> TinyModelPaths:
-    """Create the tiny model and its demo adapters if the cache does not hold them yet."""
-    root = cache_root() / f"tiny-{TINY_VERSION}"
-    paths = TinyModelPaths(root / "model", {n: root / "adapters" / n for n in DEMO_ADAPTERS})
-    if not (root / "complete").is_file():
-        _build_atomically(root)
-    return paths
+    """The tiny model and its demo adapters, made in the cache on first use."""
+    root = build_once(cache_root() / f"tiny-{TINY_VERSION}", _build)
+    return TinyModelPaths(root / "model", {n: root / "adapters" / n for n in DEMO_ADAPTERS})
 
 
-def _build_atomically(root: Path) -> None:
-    root.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root.parent, prefix=".building-"))
-    logger.info("creating the tiny model in %s", root)
-    build_tiny_model(staging / "model", seed=0)
+def _build(folder: Path) -> None:
+    logger.info("creating the tiny model")
+    build_tiny_model(folder / "model", seed=0)
     for name, (rank, targets, alpha, seed) in DEMO_ADAPTERS.items():
-        build_demo_adapter(staging / "model", staging / "adapters" / name, rank, targets, alpha, seed)
-    (staging / "complete").write_text(TINY_VERSION)
-    try:
-        os.replace(staging, root)
-    except OSError:                      # another process won the race: its copy is identical
-        shutil.rmtree(staging, ignore_errors=True)
+        build_demo_adapter(folder / "model", folder / "adapters" / name, rank, targets, alpha, seed)
 
 
 def build_tokenizer(folder: Path) -> None:

@@ -185,10 +185,8 @@ def configure_torch(threads: int) -> None:
 
 def default_model_folder() -> Path:
     """The project's SmolLM2-135M-Instruct folder; imported late so that `--model` needs no slora."""
-    from slora import builtin_models
-    if hasattr(builtin_models, "ensure_model_folder"):
-        return Path(builtin_models.ensure_model_folder(MODEL_NAME))
-    return Path(builtin_models.resolve_model(MODEL_NAME).folder)
+    from slora.builtin_models import smollm2_folder
+    return smollm2_folder()
 
 
 def load_model(folder: Path) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:

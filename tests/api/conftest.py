@@ -100,18 +100,29 @@ def start_server(log_dir: Path, *args: str, model: str | None = BASE_MODEL) -> S
                                     "--port", str(port), *model_args, *args], stdout=log,
                                    stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    try:
+        wait_healthy(server.url, process, log_path)
+    except RuntimeError:
+        server.stop()
+        raise
+    return server
+
+
+def wait_healthy(url: str, process: subprocess.Popen, log_path: Path,
+                 timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Poll `url`/health until it answers 200; RuntimeError with the log's end if the process exits first or
+    the time runs out."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()[-4000:]}")
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"server did not become healthy:\n{server.log()[-4000:]}")
+    raise RuntimeError(f"server did not become healthy:\n{log_path.read_text()[-4000:]}")
 
 
 @pytest.fixture(scope="session")

