@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import regex
-
 from slora.adapters.errors import AdapterError
 
 try:                  # Python 3.11+: the parser of `re`, whose trees show each repeat's counts
@@ -26,7 +25,7 @@ try:                  # Python 3.11+: the parser of `re`, whose trees show each 
 except ImportError:   # Python 3.10
     import sre_constants
     import sre_parse
-from slora.kernels.layout import LORA_MODULES
+from slora.adapters.shapes import TargetShapes
 
 ALL_LINEAR = "all-linear"
 # Real configs are about a kilobyte; the bound keeps a hostile file's read and parse short.
@@ -56,7 +55,7 @@ class AdapterConfig:
 
     r: int
     lora_alpha: float
-    target_modules: tuple[str, ...]            # subset of LORA_MODULES, in that order
+    target_modules: tuple[str, ...]            # subset of the model's lora_modules, in that order
     use_rslora: bool = False
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
@@ -183,7 +182,7 @@ def _key_matcher(field_name: str, key: str, deadline: float) -> _Matcher:
     return _Matcher(field_name, _compile(field_name, wrapped, deadline).match, deadline)
 
 
-def load_adapter_config(path: Path, num_layers: int, max_lora_rank: int) -> AdapterConfig:
+def load_adapter_config(path: Path, shapes: TargetShapes, max_lora_rank: int) -> AdapterConfig:
     """Read and validate `adapter_config.json` in the folder `path`."""
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
@@ -191,7 +190,7 @@ def load_adapter_config(path: Path, num_layers: int, max_lora_rank: int) -> Adap
     raw = _parse_json(_read_bounded(config_file))
     if not isinstance(raw, dict):
         raise AdapterError("adapter_config.json must hold a JSON object")
-    return parse_adapter_config(raw, num_layers, max_lora_rank)
+    return parse_adapter_config(raw, shapes, max_lora_rank)
 
 
 def _read_bounded(config_file: Path) -> bytes:
@@ -211,14 +210,16 @@ def _parse_json(data: bytes) -> Any:
         raise AdapterError(f"adapter_config.json is not valid JSON: {exc}") from None
 
 
-def parse_adapter_config(raw: dict[str, Any], num_layers: int, max_lora_rank: int) -> AdapterConfig:
-    """Validate a PEFT LoRA config dict; every refusal names the offending field."""
+def parse_adapter_config(raw: dict[str, Any], shapes: TargetShapes, max_lora_rank: int) -> AdapterConfig:
+    """Validate a PEFT LoRA config dict for a base model of these shapes; every refusal names the offending
+    field."""
+    num_layers = shapes.num_layers
     _check_unsupported_features(raw)
     deadline = time.monotonic() + REGEX_BUDGET_S
     r = _check_rank("r", raw.get("r"), max_lora_rank)
     lora_alpha = _check_alpha("lora_alpha", raw.get("lora_alpha", raw.get("r")))
     modules, target_regex, regex_targets = _parse_target_modules(raw.get("target_modules"), num_layers,
-                                                                 deadline)
+                                                                 shapes.modules, deadline)
     config = AdapterConfig(
         r=r,
         lora_alpha=lora_alpha,
@@ -298,33 +299,34 @@ def _dict_field(raw: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
-def _parse_target_modules(value: Any, num_layers: int, deadline: float
+def _parse_target_modules(value: Any, num_layers: int, supported: tuple[str, ...], deadline: float
                           ) -> tuple[tuple[str, ...], str | None, frozenset[str] | None]:
-    """(the targeted modules in LORA_MODULES order, the regex, the qualified names it matches)."""
+    """(the targeted modules in the model's order `supported`, the regex, the qualified names it matches)."""
     if value is None or value == []:
         raise AdapterError("target_modules: the adapter targets no module")
     if value == ALL_LINEAR:
-        return LORA_MODULES, None, None
+        return supported, None, None
     if isinstance(value, str):
-        matched = _names_matching_regex(value, num_layers, deadline)
+        matched = _names_matching_regex(value, num_layers, supported, deadline)
         named = {name.rsplit(".", 1)[-1] for name in matched}
-        return tuple(m for m in LORA_MODULES if m in named), value, matched
+        return tuple(m for m in supported if m in named), value, matched
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise AdapterError(f"target_modules: must be a list of module names or a regex, got {_shown(value)}")
     for entry in value:
-        if entry.rsplit(".", 1)[-1] not in LORA_MODULES:
+        if entry.rsplit(".", 1)[-1] not in supported:
             raise AdapterError(f"target_modules: the base model has no LoRA-targetable module {_shown(entry)} "
-                               f"(supported: {', '.join(LORA_MODULES)})")
+                               f"(supported: {', '.join(supported)})")
     named = {entry.rsplit(".", 1)[-1] for entry in value}
-    return tuple(m for m in LORA_MODULES if m in named), None, None
+    return tuple(m for m in supported if m in named), None, None
 
 
-def _names_matching_regex(pattern: str, num_layers: int, deadline: float) -> frozenset[str]:
+def _names_matching_regex(pattern: str, num_layers: int, supported: tuple[str, ...],
+                          deadline: float) -> frozenset[str]:
     """The qualified module names that the `target_modules` regex matches in full, as PEFT matches it."""
     compiled = _compile("target_modules", _check_length("target_modules", pattern), deadline)
     matcher = _Matcher("target_modules", compiled.fullmatch, deadline)
     matched = frozenset(name for name in (qualified_module_name(i, m) for i in range(num_layers)
-                                          for m in LORA_MODULES) if matcher.matches(name))
+                                          for m in supported) if matcher.matches(name))
     if not matched:
         raise AdapterError(f"target_modules: the regex {_shown(pattern)} matches no module of the base model")
     return matched

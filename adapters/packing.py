@@ -1,6 +1,6 @@
 """Packing an adapter into the unified pool's layout (DESIGN §2).
 
-Per layer, an adapter's weights form one flat logical buffer: for each module in LORA_MODULES order,
+Per layer, an adapter's weights form one flat logical buffer: for each module in the model's lora_modules order,
 the rows of A (`rank x in_features`) then the rows of Bᵀ (`rank x out_features`), every row starting at
 a multiple of ALIGN. The buffer is cut into pages of `page_elems`; the same page ids serve every layer.
 """
@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-
 from slora.adapters.config import qualified_module_name
 from slora.adapters.errors import AdapterError
 from slora.adapters.shapes import TargetShapes

@@ -1,5 +1,4 @@
 """Names of adapters, per namespace (tenant), mapped to immutable content-hashed versions."""
-from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -15,17 +14,16 @@ class AdapterEntry:
 class AdapterRegistry:
     """`(namespace, name) -> entry`. Re-registering a name points it at a new version; requests that
     already resolved the old version keep it (they hold the version, not the name). Lookups on the
-    request path are O(1): public entries by name, and how many names point at each version."""
+    request path are O(1), public entries by name included. The AdapterManager, which holds it, counts
+    the names that point at each version."""
 
     entries: dict[tuple[str | None, str], AdapterEntry] = field(default_factory=dict)
     _public: dict[str, AdapterEntry] = field(default_factory=dict, repr=False)
-    _names_per_version: Counter[str] = field(default_factory=Counter, repr=False)
 
     def register(self, entry: AdapterEntry) -> AdapterEntry | None:
         """Add or replace; returns the entry it replaced, if any."""
         previous = self.unregister(entry.name, entry.owner)
         self.entries[(entry.owner, entry.name)] = entry
-        self._names_per_version[entry.version] += 1
         if entry.public:
             self._public[entry.name] = entry
         return previous
@@ -34,9 +32,6 @@ class AdapterRegistry:
         entry = self.entries.pop((owner, name), None)
         if entry is None:
             return None
-        self._names_per_version[entry.version] -= 1
-        if self._names_per_version[entry.version] == 0:
-            del self._names_per_version[entry.version]
         if self._public.get(name) is entry:
             del self._public[name]
             other = next((e for (_, n), e in self.entries.items() if n == name and e.public), None)
@@ -48,9 +43,12 @@ class AdapterRegistry:
         """The caller's own adapter of that name, else a public one; None if neither exists."""
         return self.entries.get((owner, name)) or self._public.get(name)
 
-    def is_named(self, version: str) -> bool:
-        """Whether any name still points at this version."""
-        return version in self._names_per_version
+    def get(self, name: str, owner: str | None = None) -> AdapterEntry | None:
+        """The entry of exactly this namespace and name."""
+        return self.entries.get((owner, name))
+
+    def owned_by(self, owner: str | None) -> list[AdapterEntry]:
+        return [e for (o, _), e in self.entries.items() if o == owner]
 
     def visible_to(self, owner: str | None) -> list[AdapterEntry]:
         return [e for (o, _), e in self.entries.items() if o == owner or e.public]

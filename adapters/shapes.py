@@ -1,26 +1,23 @@
-"""What the base model looks like to an adapter: which projections exist and their shapes."""
+"""What the base model looks like to an adapter: its LoRA-targetable projections and their shapes."""
 from dataclasses import dataclass
-
-from slora.kernels.layout import LORA_MODULES
 
 
 @dataclass(frozen=True)
 class TargetShapes:
-    """In/out features of each LoRA-targetable projection of one decoder layer, and the layer count."""
+    """The model's LoRA layout: its layer count, and (in_features, out_features) of each targetable
+    projection of a decoder layer, in the order of the adapter tables' module axis."""
 
     num_layers: int
-    hidden_size: int
-    q_size: int          # num_heads * head_dim
-    kv_size: int         # num_kv_heads * head_dim
-    intermediate_size: int
+    module_features: tuple[tuple[str, tuple[int, int]], ...]
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or not self.module_features:
+            raise ValueError("a model has at least one layer and one LoRA-targetable module")
 
     def features(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of `module`, one of LORA_MODULES."""
-        h, q, kv, i = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
-        table = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        return table[module]
+        """(in_features, out_features) of `module`, one of `modules`."""
+        return dict(self.module_features)[module]
 
     @property
     def modules(self) -> tuple[str, ...]:
-        return LORA_MODULES
+        return tuple(name for name, _ in self.module_features)

@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-
 from slora.adapters.config import AdapterConfig, load_adapter_config, qualified_module_name
 from slora.adapters.errors import AdapterError
 from slora.adapters.shapes import TargetShapes
@@ -57,7 +56,7 @@ def load_adapter(path: str | Path, shapes: TargetShapes, max_lora_rank: int) -> 
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterError(f"adapter path is not a folder: {folder.name}")
-    config = load_adapter_config(folder, shapes.num_layers, max_lora_rank)
+    config = load_adapter_config(folder, shapes, max_lora_rank)
     tensors = _read_safetensors(folder)
     weights = _validate_weights(config, tensors, shapes)
     return LoadedAdapter(config=config, weights=weights, version=content_hash(config, tensors))

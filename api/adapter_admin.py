@@ -1,7 +1,7 @@
 """Adapter management over HTTP: where adapter folders may come from (the adapter root, uploads) and the
 list / load / unload operations.
 
-Loading reads, validates and packs on a worker thread (`Engine.prepare_adapter`), then registers
+Loading reads, validates and packs on a worker thread (`AdapterManager.prepare`), then registers
 on the engine thread between two steps, so running requests keep streaming while an adapter loads. List
 and unload are short commands on the engine thread.
 """
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, BinaryIO, TypeVar
 
-from slora.adapter_store import PreparedAdapter
 from slora.adapters.errors import AdapterError
 from slora.adapters.weights import PICKLE_SUFFIXES, WEIGHTS_FILE
 from slora.api.async_engine import AsyncEngine, EngineUnavailable
@@ -27,7 +26,9 @@ from slora.api.errors import APIError, adapter_not_found, bad_request, unavailab
 from slora.api.metrics import ServerMetrics
 from slora.api.protocol import ADAPTER_NAME_PATTERN
 from slora.api.tenants import Tenant, TenantDirectory
-from slora.engine import Engine, UnknownAdapterError
+
+from slora.adapter_manager import PreparedAdapter, UnknownAdapterError
+from slora.engine import Engine
 
 logger = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
@@ -153,21 +154,15 @@ def _sanitize(message: str, hidden: list[Path]) -> str:
 
 def describe(engine: Engine, entry: Any) -> dict[str, Any]:
     """One adapter as the list route shows it (runs on the engine thread)."""
-    stored = engine.store.versions.get(entry.version)
-    resident = entry.version in engine.scheduler.adapters.resident
-    tier = stored.tier if stored is not None else "disk"
-    info: dict[str, Any] = {"name": entry.name, "version": entry.version, "owner": entry.owner,
-                            "public": entry.public, "residency": "pool" if resident else tier}
-    if stored is not None:
-        info.update(rank=stored.max_rank, target_modules=list(stored.target_modules),
-                    pages=stored.num_pages, bytes=stored.num_bytes)
+    info = engine.adapters.describe(entry)._asdict()
+    info["target_modules"] = list(info["target_modules"])
     return info
 
 
 class AdapterService:
     """The adapter routes' logic, with tenant rules: a tenant manages only its own namespace; an admin may
     name another tenant's (`owner`) and mark adapters public. A namespace holds at most `max_adapters` names
-    and `max_adapter_bytes` of adapter files (Engine.adapter_disk_bytes: uploads and path loads alike)."""
+    and `max_adapter_bytes` of adapter files (AdapterManager.disk_bytes: uploads and path loads alike)."""
 
     def __init__(self, engine: AsyncEngine, tenants: TenantDirectory, metrics: ServerMetrics,
                  adapter_root: Path | None, upload_dir: Path, default_byte_quota: int | None = None) -> None:
@@ -212,8 +207,8 @@ class AdapterService:
     async def list_adapters(self, tenant: Tenant) -> list[dict[str, Any]]:
         def command(engine: Engine) -> list[dict[str, Any]]:
             if tenant.is_admin:
-                return [describe(engine, e) for e in engine.registry.entries.values()]
-            described = [describe(engine, e) for e in engine.registry.visible_to(tenant.namespace)]
+                return [describe(engine, e) for e in engine.adapters.all_entries()]
+            described = [describe(engine, e) for e in engine.adapters.visible_to(tenant.namespace)]
             for info in described:            # other tenants' ids are not shown to a tenant
                 if info["owner"] != tenant.namespace:
                     info["owner"] = None
@@ -301,7 +296,7 @@ class AdapterService:
             raise
         # From here the engine owns an uploaded folder: it deletes it if it refuses the adapter, and once the
         # version is dropped (unloaded or replaced, after its last request).
-        entry = engine.register_adapter(name, prepared, owner=namespace, public=public, owns_files=owns_files)
+        entry = engine.adapters.register(name, prepared, owner=namespace, public=public, owns_files=owns_files)
         return describe(engine, entry)
 
     async def _call(self, command: Callable[[Engine], T]) -> T:
@@ -319,8 +314,8 @@ class AdapterService:
         owner = self.tenants.get(namespace) if namespace is not None else None
         if owner is None or owner.max_adapters is None:
             return
-        held = sum(1 for (o, _) in engine.registry.entries if o == namespace)
-        if (namespace, name) not in engine.registry.entries and held >= owner.max_adapters:
+        held = engine.adapters.names_in(namespace)
+        if engine.adapters.named(name, namespace) is None and held >= owner.max_adapters:
             raise APIError(403, f"tenant {namespace!r} may hold at most {owner.max_adapters} adapters and holds "
                            f"{held}: unload one before loading {name!r}", code="adapter_quota_exceeded",
                            param="name")
@@ -331,7 +326,7 @@ class AdapterService:
         quota = self.byte_quota(namespace)
         if quota is None:
             return
-        held = engine.adapter_disk_bytes(namespace) - _replaced_bytes(engine, namespace, name)
+        held = engine.adapters.disk_bytes(namespace) - engine.adapters.replaced_bytes(namespace, name)
         if held + new_bytes > quota:
             raise _over_byte_quota(namespace, quota, f"{new_bytes} more bytes under {name!r}", held)
 
@@ -350,9 +345,9 @@ class AdapterService:
             target = namespace
             if tenant.is_admin and owner is None:
                 # An admin may unload a public adapter (possibly the built-in demos) by its plain name.
-                entry = engine.registry.resolve(name, namespace)
+                entry = engine.adapters.lookup(name, namespace)
                 target = entry.owner if entry is not None else namespace
-            engine.unload_adapter(name, owner=target)
+            engine.adapters.unload(name, owner=target)
             return {"name": name, "owner": target, "deleted": True}
         try:
             result = await self._call(command)
@@ -363,19 +358,6 @@ class AdapterService:
 
     def _hidden(self) -> list[Path]:
         return [p for p in (self.adapter_root, self.upload_dir) if p is not None]
-
-
-def _replaced_bytes(engine: Engine, namespace: str | None, name: str) -> int:
-    """Bytes the namespace stops holding when `name` points at another version: its version's files,
-    unless another of its names points at the same version or a running request still uses it (an upload's
-    folder then stays on disk, and counts, until that request ends)."""
-    key = (namespace, name)
-    entry = engine.registry.entries.get(key)
-    if entry is None or any(other.version == entry.version and other_key != key and other_key[0] == namespace
-                            for other_key, other in engine.registry.entries.items()):
-        return 0
-    stored = engine.store.versions[entry.version]
-    return 0 if stored.requests else stored.disk_bytes
 
 
 def _over_byte_quota(namespace: str | None, quota: int, what: str, held: int | None = None) -> APIError:

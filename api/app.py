@@ -12,24 +12,36 @@ from typing import Any, NamedTuple
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
+from slora.api import protocol
+from slora.api.adapter_admin import AdapterService, UploadedFile
+from slora.api.async_engine import AsyncEngine, EngineSource
+from slora.api.errors import (
+    APIError,
+    bad_request,
+    install_error_handlers,
+    invalid_request,
+    model_not_found,
+    too_large,
+    unavailable,
+)
+from slora.api.limits import Admission
+from slora.api.metrics import CONTENT_TYPE, ServerMetrics
+from slora.api.openapi import install_openapi
+from slora.api.protocol import (
+    AdapterLoadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
+from slora.api.serving import GenerationService, Tokenization
+from slora.api.settings import ServerSettings
+from slora.api.tenants import Tenant, TenantDirectory, load_tenants
 from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from slora.api import protocol
-from slora.api.adapter_admin import AdapterService, UploadedFile
-from slora.api.async_engine import AsyncEngine, EngineSource
-from slora.api.errors import (APIError, bad_request, install_error_handlers, invalid_request, model_not_found,
-                              too_large, unavailable)
-from slora.api.limits import Admission
-from slora.api.metrics import CONTENT_TYPE, ServerMetrics
-from slora.api.openapi import install_openapi
-from slora.api.protocol import (AdapterLoadRequest, ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
-                                UnloadLoraAdapterRequest)
-from slora.api.serving import GenerationService, Tokenization
-from slora.api.settings import ServerSettings
-from slora.api.tenants import Tenant, TenantDirectory, load_tenants
 from slora.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -256,7 +268,7 @@ def _add_model_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
         namespace = tenant.namespace
 
         def visible(engine: Engine) -> list[tuple[str, str | None, bool]]:
-            entries = sorted(engine.registry.visible_to(namespace), key=lambda e: (e.owner != namespace, e.name))
+            entries = sorted(engine.adapters.visible_to(namespace), key=lambda e: (e.owner != namespace, e.name))
             seen: dict[str, tuple[str, str | None, bool]] = {}
             for e in entries:                     # one's own adapter hides a public one of the same name
                 seen.setdefault(e.name, (e.name, e.owner, e.public))

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from slora.adapter_store import PreparedAdapter
+from slora.adapter_manager import PreparedAdapter
 from slora.engine import Engine
-from slora.outputs import RequestOutput
+from slora.outputs import EngineSnapshot, RequestOutput
 from slora.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,37 +48,6 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     tokenizer: Any            # a private copy for the API side (HF fast tokenizers are not thread-safe)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Counters published by the engine thread so that /metrics never waits for a step."""
-
-    pool: dict[str, int]
-    sequences_running: int
-    sequences_waiting: int
-    requests: int
-    preemptions: int
-    adapter_pool_loads: int
-    adapter_pool_evictions: int
-    adapters_registered: int
-    adapters_host: int
-    adapters_pool: int
-    steps: dict[str, int]            # engine steps by kind (prefill, decode, mixed)
-    step_seconds: dict[str, float]   # their wall time
-    decode_bytes: int                # bytes the decode steps had to read (weights, live KV, adapters)
-
-
-def take_snapshot(engine: Engine) -> EngineSnapshot:
-    scheduler = engine.scheduler
-    return EngineSnapshot(pool=engine.pool_stats(), sequences_running=len(scheduler.running),
-                          sequences_waiting=len(scheduler.waiting), requests=len(engine.requests),
-                          preemptions=scheduler.num_preemptions, adapter_pool_loads=scheduler.adapters.num_loads,
-                          adapter_pool_evictions=scheduler.adapters.num_evictions,
-                          adapters_registered=len(engine.registry.entries), adapters_host=sum(1 for s in engine.store.versions.values() if s.packed is not None),
-                          adapters_pool=len(scheduler.adapters.resident), steps=dict(engine.step_stats.steps),
-                          step_seconds=dict(engine.step_stats.seconds),
-                          decode_bytes=engine.step_stats.decode_bytes)
 
 
 class RequestStream:
@@ -216,7 +185,7 @@ class AsyncEngine:
         is read there. Register the result with `call(lambda e: e.register_adapter(...))`."""
         if self._engine is None:
             raise EngineUnavailable(self.state.value)
-        return await asyncio.to_thread(self._engine.prepare_adapter, path)
+        return await asyncio.to_thread(self._engine.adapters.prepare, path)
 
     def abort(self, request_id: str, notify: bool = False) -> None:
         """Abort a request and free its pages at the next pause between steps. With `notify`, its stream
@@ -306,7 +275,7 @@ class AsyncEngine:
         # pool_stats() walks every page, so it is taken at most every snapshot_interval_s while busy.
         now = time.monotonic()
         if force or now - self._last_snapshot >= self._snapshot_interval_s:
-            self.snapshot = take_snapshot(engine)
+            self.snapshot = engine.snapshot()
             self._last_snapshot = now
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

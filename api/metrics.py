@@ -7,7 +7,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from slora.api.async_engine import AsyncEngine, EngineSnapshot
+from slora.api.async_engine import AsyncEngine
+
+from slora.outputs import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)

@@ -15,10 +15,11 @@ The tenants file is TOML, one table per tenant:
 import hashlib
 import hmac
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 ROLES = ("admin", "tenant")
 LOCAL_TENANT_ID = "local"

@@ -2,6 +2,3 @@
 
 `slora.kernels.reference` holds the torch versions used by the CPU engine and by the tests.
 """
-from slora.kernels.layout import ALIGN, align_up, LORA_MODULES
-
-__all__ = ["ALIGN", "align_up", "LORA_MODULES"]

@@ -2,12 +2,6 @@
 import torch
 from torch import Tensor
 
-from slora.kernels.layout import ALIGN
-
-# Columns of a row that a LoRA kernel loads per tile: a power of two from ALIGN to this.
-MAX_LORA_TILE = 512
-# Output tiles one LoRA expand program may cover.
-LORA_N_TILES = (1, 2, 4, 8)
 # The LoRA kernels index an adapter's pool elements (its pages times page_elems) in int32.
 MAX_ADAPTER_ELEMS = 2 ** 31
 # Output columns per program of the one-token LoRA expand (lora_expand(gemv=True)), on pages at least this
@@ -17,16 +11,6 @@ LORA_GEMV_TILE = 1024
 
 def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
-
-
-def check_lora_tile(tile: int, name: str = "tile") -> None:
-    if not (is_power_of_two(tile) and ALIGN <= tile <= MAX_LORA_TILE):
-        raise ValueError(f"{name} must be a power of two in [{ALIGN}, {MAX_LORA_TILE}], got {tile}")
-
-
-def check_lora_n_tiles(n_tiles: int, name: str = "n_tiles") -> None:
-    if n_tiles not in LORA_N_TILES:
-        raise ValueError(f"{name} must be one of {LORA_N_TILES}, got {n_tiles}")
 
 
 def check_adapter_span(pages: int, page_elems: int, what: str) -> None:

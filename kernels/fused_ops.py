@@ -7,9 +7,9 @@ weight, cos and sin are read before waiting for the previous kernel, the activat
 an optional LoRA `delta` (same shape as its input) and the step's `token_slots`: the input rows of
 tokens with an adapter (slot >= 0) get their delta added (rounded to the dtype) before the op, so that
 the LoRA can be computed beside the base GEMM (`lora_expand(add=False)`) and added here without a
-launch of its own. Each kernel replaces a chain of small torch ops by one launch; to give the same numbers, every kernel computes in
-float32 but rounds to the input dtype wherever a torch op of the reference would produce a tensor of
-that dtype.
+launch of its own. Each kernel replaces a chain of small torch ops by one launch; to give the same
+numbers, every kernel computes in float32 but rounds to the input dtype wherever a torch op of the
+reference would produce a tensor of that dtype.
 """
 import torch
 import triton

@@ -1,11 +1,8 @@
-"""Constants of the unified pool layout that kernels and the adapter packer must agree on (DESIGN §2)."""
+"""Alignment of the unified pool layout that kernels and the adapter packer must agree on (DESIGN §2)."""
 
 # Every row of an adapter's A or Bᵀ starts at a multiple of ALIGN elements, and page_elems is a
 # multiple of ALIGN, so a kernel tile of up to ALIGN elements of one row never crosses a page.
 ALIGN = 64
-
-# The fixed order of LoRA target modules inside an adapter's per-layer logical buffer.
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def align_up(n: int, multiple: int = ALIGN) -> int:

@@ -20,25 +20,24 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
   apart (offsets must be multiples of ALIGN). A tile row (at most a page) lies in
   at most two pages, so it needs one or two page-table lookups. A tile of ALIGN columns lies in one
   page, so its page is chosen per row; a wider tile chooses per column, which Triton 3.6 compiles to
-  16-byte vector loads and Triton 3.9 to 2-byte loads (benchmarks/ptx_loads.py). The engine's tile
-  width is `LoraLaunchPolicy.lora_tile` (slora.attention_backend).
+  16-byte vector loads and Triton 3.9 to 2-byte loads (benchmarks/experiments/ptx_loads.py).
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
   partial sums; expand sums them in a fixed order as it reads h (deterministic, no atomics, and no
   launch of its own: decode LoRA is bound by launch latency, not bytes). `lora_shrink_into` instead
   adds every split into one caller-zeroed h with atomics, so the reduction can be split finer (up to
   32) at no cost to expand; the float32 order of those additions is not fixed. The engine uses it for
-  steps of at most 64 tokens (slora.attention_backend).
+  small steps (slora.lora_backend.LoraLaunchPolicy).
 - Fused modules: the tables may be `[modules, slots]` for up to three modules that share an input
   (q/k/v, gate/up), so one shrink launch and one expand launch (into the fused qkv or gate_up output,
   `out_sizes` columns per module) serve them all: 8 launches per layer for seven projections.
 """
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from slora.kernels.checks import LORA_GEMV_TILE, check_adapter_span, check_lora_n_tiles, check_lora_tile
+from slora.kernels.checks import LORA_GEMV_TILE, check_adapter_span
 from slora.kernels.layout import ALIGN, align_up, cdiv
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 from torch import Tensor
@@ -53,14 +52,19 @@ _MAX_SPLIT_K = 8
 _MAX_ACCUMULATE_SPLIT_K = 32
 # Modules fused into one launch: up to three that share their input (q/k/v, gate/up).
 _MAX_MODULES = 3
+# The constants below are fixed for the product; the tests set them (monkeypatch) to reach every path.
 # Output tiles each expand program covers. More means fewer programs that only find a spare block, but
-# on the H200 one was fastest (kernels.py --lora-sweep, benchmarks/results/h200/lora_sweep.json).
+# on the H200 one was fastest (benchmarks/results/h200/lora_sweep.json).
 _EXPAND_N_TILES = 1
 # Columns of a row loaded per tile (a power of two >= ALIGN, at most a page): shrink's reduction
 # chunk and expand's output tile. Wider tiles put more bytes in flight per program and need fewer
-# programs; `tile=` overrides them (kernels.py --lora-sweep).
+# programs; 64 was slower on the H200.
 _SHRINK_TILE = 128
 _EXPAND_TILE = 128
+# Shrink looks up each row's pages once before its reduction loop, where a split's run of a row fits in
+# a page, instead of in every step of the loop: on the H200 the Llama-3-8B layer's LoRA went from 148.1
+# to 141.6 µs (64 distinct adapters).
+_HOIST_PAGES = True
 # Launch parameters: rank rows per shrink program, 64-column tiles per expand program, warps, stages.
 _SHRINK_BLOCK_R = 16
 _NUM_WARPS = 4
@@ -531,46 +535,6 @@ def _lora_expand_gemv_kernel(
                          False, ADD)
 
 
-@triton.jit(do_not_specialize=_TABLE_ARGS + ("a_off_ptr", "b_off_ptr", "scale_ptr", "stride_am", "stride_bm",
-                                             "stride_sm"))
-def _lora_fused_kernel(
-    x_ptr, pool_ptr, order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, pt_ptr, ranks_ptr, a_off_ptr,
-    b_off_ptr, scale_ptr, out_ptr, in_features, n0, n1, n2, page_elems,
-    stride_xt, stride_pt, stride_rm, stride_am, stride_bm, stride_sm, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    ALIGN_ELEMS: tl.constexpr, DOT_PRECISION: tl.constexpr, HOIST_PAGES: tl.constexpr,
-):
-    # out[token, col_m + n] += scaling_{m,slot} * ((x[token] @ A_{m,slot}ᵀ) @ Bᵀ_{m,slot})[n] for one block of
-    # BLOCK_M tokens of one slot and one BLOCK_N tile of module m's columns. Every tile of a block computes
-    # the block's h again (x and A are meant to come from L2 after the first tile; not measured): no h in
-    # memory and one launch instead of two, for steps whose tokens share few adapters.
-    block = tl.program_id(0)
-    slot, tokens, row_mask, empty = _block_rows(order_ptr, block_slot_ptr, block_start_ptr, block_end_ptr, block,
-                                                BLOCK_M)
-    module, out_col, col0 = _module_of_tile(tl.program_id(1), n0, n1, BLOCK_N)
-    rank = tl.load(ranks_ptr + module * stride_rm + slot)
-    if empty | (rank == 0):
-        return   # a spare block, or the adapter does not target this module
-    out_features = _pick(module, n0, n1, n2)
-    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
-    a_offset = tl.load(a_off_ptr + module * stride_am + slot)
-    b_offset = tl.load(b_off_ptr + module * stride_bm + slot)
-    cols_n = tl.arange(0, BLOCK_N)
-    n_mask = col0 + cols_n < out_features
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        _, r_mask, rows = _rank_rows(r0, rank, BLOCK_R)
-        h = _shrink_rows(x_ptr + tokens * stride_xt, row_mask, pool_ptr, pt_row, a_offset, rows, r_mask, 0,
-                         in_features, in_features, tl.cdiv(in_features, ALIGN_ELEMS) * ALIGN_ELEMS, page_elems,
-                         BLOCK_M, BLOCK_R, BLOCK_K, ALIGN_ELEMS, DOT_PRECISION, HOIST_PAGES)     # [BLOCK_M, BLOCK_R]
-        b = _b_block(pool_ptr, pt_row, b_offset, tl.cdiv(out_features, ALIGN_ELEMS) * ALIGN_ELEMS, out_features,
-                     col0, r0, rank, page_elems, n_mask, BLOCK_R, BLOCK_N, ALIGN_ELEMS)    # [BLOCK_R, BLOCK_N]
-        # h rounded to the output's dtype, like expand reading a shrink's h.
-        acc += tl.dot(h.to(out_ptr.dtype.element_ty), b.to(out_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
-    o_ptrs, o_mask, base = _out_tile(out_ptr, tokens * stride_ot + out_col, col0, cols_n, row_mask, n_mask, True)
-    _store_scaled(o_ptrs, o_mask, base, acc, tl.load(scale_ptr + module * stride_sm + slot).to(tl.float32))
-
-
 # ----------------------------------------------------------------------------------------------------
 # Wrappers
 
@@ -672,11 +636,9 @@ def _block_m(num_tokens: int, num_slots: int, device: torch.device) -> int:
     return 16
 
 
-def _tile_width(page_elems: int, tile: int | None, default: int) -> int:
-    """Columns per tile along a row: `tile` (or the default), less for pages so small that a tile must
-    fit one."""
-    tile = default if tile is None else tile
-    check_lora_tile(tile)
+def _tile_width(page_elems: int, tile: int) -> int:
+    """Columns per tile along a row: `tile`, less for pages so small that a tile must fit one."""
+    assert tile >= ALIGN and tile & (tile - 1) == 0, f"a tile is a power of two of at least {ALIGN} columns"
     return _fit_page(tile, page_elems)
 
 
@@ -713,14 +675,14 @@ class _ShrinkPlan(NamedTuple):
 
 def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                  a_offsets: Tensor, max_rank: int, segments: LoraSegments | None, split_k: int | None,
-                 tile: int | None, max_split_k: int) -> _ShrinkPlan:
+                 max_split_k: int) -> _ShrinkPlan:
     modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
     _check_devices(x, pool, token_slots, page_tables, ranks, a_offsets)
     if max_rank <= 0:
         raise ValueError(f"max_rank must be positive, got {max_rank}")
     num_tokens, in_features = x.shape
     segments = _segments_for(segments, token_slots, num_tokens, page_tables.shape[0], x.device)
-    block_k = _tile_width(pool.shape[1], tile, _SHRINK_TILE)
+    block_k = _tile_width(pool.shape[1], _SHRINK_TILE)
     if split_k is None:
         programs = modules * cdiv(max_rank, _SHRINK_BLOCK_R)
         split_k = _choose_split_k(num_tokens, segments.block_m, programs, in_features, x.device, max_split_k)
@@ -732,35 +694,36 @@ def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tens
 
 def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                          a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                         split_k: int | None = None, zero_fill: bool = False, tile: int | None = None,
-                         hoist_pages: bool = True, pdl: bool = False) -> Tensor:
+                         split_k: int | None = None, pdl: bool = False) -> Tensor:
     """Partial sums of the shrink, `[splits, tokens, modules * max_rank]` float32, for `lora_expand`.
-    hoist_pages: look up each row's pages once before the reduction loop instead of in every step of it
-    (where a split's run of a row fits in a page). On the H200 it took the Llama-3-8B layer's LoRA from
-    148.1 to 141.6 µs (64 distinct adapters) and 48.5 to 45.4 µs (one shared), so it is on by default.
 
     ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read
     the same x (q/k/v, gate/up): one launch for all. Module m's h is in columns m*max_rank onwards.
     Only the entries of tokens with an adapter and columns below their rank are written; the rest is
-    left as allocated unless `zero_fill`. Summing over the first dimension gives h.
+    left as allocated. Summing over the first dimension gives h.
     pdl: launch with programmatic dependent launch (see `check_pdl`)."""
     check_pdl(pdl, segments, x.device)
-    plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k, tile,
+    return _shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k,
+                            torch.empty, pdl)
+
+
+def _shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
+                     a_offsets: Tensor, max_rank: int, segments: LoraSegments | None, split_k: int | None,
+                     allocate: Callable[..., Tensor], pdl: bool) -> Tensor:
+    plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k,
                         _MAX_SPLIT_K)
-    allocate = torch.zeros if zero_fill else torch.empty
     # Token rows padded to a multiple of 16, so the split stride is one too whatever the step's size: Triton
     # specialises ints on divisibility by 16, and a stride that changed it would compile the kernels again.
     rows = cdiv(x.shape[0], 16) * 16
     h = allocate((plan.split_k, rows, plan.modules * max_rank), dtype=torch.float32, device=x.device)[:, :x.shape[0]]
     _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, h.stride(0), max_rank, accumulate=False,
-                   hoist_pages=hoist_pages, pdl=pdl)
+                   pdl=pdl)
     return h
 
 
 def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                      a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                     split_k: int | None = None, tile: int | None = None, hoist_pages: bool = True,
-                     pdl: bool = False) -> None:
+                     split_k: int | None = None, pdl: bool = False) -> None:
     """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
 
     h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
@@ -769,20 +732,19 @@ def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, pa
     not fixed (results may differ in the last bits between runs). Other arguments as `lora_shrink` and
     `lora_shrink_partials`."""
     check_pdl(pdl, segments, x.device)
-    plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k, tile,
+    plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k,
                         _MAX_ACCUMULATE_SPLIT_K)
     width = plan.modules * max_rank
     if h.shape != (x.shape[0], width) or h.dtype != torch.float32 or h.stride(1) != 1:
         raise ValueError(f"h must be float32 [tokens={x.shape[0]}, modules * max_rank={width}] with "
                          f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
     _check_devices(h, x)
-    _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, 0, max_rank, accumulate=True,
-                   hoist_pages=hoist_pages, pdl=pdl)
+    _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, 0, max_rank, accumulate=True, pdl=pdl)
 
 
 def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tensor, ranks: Tensor,
                    a_offsets: Tensor, h: Tensor, stride_hsplit: int, max_rank: int, accumulate: bool,
-                   hoist_pages: bool, pdl: bool) -> None:
+                   pdl: bool) -> None:
     num_tokens, in_features = x.shape
     if num_tokens == 0 or page_tables.shape[0] == 0:
         return
@@ -796,7 +758,7 @@ def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tens
         BLOCK_M=plan.segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=plan.block_k, ALIGN_ELEMS=ALIGN,
         DOT_PRECISION=_dot_precision(x.dtype), ACCUMULATE=accumulate,
         # A split's run of a row must fit in two pages for its page lookups to be hoisted.
-        HOIST_PAGES=hoist_pages and plan.k_per_split <= pool.shape[1], USE_PDL=pdl,
+        HOIST_PAGES=_HOIST_PAGES and plan.k_per_split <= pool.shape[1], USE_PDL=pdl,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch_options(pdl),
     )
 
@@ -807,17 +769,16 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
                 a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                split_k: int | None = None, tile: int | None = None) -> Tensor:
+                split_k: int | None = None) -> Tensor:
     """h[t, :r] = x[t] @ A_sᵀ for s = token_slots[t] of rank r; zero elsewhere. Returns
     `[tokens, modules * max_rank]` in x's dtype (`[tokens, max_rank]` for `[slots]` tables).
 
     x: [tokens, in_features]; pool: [num_pages, page_elems]; token_slots: [tokens] (-1 = no adapter);
     page_tables: [slots, max_pages]; ranks, a_offsets: [slots] or [modules, slots] (element offset of A's
     first row). segments: `lora_segments(token_slots, slots)`, computed here when not given.
-    split_k: force the number of splits of the reduction over in_features.
-    tile: input features per step of the reduction (a power of two >= ALIGN; capped at a page)."""
-    partials = lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                    segments=segments, split_k=split_k, zero_fill=True, tile=tile)
+    split_k: force the number of splits of the reduction over in_features."""
+    partials = _shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k,
+                                torch.zeros, pdl=False)
     return partials.sum(dim=0).to(x.dtype)
 
 
@@ -855,8 +816,8 @@ def _check_out_sizes(out_sizes: Sequence[int] | None, modules: int, out_features
 
 def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor,
                 ranks: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
-                segments: LoraSegments | None = None, n_tiles: int | None = None, tile: int | None = None,
-                num_warps: int | None = None, pdl: bool = False, gemv: bool = False, add: bool = True) -> None:
+                segments: LoraSegments | None = None, pdl: bool = False, gemv: bool = False,
+                add: bool = True) -> None:
     """out[t] += (h[t, :r] @ Bᵀ_s) * scaling_s for s = token_slots[t]; tokens with slot -1 untouched.
     add=False: out[t] = (h[t, :r] @ Bᵀ_s) * scaling_s instead (the LoRA delta alone, zeros in a module the
     adapter does not target), so that a later kernel adds it; rows of tokens with slot -1 are not written.
@@ -866,14 +827,10 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     ranks, b_offsets, scalings: [slots], or [modules, slots] for up to three modules whose outputs lie
     side by side in out, `out_sizes` columns each (q/k/v in the fused qkv output): one launch for all.
     segments: `lora_segments(token_slots, slots)`, computed here when not given.
-    n_tiles: output tiles per program (fewer programs, each doing more; a tuning knob).
-    tile: output columns per tile (a power of two >= ALIGN; capped at a page; a tuning knob).
-    num_warps: warps per program (1, 2, 4 or 8; a tuning knob).
     pdl: launch with programmatic dependent launch (see `check_pdl`).
     gemv: the one-token kernel: a block of one token (decode with an adapter per request) reads Bᵀ a rank
     row at a time into 1,024-column tiles and sums over the rank within each thread, without tl.dot; a block
-    of several tokens runs tl.dot over 128-column parts of its tile. n_tiles, tile and num_warps do not
-    apply to it."""
+    of several tokens runs tl.dot over 128-column parts of its tile."""
     check_pdl(pdl, segments, out.device)
     modules = _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)
     partials = _check_partials(h, out.shape[0], modules)
@@ -893,19 +850,15 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
         _launch_expand_gemv(out, partials, pool, segments, page_tables, ranks, b_offsets, scalings, sizes, modules,
                             pdl, add)
         return
-    block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
+    block_n = _tile_width(pool.shape[1], _EXPAND_TILE)
     tiles = sum(cdiv(n, block_n) for n in sizes)
-    n_tiles = n_tiles or _EXPAND_N_TILES
-    check_lora_n_tiles(n_tiles)
-    num_warps = num_warps or _NUM_WARPS
-    if num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
+    n_tiles = _EXPAND_N_TILES
     tables, strides = _expand_operands(out, partials, pool, segments, page_tables, ranks, b_offsets, scalings, sizes,
                                        modules)
     _lora_expand_kernel[(_expand_blocks(out, segments, page_tables), cdiv(tiles, n_tiles))](
         *tables, tiles, *strides,
         BLOCK_M=segments.block_m, BLOCK_R=16, BLOCK_N=block_n, N_TILES=n_tiles, ALIGN_ELEMS=ALIGN,
-        DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, ADD=add, num_warps=num_warps,
+        DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, ADD=add, num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
         **launch_options(pdl),
     )
@@ -947,38 +900,4 @@ def _launch_expand_gemv(out: Tensor, partials: Tensor, pool: Tensor, segments: L
         DOT_PRECISION=_dot_precision(out.dtype), USE_PDL=pdl, MAX_SPLITS=_gemv_max_splits(partials.shape[0]), ADD=add,
         num_warps=_GEMV_WARPS, num_stages=_NUM_STAGES,
         **launch_options(pdl),
-    )
-
-
-def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
-               a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor, *, out_sizes: Sequence[int] | None = None,
-               segments: LoraSegments | None = None, tile: int | None = None) -> None:
-    """out[t] += ((x[t] @ A_sᵀ) @ Bᵀ_s) * scaling_s for s = token_slots[t]: shrink and expand in one launch.
-
-    Every output tile of a block of tokens computes the block's h again, reading x and A once per tile,
-    so it is meant for steps whose tokens share few adapters and whose in_features are moderate; with an
-    adapter per token it reads A once per tile and token. Arguments as `lora_shrink` and `lora_expand`;
-    ranks may go up to any value (there is no h to size). On the H200 it was slower than shrink + expand
-    (benchmarks/README.md): the engine uses it only when asked (`lora_fused`, in the few-adapter decode
-    graphs); benchmarks/kernels.py --lora-sweep times it."""
-    modules = _check_common("x", x, pool, token_slots, page_tables, ranks, a_offsets)
-    _check_common("out", out, pool, token_slots, page_tables, ranks, b_offsets)   # rows: those of token_slots
-    _check_scalings(scalings, ranks)
-    sizes = _check_out_sizes(out_sizes, modules, out.shape[1])
-    _check_devices(out, x, pool, token_slots, page_tables, ranks, a_offsets, b_offsets, scalings)
-    num_tokens, num_slots = x.shape[0], page_tables.shape[0]
-    segments = _segments_for(segments, token_slots, num_tokens, num_slots, x.device)
-    if num_tokens == 0 or num_slots == 0:
-        return
-    block_n = _tile_width(pool.shape[1], tile, _EXPAND_TILE)
-    tiles = sum(cdiv(n, block_n) for n in sizes)
-    _lora_fused_kernel[(num_tokens // segments.block_m + num_slots, tiles)](
-        x, pool, segments.token_order, segments.block_slot, segments.block_start, segments.block_end, page_tables,
-        ranks, a_offsets, b_offsets, scalings, out, x.shape[1], *sizes, pool.shape[1],
-        x.stride(0), page_tables.stride(0), _module_stride(ranks), _module_stride(a_offsets),
-        _module_stride(b_offsets), _module_stride(scalings), out.stride(0),
-        BLOCK_M=segments.block_m, BLOCK_R=_SHRINK_BLOCK_R, BLOCK_K=_tile_width(pool.shape[1], None, _SHRINK_TILE),
-        BLOCK_N=block_n, ALIGN_ELEMS=ALIGN, DOT_PRECISION=_dot_precision(x.dtype),
-        HOIST_PAGES=x.shape[1] <= pool.shape[1],   # a row of A fits in two pages
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )

@@ -14,9 +14,8 @@ uses them directly. Conventions:
 """
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from slora.kernels.layout import align_up
+from torch import Tensor
 
 
 def kv_page_view(kv_pool: Tensor, page_size: int, num_kv_heads: int) -> Tensor:
@@ -161,15 +160,6 @@ def lora_expand(out: Tensor, h: Tensor, pool: Tensor, token_slots: Tensor, page_
     delta = wide.flatten(1) @ lora_bt.flatten(0, 1)                              # [tokens, out]
     scale = scalings.to(h.dtype)[slots] * has_adapter                            # [tokens]
     out += delta * scale[:, None]
-
-
-def lora_fused(out: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
-               a_offsets: Tensor, b_offsets: Tensor, scalings: Tensor, out_sizes: list[int] | None = None) -> None:
-    """out[t] += ((x[t] @ A_sᵀ) @ Bᵀ_s) * scaling_s for s = token_slots[t]: lora_shrink then lora_expand, with
-    h rounded to x's dtype in between."""
-    max_rank = max(int(ranks.max()), 1)
-    h = lora_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank)
-    lora_expand(out, h, pool, token_slots, page_tables, ranks, b_offsets, scalings, out_sizes)
 
 
 def add_lora_delta(x: Tensor, delta: Tensor | None, token_slots: Tensor | None) -> Tensor:

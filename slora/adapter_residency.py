@@ -1,4 +1,7 @@
-"""Which adapter versions are resident in the pool, which are pinned, and LRU eviction of idle ones."""
+"""Which adapter versions are resident in the pool, which are pinned, and LRU eviction of idle ones.
+
+The scheduler asks this for residency; the engine's AdapterManager is one, with names and a host tier.
+"""
 from dataclasses import dataclass, field
 
 from slora.page_pool import OutOfPages, PageAllocator
@@ -27,6 +30,11 @@ class AdapterResidency:
 
     def is_resident(self, version: str) -> bool:
         return version in self.resident
+
+    def ready(self, version: str) -> bool:
+        """Whether the version's weights are at hand to be copied into the pool. Here (simulations, no
+        host tier) always; the engine's AdapterManager says whether they are in host memory."""
+        return True
 
     def idle_pages(self, exclude: str | None = None) -> int:
         """Pages of resident adapters that no running sequence uses: reclaimable. Asked for every admission

@@ -3,6 +3,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+import typing
 from typing import TYPE_CHECKING
 
 from slora.sampling_params import SamplingParams
@@ -11,53 +12,51 @@ if TYPE_CHECKING:
     from slora.api.settings import ServerSettings
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from slora.config import EngineConfig   # imported in the functions, as the commands do
-    parser.add_argument("--model", default=None, help="SmolLM2-135M-Instruct (the default), slora-tiny-llama, "
-                        "a Hugging Face folder or a .gguf file")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--pool-gib", type=float, default=0.25, help="pool size on the CPU")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-lora-rank", type=int, default=64)
-    parser.add_argument("--adapter-host-cache-gib", type=float, default=None,
-                        help="packed adapters kept in host memory (default: a quarter of the machine's memory)")
-    parser.add_argument("--max-loras", type=int, default=None,
-                        help="distinct adapters in one batch (default: no limit)")
-    parser.add_argument("--graph-few-adapters", type=int, default=EngineConfig.graph_few_adapters,
-                        help="CUDA graphs: decode steps with at most this many distinct adapters replay graphs "
-                             "sized for that many, with fewer LoRA programs (0: never)")
-    parser.add_argument("--lora-fused", action="store_true",
-                        help="those graphs run each LoRA shrink and expand as one launch (slower on the H200)")
-    parser.add_argument("--no-lora-side-stream", dest="lora_side_stream", action="store_false",
-                        help="CUDA graphs: add each LoRA after its base GEMM instead of computing it on a "
-                             "second stream while the GEMM runs")
-    parser.add_argument("--no-pdl", dest="pdl", action="store_false",
-                        help="CUDA: launch the Triton kernels without programmatic dependent launch")
-    parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
-                        help="dummy: random weights from config.json (benchmarks)")
-    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+def _config_fields(cls: type, skip: frozenset[str]) -> list[tuple[dataclasses.Field, type]]:
+    """The fields of a config dataclass that are options, with the type an option parses."""
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.name not in skip and "help" in f.metadata]
+    return [(f, next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)))
+            for f in fields]
+
+
+def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field, kind: type) -> None:
+    flag = "--" + field.name.replace("_", "-")
+    shown = "" if field.default is None else f" (default: {field.default})"
+    if kind is bool:
+        negated = "--no-" + field.name.replace("_", "-")
+        parser.add_argument(negated if field.default else flag, dest=field.name, default=field.default,
+                            action="store_false" if field.default else "store_true", help=field.metadata["help"])
+        return
+    parser.add_argument(flag, dest=field.name, type=kind, default=field.default, choices=field.metadata["choices"],
+                        help=field.metadata["help"] + shown, metavar=None if field.metadata["choices"] else "X")
+
+
+# Engine options a command takes from elsewhere: `generate --seed` is the sampling seed.
+GENERATE_SKIPS = frozenset({"seed"})
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    """One option per EngineConfig (and CudaConfig) field, its help and default the field's."""
+    from slora.config import CudaConfig, EngineConfig  # imported in the functions, as the commands do
+    for field, kind in _config_fields(EngineConfig, skip) + _config_fields(CudaConfig, skip):
+        _add_option(parser, field, kind)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                pool_gib=args.pool_gib, gpu_memory_utilization=args.gpu_memory_utilization,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
-                graph_few_adapters=args.graph_few_adapters, lora_fused=args.lora_fused, pdl=args.pdl,
-                lora_side_stream=args.lora_side_stream,
-                adapter_host_cache_gib=args.adapter_host_cache_gib, load_format=args.load_format,
-                enforce_eager=args.enforce_eager)
+    """EngineConfig's keyword arguments from the parsed options (CUDA ones as one CudaConfig)."""
+    from slora.config import CudaConfig, EngineConfig
+    kwargs = {f.name: getattr(args, f.name) for f, _ in _config_fields(EngineConfig, frozenset())
+              if hasattr(args, f.name)}
+    cuda = {f.name: getattr(args, f.name) for f, _ in _config_fields(CudaConfig, frozenset())}
+    return {**kwargs, "cuda": CudaConfig(**cuda)}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slora", description="multi-LoRA LLM serving")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="complete prompts offline and print the completions")
-    add_engine_args(gen)
+    add_engine_args(gen, GENERATE_SKIPS)
     gen.add_argument("prompts", nargs="*", default=["Hello, how are you?"])
     gen.add_argument("--adapter", default=None, help="adapter name (the default model has demo-pirate, "
                      "demo-caps, demo-json)")
@@ -123,9 +122,6 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics-require-key", action="store_true",
                        help="/metrics answers only requests with the key of a tenant whose role is admin in the "
                             "tenants file (401 without a valid key, 403 for other tenants); needs --tenants")
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--num-pages", type=int, default=None, help="pool size in pages (overrides sizing)")
-    serve.add_argument("--seed", type=int, default=0)
     defaults = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
     for flag, field, kind, help_text in SERVE_LIMITS:
         shown = "" if defaults[field] is None else f" (default: {defaults[field]})"
@@ -150,8 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if settings.tenants_file is not None:        # fail fast on a bad tenants file, before loading the model
         from slora.api.tenants import load_tenants
         load_tenants(settings.tenants_file)
-    config = EngineConfig(**engine_kwargs(args), max_model_len=args.max_model_len, num_pages=args.num_pages,
-                          seed=args.seed)
+    config = EngineConfig(**engine_kwargs(args))
     return serve(settings, config)
 
 

@@ -1,8 +1,11 @@
 """Engine configuration, validated once at construction."""
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
+
+from slora.scheduler import SchedulerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FALLBACK_MEMORY_BYTES = 16 << 30      # where the OS does not say how much memory there is
@@ -15,37 +18,56 @@ def physical_memory_bytes() -> int:
         return _FALLBACK_MEMORY_BYTES
 
 
+def _option(default: object, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field; its help (and choices) become the command line's (slora.cli builds the options)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class CudaConfig:
+    """Settings only a CUDA engine reads, passed whole to the parts that build the CUDA path."""
+
+    gpu_memory_utilization: float = _option(0.9, "share of the GPU's memory slora may use in total")
+    enforce_eager: bool = _option(False, "no CUDA graphs for decode steps")
+    pdl: bool = _option(True, "launch the Triton kernels with programmatic dependent launch (compute "
+                              "capability 9.0+): each starts while the kernel before it ends")
+    graph_few_adapters: int = _option(4, "decode steps with at most this many distinct adapters replay graphs "
+                                         "sized for that many, with fewer LoRA programs (0: never)")
+    lora_side_stream: bool = _option(True, "in decode graphs each LoRA runs on a second stream beside its base "
+                                           "GEMM, its delta added by the next op")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.graph_few_adapters < 0:
+            raise ValueError(f"graph_few_adapters must be >= 0, got {self.graph_few_adapters}")
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None                  # builtin name, HF folder or .gguf; None: DEFAULT_MODEL
-    device: str = "cpu"
-    dtype: str | None = None                  # default: float32 on the CPU, bfloat16 on CUDA
-    page_size: int = 16
-    pool_gib: float = 0.25                    # pool size on the CPU
-    gpu_memory_utilization: float = 0.9       # share of GPU memory slora may use in total
-    num_pages: int | None = None              # overrides the sizing rules (tests, simulations)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_lora_rank: int = 64
-    max_loras: int | None = None              # distinct adapters in one batch (None: as many as sequences)
-    graph_few_adapters: int = 4               # CUDA graphs: decode steps with at most this many distinct
-                                              # adapters replay graphs sized for that many (0: never)
-    lora_fused: bool = False                  # those graphs run each LoRA shrink + expand as one launch
-                                              # (slower on the H200: benchmarks/README.md)
-    pdl: bool = True                          # CUDA: the Triton kernels start while the kernel before them
-                                              # ends (programmatic dependent launch; compute capability 9+)
-    lora_side_stream: bool = True             # CUDA graphs: each LoRA runs on a second stream beside its
-                                              # base GEMM, its delta added by the next op
-    max_model_len: int | None = None          # default: what the model supports
-    watermark: float = 0.01
-    seed: int = 0
-    enforce_eager: bool = False               # CUDA: no CUDA graphs for decode
-    load_format: str = "safetensors"          # "dummy": random weights from config.json (benchmarks)
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"        # or "swap": preempted KV goes to host memory
-    swap_space_gib: float = 1.0               # host swap space in swap mode
-    adapter_host_cache_gib: float | None = None   # packed adapters kept in host memory (LRU by bytes);
-                                                  # None: a quarter of the machine's memory
+    model: str | None = _option(None, "SmolLM2-135M-Instruct (the default), slora-tiny-llama, a Hugging Face "
+                                      "folder or a .gguf file")
+    device: str = _option("cpu", "cpu or cuda")
+    dtype: str | None = _option(None, "float32, bfloat16 or float16 (default: float32 on the CPU, bfloat16 on "
+                                      "CUDA)")
+    page_size: int = _option(16, "tokens per KV page")
+    pool_gib: float = _option(0.25, "pool size on the CPU")
+    num_pages: int | None = _option(None, "pool size in pages (overrides the sizing rules)")
+    max_num_seqs: int = _option(64, "sequences in one batch")
+    max_num_batched_tokens: int = _option(2048, "tokens in one step")
+    max_lora_rank: int = _option(64, "largest adapter rank taken")
+    max_loras: int | None = _option(None, "distinct adapters in one batch (default: as many as sequences)")
+    max_model_len: int | None = _option(None, "context length (default: what the model supports)")
+    watermark: float = _option(0.01, "share of all pages kept free when admitting new requests")
+    seed: int = _option(0, "seed of the sampling seeds of requests that give none")
+    load_format: str = _option("safetensors", "dummy: random weights from config.json (benchmarks)",
+                               ("safetensors", "dummy"))
+    enable_prefix_caching: bool = _option(True, "share the KV pages of common prompt prefixes")
+    preemption_mode: str = _option("recompute", "what a preempted sequence's KV becomes", ("recompute", "swap"))
+    swap_space_gib: float = _option(1.0, "host swap space in swap mode")
+    adapter_host_cache_gib: float | None = _option(None, "packed adapters kept in host memory, LRU by bytes "
+                                                         "(default: a quarter of the machine's memory)")
+    cuda: CudaConfig = field(default_factory=CudaConfig)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -60,28 +82,25 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two from 8 to 128, got {self.page_size}")
         if self.pool_gib <= 0:
             raise ValueError(f"pool_gib must be positive, got {self.pool_gib}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
-        if self.max_loras is not None and self.max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1 (or None for no limit), got {self.max_loras}")
-        if self.graph_few_adapters < 0:
-            raise ValueError(f"graph_few_adapters must be >= 0, got {self.graph_few_adapters}")
-        if self.lora_fused and self.graph_few_adapters == 0:
-            raise ValueError("lora_fused runs in the few-adapter decode graphs: it needs graph_few_adapters > 0")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.adapter_host_cache_gib is not None and self.adapter_host_cache_gib < 0:
             raise ValueError(f"adapter_host_cache_gib must be >= 0, got {self.adapter_host_cache_gib}")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
-        if self.load_format not in ("safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
+        choices = next(f.metadata["choices"] for f in fields(self) if f.name == "load_format")
+        if self.load_format not in choices:
+            raise ValueError(f"load_format must be one of {', '.join(choices)}, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self.scheduler_config()          # the scheduler's settings, checked by their owner now, not at start
+
+    def scheduler_config(self, swap_pages: int = 0) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.page_size, self.watermark,
+                               self.enable_prefix_caching, self.preemption_mode, swap_pages,
+                               max_loras=self.max_loras)
 
     @property
     def adapter_host_cache_bytes(self) -> int:

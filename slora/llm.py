@@ -24,10 +24,10 @@ class LLM:
 
     def load_adapter(self, name: str, path: str) -> str:
         """Load a PEFT folder under `name`; returns its version (content hash)."""
-        return self.engine.load_adapter(name, path).version
+        return self.engine.adapters.load(name, path).version
 
     def unload_adapter(self, name: str) -> None:
-        self.engine.unload_adapter(name)
+        self.engine.adapters.unload(name)
 
     def pool_stats(self) -> dict[str, int]:
         return self.engine.pool_stats()

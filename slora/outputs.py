@@ -51,3 +51,22 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Counters of the engine at one moment (the server publishes one per step, so /metrics never waits)."""
+
+    pool: dict[str, int]
+    sequences_running: int
+    sequences_waiting: int
+    requests: int
+    preemptions: int
+    adapter_pool_loads: int
+    adapter_pool_evictions: int
+    adapters_registered: int
+    adapters_host: int
+    adapters_pool: int
+    steps: dict[str, int]            # engine steps by kind (prefill, decode, mixed)
+    step_seconds: dict[str, float]   # their wall time
+    decode_bytes: int                # bytes the decode steps had to read (weights, live KV, adapters)

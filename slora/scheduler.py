@@ -10,7 +10,6 @@ model on the output, the simulator a step-cost function.
 """
 import itertools
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -90,12 +89,14 @@ class Scheduler:
     step_count: int = 0
     num_preemptions: int = 0
     num_swaps: int = 0
-    # Whether an adapter version's weights are in host memory; the engine loads missing ones in the
-    # background, and their requests wait without blocking others.
-    adapter_ready: Callable[[str], bool] = lambda version: True
+    # Pool residency of adapters (the engine's AdapterManager; a bare one in simulations). A request whose
+    # adapter is not ready (not in host memory: read back in the background) waits without blocking others.
+    adapters: AdapterResidency | None = None
 
     def __post_init__(self) -> None:
-        self.adapters = AdapterResidency(self.allocator)
+        if self.adapters is None:
+            self.adapters = AdapterResidency(self.allocator)
+        assert self.adapters.allocator is self.allocator, "adapters and KV share one pool"
         self.swap = SwapSpace(self.config.swap_pages)
 
     @property
@@ -182,7 +183,7 @@ class Scheduler:
         versions = self.running_versions() if self.config.max_loras is not None else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
-            if seq.adapter is not None and not self.adapter_ready(seq.adapter.version):
+            if seq.adapter is not None and not self.adapters.ready(seq.adapter.version):
                 skipped.append(seq)           # its adapter is still loading: others go ahead
                 continue
             if not self._within_max_loras(seq, versions):
@@ -287,7 +288,7 @@ class Scheduler:
         without evicting anything and without touching the admission watermark."""
         for seq in list(itertools.islice(self.waiting, self.config.prefetch_depth)):   # not the whole queue
             ref = seq.adapter
-            if ref is None or self.adapters.is_resident(ref.version) or not self.adapter_ready(ref.version):
+            if ref is None or self.adapters.is_resident(ref.version) or not self.adapters.ready(ref.version):
                 continue
             if self.adapters.allocator.num_free - ref.num_pages < self.watermark_pages + 1:
                 break

@@ -1,6 +1,7 @@
-"""When a sequence ends, and its text."""
+"""A sequence's new token: its text, and whether the sequence ends."""
 from dataclasses import dataclass
 
+from slora.request_state import RequestState
 from slora.sequence import Sequence
 
 
@@ -26,3 +27,21 @@ def check_stop(seq: Sequence, text: str, eos_token_ids: frozenset[int], max_mode
     if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
         return StopResult("length", text)
     return StopResult(None, text)
+
+
+def append_token(state: RequestState, seq: Sequence, token: int, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> str | None:
+    """Append a sampled token to one sample of a request, decode it if the caller reads text as it grows
+    (or a stop string must be matched against it) and check the stop conditions; the finish reason, or
+    None while the sample goes on."""
+    seq.output_token_ids.append(token)
+    index = seq.sample_index                     # its place in state.seqs
+    detokenizer = state.detokenizers[index]
+    previous_len = len(detokenizer.text)
+    decode_now = state.stream or seq.params.stop
+    text = detokenizer.add(token) if decode_now else detokenizer.hold(token)
+    result = check_stop(seq, text, eos_token_ids, max_model_len, previous_len)
+    state.texts[index] = result.text
+    if result.reason is not None and (result.reason != "stop" or result.text == detokenizer.text):
+        state.texts[index] = detokenizer.final_text()      # no stop string cut: the exact decode
+    return result.reason

@@ -66,8 +66,14 @@ def build_tokenizer(folder: Path) -> None:
 
 def build_tiny_model(folder: Path, seed: int, architecture: str = "llama", **overrides: object) -> None:
     """A random-weight model of the Llama family (with the tiny tokenizer) saved as safetensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
-        Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM)}

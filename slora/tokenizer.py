@@ -14,3 +14,11 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase | None:
         logger.warning("no tokenizer in %s: prompts must be token ids and outputs have no text", folder)
         return None
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def eos_token_ids(model_eos: tuple[int, ...], tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """The ids that end a sequence: the model config's and the tokenizer's."""
+    ids = set(model_eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -39,15 +39,14 @@ def make_adapters(model_dir: Path, root: Path, names: list[str] | None = None) -
 
 
 def force_lora_deltas(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make every step's LoRA a delta added by the op after each projection (LoraBatch.deltas, as the CUDA
+    """Make every step's LoRA a delta added by the op after each projection (LoraStep.deltas, as the CUDA
     decode graphs run it) instead of added after the GEMM; returns the layers of the deltas computed."""
-    from slora.forward_batch import LoraBatch
-    from slora.model_runner import ModelRunner
-    lora_batch, delta = ModelRunner._lora_batch, LoraBatch.delta
+    from slora.lora_backend import LoraStep
+    init, delta = LoraStep.__init__, LoraStep.delta
     layers: list[int] = []
-    monkeypatch.setattr(ModelRunner, "_lora_batch", lambda self, lora: None if lora is None else
-                        dataclasses.replace(lora_batch(self, lora), deltas=True))
-    monkeypatch.setattr(LoraBatch, "delta", lambda self, *args: (layers.append(args[0]), delta(self, *args))[1])
+    monkeypatch.setattr(LoraStep, "__init__", lambda self, tables, kernels, deltas=False, side_stream=None:
+                        init(self, tables, kernels, True, side_stream))
+    monkeypatch.setattr(LoraStep, "delta", lambda self, *args: (layers.append(args[0]), delta(self, *args))[1])
     return layers
 
 

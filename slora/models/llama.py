@@ -9,13 +9,19 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from slora.forward_batch import AttentionOps, ForwardBatch
-from slora.kernels.layout import LORA_MODULES
+from slora.adapters.shapes import TargetShapes
+from slora.attention_backend import AttentionBackend
+from slora.lora_backend import LoraStep
 from slora.models import ops
 from slora.models.config import ModelConfig
 from slora.models.rope import RotaryEmbedding
+from slora.step_batch import StepBatch
 
+# The model's LoRA layout: the adapter tables' module axis, in this order, and the groups of consecutive
+# modules that read the same input, whose LoRA is one shrink and one expand (q/k/v, gate/up).
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 Q, K, V, O, GATE, UP, DOWN = range(len(LORA_MODULES))
+LORA_GROUPS = (slice(Q, V + 1), slice(O, O + 1), slice(GATE, UP + 1), slice(DOWN, DOWN + 1))
 
 
 class Projected(NamedTuple):
@@ -44,16 +50,16 @@ class RMSNorm(nn.Module):
 class StepContext:
     """What every layer needs in one forward: the batch, the pool, the kernels, the rotary angles."""
 
-    def __init__(self, batch: ForwardBatch, pool: Tensor, attention: AttentionOps, cos: Tensor,
-                 sin: Tensor) -> None:
-        self.batch, self.pool, self.attention, self.cos, self.sin = batch, pool, attention, cos, sin
+    def __init__(self, batch: StepBatch, pool: Tensor, attention: AttentionBackend, lora: LoraStep | None,
+                 cos: Tensor, sin: Tensor) -> None:
+        self.batch, self.pool, self.attention, self.lora, self.cos, self.sin = batch, pool, attention, lora, cos, sin
         self.pdl = attention.pdl
 
     def project(self, layer: int, modules: slice, x: Tensor, linear: nn.Linear, out_sizes: list[int]) -> Projected:
         """linear(x) and each token's LoRA of `modules` (consecutive modules reading x, outputs side by side):
-        added into the output after the GEMM, or, when the step computes deltas (LoraBatch.deltas), returned
+        added into the output after the GEMM, or, when the step computes deltas (LoraStep.deltas), returned
         for the op that reads the output to add (on the side stream while the GEMM runs, if there is one)."""
-        lora = self.batch.lora
+        lora = self.lora
         if lora is None:
             return Projected(linear(x))
         pool = self.pool[layer]
@@ -72,12 +78,12 @@ class StepContext:
         # side stream allocates before the join stay referenced until then, and the delta (side-stream memory,
         # read on the main stream) can only be reused by a later side-stream allocation, which comes after
         # the next fork, so after the op that reads it. That is why every side-stream allocation must follow
-        # a fork (as here, and the shrink workspace of TritonLora inside delta()).
+        # a fork (as here, and the Triton step's shrink workspace inside delta()).
         main.wait_stream(lora.side_stream)
         return Projected(out, self._delta(delta))
 
     def _delta(self, delta: Tensor | None) -> ops.Delta | None:
-        return None if delta is None else ops.Delta(delta, self.batch.lora.token_slots)
+        return None if delta is None else ops.Delta(delta, self.lora.token_slots)
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -115,7 +121,7 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         sizes = [self.q_size, self.kv_size, self.kv_size]
         # One LoRA call for q, k and v, whose columns lie side by side in the fused output.
-        qkv = ctx.project(self.layer, slice(Q, V + 1), x, self.qkv_proj, sizes)   # [tokens, q_size + 2 * kv_size]
+        qkv = ctx.project(self.layer, LORA_GROUPS[0], x, self.qkv_proj, sizes)   # [tokens, q_size + 2 * kv_size]
         ops.rotary_qk_(qkv.out, ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim, ctx.pdl,
                        qkv.lora)
         q, k, v = qkv.out.split(sizes, dim=-1)
@@ -129,7 +135,7 @@ class Attention(nn.Module):
         ctx.attention.store_kv(k, v, kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size)
         attn = ctx.attention.attend(q, kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         attn = attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
-        return ctx.project(self.layer, slice(O, O + 1), attn, self.o_proj, [self.o_proj.out_features])
+        return ctx.project(self.layer, LORA_GROUPS[1], attn, self.o_proj, [self.o_proj.out_features])
 
 
 class MLP(nn.Module):
@@ -151,12 +157,12 @@ class MLP(nn.Module):
         and one fused activation for both."""
         assert self.gate_up_proj is not None, "fuse_projections() runs when the weights are loaded"
         sizes = [self.intermediate_size] * 2
-        gate_up = ctx.project(self.layer, slice(GATE, UP + 1), x, self.gate_up_proj, sizes)   # [tokens, 2 * inter]
+        gate_up = ctx.project(self.layer, LORA_GROUPS[2], x, self.gate_up_proj, sizes)   # [tokens, 2 * inter]
         return ops.silu_and_mul(gate_up.out, ctx.pdl, gate_up.lora)
 
     def forward(self, x: Tensor, ctx: StepContext) -> Projected:
         hidden = self.activated(x, ctx)                              # [tokens, intermediate]
-        return ctx.project(self.layer, slice(DOWN, DOWN + 1), hidden, self.down_proj,
+        return ctx.project(self.layer, LORA_GROUPS[3], hidden, self.down_proj,
                            [self.down_proj.out_features])
 
 
@@ -188,12 +194,26 @@ class LlamaBody(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow the Hugging Face checkpoints, so their state dicts load as they are."""
 
+    lora_modules = LORA_MODULES
+    lora_groups = LORA_GROUPS
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def lora_targets(self) -> TargetShapes:
+        """The shapes of this model's LoRA-targetable projections, in the order of `lora_modules`."""
+        c = self.config
+        h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+        features = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                    "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return TargetShapes(c.num_layers, tuple((m, features[m]) for m in self.lora_modules))
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up as one GEMM each; call once the weights are in place."""
@@ -202,11 +222,13 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: Tensor, attention: AttentionOps) -> Tensor:
-        """Logits `[sampled, vocab]` (float32) of the rows `batch.sample_indices`."""
+    def forward(self, batch: StepBatch, pool: Tensor, attention: AttentionBackend,
+                lora: LoraStep | None = None) -> Tensor:
+        """Logits `[sampled, vocab]` (float32) of the rows `batch.sample_indices`; `lora`: the step's adapters
+        (None: none of its tokens has one)."""
         embedded = self.model.embed_tokens(batch.input_ids)          # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, embedded.dtype)
-        ctx = StepContext(batch, pool, attention, cos, sin)
+        ctx = StepContext(batch, pool, attention, lora, cos, sin)
         x, residual = Projected(embedded), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from slora.models.config import ModelConfig, UnsupportedModelError, load_model_config
-from slora.models.llama import LlamaForCausalLM
+from slora.models.registry import CausalLM, build_model
 from slora.models.rope import RotaryEmbedding
 
 
@@ -29,11 +29,10 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
     """A model with seeded random weights made on `device` (benchmarks of real-sized shapes, no checkpoint)."""
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+    model = build_model(config, device).to(dtype)
     for name, param in model.named_parameters():
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             param.data.fill_(1.0)
@@ -44,15 +43,14 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
-               load_format: str = "safetensors") -> LlamaForCausalLM:
+               load_format: str = "safetensors") -> CausalLM:
     """Our own model, with the checkpoint's weights (or random ones with load_format="dummy"), in `dtype`
     on `device`."""
     folder = Path(folder)
     config = load_model_config(folder)
     if load_format == "dummy":
         return random_model(config, dtype, device)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = build_model(config, "meta")
     state = read_state_dict(folder)
     if config.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -65,7 +63,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
     return model.eval()
 
 
-def _check_state_names(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
+def _check_state_names(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
     expected = set(model.state_dict())
     missing = sorted(expected - set(state))
     if missing:

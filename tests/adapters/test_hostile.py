@@ -15,7 +15,8 @@ from slora.adapters.config import parse_adapter_config, qualified_module_name
 from slora.adapters.errors import AdapterError
 from slora.adapters.packing import pack_adapter
 from slora.adapters.weights import load_adapter
-from slora.kernels.layout import LORA_MODULES
+from slora.adapters.shapes import TargetShapes
+from slora.models.llama import LORA_MODULES
 from tiny import edit_config, edit_weights, first_key
 
 # Exponential backtracking against every module name: none holds three digits in a row, so the engine
@@ -24,6 +25,11 @@ SLOW_REGEX = r"(?:.|.)*(?:.|.)*(?:.|.)*\d\d\d"
 # The old code spent 27 s on such a regex; the refusal must come within a few match timeouts.
 GENEROUS_S = 10.0
 MAX_RANK = 64
+
+
+def _shapes(num_layers: int) -> TargetShapes:
+    """A Llama-layout model of this many layers (the feature sizes do not matter to config parsing)."""
+    return TargetShapes(num_layers, tuple((module, (64, 64)) for module in LORA_MODULES))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,7 @@ def refuse(llm, folder, message: str) -> str:
         llm.load_adapter("hostile", str(folder))
     assert message in str(refused.value)
     assert llm.pool_stats() == before
-    assert "hostile" not in {e.name for e in llm.engine.registry.visible_to(None)}
+    assert "hostile" not in {e.name for e in llm.engine.adapters.visible_to(None)}
     return str(refused.value)
 
 
@@ -71,7 +77,7 @@ def test_slow_regex_leaves_other_threads_running():
 
     def parse() -> None:
         try:
-            parse_adapter_config(base_config(target_modules=SLOW_REGEX), 2, MAX_RANK)
+            parse_adapter_config(base_config(target_modules=SLOW_REGEX), _shapes(2), MAX_RANK)
         except AdapterError as exc:
             refusals.append(str(exc))
 
@@ -92,7 +98,7 @@ def test_regex_budget_bounds_a_config_of_many_patterns(monkeypatch):
     pattern = {f"layers\\.{i}\\.mlp\\.nothing_proj": 4 for i in range(20000)}
     start = time.monotonic()
     with pytest.raises(AdapterError, match=r"^rank_pattern\[.*\]: the regex took too long"):
-        parse_adapter_config(base_config(rank_pattern=pattern), 2, MAX_RANK)
+        parse_adapter_config(base_config(rank_pattern=pattern), _shapes(2), MAX_RANK)
     assert time.monotonic() - start < GENEROUS_S
 
 
@@ -105,14 +111,14 @@ def test_regex_whose_compile_would_explode_is_refused_before_compiling(field, pa
     raw = base_config(**{field: pattern if field == "target_modules" else {pattern: 4}})
     start = time.monotonic()
     with pytest.raises(AdapterError, match=rf"^{field}.*: the regex repeats \d+ times in a row; at most 1000"):
-        parse_adapter_config(raw, 2, MAX_RANK)
+        parse_adapter_config(raw, _shapes(2), MAX_RANK)
     assert time.monotonic() - start < GENEROUS_S
 
 
 def test_counted_repeats_of_real_patterns_are_accepted():
     raw = base_config(target_modules=r"model\.layers\.\d{1,3}\.self_attn\.(q|v)_proj",
                       rank_pattern={r"layers\.[0-9]{1}\.self_attn\.q_proj": 8})
-    config = parse_adapter_config(raw, 2, MAX_RANK)
+    config = parse_adapter_config(raw, _shapes(2), MAX_RANK)
     assert config.target_modules == ("q_proj", "v_proj")
     assert config.module_rank(qualified_module_name(1, "q_proj")) == 8
 
@@ -122,7 +128,7 @@ def test_overlong_regex_is_refused(field):
     long_regex = "q" * 260 + "_proj$"      # 266 characters
     raw = base_config(**{field: long_regex if field == "target_modules" else {long_regex: 4}})
     with pytest.raises(AdapterError, match=rf"^{field}.*: the regex is longer than 256 characters"):
-        parse_adapter_config(raw, 2, MAX_RANK)
+        parse_adapter_config(raw, _shapes(2), MAX_RANK)
 
 
 PATTERN_CASES = {  # PEFT features: rank_pattern, alpha_pattern and regex target_modules, with overlaps
@@ -140,7 +146,7 @@ def test_resolved_tables_match_peft(case):
     """What the parse-time tables give each module is what PEFT's own matching gives."""
     raw = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "use_rslora": case == "suffix",
            **PATTERN_CASES[case]}
-    config = parse_adapter_config(raw, 5, MAX_RANK)
+    config = parse_adapter_config(raw, _shapes(5), MAX_RANK)
     ranks, alphas = raw.get("rank_pattern", {}), raw.get("alpha_pattern", {})
     checked = 0
     for layer in range(5):
@@ -163,7 +169,7 @@ def test_per_module_lookups_run_no_regex():
     per question would take seconds, the parse-time tables microseconds."""
     names = [qualified_module_name(layer, module) for layer in range(40) for module in LORA_MODULES]
     config = parse_adapter_config(base_config(target_modules="all-linear",
-                                              rank_pattern={name: 2 for name in names}), 40, MAX_RANK)
+                                              rank_pattern={name: 2 for name in names}), _shapes(40), MAX_RANK)
     start = time.monotonic()
     for _ in range(100):
         for name in names:

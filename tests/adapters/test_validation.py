@@ -83,7 +83,7 @@ def test_invalid_adapter_is_refused_with_its_field(case, llm, tiny_llama, tmp_pa
     with pytest.raises(AdapterError, match=message.replace("(", r"\(")):
         llm.load_adapter(case, str(folder))
     assert llm.pool_stats() == before
-    assert case not in {e.name for e in llm.engine.registry.visible_to(None)}
+    assert case not in {e.name for e in llm.engine.adapters.visible_to(None)}
 
 
 def to_float16_with_large_first_a(tensors):
@@ -102,7 +102,7 @@ def test_large_finite_weights_are_accepted(llm, tiny_llama, tmp_path):
     large = load_file(str(folder / "adapter_model.safetensors"))
     assert not torch.isfinite(torch._foreach_norm([large[first_key(large, "lora_A")]])[0])   # a 2-norm overflows
     llm.load_adapter("large", str(folder))
-    assert "large" in {e.name for e in llm.engine.registry.visible_to(None)}
+    assert "large" in {e.name for e in llm.engine.adapters.visible_to(None)}
 
 
 def test_refused_adapter_leaves_running_requests_untouched(tiny_llama, tmp_path):

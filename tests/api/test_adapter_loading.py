@@ -13,9 +13,9 @@ from slora.builtin_models import TINY_MODEL
 
 
 def state(engine: Engine) -> dict:
-    return {"entries": dict(engine.registry.entries),
-            "store": {v: s.requests for v, s in engine.store.versions.items()},
-            "resident": sorted(engine.scheduler.adapters.resident), "pool": engine.pool_stats()}
+    return {"entries": dict(engine.adapters.names.entries),
+            "store": {v: s.requests for v, s in engine.adapters.versions.items()},
+            "resident": sorted(engine.adapters.resident), "pool": engine.pool_stats()}
 
 
 def scenario(engine: Engine, load, adapter_root) -> list[dict]:
@@ -32,7 +32,7 @@ def scenario(engine: Engine, load, adapter_root) -> list[dict]:
         outputs += [o.token_ids for o in engine.step() if o.finished]
     snapshots.append(state(engine))
     load(engine, "b", adapter_root / "mlp-r8", owner="acme", public=True)
-    engine.unload_adapter("a")
+    engine.adapters.unload("a")
     snapshots.append(state(engine))
     snapshots.append({"outputs": outputs})
     engine.check()
@@ -40,13 +40,13 @@ def scenario(engine: Engine, load, adapter_root) -> list[dict]:
 
 
 def via_engine(engine, name, path, owner=None, public=False):
-    engine.load_adapter(name, path, owner=owner, public=public)
+    engine.adapters.load(name, path, owner=owner, public=public)
 
 
 def via_api(engine, name, path, owner=None, public=False):
     with ThreadPoolExecutor(1) as worker:                 # prepare off the engine thread, as the server does
-        prepared = worker.submit(engine.prepare_adapter, path).result()
-    engine.register_adapter(name, prepared, owner=owner, public=public)
+        prepared = worker.submit(engine.adapters.prepare, path).result()
+    engine.adapters.register(name, prepared, owner=owner, public=public)
 
 
 def test_split_load_matches_engine_load(adapter_root):
@@ -65,8 +65,8 @@ def test_prepare_refuses_and_leaves_nothing_behind(adapter_root, tmp_path):
     engine = Engine(EngineConfig(TINY_MODEL, num_pages=256))
     before = state(engine)
     with ThreadPoolExecutor(1) as worker, pytest.raises(AdapterError, match="r: the LoRA rank"):
-        worker.submit(engine.prepare_adapter, broken).result()
+        worker.submit(engine.adapters.prepare, broken).result()
     assert state(engine) == before
     with pytest.raises(AdapterError, match="non-empty"):
-        engine.register_adapter("", engine.prepare_adapter(adapter_root / "attn-r4"))
+        engine.adapters.register("", engine.adapters.prepare(adapter_root / "attn-r4"))
     assert state(engine) == before

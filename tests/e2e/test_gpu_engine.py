@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from slora import LLM, SamplingParams
+from slora.config import CudaConfig
 from tiny import oracle_greedy, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -27,7 +28,7 @@ def test_cuda_graphs_match_cpu_engine_and_peft_in_float32(tiny_llama, lora_side_
     prompts = random_prompts([1, 9, 16, 17, 40, 100, 3, 64], seed=11)
     expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, NAMES, GREEDY.max_tokens)
     cpu = tokens(make_llm(tiny_llama), prompts, NAMES)
-    gpu = make_llm(tiny_llama, device="cuda", dtype="float32", lora_side_stream=lora_side_stream)
+    gpu = make_llm(tiny_llama, device="cuda", dtype="float32", cuda=CudaConfig(lora_side_stream=lora_side_stream))
     graphs = gpu.engine.runner.graphs
     assert graphs is not None and (graphs.side_stream is not None) == lora_side_stream
     assert tokens(gpu, prompts, NAMES) == cpu == expected
@@ -36,7 +37,7 @@ def test_cuda_graphs_match_cpu_engine_and_peft_in_float32(tiny_llama, lora_side_
 
 def test_graph_replay_with_another_adapter_mix_equals_eager(tiny_llama):
     graphs = make_llm(tiny_llama, device="cuda", dtype="float32")
-    eager = make_llm(tiny_llama, device="cuda", dtype="float32", enforce_eager=True)
+    eager = make_llm(tiny_llama, device="cuda", dtype="float32", cuda=CudaConfig(enforce_eager=True))
     prompts = random_prompts([5, 12, 30, 7, 22], seed=12)
     for mix in (["all-r16"] * 5, [None, "rs-pattern", "attn-r4", None, "mlp-r8"], [None] * 5):
         assert tokens(graphs, prompts, mix) == tokens(eager, prompts, mix)
@@ -53,18 +54,21 @@ def test_graphs_captured_for_max_loras_slots_match_cpu(tiny_llama):
     gpu.engine.check()
 
 
-@pytest.mark.parametrize("lora_fused", [False, True])
-def test_few_adapter_graphs_match_cpu(tiny_llama, lora_fused):
-    """Decode steps with at most two adapters replay the graphs captured for two adapter slots (running
-    shrink + expand, or lora_fused), others the full ones: all give the CPU engine's tokens."""
+def test_few_adapter_graphs_match_cpu(tiny_llama):
+    """Decode steps with at most two adapters replay the graphs captured for two adapter slots, others the
+    full ones: all give the CPU engine's tokens."""
     cpu_llm = make_llm(tiny_llama)
-    gpu = make_llm(tiny_llama, device="cuda", dtype="float32", graph_few_adapters=2, lora_fused=lora_fused)
+    gpu = make_llm(tiny_llama, device="cuda", dtype="float32", cuda=CudaConfig(graph_few_adapters=2))
     graphs = gpu.engine.runner.graphs
     assert (8, True, True) in graphs.graphs and graphs.uses_few(8, 2) and not graphs.uses_few(8, 3)
     replayed = []
     replay = graphs.replay
-    graphs.replay = lambda size, with_lora, batch_size, few=False: (
-        replayed.append((with_lora, few)), replay(size, with_lora, batch_size, few))[1]
+
+    def recorded(size, host, batch_size):
+        adapters = 0 if host.lora is None else host.lora.page_tables.shape[0]
+        replayed.append((host.lora is not None, graphs.uses_few(size, adapters)))
+        return replay(size, host, batch_size)
+    graphs.replay = recorded
     prompts = random_prompts([5, 12, 30, 7, 22], seed=17)
     two = [None, "rs-pattern", "all-r16", None, "rs-pattern"]
     for mix, kind in ((["all-r16"] * 5, (True, True)), (two, (True, True)),
@@ -93,7 +97,7 @@ def test_seeded_sampling_is_the_same_on_cpu_and_cuda(tiny_llama):
 
 
 def test_pool_sized_from_free_memory(tiny_llama):
-    llm = LLM(str(tiny_llama.model_dir), device="cuda", gpu_memory_utilization=0.3)
+    llm = LLM(str(tiny_llama.model_dir), device="cuda", cuda=CudaConfig(gpu_memory_utilization=0.3))
     total = torch.cuda.get_device_properties(0).total_memory
     pool_bytes = llm.engine.runner.pool.numel() * llm.engine.runner.pool.element_size()
     assert 0 < pool_bytes < 0.3 * total
@@ -124,7 +128,7 @@ def test_many_adapter_loads_and_evictions_match_cpu(tiny_llama, tmp_path):
     paths = _distinct_copies(tiny_llama.adapters["all-r16"], tmp_path, len(names))
     prompts = random_prompts([4 + i % 23 for i in range(len(names))], seed=15)
     probe = LLM(str(tiny_llama.model_dir), num_pages=512)
-    adapter_pages = probe.engine.prepare_adapter(paths[0]).packed.num_pages
+    adapter_pages = probe.engine.adapters.prepare(paths[0]).packed.num_pages
     num_pages = 10 * adapter_pages + 16 * 6         # about ten adapters beside 16 sequences' KV
 
     def run(**kwargs) -> tuple[list[list[int]], LLM]:
@@ -138,7 +142,7 @@ def test_many_adapter_loads_and_evictions_match_cpu(tiny_llama, tmp_path):
     cpu, _ = run()
     gpu, llm = run(device="cuda", dtype="float32")
     assert gpu == cpu
-    assert llm.engine.scheduler.adapters.num_evictions > 0
+    assert llm.engine.adapters.num_evictions > 0
 
 
 def test_no_kernel_compiles_while_serving(tiny_llama):

@@ -11,29 +11,30 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from slora import LLM, SamplingParams
-from slora.attention_backend import LoraLaunchPolicy, TritonAttention, TritonLora
+from slora.attention_backend import TritonAttention
+from slora.lora_backend import LoraLaunchPolicy, TritonLora
 from slora.cuda_graphs import GraphLimits
-from slora.model_runner import WARM_UP_STEPS, step_max_rank
+from slora.model_runner import WARM_UP_STEPS
+from slora.step_batch import step_max_rank
 from tiny import force_lora_deltas, random_prompts
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs Triton kernels in the interpreter, on CPU-only machines")
 
 
-@pytest.mark.parametrize("policy,fused", [
+@pytest.mark.parametrize("policy,narrow_tiles", [
     (LoraLaunchPolicy(), False),
     (LoraLaunchPolicy(accumulate_max_tokens=0, accumulate_max_slots=0), False),
     (LoraLaunchPolicy(accumulate_max_tokens=0, accumulate_max_slots=8, block_m_tokens_per_slot=1), False),
-    (LoraLaunchPolicy(lora_tile=64, expand_n_tiles=2), False),
     (LoraLaunchPolicy(), True)])
-def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, policy, fused):
+def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, policy, narrow_tiles):
     """Shrink into one h or split partial sums (by tokens, or by the tables' slots), blocks of 16 or 64
-    tokens, 64-column tiles (pages chosen per row); fused: every step runs lora_fused where
-    LoraBatch.apply allows it (the CUDA engine does so only in decode graphs with few adapters)."""
-    if fused:
-        prepare = TritonLora.prepare
-        monkeypatch.setattr(TritonLora, "prepare", lambda self, slots, n, layers, fused=False:
-                            prepare(self, slots, n, layers, fused=True))
+    tokens; narrow_tiles: the kernels' private tile constants at 64 columns (pages chosen per row) and two
+    output tiles per expand program."""
+    if narrow_tiles:
+        from slora.kernels import lora
+        for name, value in (("_SHRINK_TILE", 64), ("_EXPAND_TILE", 64), ("_EXPAND_N_TILES", 2)):
+            monkeypatch.setattr(lora, name, value)
     reference, triton = _greedy_tokens_both_backends(tiny_llama, policy, random_prompts([3, 18, 9], seed=40),
                                                      ["all-r16", None, "rs-pattern"])
     assert reference == triton
@@ -56,7 +57,7 @@ def test_gemv_expand_matches_the_reference_backend(tiny_llama, monkeypatch):
 
 @pytest.mark.parametrize("gemv", [False, True])
 def test_lora_deltas_through_the_triton_kernels_match_the_reference_backend(tiny_llama, monkeypatch, gemv):
-    """Every step with LoraBatch.deltas, as the decode graphs run: the Triton lora_expand(add=False), default or
+    """Every step with LoraStep.deltas, as the decode graphs run: the Triton lora_expand(add=False), default or
     one-token (decode steps of a slot per token: two sequences on two adapters), then the delta added by the
     ops after the projections (their references on the CPU; tests/kernels/test_fused_ops.py tests the fused
     kernels' delta)."""
@@ -84,7 +85,7 @@ def _greedy_tokens_both_backends(tiny_llama, policy: LoraLaunchPolicy, prompts: 
         for name in ("all-r16", "rs-pattern"):
             llm.load_adapter(name, str(tiny_llama.adapters[name]))
         if triton:
-            llm.engine.runner.attention, llm.engine.runner.lora_ops = TritonAttention(), TritonLora(policy=policy)
+            llm.engine.runner.attention, llm.engine.runner.lora = TritonAttention(), TritonLora(policy=policy)
         outputs.append([o.token_ids for o in llm.generate(prompts, params, adapters=names)])
     return outputs
 
@@ -103,8 +104,7 @@ def test_lora_launch_policy_rules_and_validation():
     assert gemv.accumulates(256, 256) and not gemv.accumulates(31, 31) and not gemv.accumulates(256, 4)
     assert not LoraLaunchPolicy(gemv_expand_min_tokens=None).expands_by_gemv(256, 256)
     for bad in ({"accumulate_max_tokens": -1}, {"accumulate_max_slots": -1}, {"accumulate_few_max_tokens": -1},
-                {"block_m_tokens_per_slot": 0}, {"lora_tile": 48}, {"lora_tile": 1024}, {"expand_n_tiles": 3},
-                {"gemv_expand_min_tokens": 0}):
+                {"block_m_tokens_per_slot": 0}, {"gemv_expand_min_tokens": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LoraLaunchPolicy(**bad)
 
@@ -125,18 +125,18 @@ def test_warm_up_runs_the_one_token_expand(tiny_llama):
     llm = LLM(str(tiny_llama.model_dir), num_pages=64)
     runner, limits = llm.engine.runner, _limits_for(llm)   # limits.max_batch is 4
     assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the CPU backends have no policy
-    runner.lora_ops = TritonLora()
+    runner.lora = TritonLora()
     assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the default rule starts at 128 tokens
     for first, extra in ((2, ((2, 1, 2), (4, 1, 4))), (4, ((4, 1, 4),)), (5, ())):
         policy = LoraLaunchPolicy(gemv_expand_min_tokens=first)
-        runner.lora_ops = TritonLora(policy=policy)
+        runner.lora = TritonLora(policy=policy)
         steps = runner._warm_up_steps(limits)
         assert steps == WARM_UP_STEPS + extra
         assert all(policy.expands_by_gemv(n * each, slots) for n, each, slots in extra)
     # At most max_loras adapter slots per step: no step of 3 or more tokens has a slot per token.
-    runner.lora_ops = TritonLora(policy=LoraLaunchPolicy(gemv_expand_min_tokens=2))
+    runner.lora = TritonLora(policy=LoraLaunchPolicy(gemv_expand_min_tokens=2))
     assert runner._warm_up_steps(dataclasses.replace(limits, max_loras=2)) == WARM_UP_STEPS + ((2, 1, 2),)
-    runner.lora_ops = TritonLora(policy=LoraLaunchPolicy(gemv_expand_min_tokens=3))
+    runner.lora = TritonLora(policy=LoraLaunchPolicy(gemv_expand_min_tokens=3))
     assert runner._warm_up_steps(dataclasses.replace(limits, max_loras=2)) == WARM_UP_STEPS
 
 
@@ -149,7 +149,7 @@ def test_warm_up_writes_nothing_and_leaves_generation_unchanged(tiny_llama, trit
     llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
     runner = llm.engine.runner
     if triton:
-        runner.attention, runner.lora_ops = TritonAttention(), TritonLora()
+        runner.attention, runner.lora = TritonAttention(), TritonLora()
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     prompts = random_prompts([7, 12], seed=41)
     before = [o.token_ids for o in llm.generate(prompts, params, adapters=["all-r16", None])]
@@ -164,7 +164,7 @@ def _limits_for(llm: LLM) -> GraphLimits:
     engine = llm.engine
     rank = engine.config.max_lora_rank
     return GraphLimits(max_batch=4, max_blocks=8, max_adapter_pages=4, max_lora_rank=rank,
-                       num_layers=engine.model_config.num_layers)
+                       num_layers=engine.model_config.num_layers, num_lora_modules=len(engine.shapes.modules))
 
 
 @pytest.mark.parametrize("highest,expected", [(0, 0), (1, 16), (8, 16), (16, 16), (17, 32), (64, 64), (65, 80)])
@@ -229,8 +229,8 @@ def test_serving_launches_no_kernel_variant_the_warm_up_did_not(tiny_llama, monk
     for name, path in tiny_llama.adapters.items():
         llm.load_adapter(name, str(path))
     runner = llm.engine.runner
-    runner.attention, runner.lora_ops = TritonAttention(), TritonLora()
-    runner.warm_up(llm.engine.graph_limits(runner.shape))
+    runner.attention, runner.lora = TritonAttention(), TritonLora()
+    runner.warm_up(llm.engine.sizing.graph_limits(runner.shape))
     forward = runner.run
 
     def checked_run(scheduled, adapters):

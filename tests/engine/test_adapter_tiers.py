@@ -23,15 +23,15 @@ def test_host_cache_is_lru_by_bytes_and_adapters_come_back_from_disk(tiny_llama)
     engine = llm.engine
     first = llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
     second = llm.load_adapter("rs-pattern", str(tiny_llama.adapters["rs-pattern"]))
-    assert engine.store.versions[first].tier == "disk"           # the older copy made room
-    assert engine.store.versions[second].tier == "host"
-    assert engine.store.host_bytes <= engine.store.host_cache_bytes
+    assert engine.adapters.versions[first].tier == "disk"           # the older copy made room
+    assert engine.adapters.versions[second].tier == "host"
+    assert engine.adapters.host_bytes <= engine.adapters.host_cache_bytes
     prompt = random_prompts([14], seed=30)
     reference = LLM(str(tiny_llama.model_dir), num_pages=256)
     reference.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
     expected = reference.generate(prompt, GREEDY, adapters=["all-r16"])[0].token_ids
     assert llm.generate(prompt, GREEDY, adapters=["all-r16"])[0].token_ids == expected
-    assert engine.store.num_reloads == 1
+    assert engine.adapters.num_reloads == 1
     engine.check()
 
 
@@ -41,14 +41,14 @@ def test_an_adapter_read_from_disk_does_not_delay_requests_of_others(tiny_llama)
     slow = llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
     llm.load_adapter("mlp-r8", str(tiny_llama.adapters["mlp-r8"]))
     llm.load_adapter("rs-pattern", str(tiny_llama.adapters["rs-pattern"]))
-    assert engine.store.versions[slow].tier == "disk"
-    gate, real_prepare = threading.Event(), engine.prepare_adapter
+    assert engine.adapters.versions[slow].tier == "disk"
+    gate, real_prepare = threading.Event(), engine.adapters.prepare
 
     def gated_prepare(path):
         gate.wait(timeout=60)                                   # the disk read takes as long as the test says
         return real_prepare(path)
 
-    engine.prepare_adapter = gated_prepare
+    engine.adapters.prepare = gated_prepare
     prompts = random_prompts([12, 9], seed=31)
     engine.add_request("needs-disk", prompts[0], GREEDY, "all-r16")     # first in the queue
     engine.add_request("resident", prompts[1], GREEDY, "mlp-r8")
@@ -78,7 +78,7 @@ def test_adapter_files_changed_on_disk_fail_its_waiting_requests(tiny_llama, tmp
     engine = llm.engine
     version = llm.load_adapter("changing", str(folder))
     llm.load_adapter("rs-pattern", str(tiny_llama.adapters["rs-pattern"]))
-    assert engine.store.versions[version].tier == "disk"
+    assert engine.adapters.versions[version].tier == "disk"
     shutil.rmtree(folder)
     shutil.copytree(tiny_llama.adapters["attn-r4"], folder)       # other weights under the same path
     engine.add_request("r", random_prompts([8], seed=32)[0], GREEDY, "changing")
@@ -106,16 +106,16 @@ def test_adapters_are_read_back_only_for_requests_near_the_head_of_the_queue(tin
     engine = llm.engine
     on_disk = llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
     llm.load_adapter("rs-pattern", str(tiny_llama.adapters["rs-pattern"]))
-    stored = engine.store.versions[on_disk]
+    stored = engine.adapters.versions[on_disk]
     assert stored.tier == "disk"
     prompts = random_prompts([10, 10], seed=33)
     engine.add_request("first", prompts[0], GREEDY, "rs-pattern")
     engine.add_request("second", prompts[1], GREEDY, "all-r16")      # behind one request, one seat
     engine.step()
-    assert stored.reload is None and stored.tier == "disk" and engine.store.num_reloads == 0
+    assert stored.reload is None and stored.tier == "disk" and engine.adapters.num_reloads == 0
     engine.step()                                                    # now at the head: its read starts
     assert stored.reload is not None or stored.tier == "host"
     while engine.has_unfinished():
         engine.step()
-    assert engine.store.num_reloads == 1
+    assert engine.adapters.num_reloads == 1
     engine.check()

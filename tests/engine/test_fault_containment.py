@@ -145,7 +145,7 @@ def test_a_fault_at_one_stage_fails_only_that_request(llm, reference, monkeypatc
         assert tokens(finals[request_id]) == reference.tokens[request_id]
     engine.check()
     assert llm.pool_stats() == reference.pool and reference.pool["kv_pages"] == 0
-    assert not engine.requests and all(s.requests == 0 for s in engine.store.versions.values())
+    assert not engine.requests and all(s.requests == 0 for s in engine.adapters.versions.values())
     monkeypatch.undo()
     again = run(engine, requests())                                      # the engine goes on serving
     assert {rid: tokens(o) for rid, o in again.items()} == reference.tokens
@@ -252,13 +252,13 @@ def other_weights(engine: Engine, folder: Path, setup) -> None:  # noqa: ANN001
 
 def reader_raises(engine: Engine, folder: Path, setup) -> None:  # noqa: ANN001
     """The read itself raises something that is no adapter error (the engine is this test's alone)."""
-    real = engine.prepare_adapter
+    real = engine.adapters.prepare
 
     def prepare(path: Path):  # noqa: ANN202
         if Path(path) == folder:
             raise KeyError("injected reader fault")
         return real(path)
-    engine.prepare_adapter = prepare
+    engine.adapters.prepare = prepare
 
 
 @pytest.mark.parametrize("change, words", [
@@ -279,7 +279,7 @@ def test_an_adapter_that_cannot_be_read_back_fails_its_requests_alone(tiny_llama
     engine = llm.engine
     llm.load_adapter("a", str(folder))
     llm.load_adapter("b", str(tiny_llama.adapters["mlp-r8"]))
-    assert {s.tier for s in engine.store.versions.values()} == {"disk"}
+    assert {s.tier for s in engine.adapters.versions.values()} == {"disk"}
     change(engine, folder, tiny_llama)
     finals = run(engine, requests())
     victim = finals[VICTIM]
@@ -291,7 +291,7 @@ def test_an_adapter_that_cannot_be_read_back_fails_its_requests_alone(tiny_llama
     engine.check()
     stats = llm.pool_stats()
     assert stats["kv_pages"] == stats["cached_pages"] == 0
-    assert not engine.requests and all(s.requests == 0 for s in engine.store.versions.values())
+    assert not engine.requests and all(s.requests == 0 for s in engine.adapters.versions.values())
     others = [r for r in requests() if r.request_id != VICTIM]
     again = run(engine, others)                                      # the engine goes on serving
     assert {rid: tokens(o) for rid, o in again.items()} == {r.request_id: reference.tokens[r.request_id]
@@ -317,11 +317,11 @@ def test_an_owned_folder_is_deleted_once_its_version_is_dropped(store_llm, tiny_
     engine = store_llm.engine
     owned = copy_adapter(tiny_llama, "attn-r4", tmp_path / "owned")
     kept = copy_adapter(tiny_llama, "mlp-r8", tmp_path / "not-owned")
-    engine.load_adapter("x", owned, owner="t1", owns_files=True)
-    engine.load_adapter("y", kept, owner="t1")
+    engine.adapters.load("x", owned, owner="t1", owns_files=True)
+    engine.adapters.load("y", kept, owner="t1")
     engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=3, temperature=0), "x", owner="t1")
-    engine.unload_adapter("x", owner="t1")
-    engine.unload_adapter("y", owner="t1")
+    engine.adapters.unload("x", owner="t1")
+    engine.adapters.unload("y", owner="t1")
     assert owned.is_dir()                         # a running request still holds the version
     assert kept.is_dir()
     while engine.has_unfinished():
@@ -334,23 +334,23 @@ def test_replacing_an_owned_adapter_deletes_the_replaced_folder(store_llm, tiny_
     engine = store_llm.engine
     first = copy_adapter(tiny_llama, "attn-r4", tmp_path / "first")
     second = copy_adapter(tiny_llama, "mlp-r8", tmp_path / "second")
-    engine.load_adapter("x", first, owner="t1", owns_files=True)
-    engine.load_adapter("x", second, owner="t1", owns_files=True)
+    engine.adapters.load("x", first, owner="t1", owns_files=True)
+    engine.adapters.load("x", second, owner="t1", owns_files=True)
     assert not first.exists() and second.is_dir()
-    engine.unload_adapter("x", owner="t1")
+    engine.adapters.unload("x", owner="t1")
     assert not second.exists()
 
 
 def test_the_same_content_uploaded_twice_leaves_no_folder_behind(store_llm, tiny_llama, tmp_path):
     engine = store_llm.engine
     folders = [copy_adapter(tiny_llama, "all-r16", tmp_path / f"upload-{i}") for i in range(3)]
-    engine.load_adapter("x", folders[0], owner="t1", owns_files=True)
-    engine.load_adapter("y", folders[1], owner="t2", owns_files=True)       # same version, another tenant
-    engine.load_adapter("x", folders[2], owner="t1", owns_files=True)       # same version, same name again
+    engine.adapters.load("x", folders[0], owner="t1", owns_files=True)
+    engine.adapters.load("y", folders[1], owner="t2", owns_files=True)       # same version, another tenant
+    engine.adapters.load("x", folders[2], owner="t1", owns_files=True)       # same version, same name again
     assert folders[0].is_dir() and not folders[1].exists() and not folders[2].exists()
-    engine.unload_adapter("x", owner="t1")
+    engine.adapters.unload("x", owner="t1")
     assert folders[0].is_dir()                    # "y" still names the version, read back from this folder
-    engine.unload_adapter("y", owner="t2")
+    engine.adapters.unload("y", owner="t2")
     assert not folders[0].exists()
 
 
@@ -360,35 +360,35 @@ def test_an_owned_folder_of_a_refused_adapter_is_deleted(store_llm, tiny_llama, 
     bad_config = json.loads((folder / CONFIG).read_text()) | {"r": 0}
     (folder / CONFIG).write_text(json.dumps(bad_config))
     with pytest.raises(AdapterError, match="rank"):
-        engine.load_adapter("x", folder, owner="t1", owns_files=True)
-    assert not folder.exists() and ("t1", "x") not in engine.registry.entries
+        engine.adapters.load("x", folder, owner="t1", owns_files=True)
+    assert not folder.exists() and ("t1", "x") not in engine.adapters.names.entries
 
 
 def test_an_owned_folder_dropped_while_being_read_back_leaves_nothing(tiny_llama, tmp_path):
     llm = LLM(str(tiny_llama.model_dir), num_pages=256, adapter_host_cache_gib=0)
     engine = llm.engine
     folder = copy_adapter(tiny_llama, "attn-r4", tmp_path / "owned")
-    version = engine.load_adapter("x", folder, owns_files=True).version
-    gate, real = threading.Event(), engine.prepare_adapter
+    version = engine.adapters.load("x", folder, owns_files=True).version
+    gate, real = threading.Event(), engine.adapters.prepare
 
     def gated_prepare(path: Path):  # noqa: ANN202
         gate.wait(timeout=60)                     # the read from disk takes as long as the test says
         return real(path)
-    engine.prepare_adapter = gated_prepare
+    engine.adapters.prepare = gated_prepare
     engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=2, temperature=0), "x")
     engine.step()                                 # its adapter's read from disk starts, and waits
-    stored = engine.store.versions[version]
+    stored = engine.adapters.versions[version]
     assert stored.reload is not None
-    engine.unload_adapter("x")
+    engine.adapters.unload("x")
     engine.abort("r")
-    assert not folder.exists() and version not in engine.store.versions
+    assert not folder.exists() and version not in engine.adapters.versions
     gate.set()
     deadline = time.monotonic() + 60
     while stored.reload is not None:              # the read ends (it fails: the folder is gone)
         assert time.monotonic() < deadline, "the read from disk never ended"
         engine.step()
         time.sleep(0.01)
-    assert version not in engine.store.versions   # not stored back, where nothing would ever drop it
+    assert version not in engine.adapters.versions   # not stored back, where nothing would ever drop it
     engine.check()
 
 
@@ -398,18 +398,18 @@ def test_adapter_disk_bytes_counts_each_version_of_a_namespace_once(store_llm, t
     small = copy_adapter(tiny_llama, "attn-r4", tmp_path / "small")
     big_bytes, small_bytes = adapter_files_bytes(big), adapter_files_bytes(small)
     assert (big / "README.md").is_file()           # a file beside the two is not counted
-    engine.load_adapter("one", big, owner="quota")
-    engine.load_adapter("two", big, owner="quota")              # the same version under a second name
-    engine.load_adapter("three", small, owner="quota")
-    engine.load_adapter("theirs", small, owner="other")
-    assert engine.adapter_disk_bytes("quota") == big_bytes + small_bytes
-    assert engine.adapter_disk_bytes("other") == small_bytes
-    assert engine.adapter_disk_bytes("nobody") == 0
-    engine.unload_adapter("one", owner="quota")
-    assert engine.adapter_disk_bytes("quota") == big_bytes + small_bytes    # "two" still names it
-    engine.unload_adapter("three", owner="quota")
-    assert engine.adapter_disk_bytes("quota") == big_bytes
-    assert engine.adapter_disk_bytes("other") == small_bytes
+    engine.adapters.load("one", big, owner="quota")
+    engine.adapters.load("two", big, owner="quota")              # the same version under a second name
+    engine.adapters.load("three", small, owner="quota")
+    engine.adapters.load("theirs", small, owner="other")
+    assert engine.adapters.disk_bytes("quota") == big_bytes + small_bytes
+    assert engine.adapters.disk_bytes("other") == small_bytes
+    assert engine.adapters.disk_bytes("nobody") == 0
+    engine.adapters.unload("one", owner="quota")
+    assert engine.adapters.disk_bytes("quota") == big_bytes + small_bytes    # "two" still names it
+    engine.adapters.unload("three", owner="quota")
+    assert engine.adapters.disk_bytes("quota") == big_bytes
+    assert engine.adapters.disk_bytes("other") == small_bytes
 
 
 def test_an_owned_folder_counts_until_it_is_deleted(store_llm, tiny_llama, tmp_path):
@@ -421,15 +421,15 @@ def test_an_owned_folder_counts_until_it_is_deleted(store_llm, tiny_llama, tmp_p
     for folder in (first, second):             # versions of their own, not the module's earlier ones
         edit_weights(folder, lambda tensors: tensors[first_key(tensors, "lora_A")].mul_(0.5))
     first_bytes, second_bytes = adapter_files_bytes(first), adapter_files_bytes(second)
-    engine.load_adapter("x", first, owner="uploader", owns_files=True)
+    engine.adapters.load("x", first, owner="uploader", owns_files=True)
     engine.add_request("held", PROMPTS[1], SamplingParams(max_tokens=3, temperature=0), "x", owner="uploader")
-    engine.load_adapter("x", second, owner="uploader", owns_files=True)          # replaced under the request
+    engine.adapters.load("x", second, owner="uploader", owns_files=True)          # replaced under the request
     assert first.is_dir()
-    assert engine.adapter_disk_bytes("uploader") == first_bytes + second_bytes
-    assert engine.adapter_disk_bytes("bystander") == 0
+    assert engine.adapters.disk_bytes("uploader") == first_bytes + second_bytes
+    assert engine.adapters.disk_bytes("bystander") == 0
     while engine.has_unfinished():
         engine.step()
-    assert not first.exists() and engine.adapter_disk_bytes("uploader") == second_bytes
-    engine.unload_adapter("x", owner="uploader")
-    assert engine.adapter_disk_bytes("uploader") == 0
+    assert not first.exists() and engine.adapters.disk_bytes("uploader") == second_bytes
+    engine.adapters.unload("x", owner="uploader")
+    assert engine.adapters.disk_bytes("uploader") == 0
     engine.check()

@@ -2,7 +2,7 @@
 import pytest
 
 from slora import LLM, SamplingParams
-from slora.config import EngineConfig
+from slora.config import CudaConfig, EngineConfig
 from slora.cuda_graphs import GraphLimits
 from tiny import random_prompts
 
@@ -41,37 +41,31 @@ def test_max_loras_must_be_positive():
 
 def test_graph_few_adapters_must_not_be_negative():
     with pytest.raises(ValueError, match="graph_few_adapters"):
-        EngineConfig(graph_few_adapters=-1)
+        CudaConfig(graph_few_adapters=-1)
 
 
 FULL = [(False, False), (True, False)]
 
 
-@pytest.mark.parametrize("max_loras,few,fused,batch,kinds,few_slots", [
-    (None, 4, False, 64, FULL + [(True, True)], 4),
-    (None, 4, False, 4, FULL, 4),                   # the full graph has 4 slots already
-    (2, 4, False, 64, FULL, 2),                     # max_loras leaves 2 slots
-    (None, 0, False, 64, FULL, 0),
-    (None, 4, True, 4, FULL + [(True, True)], 4),   # other kernels: captured anyway
-    (None, 4, False, 2, FULL, 2),                   # a bucket smaller than the few-adapter count
+@pytest.mark.parametrize("max_loras,few,batch,kinds,few_slots", [
+    (None, 4, 64, FULL + [(True, True)], 4),
+    (None, 4, 4, FULL, 4),                   # the full graph has 4 slots already
+    (2, 4, 64, FULL, 2),                     # max_loras leaves 2 slots
+    (None, 0, 64, FULL, 0),
+    (None, 4, 2, FULL, 2),                   # a bucket smaller than the few-adapter count
 ])
-def test_few_adapter_graphs_only_where_they_differ(max_loras, few, fused, batch, kinds, few_slots):
-    """A bucket gets a few-adapter graph only where it has fewer adapter slots than its full graph, or
-    runs lora_fused: another graph costs capture time and memory."""
+def test_few_adapter_graphs_only_where_they_differ(max_loras, few, batch, kinds, few_slots):
+    """A bucket gets a few-adapter graph only where it has fewer adapter slots than its full graph:
+    another graph costs capture time and memory."""
     limits = GraphLimits(max_batch=64, max_blocks=8, max_adapter_pages=4, max_lora_rank=16, num_layers=2,
-                         max_loras=max_loras, few_adapters=few, lora_fused=fused)
+                         num_lora_modules=7, max_loras=max_loras, few_adapters=few)
     assert limits.graph_kinds(batch) == kinds
     assert limits.lora_slots(batch, few=True) == few_slots
 
 
-def test_lora_fused_needs_the_few_adapter_graphs():
-    with pytest.raises(ValueError, match="graph_few_adapters"):
-        EngineConfig(lora_fused=True, graph_few_adapters=0)
-
-
 def test_cli_engine_flags_reach_the_config():
     from slora.cli import build_parser, engine_kwargs
-    args = build_parser().parse_args(["generate", "--no-pdl", "--graph-few-adapters", "2", "--lora-fused", "hi"])
+    args = build_parser().parse_args(["generate", "--no-pdl", "--graph-few-adapters", "2", "--max-loras", "3", "hi"])
     config = EngineConfig(**engine_kwargs(args))
-    assert (config.pdl, config.graph_few_adapters, config.lora_fused) == (False, 2, True)
-    assert EngineConfig(**engine_kwargs(build_parser().parse_args(["generate", "hi"]))).pdl is True
+    assert (config.cuda.pdl, config.cuda.graph_few_adapters, config.max_loras) == (False, 2, 3)
+    assert EngineConfig(**engine_kwargs(build_parser().parse_args(["generate", "hi"]))).cuda.pdl is True

@@ -35,7 +35,7 @@ def test_adapters_evicted_and_reloaded_between_requests(tiny_llama):
     llm = LLM(str(tiny_llama.model_dir), page_size=8, num_pages=48, max_num_seqs=1, watermark=0.0)
     load_all(llm, adapters)
     outputs = llm.generate(prompts, PARAMS, adapters=names)
-    residency = llm.engine.scheduler.adapters
+    residency = llm.engine.adapters
     assert residency.num_evictions > 0 and residency.num_loads > len(set(names))
     assert [o.token_ids for o in outputs] == expected
     llm.engine.check()

@@ -74,10 +74,10 @@ def test_half_precision_logits_track_float32(tiny_llama, dtype):
         llm.load_adapter("a", str(tiny_llama.adapters["rs-pattern"]))
         llm.engine.add_request("r", prompt, GREEDY, "a")
         out = llm.engine.scheduler.schedule()
-        adapters = {v: (llm.engine.store.versions[v].descriptor, r.pages)
-                    for v, r in llm.engine.scheduler.adapters.resident.items()}
+        adapters = {v: (llm.engine.adapters.versions[v].descriptor, r.pages)
+                    for v, r in llm.engine.adapters.resident.items()}
         for version, pages in out.adapters_to_load:
-            llm.engine.runner.load_adapter(llm.engine.store.versions[version].packed, pages)
+            llm.engine.runner.load_adapter(llm.engine.adapters.versions[version].packed, pages)
         logits[name] = llm.engine.runner.run(out.scheduled, adapters)[0]
     similarity = torch.nn.functional.cosine_similarity(logits["float32"], logits[dtype], dim=0)
     assert similarity > 0.99

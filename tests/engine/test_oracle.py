@@ -38,7 +38,7 @@ def test_mixed_adapter_batch_matches_peft(family, page_size):
 
 
 def test_lora_as_deltas_added_by_the_next_op_matches_peft(family, monkeypatch):
-    """The decode graphs' way of applying LoRA (LoraBatch.deltas: each group's delta computed apart, then
+    """The decode graphs' way of applying LoRA (LoraStep.deltas: each group's delta computed apart, then
     added by the rotary, SiLU and norm ops), forced on every step of the CPU engine: still PEFT's tokens."""
     model_dir, adapters, prompts, names, expected = family
     layers = force_lora_deltas(monkeypatch)

@@ -172,7 +172,7 @@ def test_a_bad_prompt_in_a_batch_leaves_nothing_queued(llm):
 
 def test_tiny_model_with_a_small_max_lora_rank_skips_larger_demo_adapters():
     llm = LLM(TINY_MODEL, max_lora_rank=8)
-    names = {entry.name for entry in llm.engine.registry.visible_to(None)}
+    names = {entry.name for entry in llm.engine.adapters.visible_to(None)}
     assert names == {"demo-r4-attn", "demo-r8-mlp"}
 
 

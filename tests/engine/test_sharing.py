@@ -13,7 +13,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 def make_llm(setup, **kwargs) -> LLM:
     llm = LLM(str(setup.model_dir), **{"num_pages": 400, "page_size": 16, **kwargs})
     for name, path in setup.adapters.items():
-        llm.engine.load_adapter(name, str(path), public=True)      # usable by every tenant
+        llm.engine.adapters.load(name, str(path), public=True)      # usable by every tenant
     return llm
 
 
@@ -58,12 +58,12 @@ def test_no_sharing_across_adapters_versions_or_tenants(tiny_llama, tmp_path, ot
     if other == "new-version":                                  # same name, new weights
         changed = tmp_path / "mlp-r8-v2"
         shutil.copytree(tiny_llama.adapters["all-r16"], changed)
-        llm.engine.load_adapter("mlp-r8", str(changed), public=True)
+        llm.engine.adapters.load("mlp-r8", str(changed), public=True)
     out = run_requests(llm, [("probe", prompt, GREEDY, adapter, owner)])["probe"]
     assert out.num_cached_tokens == 0
     fresh = make_llm(tiny_llama, enable_prefix_caching=False)
     if other == "new-version":
-        fresh.engine.load_adapter("mlp-r8", str(tmp_path / "mlp-r8-v2"), public=True)
+        fresh.engine.adapters.load("mlp-r8", str(tmp_path / "mlp-r8-v2"), public=True)
     assert out.token_ids == run_requests(fresh, [("probe", prompt, GREEDY, adapter, owner)])["probe"].token_ids
 
 
@@ -117,7 +117,7 @@ def test_swap_and_recompute_equal_no_preemption(tiny_llama, mode):
     tight = LLM(str(tiny_llama.model_dir), num_pages=44, page_size=8, watermark=0.0, preemption_mode=mode,
                 enable_prefix_caching=False, swap_space_gib=0.01)
     for name, path in adapters.items():
-        tight.engine.load_adapter(name, str(path), public=True)
+        tight.engine.adapters.load(name, str(path), public=True)
     outputs = run_requests(tight, requests)
     assert tight.engine.scheduler.num_preemptions > 0
     if mode == "swap":
@@ -162,7 +162,7 @@ def test_random_stress_keeps_outputs_and_invariants(tiny_llama, tmp_path):
         if request_id in aborted:
             continue
         assert [s.token_ids for s in output.outputs] == [s.token_ids for s in expected[request_id].outputs]
-    assert engine.scheduler.adapters.num_evictions > 0
+    assert engine.adapters.num_evictions > 0
     for name in tiny_llama.adapters:
         llm.unload_adapter(name)
     stats = llm.pool_stats()

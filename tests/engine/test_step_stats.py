@@ -29,12 +29,12 @@ def test_decode_bytes_count_weights_live_kv_and_each_adapter_once(tiny_llama):
     weights = sum(p.numel() * 4 for p in engine.model.parameters()) - embed.numel() * 4   # float32
     row = embed.shape[1] * 4
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    version = engine.registry.resolve("r16").version
+    version = engine.adapters.lookup("r16", None).version
     h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
         cfg.intermediate_size
     in_plus_out = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + inter) + (inter + h)   # q k v o gate up down
     adapter = in_plus_out * 16 * cfg.num_layers * 4                              # rank 16 on all seven, every layer
-    assert engine._adapter_weight_bytes(version) == adapter
+    assert engine.adapters.weight_bytes(version) == adapter
     # Two decode steps; before them the sequences hold 7+1, 9+1 tokens, then one more each.
     live = (8 + 10) + (9 + 11)
     assert engine.step_stats.steps["decode"] == 2

@@ -10,10 +10,9 @@ from kernel_helpers import (
     randn,
     random_token_slots,
 )
-from slora.kernels import reference
+from slora.kernels import lora, reference
 from slora.kernels.lora import (
     lora_expand,
-    lora_fused,
     lora_segments,
     lora_shrink,
     lora_shrink_into,
@@ -35,6 +34,14 @@ def _prefill_slots(num_slots: int, gen: torch.Generator) -> torch.Tensor:
 
 
 SLOT_PATTERNS = {"decode": _decode_slots, "prefill": _prefill_slots}
+
+
+def _set_launch_constants(monkeypatch, tile=None, n_tiles=None, hoist_pages=None):
+    """The kernels' private launch constants, moved to reach their other paths (None: left as they are)."""
+    for name, value in (("_SHRINK_TILE", tile), ("_EXPAND_TILE", tile), ("_EXPAND_N_TILES", n_tiles),
+                        ("_HOIST_PAGES", hoist_pages)):
+        if value is not None:
+            monkeypatch.setattr(lora, name, value)
 RANKS = [1, 3, 8, 16, 0, 5]   # rank 0 = the adapter does not target this module
 
 
@@ -105,29 +112,23 @@ def test_lora_ranks_up_to_64_with_shared_segments(gemv, pattern):
 @pytest.mark.parametrize("page_elems", [64, 128, 1024])
 @pytest.mark.parametrize("hoist_pages", [False, True])   # runs longer than a page fall back to the loop's lookups
 @pytest.mark.parametrize("tile", [64, None])
-def test_lora_small_and_large_pages(page_elems, hoist_pages, tile):
+def test_lora_small_and_large_pages(monkeypatch, page_elems, hoist_pages, tile):
     # Pages of one or two ALIGN rows force narrow tiles; large pages let 128-wide tiles cross page
     # boundaries (the page chosen per column), and 64-wide tiles choose theirs per row and read the rows'
     # NaN padding past 136 and 200 columns, which must not reach the result.
+    _set_launch_constants(monkeypatch, tile=tile, hoist_pages=hoist_pages)
     ranks = [2, 16, 5]
     gen = make_generator(page_elems)
     b = make_lora_batch(ranks, 136, 200, page_elems, torch.float32, gen)
     slots = random_token_slots(21, len(ranks), gen)
     x = randn((21, 136), torch.float32, gen)
-    h = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, zero_fill=True,
-                             hoist_pages=hoist_pages, tile=tile).sum(dim=0)
+    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     assert_close(h, reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16))
     out = randn((21, 200), torch.float32, gen)
     want = out.clone()
     reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
-    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, tile=tile)
+    lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings)
     assert_close(out, want)
-    # lora_fused hoists its page lookups only where a row of A (136 wide) fits in a page: 1024, not 64 or 128.
-    fused = randn((21, 200), torch.float32, gen)
-    want = fused.clone()
-    reference.lora_fused(want, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings)
-    lora_fused(fused, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings, tile=tile)
-    assert_close(fused, want)
 
 
 @pytest.mark.parametrize("page_elems", [64, 192, 1024])
@@ -169,11 +170,11 @@ def _fused_case(dtype, pattern, name, seed, device="cpu"):
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
 @pytest.mark.parametrize("split_k,n_tiles,tile,gemv", [(1, 1, None, False), (3, 2, 64, False), (2, 4, 256, False),
                                                       (1, 1, None, True), (2, 1, None, True)])
-def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, tile, gemv):
+def test_fused_modules_match_reference(monkeypatch, dtype, pattern, name, split_k, n_tiles, tile, gemv):
+    _set_launch_constants(monkeypatch, tile=tile, n_tiles=n_tiles)
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
-    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k,
-                                    tile=tile)
+    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
     assert partials.shape == (split_k, len(slots), len(out_sizes) * 16)
     assert_close(lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k), h_want)
     want = out.clone()
@@ -181,7 +182,7 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
     # Expand straight from the partial sums. Shrink leaves the entries of tokens without adapter and of
     # columns past each rank unwritten: make them NaN, so that reading one fails the test.
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
-                b.b_offsets, b.scalings, out_sizes=out_sizes, n_tiles=n_tiles, tile=tile, gemv=gemv)
+                b.b_offsets, b.scalings, out_sizes=out_sizes, gemv=gemv)
     assert_close(out, want)
 
 
@@ -190,10 +191,11 @@ def test_fused_modules_match_reference(dtype, pattern, name, split_k, n_tiles, t
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
 @pytest.mark.parametrize("split_k,gemv,n_tiles,tile", [(1, False, 1, None), (2, False, 2, 64), (1, False, 4, 256),
                                                       (1, True, 1, None), (2, True, 1, None)])
-def test_expand_without_add_writes_the_delta(dtype, pattern, name, split_k, gemv, n_tiles, tile):
+def test_expand_without_add_writes_the_delta(monkeypatch, dtype, pattern, name, split_k, gemv, n_tiles, tile):
     """add=False: rows of tokens with an adapter hold the delta alone, zeros in modules of rank 0 (out starts
     random, so a tile left unwritten fails); rows of tokens without adapter keep what they held. Several
     tiles per program: the last program has tiles past the last one, which must write nothing."""
+    _set_launch_constants(monkeypatch, tile=tile, n_tiles=n_tiles)
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=10 + split_k)
     partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
     h = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
@@ -202,7 +204,7 @@ def test_expand_without_add_writes_the_delta(dtype, pattern, name, split_k, gemv
     without = slots < 0
     want[without] = out[without]
     lora_expand(out, _unwritten_as_nan(partials, slots, b.ranks, 16), b.pool, slots, b.page_tables, b.ranks,
-                b.b_offsets, b.scalings, out_sizes=out_sizes, gemv=gemv, add=False, n_tiles=n_tiles, tile=tile)
+                b.b_offsets, b.scalings, out_sizes=out_sizes, gemv=gemv, add=False)
     assert_close(out, want)
     ranks_of_tokens = b.ranks[:, slots[~without].long()]             # [modules, tokens with an adapter]
     assert (ranks_of_tokens == 0).any(), "the case must have modules an adapter does not target"
@@ -241,61 +243,12 @@ def _unwritten_as_nan(partials, slots, ranks, max_rank):
     return torch.where(written[None], partials, float("nan"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("pattern", ["decode", "prefill"])
-@pytest.mark.parametrize("name", sorted(FUSED_CASES))
-@pytest.mark.parametrize("tile", [None, 64])
-def test_lora_fused_matches_shrink_then_expand(dtype, pattern, name, tile):
-    x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=31)
-    want = out.clone()
-    reference.lora_fused(want, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings,
-                         out_sizes)
-    before = out.clone()
-    lora_fused(out, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings,
-               out_sizes=out_sizes, tile=tile)
-    assert_close(out, want)
-    assert not torch.equal(out, before)
-    assert torch.equal(out[slots < 0], before[slots < 0])     # tokens without adapter untouched
-
-
-def test_lora_fused_one_module_ranks_up_to_64():
-    ranks = [64, 1, 33, 0, 16]
-    gen = make_generator(32)
-    b = make_lora_batch(ranks, 72, 136, 1024, torch.float32, gen)
-    slots = random_token_slots(24, len(ranks), gen)
-    x, out = randn((24, 72), torch.float32, gen), randn((24, 136), torch.float32, gen)
-    want = out.clone()
-    reference.lora_fused(want, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings)
-    lora_fused(out, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings)
-    assert_close(out, want)
-
-
-def test_lora_fused_rejects_bad_inputs():
-    x, out, b, slots, out_sizes = _fused_case(torch.float32, "decode", "qkv", seed=33)
-    args = (b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets)
-    with pytest.raises(ValueError, match="token_slots must be"):
-        lora_fused(out[:-1], x, *args, b.scalings, out_sizes=out_sizes)
-    with pytest.raises(ValueError, match="offsets must have the shape of ranks"):
-        lora_fused(out, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets[0], b.scalings,
-                   out_sizes=out_sizes)
-    with pytest.raises(ValueError, match="scalings"):
-        lora_fused(out, x, *args, b.scalings[0], out_sizes=out_sizes)
-    with pytest.raises(ValueError, match="out_sizes"):
-        lora_fused(out, x, *args, b.scalings, out_sizes=out_sizes[:2])
-
-
 def test_fused_expand_rejects_bad_out_sizes():
     x, out, b, slots, out_sizes = _fused_case(torch.float32, "decode", "qkv", seed=5)
     h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     for sizes in (None, out_sizes[:2], [96, 40, 41]):
         with pytest.raises(ValueError, match="out_sizes"):
             lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=sizes)
-    with pytest.raises(ValueError, match="n_tiles"):
-        lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
-                    n_tiles=3)
-    with pytest.raises(ValueError, match="num_warps"):
-        lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
-                    num_warps=3)
     with pytest.raises(ValueError, match="offsets must have the shape of ranks"):
         lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets[0], 16)
 
@@ -430,57 +383,24 @@ def test_gemv_expand_one_token_per_adapter_gpu(dtype):
     assert_close(out, want)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shared", [True, False])
-def test_lora_fused_gpu(dtype, shared):
-    """Llama-3-8B's q/k/v sizes, 64 decode tokens on one shared adapter or on mixed ranks up to 128."""
-    gen = make_generator(71 + shared)
-    module_ranks = [GPU_RANKS, GPU_RANKS[::-1], GPU_RANKS[2:] + GPU_RANKS[:2]]
-    out_sizes = [4096, 1024, 1024]
-    b = make_fused_lora_batch(module_ranks, 4096, out_sizes, 2 * 16 * 8 * 128, dtype, gen, "cuda", weight_scale=0.02)
-    slots = random_token_slots(64, 1 if shared else len(GPU_RANKS), gen, device="cuda")
-    x = randn((64, 4096), dtype, gen, "cuda")
-    out = randn((64, sum(out_sizes)), dtype, gen, "cuda")
-    want = out.float()
-    reference.lora_fused(want, x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets,
-                         b.scalings, out_sizes)
-    lora_fused(out, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, b.b_offsets, b.scalings,
-               out_sizes=out_sizes)
-    assert_close(out, want)
-
-
-@pytest.mark.parametrize("tile", [100, 32, 0, 1024])
-def test_lora_rejects_bad_tile(tile):
-    x, out, b, slots, out_sizes = _fused_case(torch.float32, "decode", "qkv", seed=6)
-    with pytest.raises(ValueError, match="tile must be a power of two"):
-        lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, tile=tile)
-    h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
-    with pytest.raises(ValueError, match="tile must be a power of two"):
-        lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
-                    tile=tile)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("pattern", ["decode", "prefill"])
 @pytest.mark.parametrize("name", sorted(FUSED_CASES))
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("hoist_pages", [False, True])
 @pytest.mark.parametrize("tile", [64, 128])
-def test_shrink_into_adds_every_split_into_h(dtype, pattern, name, split_k, hoist_pages, tile):
+def test_shrink_into_adds_every_split_into_h(monkeypatch, dtype, pattern, name, split_k, hoist_pages, tile):
+    _set_launch_constants(monkeypatch, tile=tile, hoist_pages=hoist_pages)
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=7 + split_k)
     h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 16)
     start = randn(tuple(h_want.shape), torch.float32, make_generator(3))
     h = start.clone()                      # not zero: the shrink must add to what h holds
-    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k, tile=tile,
-                     hoist_pages=hoist_pages)
+    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
     assert_close(h, start + h_want)
     want = out.float()
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
                           out_sizes)
-    lora_expand(out, h - start, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
-                tile=tile)
+    lora_expand(out, h - start, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes)
     assert_close(out, want)
 
 
@@ -491,9 +411,8 @@ def test_shrink_into_rejects_bad_input():
         with pytest.raises(ValueError, match="h must be float32"):
             lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     h = torch.zeros(len(slots), 48)
-    for kwargs, match in (({"split_k": 0}, "split_k"), ({"tile": 0}, "tile"), ({"tile": 1024}, "tile")):
-        with pytest.raises(ValueError, match=match):
-            lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, **kwargs)
+    with pytest.raises(ValueError, match="split_k"):
+        lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=0)
     with pytest.raises(ValueError, match="max_rank"):
         lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 0)
     with pytest.raises(ValueError, match="no features"):
@@ -506,9 +425,10 @@ def test_shrink_into_rejects_bad_input():
 @pytest.mark.parametrize("split_k", [None, 32])
 @pytest.mark.parametrize("in_features", [4096, 14336])
 @pytest.mark.parametrize("hoist_pages", [False, True])
-def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages):
+def test_shrink_into_gpu(monkeypatch, dtype, split_k, in_features, hoist_pages):
     # The engine's shrink for steps of up to 64 tokens, at Llama-3-8B sizes: the automatic split (many
     # splits added atomically) and the most splits.
+    _set_launch_constants(monkeypatch, hoist_pages=hoist_pages)
     gen = make_generator(in_features + (split_k or 0))
     module_ranks = [GPU_RANKS, GPU_RANKS[::-1]]
     b = make_fused_lora_batch(module_ranks, in_features, [4096, 4096], 2 * 16 * 8 * 128, dtype, gen, "cuda",
@@ -516,8 +436,7 @@ def test_shrink_into_gpu(dtype, split_k, in_features, hoist_pages):
     slots = random_token_slots(64, len(GPU_RANKS), gen, device="cuda")
     x = randn((64, in_features), dtype, gen, "cuda")
     h = torch.zeros(64, 2 * 128, dtype=torch.float32, device="cuda")
-    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, split_k=split_k,
-                     hoist_pages=hoist_pages)
+    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, split_k=split_k)
     want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
     assert_close(h, want)
 

@@ -1,0 +1,226 @@
+"""One engine step's flat inputs, as the model reads them (DESIGN §3).
+
+A `StepBatch` is built on the host, moved with `to(device)`, and copied into the CUDA graphs' static
+buffers with `copy_into`. The static buffers are a `StepBatch` too, made by `empty` at the largest size
+and cut per graph by `view`. All four are derived from the fields' metadata: a tensor field names its
+dimensions, its dtype and, where the kernels would misread leftovers, the value that pads it. A new
+per-step field is one field here.
+"""
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from slora.adapters.packing import AdapterDescriptor
+from slora.kernels.layout import align_up
+from slora.scheduler import ScheduledSeq
+
+# Sizes a tensor dimension may name: "tokens", "seqs", "seqs+1", "pages" (block-table width), "slots"
+# (adapter slots of the step), "adapter_pages" (page-table width), "layers", "modules".
+Sizes = Mapping[str, int]
+# version -> (where its weights lie in its buffer, its pages in the pool)
+StepAdapters = dict[str, tuple[AdapterDescriptor, list[int]]]
+# Step max ranks are multiples of this (step_max_rank).
+RANK_ALIGN = 16
+
+
+def _tensor(dims: tuple[str, ...], dtype: torch.dtype, pad: int | None = None, arange: bool = False) -> Any:
+    """A tensor field. pad: the value the rows the step leaves unused must hold in a static buffer (slot -1:
+    K/V not stored; context 0: attention reads nothing; rank 0: no adapter weight is read). arange: the
+    buffer holds 0, 1, 2, ... (the decode graphs' one token per sequence), and a decode step is never
+    copied into it."""
+    return field(metadata={"dims": dims, "dtype": dtype, "pad": pad, "arange": arange})
+
+
+@dataclass
+class StepLora:
+    """The adapters of one step. Slot s is the s-th distinct adapter version of the step."""
+
+    token_slots: Tensor = _tensor(("tokens",), torch.int32, pad=-1)              # -1: no adapter
+    page_tables: Tensor = _tensor(("slots", "adapter_pages"), torch.int32)
+    ranks: Tensor = _tensor(("layers", "modules", "slots"), torch.int32, pad=0)
+    a_offsets: Tensor = _tensor(("layers", "modules", "slots"), torch.int64)
+    b_offsets: Tensor = _tensor(("layers", "modules", "slots"), torch.int64)
+    scalings: Tensor = _tensor(("layers", "modules", "slots"), torch.float32)
+    max_rank: int = 0                  # the kernels' rank bound (step_max_rank of the highest rank)
+    active: list[list[bool]] = field(default_factory=list)   # [layer][module]: any adapter targets it
+
+
+@dataclass
+class StepBatch:
+    """Tokens of all scheduled sequences, concatenated. Sequence s owns rows
+    `query_start_loc[s]:query_start_loc[s+1]`, the last of its `context_lens[s]` tokens."""
+
+    input_ids: Tensor = _tensor(("tokens",), torch.int64)
+    positions: Tensor = _tensor(("tokens",), torch.int64)
+    slot_mapping: Tensor = _tensor(("tokens",), torch.int64, pad=-1)      # page * page_size + offset
+    block_tables: Tensor = _tensor(("seqs", "pages"), torch.int32)
+    query_start_loc: Tensor = _tensor(("seqs+1",), torch.int32, arange=True)
+    context_lens: Tensor = _tensor(("seqs",), torch.int32, pad=0)
+    sample_indices: Tensor = _tensor(("seqs",), torch.int64, arange=True)  # rows whose logits are wanted
+    page_size: int = 16
+    max_query_len: int = 1
+    max_context_len: int = 0
+    lora: StepLora | None = None
+
+    def to(self, device: torch.device) -> "StepBatch":
+        """The batch on `device` (copies that do not block the host)."""
+        return _map_tensors(self, lambda t, _: t.to(device, non_blocking=True))
+
+    def copy_into(self, static: "StepBatch") -> None:
+        """Copy a step into a graph's static views (each at least as large): every tensor into its leading
+        corner, padded fields filled first; arange fields keep their values."""
+        for meta, src, dst in _tensor_pairs(self, static):
+            if meta["arange"]:
+                continue
+            if meta["pad"] is not None:
+                dst.fill_(meta["pad"])
+            dst[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)
+
+
+def empty(sizes: Sizes, device: torch.device, page_size: int, max_rank: int, with_lora: bool = True) -> StepBatch:
+    """Static buffers of these sizes, padded fields at their pad value and arange fields counting."""
+    def make(meta: Mapping[str, Any]) -> Tensor:
+        shape = [_size(sizes, d) for d in meta["dims"]]
+        if meta["arange"]:
+            return torch.arange(shape[0], dtype=meta["dtype"], device=device)
+        return torch.full(shape, meta["pad"] or 0, dtype=meta["dtype"], device=device)
+    lora = None
+    if with_lora:
+        lora = StepLora(**{f.name: make(f.metadata) for f in _tensor_fields(StepLora)}, max_rank=max_rank,
+                        active=[[True] * sizes["modules"]] * sizes["layers"])
+    return StepBatch(**{f.name: make(f.metadata) for f in _tensor_fields(StepBatch)}, page_size=page_size,
+                     max_query_len=1, max_context_len=sizes["pages"] * page_size, lora=lora)
+
+
+def view(static: StepBatch, sizes: Sizes, with_lora: bool) -> StepBatch:
+    """The leading `sizes` of static buffers (a graph's batch): dims not named in `sizes` stay whole."""
+    def cut(tensor: Tensor, meta: Mapping[str, Any]) -> Tensor:
+        return tensor[tuple(slice(0, _size(sizes, d)) if _named(sizes, d) else slice(None) for d in meta["dims"])]
+    cut_batch = _map_tensors(static, cut)
+    return cut_batch if with_lora else dataclasses.replace(cut_batch, lora=None)
+
+
+def _size(sizes: Sizes, dim: str) -> int:
+    return sizes["seqs"] + 1 if dim == "seqs+1" else sizes[dim]
+
+
+def _named(sizes: Sizes, dim: str) -> bool:
+    return (dim == "seqs+1" and "seqs" in sizes) or dim in sizes
+
+
+def _tensor_fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "dims" in f.metadata]
+
+
+def _map_tensors(batch: Any, fn: Any) -> Any:
+    """A copy of a StepBatch (or StepLora) with fn(tensor, metadata) applied to every tensor field."""
+    changes = {f.name: fn(getattr(batch, f.name), f.metadata) for f in _tensor_fields(type(batch))}
+    if isinstance(batch, StepBatch) and batch.lora is not None:
+        changes["lora"] = _map_tensors(batch.lora, fn)
+    return dataclasses.replace(batch, **changes)
+
+
+def _tensor_pairs(src: Any, dst: Any) -> Iterator[tuple[Mapping[str, Any], Tensor, Tensor]]:
+    for f in _tensor_fields(type(src)):
+        yield f.metadata, getattr(src, f.name), getattr(dst, f.name)
+    if isinstance(src, StepBatch) and src.lora is not None:
+        assert dst.lora is not None, "a step with adapters copied into a graph without LoRA"
+        yield from _tensor_pairs(src.lora, dst.lora)
+
+
+def int_tensor(values: list[int], dtype: type[np.integer]) -> Tensor:
+    """A 1-D int tensor from a list. Through numpy, which converts a list of ints two to three times
+    faster than torch.tensor (a step builds several on the host)."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
+
+
+def padded_rows(rows: list[list[int]]) -> Tensor:
+    """A list of int lists as one zero-padded int32 matrix (one tensor construction, not one per row)."""
+    width = max(len(r) for r in rows)
+    flat: list[int] = []
+    for row in rows:
+        flat += row
+        flat += [0] * (width - len(row))
+    return torch.from_numpy(np.array(flat, dtype=np.int32).reshape(len(rows), width))
+
+
+def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
+          tables: "LoraTables | None" = None) -> StepBatch:
+    """The flat batch of a step, built on the host."""
+    input_ids, positions, slots, starts, lens, sample_rows = [], [], [], [0], [], []
+    for item in scheduled:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        end = start + item.num_tokens
+        input_ids += seq.tokens_between(start, end)
+        positions += range(start, end)
+        slots += [seq.block_table[i // page_size] * page_size + i % page_size for i in range(start, end)]
+        starts.append(starts[-1] + item.num_tokens)
+        lens.append(end)
+        if item.completes:
+            sample_rows.append(starts[-1] - 1)
+    return StepBatch(
+        int_tensor(input_ids, np.int64), int_tensor(positions, np.int64), int_tensor(slots, np.int64),
+        padded_rows([i.seq.block_table for i in scheduled]), int_tensor(starts, np.int32),
+        int_tensor(lens, np.int32), int_tensor(sample_rows, np.int64), page_size,
+        max(i.num_tokens for i in scheduled), max(lens), _step_lora(scheduled, adapters, tables or LoraTables()))
+
+
+class _AdapterTables(NamedTuple):
+    ranks: Tensor              # [layers, modules, slots]
+    a_offsets: Tensor
+    b_offsets: Tensor
+    scalings: Tensor
+    max_rank: int
+    active: list[list[bool]]
+
+
+class LoraTables:
+    """The per-step adapter tables `[layers, modules, slots]` of recent adapter mixes. Decode steps
+    usually repeat the previous step's mix, and stacking every version's descriptor again each step
+    costs more host time than the rest of the step's LoRA inputs."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._tables: dict[tuple[str, ...], _AdapterTables] = {}
+
+    def get(self, versions: tuple[str, ...], adapters: StepAdapters) -> _AdapterTables:
+        """The tables of the versions in slot order, and what follows from them alone."""
+        tables = self._tables.pop(versions, None) or self._stack(versions, adapters)
+        self._tables[versions] = tables                      # most recent last
+        if len(self._tables) > self.capacity:
+            del self._tables[next(iter(self._tables))]
+        return tables
+
+    @staticmethod
+    def _stack(versions: tuple[str, ...], adapters: StepAdapters) -> _AdapterTables:
+        descriptors = [adapters[v][0] for v in versions]
+
+        def stack(name: str) -> Tensor:
+            return torch.stack([getattr(d, name) for d in descriptors], dim=-1)    # [layers, modules, slots]
+        ranks = stack("ranks")
+        return _AdapterTables(ranks, stack("a_offsets"), stack("b_offsets"), stack("scalings"),
+                              step_max_rank(int(ranks.max())), (ranks.amax(dim=-1) > 0).tolist())
+
+
+def step_max_rank(highest_rank: int) -> int:
+    """The LoRA kernels' max_rank for a step whose highest adapter rank is `highest_rank`: rounded up to a
+    multiple of RANK_ALIGN. Triton specialises integer arguments on divisibility by 16, and max_rank sets
+    several (h's width and strides), so rank 8 and rank 16 steps would otherwise compile different kernel
+    variants, each in the middle of serving. Columns past an adapter's rank are never read."""
+    return align_up(highest_rank, RANK_ALIGN)
+
+
+def _step_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters, tables: LoraTables) -> StepLora | None:
+    versions = tuple(sorted(adapters))         # the step's adapter versions, one slot each
+    if not versions:
+        return None
+    slot_of = {v: i for i, v in enumerate(versions)}
+    token_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1
+                   for item in scheduled for _ in range(item.num_tokens)]
+    return StepLora(int_tensor(token_slots, np.int32), padded_rows([adapters[v][1] for v in versions]),
+                    *tables.get(versions, adapters))
