@@ -295,6 +295,7 @@ class AdapterManager(AdapterResidency):
 
     def _start_reload(self, stored: AdapterVersion) -> None:
         if stored.reload is None:
+            assert stored.path is not None, "_trim_host_cache drops only host copies that can be read back"
             logger.info("reading adapter %s back from disk", stored.version[:12])
             stored.reload = self._reader.submit(self.prepare, stored.path)
             self._reloading[stored.version] = stored
@@ -302,6 +303,7 @@ class AdapterManager(AdapterResidency):
     def _finish_reload(self, stored: AdapterVersion) -> str | None:
         """Take a finished read; why it could not be used, or None."""
         future, stored.reload = stored.reload, None
+        assert future is not None, "refresh finishes only reads in progress"
         if self.versions.get(stored.version) is not stored:
             return None     # dropped while it was read (its requests were aborted): kept, it would never leave
         prepared, reason = self._reloaded(stored.version, future)

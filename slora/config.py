@@ -112,6 +112,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        assert self.dtype is not None, "__post_init__ resolves the default"
         return DTYPES[self.dtype]
 
     @property

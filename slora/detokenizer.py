@@ -1,5 +1,6 @@
 """Incremental detokenization: each new token costs a decode of a few tokens, not of the whole output."""
 from collections.abc import Callable
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -16,7 +17,8 @@ def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], st
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _plain_fast_decode(tokenizer) and not tokenizer.clean_up_tokenization_spaces:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    # transformers types decode without overloads (str | list[str]); a list of ids decodes to one str.
+    return lambda ids: cast(str, tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _plain_fast_decode(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -44,6 +46,7 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         if self.tokenizer is None:
             return self.text
+        assert self._decode is not None, "set with the tokenizer"
         prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
         window = self._decode(self.token_ids[self._prefix_offset:])
         if len(window) > len(prefix) and not window.endswith("\ufffd"):
@@ -62,5 +65,6 @@ class IncrementalDetokenizer:
         """The exact decode of every token, once the sequence has ended."""
         if self.tokenizer is None:
             return ""
+        assert self._decode is not None, "set with the tokenizer"
         self.text = self._decode(self.token_ids)
         return self.text

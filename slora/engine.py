@@ -113,7 +113,8 @@ class Engine:
         if ref is not None:
             self.adapters.acquire(ref.version)
         parent = self._new_seq(request_id, prompt_token_ids, params, ref, 0, self.cache_salt(owner))
-        self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent], ref and ref.version,
+        self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent],
+                                                 None if ref is None else ref.version,
                                                  [""], params.n, [IncrementalDetokenizer(self.tokenizer)], stream)
         self.scheduler.add(parent)
 

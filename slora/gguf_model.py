@@ -7,11 +7,15 @@ folder (config, safetensors, tokenizer, chat template), made once per file conte
 import hashlib
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from slora.model_cache import build_once
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +83,11 @@ def convert(gguf_path: Path, folder: Path, fix: str) -> None:
         progress.update()
 
 
-def _save_dequantized(model: torch.nn.Module, folder: Path) -> None:
+def _save_dequantized(model: "PreTrainedModel", folder: Path) -> None:
     """transformers refuses to save a model it loaded from GGUF although every weight is already float:
     drop the quantizer and its config so that it is saved as the plain model it is."""
-    model.hf_quantizer = None
+    # torch types Module.__setattr__ for tensors and modules only; a plain attribute takes any value.
+    model.hf_quantizer = None   # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(str(folder), safe_serialization=True)

@@ -1,11 +1,15 @@
 """The offline API (DESIGN §6): `LLM(...).generate(prompts, params, adapters=...)`."""
 import itertools
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any
 
 from slora.config import EngineConfig
 from slora.engine import Engine
 from slora.outputs import RequestOutput
 from slora.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 Prompt = str | list[int]
 Conversation = Seq[dict[str, str]]          # [{"role": "user", "content": "..."}, ...]
@@ -14,7 +18,7 @@ Conversation = Seq[dict[str, str]]          # [{"role": "user", "content": "..."
 class LLM:
     """Offline batched generation over the engine. Keyword arguments are those of EngineConfig."""
 
-    def __init__(self, model: str | None = None, **kwargs: object) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = Engine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 
@@ -58,7 +62,7 @@ class LLM:
              None = None, adapters: Seq[str | None] | None = None) -> list[RequestOutput]:
         """Reply to every conversation: each is rendered by the model's own chat template, with the prompt of
         the assistant's turn, then generated as `generate` does."""
-        if conversations and isinstance(conversations[0], dict):
+        if _is_conversation(conversations):
             conversations = [conversations]
         return self.generate([self.chat_prompt_ids(c) for c in conversations], params, adapters)
 
@@ -95,3 +99,8 @@ class LLM:
                 raise ValueError(f"{name}: got {len(value)} entries for {count} prompts")
             return list(value)
         return [value] * count
+
+
+def _is_conversation(value: Conversation | Seq[Conversation]) -> "TypeIs[Conversation]":
+    """One conversation (its messages are dicts), not a list of them."""
+    return bool(value) and isinstance(value[0], dict)

@@ -42,7 +42,8 @@ class ModelRunner:
                  graph_limits: GraphLimits | None = None, swap_pages: int = 0, pdl: bool = True,
                  lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()) -> None:
         self.model, self.shape, self.device = model, shape, device
-        self.swap_pages, self._swap = swap_pages, None
+        self.swap_pages = swap_pages
+        self._swap: Tensor | None = None
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_copies: dict[str, torch.cuda.Event] = {}     # adapter version -> its copy is done
         self._lora_tables = LoraTables()

@@ -2,6 +2,7 @@
 import math
 import reprlib
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 # Seeds become int64 tensor elements in the sampler; a seed outside int64 would make the batched sampler
 # raise on the engine thread.
@@ -79,7 +80,7 @@ def _is_finite(value: object) -> bool:
         return False
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

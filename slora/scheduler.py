@@ -100,6 +100,11 @@ class Scheduler:
         self.swap = SwapSpace(self.config.swap_pages)
 
     @property
+    def _residency(self) -> AdapterResidency:
+        assert self.adapters is not None, "__post_init__ makes one when none is given"
+        return self.adapters
+
+    @property
     def watermark_pages(self) -> int:
         return int(self.config.watermark * self.allocator.num_pages)
 
@@ -123,9 +128,9 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         self._prefetch_adapters(out)
-        out.adapters_freed = self.adapters.take_freed()
+        out.adapters_freed = self._residency.take_freed()
         # A load whose pages were taken back within this very step would copy into pages others own.
-        assert all(v in self.adapters.resident and self.adapters.resident[v].pages == pages
+        assert all(v in self._residency.resident and self._residency.resident[v].pages == pages
                    for v, pages in out.adapters_to_load), "an adapter was loaded and evicted in one step"
         return out
 
@@ -144,7 +149,7 @@ class Scheduler:
     def _reclaim(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Make one page available for `seq`; False if `seq` itself had to be preempted."""
         while self.allocator.num_available == 0:
-            if self.adapters.evict_one_idle():
+            if self._residency.evict_one_idle():
                 continue
             victim = self.running[-1]          # newest first
             self.preempt(victim, out)
@@ -183,7 +188,7 @@ class Scheduler:
         versions = self.running_versions() if self.config.max_loras is not None else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
-            if seq.adapter is not None and not self.adapters.ready(seq.adapter.version):
+            if seq.adapter is not None and not self._residency.ready(seq.adapter.version):
                 skipped.append(seq)           # its adapter is still loading: others go ahead
                 continue
             if not self._within_max_loras(seq, versions):
@@ -244,19 +249,19 @@ class Scheduler:
         """Pages a waiting sequence needs to be admitted: its tokens not served by the cache, plus its
         adapter if not resident."""
         adapter = seq.adapter
-        adapter_pages = adapter.num_pages if adapter and not self.adapters.is_resident(adapter.version) else 0
+        adapter_pages = adapter.num_pages if adapter and not self._residency.is_resident(adapter.version) else 0
         return seq.pages_needed(seq.num_tokens, self.config.page_size) - len(matched or []) + adapter_pages
 
     def _can_admit(self, seq: Sequence, matched: list[int]) -> bool:
         own = seq.adapter.version if seq.adapter else None
         reused_cached = sum(1 for page in matched if self.allocator.is_cached(page))
-        available = self.allocator.num_available - reused_cached + self.adapters.idle_pages(exclude=own)
+        available = self.allocator.num_available - reused_cached + self._residency.idle_pages(exclude=own)
         return self.pages_to_admit(seq, matched) + self.watermark_pages <= available
 
     def _admit(self, seq: Sequence, matched: list[int], budget: int, out: SchedulerOutput) -> int:
         if seq.adapter is not None:
             self._make_resident(seq.adapter, out)
-            self.adapters.pin(seq.adapter.version, self.step_count)
+            self._residency.pin(seq.adapter.version, self.step_count)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         if seq.swap_slots is not None:
@@ -270,7 +275,7 @@ class Scheduler:
         return num_tokens
 
     def _make_resident(self, adapter: AdapterRef, out: SchedulerOutput) -> None:
-        pages = self.adapters.make_resident(adapter, self.step_count)
+        pages = self._residency.make_resident(adapter, self.step_count)
         if pages is not None:
             out.adapters_to_load.append((adapter.version, pages))
 
@@ -288,9 +293,9 @@ class Scheduler:
         without evicting anything and without touching the admission watermark."""
         for seq in list(itertools.islice(self.waiting, self.config.prefetch_depth)):   # not the whole queue
             ref = seq.adapter
-            if ref is None or self.adapters.is_resident(ref.version) or not self.adapters.ready(ref.version):
+            if ref is None or self._residency.is_resident(ref.version) or not self._residency.ready(ref.version):
                 continue
-            if self.adapters.allocator.num_free - ref.num_pages < self.watermark_pages + 1:
+            if self._residency.allocator.num_free - ref.num_pages < self.watermark_pages + 1:
                 break
             self._make_resident(ref, out)
 
@@ -318,7 +323,7 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
         if child.adapter is not None:
-            self.adapters.pin(child.adapter.version, self.step_count)
+            self._residency.pin(child.adapter.version, self.step_count)
 
     # ---- preemption and the end of a sequence -------------------------------------------------------
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -343,6 +348,7 @@ class Scheduler:
 
     def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
         slots, seq.swap_slots = seq.swap_slots, None
+        assert slots is not None, "only a swapped-out sequence is swapped in"
         for _ in slots:
             reclaimed = self._reclaim(seq, out)
             assert reclaimed, "admission checked that the pages were available"
@@ -368,12 +374,12 @@ class Scheduler:
         seq.block_table = []
         self.running.remove(seq)
         if seq.adapter is not None:
-            self.adapters.unpin(seq.adapter.version, self.step_count)
+            self._residency.unpin(seq.adapter.version, self.step_count)
 
     def check(self) -> None:
         """The pool's invariants against the block tables and adapters held here."""
-        self.allocator.check([s.block_table for s in self.running], self.adapters.page_tables())
-        self.adapters.check()
+        self.allocator.check([s.block_table for s in self.running], self._residency.page_tables())
+        self._residency.check()
         if self.config.max_loras is not None:
             assert len(self.running_versions()) <= self.config.max_loras, "more adapters running than max_loras"
         swapped = sum(len(s.swap_slots) for s in self.waiting if s.swap_slots is not None)

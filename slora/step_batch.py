@@ -152,7 +152,8 @@ def padded_rows(rows: list[list[int]]) -> Tensor:
 def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
           tables: "LoraTables | None" = None) -> StepBatch:
     """The flat batch of a step, built on the host."""
-    input_ids, positions, slots, starts, lens, sample_rows = [], [], [], [0], [], []
+    positions: list[int] = []
+    input_ids, slots, starts, lens, sample_rows = [], [], [0], [], []
     for item in scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_tokens

@@ -4,6 +4,7 @@ it is there for fast tests and benchmarks of the machinery, not for people."""
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ def build_tokenizer(folder: Path) -> None:
     fast.save_pretrained(str(folder))
 
 
-def build_tiny_model(folder: Path, seed: int, architecture: str = "llama", **overrides: object) -> None:
+def build_tiny_model(folder: Path, seed: int, architecture: str = "llama", **overrides: Any) -> None:
     """A random-weight model of the Llama family (with the tiny tokenizer) saved as safetensors."""
     from transformers import (
         LlamaConfig,
@@ -79,9 +80,9 @@ def build_tiny_model(folder: Path, seed: int, architecture: str = "llama", **ove
                "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
     config_cls, model_cls = classes[architecture]
     build_tokenizer(folder)
-    settings = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                    bos_token_id=0, eos_token_id=1, initializer_range=0.1, tie_word_embeddings=False)
+    settings: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                    bos_token_id=0, eos_token_id=1, initializer_range=0.1, tie_word_embeddings=False)
     settings.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**settings)).eval()
@@ -89,13 +90,14 @@ def build_tiny_model(folder: Path, seed: int, architecture: str = "llama", **ove
 
 
 def build_demo_adapter(model_dir: Path, folder: Path, rank: int, targets: list[str], alpha: float, seed: int,
-                       **lora_kwargs: object) -> None:
+                       **lora_kwargs: Any) -> None:
     """A PEFT LoRA adapter with random non-zero A and B for the model in `model_dir`."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
-                        **lora_kwargs)
+    # peft annotates lora_alpha as int; it only enters the scaling, lora_alpha / r (or / sqrt(r)): a float works.
+    config = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]
+                        target_modules=targets, init_lora_weights=False, **lora_kwargs)
     get_peft_model(base, config).save_pretrained(str(folder), safe_serialization=True)

@@ -4,7 +4,8 @@ Every projection is `out = x @ Wᵀ (+ bias)`, then each token's own adapter add
 reading A and Bᵀ through the adapter's page table (no copy out of the pool). In decode graphs the LoRA
 is a delta computed on a side stream while the GEMM runs, added by the op that reads the projection.
 """
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -83,7 +84,9 @@ class StepContext:
         return Projected(out, self._delta(delta))
 
     def _delta(self, delta: Tensor | None) -> ops.Delta | None:
-        return None if delta is None else ops.Delta(delta, self.lora.token_slots)
+        lora = self.lora
+        assert lora is not None, "project() computes deltas only with the step's LoRA"
+        return None if delta is None else ops.Delta(delta, lora.token_slots)
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -194,8 +197,8 @@ class LlamaBody(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow the Hugging Face checkpoints, so their state dicts load as they are."""
 
-    lora_modules = LORA_MODULES
-    lora_groups = LORA_GROUPS
+    lora_modules: tuple[str, ...] = LORA_MODULES
+    lora_groups: tuple[slice, ...] = LORA_GROUPS
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -217,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up as one GEMM each; call once the weights are in place."""
-        for layer in self.model.layers:
+        for layer in cast(Iterable[DecoderLayer], self.model.layers):   # nn.ModuleList's items type as Module
             layer.self_attn.fuse()
             layer.mlp.fuse()
 

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from slora.models.config import ModelConfig, UnsupportedModelError, load_model_config
 from slora.models.registry import CausalLM, build_model
@@ -32,7 +33,9 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
     """A model with seeded random weights made on `device` (benchmarks of real-sized shapes, no checkpoint)."""
     torch.manual_seed(seed)
-    model = build_model(config, device).to(dtype)
+    model = build_model(config, device)
+    assert isinstance(model, nn.Module), "every model class is a torch module"
+    model = model.to(dtype)
     for name, param in model.named_parameters():
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             param.data.fill_(1.0)
@@ -51,6 +54,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
     if load_format == "dummy":
         return random_model(config, dtype, device)
     model = build_model(config, "meta")
+    assert isinstance(model, nn.Module), "every model class is a torch module"
     state = read_state_dict(folder)
     if config.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -63,7 +67,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
     return model.eval()
 
 
-def _check_state_names(model: CausalLM, state: dict[str, torch.Tensor]) -> None:
+def _check_state_names(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     expected = set(model.state_dict())
     missing = sorted(expected - set(state))
     if missing:

@@ -1,5 +1,5 @@
 """Which model class serves which Hugging Face architecture, and what the engine needs of one."""
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -36,7 +36,7 @@ class CausalLM(Protocol):
 
 # Mistral and Qwen2 checkpoints are the Llama decoder with other options (sliding window, q/k/v bias),
 # which ModelConfig carries.
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
+MODEL_CLASSES: dict[str, Callable[[ModelConfig], CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

@@ -31,6 +31,8 @@ def _llama3_scaling(inv_freq: Tensor, rope: RopeConfig) -> Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
+    inv_freq: Tensor                 # [head_dim / 2], the buffer registered in __init__
+
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
