@@ -14,17 +14,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import regex
 from slora.adapters.errors import AdapterError
 
-try:                  # Python 3.11+: the parser of `re`, whose trees show each repeat's counts
-    from re import _constants as sre_constants
-    from re import _parser as sre_parse
-except ImportError:   # Python 3.10
+if TYPE_CHECKING:     # typeshed has these modules only under their old names, which 3.11+ re-export
     import sre_constants
     import sre_parse
+else:
+    try:                  # Python 3.11+: the parser of `re`, whose trees show each repeat's counts
+        from re import _constants as sre_constants
+        from re import _parser as sre_parse
+    except ImportError:   # Python 3.10
+        import sre_constants
+        import sre_parse
 from slora.adapters.shapes import TargetShapes
 
 ALL_LINEAR = "all-linear"
@@ -147,7 +151,8 @@ def _check_repeats(field_name: str, tree: sre_parse.SubPattern, outer: int = 1) 
     (`*`, `+`, `{m,}`) counts its minimum: the compiler expands only what is counted."""
     for op, arg in tree.data:
         if op in _REPEATS:
-            low, high, body = arg
+            # typeshed types a node's argument as the union over all opcodes; a repeat's is (min, max, body).
+            low, high, body = cast("tuple[int, int, sre_parse.SubPattern]", arg)
             count = max(low, 1) if high == sre_constants.MAXREPEAT else max(high, 1)
             if outer * count > MAX_REPEAT_PRODUCT:
                 raise AdapterError(f"{field_name}: the regex repeats {outer * count} times in a row; at most "

@@ -158,5 +158,6 @@ def content_hash(config: AdapterConfig, tensors: dict[str, torch.Tensor]) -> str
         tensor = tensors[name].contiguous()
         header = f"\0{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode()
         digest.update(header)
-        digest.update(tensor.view(torch.uint8).numpy() if tensor.numel() else b"")   # hashed in place, no copy
+        # Hashed in place, no copy. numpy's stubs give ndarray its buffer protocol (__buffer__) only on 3.12+.
+        digest.update(tensor.view(torch.uint8).numpy() if tensor.numel() else b"")  # type: ignore[arg-type]
     return digest.hexdigest()

@@ -147,6 +147,7 @@ def _check_delta(name: str, x: Tensor, delta: Tensor | None, token_slots: Tensor
         raise ValueError("delta and token_slots go together: give both or neither")
     if delta is None:
         return
+    assert token_slots is not None, "given with delta: checked above"
     if delta.shape != x.shape:
         raise ValueError(f"delta shape {tuple(delta.shape)} differs from {name} shape {tuple(x.shape)}")
     if token_slots.shape != (x.shape[0],) or token_slots.dtype != torch.int32:
@@ -161,7 +162,10 @@ def _check_delta(name: str, x: Tensor, delta: Tensor | None, token_slots: Tensor
 
 def _delta_args(x: Tensor, delta: Tensor | None, token_slots: Tensor | None) -> tuple[Tensor, Tensor, int]:
     """(delta, token_slots, delta's row stride) for a launch; x and 0 stand in when there is no delta."""
-    return (x, x, 0) if delta is None else (delta, token_slots, delta.stride(0))
+    if delta is None:
+        return x, x, 0
+    assert token_slots is not None, "_check_delta: delta and token_slots go together"
+    return delta, token_slots, delta.stride(0)
 
 
 def _check_rms_norm_inputs(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> None:

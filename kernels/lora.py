@@ -465,7 +465,8 @@ def _b_row_dot(h_row, pool_ptr, pt_row, b_offset, row_stride, col0, length, rank
                          other=0.0).to(tl.float32)
         b = _row_run(pool_ptr, pt_row, b_offset, r, rank, row_stride, col0, length, page_elems, cols, n_mask,
                      ALIGN_ELEMS)
-        acc += h.to(out_dtype).to(tl.float32) * b.to(tl.float32)
+        # Triton has no types: mypy sees the float h starts as, not the tensor the loads make it in the kernel.
+        acc += h.to(out_dtype).to(tl.float32) * b.to(tl.float32)  # type: ignore[attr-defined]
     return acc
 
 

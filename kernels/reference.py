@@ -167,6 +167,7 @@ def add_lora_delta(x: Tensor, delta: Tensor | None, token_slots: Tensor | None) 
     the elementwise ops below do first when given a delta (`lora_expand(add=False)` wrote it)."""
     if delta is None:
         return x
+    assert token_slots is not None, "a delta comes with the step's token slots"
     return torch.where((token_slots >= 0)[:, None], x + delta, x)
 
 
