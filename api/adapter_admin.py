@@ -282,6 +282,7 @@ class AdapterService:
             return await asyncio.shield(registration)
         except EngineUnavailable as exc:
             if owns_files:                    # the engine stopped before the command ran
+                assert prepared.path is not None, "an owned folder is the one the adapter was prepared from"
                 shutil.rmtree(prepared.path, ignore_errors=True)
             raise unavailable(f"the engine is {exc}; retry later") from None
 
@@ -292,6 +293,7 @@ class AdapterService:
             self._check_room(engine, namespace, name, prepared.disk_bytes)
         except APIError:
             if owns_files:
+                assert prepared.path is not None, "an owned folder is the one the adapter was prepared from"
                 shutil.rmtree(prepared.path, ignore_errors=True)
             raise
         # From here the engine owns an uploaded folder: it deletes it if it refuses the adapter, and once the

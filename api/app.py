@@ -265,6 +265,7 @@ def _add_model_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
     async def cards(tenant: Tenant) -> list[dict[str, Any]]:
         ctx.require_engine()
         info = ctx.engine.info
+        assert info is not None, "require_engine() refuses the request before the engine is up"
         namespace = tenant.namespace
 
         def visible(engine: Engine) -> list[tuple[str, str | None, bool]]:

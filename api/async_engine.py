@@ -282,6 +282,7 @@ class AsyncEngine:
         self._call_on_loop(self._dispatch, outputs)
 
     def _call_on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None, "start() sets the loop before it starts the engine thread"
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:              # the event loop is closed: nobody is listening any more

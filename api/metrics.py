@@ -4,7 +4,7 @@ Request-level counters and histograms are updated on the event loop thread; engi
 read from the snapshot the engine thread publishes, so a scrape never waits for a step.
 """
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from slora.api.async_engine import AsyncEngine
@@ -93,7 +93,7 @@ def snapshot_counter(name: str, help_text: str, value: float) -> list[str]:
     return _header(name, "counter", help_text) + [f"{name}_total {_number(value)}"]
 
 
-def labelled_counter(name: str, help_text: str, label: str, values: dict[str, float]) -> list[str]:
+def labelled_counter(name: str, help_text: str, label: str, values: Mapping[str, float]) -> list[str]:
     return _header(name, "counter", help_text) + [f"{name}_total{_labels(((label, key),))} {_number(value)}"
                                                   for key, value in sorted(values.items())]
 

@@ -147,9 +147,11 @@ def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
     # than max_connections, so that max_connections of them are served.
     return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                           timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
-                          timeout_keep_alive=settings.timeout_keep_alive_s,
+                          # uvicorn annotates these narrower than it takes them: the keep-alive timeout is a
+                          # call_later delay (any float), and `http` any factory of protocols.
+                          timeout_keep_alive=settings.timeout_keep_alive_s,  # type: ignore[arg-type]
                           limit_concurrency=settings.max_connections + 1,
-                          http=functools.partial(ReadTimeoutH11Protocol, timeouts=timeouts))
+                          http=functools.partial(ReadTimeoutH11Protocol, timeouts=timeouts))  # type: ignore[arg-type]
 
 
 def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from slora.api import protocol
-from slora.api.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from slora.api.async_engine import AsyncEngine, EngineInfo, EngineUnavailable, RequestStream
 from slora.api.errors import APIError, bad_request, internal_error, model_not_found, rate_limited, unavailable
 from slora.api.limits import Admission
 from slora.api.metrics import ServerMetrics
@@ -346,6 +346,12 @@ class GenerationService:
         self.metrics = metrics
         self.tokenization = tokenization
 
+    @property
+    def _info(self) -> EngineInfo:
+        info = self.engine.info
+        assert info is not None, "the routes run only once the engine is up (ServerContext.require_engine)"
+        return info
+
     # ---- entry points ------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, tenant: Tenant, request: Request) -> Response:
         self._check_request(body, body.num_prompts, body.text_chars, "prompt")
@@ -391,7 +397,7 @@ class GenerationService:
                               param="stop")
 
     def _tokenizer(self, what: str) -> Tokenizer:
-        tokenizer = self.engine.info.tokenizer
+        tokenizer = self._info.tokenizer
         if tokenizer is None:
             raise bad_request(f"this model has no tokenizer: {what} needs one; give prompts as token ids",
                               param="prompt" if what == "text prompts" else "messages")
@@ -426,7 +432,7 @@ class GenerationService:
     def _job(self, kind: str, body: SamplingRequest, tenant: Tenant, prompts: list[list[int]],
              max_tokens: int | None, prompt_param: str) -> Job:
         params = self._params(body, prompts, max_tokens, prompt_param)
-        adapter = None if body.model == self.engine.info.model_name else body.model
+        adapter = None if body.model == self._info.model_name else body.model
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         job = Job(kind, body.model, adapter, tenant, prompts, params, body.stream, include_usage,
                   body.return_token_ids, body.user)
@@ -435,7 +441,7 @@ class GenerationService:
 
     def _params(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
                 prompt_param: str) -> SamplingParams:
-        context = self.engine.info.max_model_len
+        context = self._info.max_model_len
         longest = max(len(p) for p in prompts)
         if longest == 0:
             raise bad_request("the prompt is empty", param=prompt_param)
