@@ -9,4 +9,4 @@ mkdir "$tree/slora"
 for entry in "$root"/slora/*; do ln -s "$entry" "$tree/slora/"; done
 for package in kernels adapters api; do ln -s "$root/$package" "$tree/slora/$package"; done
 cd "$tree"
-"$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --python-executable "$root/.venv/bin/python" -p slora
+"${VENV:-$root/.venv}/bin/mypy" --config-file "$root/pyproject.toml" --python-executable "${VENV:-$root/.venv}/bin/python" -p slora
