@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import slora.engine as engine_module
+import slora.stopping as stopping_module
 from slora import LLM, SamplingParams
 from slora.adapters.errors import AdapterError
 from slora.engine import Engine
@@ -120,13 +120,13 @@ def fault_in_detokenizer(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> Non
 
 
 def fault_in_stop_check(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
-    real = engine_module.check_stop
+    real = stopping_module.check_stop
 
     def check_stop(seq, *args):  # noqa: ANN001, ANN002, ANN202 - check_stop's own signature
         if seq.request_id == VICTIM and len(seq.output_token_ids) == FAULT_AT:
             raise IndexError("injected stop-check fault")
         return real(seq, *args)
-    monkeypatch.setattr(engine_module, "check_stop", check_stop)
+    monkeypatch.setattr(stopping_module, "check_stop", check_stop)
 
 
 @pytest.mark.parametrize("fault, stage", [(fault_in_sampler, "sampling"), (seed_past_int64, "sampling"),
@@ -188,13 +188,13 @@ def test_a_fault_the_engine_cannot_attribute_to_a_request_is_raised(llm, referen
 
 
 def test_llm_generate_returns_a_failed_request_beside_the_others(llm, reference, monkeypatch):
-    real = engine_module.check_stop
+    real = stopping_module.check_stop
 
     def check_stop(seq, *args):  # noqa: ANN001, ANN002, ANN202 - check_stop's own signature
         if seq.prompt_token_ids == PROMPTS[0] and len(seq.output_token_ids) == FAULT_AT:
             raise RuntimeError("injected")
         return real(seq, *args)
-    monkeypatch.setattr(engine_module, "check_stop", check_stop)
+    monkeypatch.setattr(stopping_module, "check_stop", check_stop)
     batch = requests()
     outs = llm.generate([r.prompt for r in batch], [r.params for r in batch], adapters=[r.adapter for r in batch])
     assert [o.finish_reason for o in outs] == ["error", "length", "length"]

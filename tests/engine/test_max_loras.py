@@ -69,3 +69,12 @@ def test_cli_engine_flags_reach_the_config():
     config = EngineConfig(**engine_kwargs(args))
     assert (config.cuda.pdl, config.cuda.graph_few_adapters, config.max_loras) == (False, 2, 3)
     assert EngineConfig(**engine_kwargs(build_parser().parse_args(["generate", "hi"]))).cuda.pdl is True
+
+
+def test_llm_takes_cuda_settings_as_keywords():
+    """LLM(...) keeps the flat keywords of the public contract: CudaConfig's fields go into config.cuda."""
+    from slora.builtin_models import TINY_MODEL
+    llm = LLM(TINY_MODEL, num_pages=16, gpu_memory_utilization=0.5, graph_few_adapters=2)
+    assert llm.engine.config.cuda == CudaConfig(gpu_memory_utilization=0.5, graph_few_adapters=2)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(TINY_MODEL, num_pages=16, gpu_memory_utilization=1.5)

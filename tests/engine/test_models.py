@@ -3,6 +3,8 @@ import json
 
 import pytest
 import torch
+
+from slora.step_batch import StepLora
 from safetensors.torch import load_file, save_file
 
 from slora import LLM, SamplingParams
@@ -122,4 +124,7 @@ def test_cuda_backends_use_pdl_only_where_asked_and_supported(monkeypatch, asked
     monkeypatch.setattr(pdl, "pdl_supported", lambda device: supported)
     attention, lora = attention_backend.backends_for(torch.device("cuda"), pdl=asked)
     assert attention.pdl is lora.pdl is (asked and supported)
-    assert lora.prepare(torch.tensor([0, -1], dtype=torch.int32), 1, 2).pdl is (asked and supported)
+    tables = torch.zeros(2, 7, 1, dtype=torch.int32)                  # [layers, modules, slots]
+    step = lora.step(StepLora(torch.tensor([0, -1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                              tables, tables.long(), tables.long(), tables.float(), 16, [[True] * 7] * 2))
+    assert step.kernels.pdl is (asked and supported)
