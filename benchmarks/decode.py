@@ -21,17 +21,26 @@ from pathlib import Path
 from types import MappingProxyType
 
 import torch
-
-from common import COPY_BANDWIDTH, RESULTS, print_table, write_json
-from llama8b import KV_BYTES_PER_TOKEN, LLAMA3_8B, adapter_bytes, decode_weight_bytes, target_shapes, weight_bytes, \
-    write_config, write_peft_adapter
-from slora.adapters.packing import AdapterDescriptor, buffer_layout
-from slora.adapters.weights import LoadedAdapter, LoraWeights
+from common import (
+    COPY_BANDWIDTH,
+    LLAMA3_8B,
+    PROJECTIONS,
+    RESULTS,
+    print_table,
+    projection_features,
+    write_config,
+    write_json,
+    write_peft_adapter,
+)
 from slora.adapters.config import AdapterConfig
-from slora.attention_backend import LoraLaunchPolicy
-from slora.config import EngineConfig
+from slora.adapters.packing import AdapterDescriptor, buffer_layout
+from slora.adapters.shapes import TargetShapes
+from slora.adapters.weights import LoadedAdapter, LoraWeights
+from slora.kernels.layout import cdiv
+
+from slora.config import CudaConfig
 from slora.cuda_graphs import GraphLimits
-from slora.kernels.layout import LORA_MODULES, cdiv
+from slora.lora_backend import LoraLaunchPolicy
 from slora.model_runner import ModelRunner, PoolShape
 from slora.models.config import parse_model_config
 from slora.models.loader import random_model
@@ -42,6 +51,7 @@ from slora.sequence import AdapterRef, Sequence
 
 BF16_FLOPS = 810e12
 CONTEXT, RANK = 1024, 16
+KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2          # Llama-3-8B: layers * (K, V) * kv_heads * head_dim * bf16
 # Adapter mixes of a decode step: no adapter, one adapter shared by every request, one per request.
 MIXES = ("none", "shared", "distinct")
 # Requests per adapter of the mixes that spread requests over adapters; pairs and quads, run only when
@@ -62,30 +72,50 @@ def distinct_adapters(mode: str, batch: int) -> int:
     return int(mode == "shared")
 
 
-# Command-line help for each field of LoraLaunchPolicy (one flag per field, --field-name).
+# Command-line help for the fields of LoraLaunchPolicy that get a flag (--field-name, the field's default).
 POLICY_HELP = {
     "accumulate_max_tokens": "steps of at most this many tokens shrink into one h",
     "accumulate_max_slots": "... and steps with at most this many adapter slots",
     "accumulate_few_max_tokens": "... of at most this many tokens",
     "block_m_tokens_per_slot": "64-token blocks from this many tokens per adapter slot",
-    "lora_tile": "columns per shrink/expand tile (default 128)",
-    "expand_n_tiles": "output tiles per expand program",
     "gemv_expand_min_tokens": "one-token expand kernel in steps of a slot per token from this many tokens",
 }
 
 
+def weight_bytes(raw: dict = LLAMA3_8B) -> int:
+    """bf16 bytes of every weight (layers, input embedding, lm_head): 16.06 GB for Llama-3-8B."""
+    cfg = parse_model_config(raw)
+    layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    return 2 * (cfg.num_layers * layer + 2 * cfg.vocab_size * cfg.hidden_size)
+
+
+def decode_weight_bytes(batch: int, raw: dict = LLAMA3_8B) -> int:
+    """Weight bytes a decode step reads: every weight but the input embedding table, of which only the
+    batch's rows (15.01 GB + batch rows for Llama-3-8B, ../shared/ENVIRONMENT.md's 15.0 GB)."""
+    cfg = parse_model_config(raw)
+    return weight_bytes(raw) - 2 * cfg.vocab_size * cfg.hidden_size + 2 * batch * cfg.hidden_size
+
+
+def adapter_bytes(rank: int, raw: dict = LLAMA3_8B) -> int:
+    """bf16 bytes of a rank-r adapter on all seven projections of every layer (80 MiB at rank 16)."""
+    features = projection_features(raw)
+    return 2 * raw["num_hidden_layers"] * sum(rank * sum(features[m]) for m in PROJECTIONS)
+
+
 def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
     """The pool layout of a rank-r adapter on all seven projections (weights are filled on the GPU)."""
-    shapes = target_shapes()
+    features = projection_features()
+    shapes = TargetShapes(LLAMA3_8B["num_hidden_layers"], tuple((m, features[m]) for m in PROJECTIONS))
     weights = {(l, m): LoraWeights(torch.empty(rank, 0), torch.empty(0, rank), 2.0)
-               for l in range(shapes.num_layers) for m in LORA_MODULES}
-    config = AdapterConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_MODULES)
+               for l in range(shapes.num_layers) for m in PROJECTIONS}
+    config = AdapterConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS)
     return buffer_layout(LoadedAdapter(config, weights, "layout"), shapes)
 
 
 def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_loras: int | None = None,
-                few_adapters: int = 0, lora_fused: bool = False, pdl: bool = True,
-                lora_policy: LoraLaunchPolicy = LoraLaunchPolicy(), side_stream: bool = True):
+                few_adapters: int = 0, pdl: bool = True, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy(),
+                side_stream: bool = True):
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
@@ -94,8 +124,8 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_lora
     kv_pages = max_batch * (CONTEXT // page_size + 1)
     shape = PoolShape(cfg.num_layers, kv_pages + num_adapters * adapter_pages, page_size, cfg.num_kv_heads,
                       cfg.head_dim)
-    limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, max_loras,
-                         few_adapters=few_adapters, lora_fused=lora_fused, lora_side_stream=side_stream)
+    limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, len(PROJECTIONS),
+                         max_loras, few_adapters=few_adapters, lora_side_stream=side_stream)
     runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits, pdl=pdl, lora_policy=lora_policy)
     return runner, descriptor, adapter_pages
 
@@ -154,14 +184,14 @@ def roofline_seconds(batch: int, distinct_adapters: int) -> float:
 
 
 def step_rows(batches: list[int], iters: int, max_loras: int | None = None, few_adapters: int = 0,
-              lora_fused: bool = False, pdl: bool = True, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy(),
+              pdl: bool = True, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy(),
               mixes: tuple[str, ...] = MIXES, side_stream: bool = True) -> list[dict]:
     """Decode steps per batch size and adapter mix; with max_loras the graphs have that many adapter slots,
     and the distinct mix runs only at batches that fit it."""
     max_batch = max(batches)
     runner, descriptor, adapter_pages = make_runner(max_batch, max_batch, max_loras=max_loras,
-                                                    few_adapters=few_adapters, lora_fused=lora_fused,
-                                                    pdl=pdl, lora_policy=lora_policy, side_stream=side_stream)
+                                                    few_adapters=few_adapters, pdl=pdl, lora_policy=lora_policy,
+                                                    side_stream=side_stream)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     adapters = place_adapters(runner, allocator, max_batch, adapter_pages)
     rows = []
@@ -252,20 +282,20 @@ def mixed_rows(batch: int, iters: int, top: int = 12) -> list[dict]:
     """Eager mixed steps (decode graphs do not cover them) on 5 adapters and on one adapter per sequence,
     the latter also with every LoRA block forced to 64 tokens: step time and the GPU time of the top
     kernels (the throughput benchmark's mixed steps took 44.7 ms at 5 adapters, 57.7 ms at 2,000)."""
-    from slora.kernels import lora
-
     count = batch + len(MIXED_PREFILLS)
     runner, allocator, adapters, descriptor = eager_setup(batch, count)
-    rows, block_m = [], lora._block_m
+    rows, policy = [], runner.lora.policy
+    # 64-token blocks from one token per adapter slot: every block of the step is 64 tokens.
+    blocks_64 = dataclasses.replace(policy, block_m_tokens_per_slot=1)
     try:
-        for label, num_adapters, forced_block_m in (("5 adapters", 5, None), ("distinct", count, None),
-                                                    ("distinct, block_m 64", count, 64)):
-            lora._block_m = block_m if forced_block_m is None else (lambda *_: forced_block_m)
+        for label, num_adapters, step_policy in (("5 adapters", 5, policy), ("distinct", count, policy),
+                                                 ("distinct, block_m 64", count, blocks_64)):
+            runner.lora.policy = step_policy
             scheduled, step_adapters = mixed_step(runner, allocator, adapters, descriptor, batch, num_adapters)
             rows += mixed_step_rows(runner, scheduled, step_adapters, iters, top, label)
             release_kv(allocator, scheduled)
     finally:
-        lora._block_m = block_m
+        runner.lora.policy = policy
     return rows
 
 
@@ -363,7 +393,8 @@ def slora_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor
 def vs_peft(batch: int, num_adapters: int, new_tokens: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_config(Path(tmp) / "llama8b")
-        adapters = [write_peft_adapter(Path(tmp) / f"a{i}", RANK, seed=i) for i in range(num_adapters)]
+        adapters = [write_peft_adapter(Path(tmp) / f"a{i}", LLAMA3_8B, RANK, PROJECTIONS, seed=i, dtype=torch.float16,
+                                       scale=0.01) for i in range(num_adapters)]
         prompts = torch.randint(3, 128000, (batch, 128), generator=torch.Generator().manual_seed(42))
         peft = peft_tokens_per_s(folder, adapters, prompts, new_tokens)
         gc.collect()
@@ -380,10 +411,8 @@ def main() -> None:
     modes.add_argument("--vs-peft", action="store_true")
     parser.add_argument("--max-loras", type=int, default=None,
                         help="capture the decode graphs with this many adapter slots (engine max_loras)")
-    parser.add_argument("--graph-few-adapters", type=int, default=EngineConfig.graph_few_adapters,
+    parser.add_argument("--graph-few-adapters", type=int, default=CudaConfig().graph_few_adapters,
                         help="steps with at most this many adapters replay graphs sized for that many (0: never)")
-    parser.add_argument("--lora-fused", action="store_true",
-                        help="the few-adapter graphs run LoRA shrink + expand as one launch")
     parser.add_argument("--no-pdl", dest="pdl", action="store_false",
                         help="Triton kernels without programmatic dependent launch")
     parser.add_argument("--no-lora-side-stream", dest="side_stream", action="store_false",
@@ -397,17 +426,17 @@ def main() -> None:
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
     parser.add_argument("--mixes", default=",".join(MIXES),
                         help=f"comma-separated subset of {','.join(ALL_MIXES)}")
-    for field in dataclasses.fields(LoraLaunchPolicy):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=field.default,
-                            help=f"LoRA launch policy: {POLICY_HELP[field.name]}")
+    defaults = {field.name: field.default for field in dataclasses.fields(LoraLaunchPolicy)}
+    for name, text in POLICY_HELP.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=defaults[name],
+                            help=f"LoRA launch policy: {text}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     mixes = tuple(args.mixes.split(","))
     if not set(mixes) <= set(ALL_MIXES):
         parser.error(f"--mixes must name some of {', '.join(ALL_MIXES)}, got {args.mixes}")
     try:
-        lora_policy = LoraLaunchPolicy(**{field.name: getattr(args, field.name)
-                                          for field in dataclasses.fields(LoraLaunchPolicy)})
+        lora_policy = LoraLaunchPolicy(**{name: getattr(args, name) for name in POLICY_HELP})
     except ValueError as error:
         parser.error(str(error))
     logging.basicConfig(level=logging.INFO)
@@ -443,12 +472,11 @@ def main() -> None:
         write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras,
-                     args.graph_few_adapters, args.lora_fused, args.pdl, lora_policy, mixes, args.side_stream)
+                     args.graph_few_adapters, args.pdl, lora_policy, mixes, args.side_stream)
     print_table(rows)
     write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
                                                                 "rank": RANK, "max_loras": args.max_loras,
                                                                 "graph_few_adapters": args.graph_few_adapters,
-                                                                "lora_fused": args.lora_fused,
                                                                 "pdl": args.pdl,
                                                                 "lora_side_stream": args.side_stream,
                                                                 "lora_policy": dataclasses.asdict(lora_policy),

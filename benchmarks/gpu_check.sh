@@ -6,7 +6,7 @@
 # LoRA kernels' registers, shared memory and occupancy; "full" is the decode step without the few-adapter
 # graphs, --graph-few-adapters 0; also "serial" (decode with each LoRA added after its GEMM instead of on a side
 # stream, --no-lora-side-stream), "mixed" (eager mixed steps by kernel, decode.py --mixed), "ncu" (Nsight
-# Compute on the distinct-adapter LoRA expands), "gemv" (kernels.py --lora-gemv-sweep), "sharing",
+# Compute on the distinct-adapter LoRA expands), "gemv" (kernel_bench.py --lora-gemv-sweep), "sharing",
 # "smollm2" (offline.py: the default model's shape with random bf16 weights and its demo adapters, decode at
 # batch 64 and 256, against transformers + PEFT), "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on). At most 8 files come back from the device tool: pick steps to fit.
@@ -36,14 +36,15 @@ python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 python -c "import slora.kernels, slora.adapters" || { echo "slora is not importable after install"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 has tests && run gpu_tests python -m pytest -m gpu -q -rs -x tests/kernels tests/e2e
-has kernels && run kernels python benchmarks/kernels.py "${quick[@]}" --out "$OUT/kernels.json"
-has sweep && run lora_sweep python benchmarks/kernels.py --lora-sweep --out "$OUT/lora_sweep.json"
-has gemv && run lora_gemv_sweep python benchmarks/kernels.py --lora-gemv-sweep --out "$OUT/lora_gemv_sweep.json"
-has resources && run kernel_resources python benchmarks/kernel_resources.py --out "$OUT/kernel_resources.json"
+has kernels && run kernels python benchmarks/kernel_bench.py "${quick[@]}" --out "$OUT/kernels.json"
+has sweep && run lora_sweep python benchmarks/kernel_bench.py --lora-sweep --out "$OUT/lora_sweep.json"
+has gemv && run lora_gemv_sweep python benchmarks/kernel_bench.py --lora-gemv-sweep --out "$OUT/lora_gemv_sweep.json"
+has resources && run kernel_resources python benchmarks/experiments/kernel_resources.py \
+  --out "$OUT/kernel_resources.json"
 # Nsight Compute on the distinct-adapter layer's four expands: occupancy, stall reasons, speed of light.
 has ncu && run ncu_lora_expand ncu --clock-control none --kernel-name regex:_lora_expand_kernel --launch-count 4 \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-  python benchmarks/kernel_resources.py --adapters 64 --out "$OUT/kernel_resources_ncu.json"
+  python benchmarks/experiments/kernel_resources.py --adapters 64 --out "$OUT/kernel_resources_ncu.json"
 has decode && run decode python benchmarks/decode.py "${quick[@]}" --out "$OUT/decode.json"
 has full && run decode_full python benchmarks/decode.py "${quick[@]}" --graph-few-adapters 0 \
   --out "$OUT/decode_full.json"

@@ -43,19 +43,23 @@ from urllib.parse import urlparse
 
 import httpx
 import numpy as np
-from common import RESULTS, bandwidth_columns, print_table, pyplot, save_figure, write_json
-from throughput import (
+from common import (
     ATTENTION,
     MLP,
+    RESULTS,
     SLORA_LENGTHS,
     ModelSetup,
     adapter_name,
-    adapter_ranks_of,
+    bandwidth_columns,
     make_prompts,
     prepare_model,
+    print_table,
+    pyplot,
+    save_figure,
     write_adapters,
+    write_json,
 )
-from workloads import Request, slora_trace
+from workloads import Request, adapter_ranks, slora_trace
 
 from slora.builtin_models import TINY_MODEL
 
@@ -384,7 +388,7 @@ def run(settings: Settings, workdir: Path, log_path: Path) -> tuple[ModelSetup, 
         logger.info("using the server at %s (its adapter root must hold a0..a%d)", url, settings.num_adapters - 1)
         return setup, benchmark(url, settings, setup.vocab_size, load_adapters(url, settings.num_adapters))
     root = workdir / "adapter-root"
-    write_adapters(root, setup, adapter_ranks_of(settings.num_adapters, settings.rank_mix), settings.targets)
+    write_adapters(root, setup, adapter_ranks(settings.num_adapters, settings.rank_mix), settings.targets)
     with running_server(setup, settings, root, log_path) as url:
         loaded_s = load_adapters(url, settings.num_adapters)
         logger.info("loaded %d adapters through the API in %.1f s", settings.num_adapters, loaded_s)

@@ -29,106 +29,38 @@ weights (`load_format="dummy"`, no download), lengths [8, 512].
 import argparse
 import dataclasses
 import gc
-import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-from common import RESULTS, bandwidth_columns, print_table, pyplot, save_figure, write_json
-from llama8b import LLAMA3_8B, target_shapes, write_config
-from safetensors.torch import save_file
+from common import (
+    ATTENTION,
+    LOAD_THREADS,
+    MLP,
+    RESULTS,
+    SLORA_LENGTHS,
+    ModelSetup,
+    adapter_name,
+    bandwidth_columns,
+    make_prompts,
+    prepare_model,
+    print_table,
+    pyplot,
+    save_figure,
+    write_adapters,
+    write_json,
+)
 from workloads import Request, adapter_ranks, slora_trace
 
 logger = logging.getLogger("benchmarks.throughput")
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-SLORA_LENGTHS = (8, 512)
-LOAD_THREADS = 8           # threads that write adapter files, and that prepare them for slora
 WARM_UP_TOKENS = 4
-
-
-# ---- model and adapters (shared with serving.py) -----------------------------------------------------------
-@dataclass(frozen=True)
-class ModelSetup:
-    """The base model both systems serve: slora-tiny-llama (CPU) or a Llama-3-8B-shaped dummy (GPU)."""
-
-    folder: Path
-    raw: dict[str, Any]                     # config.json
-    device: str
-    dtype: torch.dtype
-    dummy: bool                             # random weights from config.json (load_format="dummy")
-    description: str
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.raw["vocab_size"])
-
-
-def prepare_model(device: str, workdir: Path) -> ModelSetup:
-    if device == "cpu":
-        from slora.tiny_model import ensure_tiny_model
-        folder = ensure_tiny_model().model_dir
-        raw = json.loads((folder / "config.json").read_text())
-        return ModelSetup(folder, raw, device, torch.float32, False,
-                          "slora-tiny-llama (4 layers, hidden 128, 4 heads / 2 kv heads, vocab 512), float32")
-    folder = write_config(workdir / "llama3-8b-shaped")
-    return ModelSetup(folder, dict(LLAMA3_8B), device, torch.bfloat16, True,
-                      "Llama-3-8B-shaped, random bfloat16 weights (load_format=dummy)")
-
-
-def write_adapter(folder: Path, raw: dict[str, Any], rank: int, targets: tuple[str, ...], seed: int,
-                  dtype: torch.dtype) -> Path:
-    """A PEFT LoRA folder written directly (no peft call): random A and B with PEFT's tensor names."""
-    shapes = target_shapes(raw)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shapes.num_layers):
-        for module in targets:
-            block = "self_attn" if module in ATTENTION else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            in_f, out_f = shapes.features(module)
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_f, generator=generator) * 0.05).to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_f, rank, generator=generator) * 0.05).to(dtype)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-              "bias": "none", "task_type": "CAUSAL_LM", "lora_dropout": 0.0, "fan_in_fan_out": False,
-              "use_rslora": False, "use_dora": False}
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    return folder
-
-
-def adapter_name(index: int) -> str:
-    return f"a{index}"
-
-
-def write_adapters(root: Path, setup: ModelSetup, ranks: list[int], targets: tuple[str, ...],
-                   seed: int = 42) -> list[Path]:
-    """One folder per adapter (root/a{i}); adapter i is seeded with seed + i."""
-    start = time.perf_counter()
-    # Threads: random generation and safetensors writes release the GIL (2,000 8B-shaped adapters are 27 GB).
-    with ThreadPoolExecutor(LOAD_THREADS) as pool:
-        paths = list(pool.map(lambda item: write_adapter(root / adapter_name(item[0]), setup.raw, item[1], targets,
-                                                         seed + item[0], setup.dtype), enumerate(ranks)))
-    logger.info("wrote %d adapters in %.1f s", len(paths), time.perf_counter() - start)
-    return paths
-
-
-def make_prompts(trace: list[Request], vocab_size: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    high = min(vocab_size, 128000) - 1
-    return [torch.randint(3, high, (r.prompt_len,), generator=generator).tolist() for r in trace]
-
-
-def adapter_ranks_of(num_adapters: int, rank_mix: bool) -> list[int]:
-    return adapter_ranks(num_adapters, rank_mix)
 
 
 # ---- settings ---------------------------------------------------------------------------------------------
@@ -329,18 +261,18 @@ class SloraState:
 
     def _load_range(self, first: int, end: int) -> None:
         """`LLM.load_adapter` of adapters first..end-1 in its two halves: reading, validating and packing on
-        a thread pool (`Engine.prepare_adapter` may run on any thread, as the server runs it), registering
+        a thread pool (`AdapterManager.prepare` may run on any thread, as the server runs it), registering
         in order on this thread. Timed apart (wall time of each phase)."""
-        engine = self.llm.engine
+        adapters = self.llm.engine.adapters
         with ThreadPoolExecutor(LOAD_THREADS) as pool:
             # A window of adapters at a time: prepared ones are held (pinned on CUDA) until registered.
             for window in range(first, end, 4 * LOAD_THREADS):
                 indices = range(window, min(window + 4 * LOAD_THREADS, end))
                 start = time.perf_counter()
-                prepared = list(pool.map(lambda i: engine.prepare_adapter(str(self.paths[i])), indices))
+                prepared = list(pool.map(lambda i: adapters.prepare(self.paths[i]), indices))
                 middle = time.perf_counter()
                 for index, adapter in zip(indices, prepared):
-                    engine.register_adapter(adapter_name(index), adapter)
+                    adapters.register(adapter_name(index), adapter)
                 self.prepare_s += middle - start
                 self.register_s += time.perf_counter() - middle
 
@@ -492,7 +424,7 @@ def run_sweep(settings: Settings, workdir: Path, on_count: Callable[[ModelSetup,
               = None) -> tuple[ModelSetup, list[dict[str, Any]]]:
     setup = prepare_model(settings.device, workdir)
     max_count = max(settings.counts)
-    paths = write_adapters(workdir / "adapters", setup, adapter_ranks_of(max_count, settings.rank_mix),
+    paths = write_adapters(workdir / "adapters", setup, adapter_ranks(max_count, settings.rank_mix),
                            settings.targets)
     loads = {c: workload(settings, c, setup.vocab_size) for c in settings.counts}
     results = {c: CountResult(c, len({r.adapter for r in w.trace}), len(w.trace),

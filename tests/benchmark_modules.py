@@ -8,8 +8,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(script: str, name: str) -> ModuleType:
-    """benchmarks/<script> loaded as module `name`, registered in sys.modules (dataclasses look their
-    module up by name)."""
+    """benchmarks/<script> (a path under benchmarks/, such as "experiments/kernel_resources.py") loaded as
+    module `name`, registered in sys.modules (dataclasses look their module up by name)."""
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from benchmark_modules import SUBPROCESS_TIMEOUT_S
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -95,9 +94,9 @@ def test_ablation_unified_pool_batches_at_least_as_many(ablation_rows):
         assert all(unified["mean_batch"] >= r["mean_batch"] for r in rows)
 
 
-@pytest.mark.parametrize("script", ["kernels.py", "sharing.py", "offline.py"])
+@pytest.mark.parametrize("script", ["kernel_bench.py", "sharing.py", "offline.py"])
 def test_other_benchmarks_quick_modes_run_and_write_rows(script, tmp_path):
-    # The README says every script's --quick runs in CI: these too, on the CPU (kernels.py times the
+    # The README says every script's --quick runs in CI: these too, on the CPU (kernel_bench.py times the
     # torch references there).
     out = tmp_path / "out.json"
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
@@ -114,9 +113,11 @@ def test_decode_benchmark_quick_says_it_needs_a_gpu_on_the_cpu(tmp_path):
 
 
 def test_host_overhead_quick_times_every_step_kind(tmp_path):
-    """benchmarks/host_overhead.py (the LoRA wrappers' host time with the kernels stubbed) runs on the CPU."""
+    """benchmarks/experiments/host_overhead.py (the LoRA wrappers' host time with the kernels stubbed) runs on
+    the CPU."""
     out = tmp_path / "host.json"
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "host_overhead.py"), "--quick", "--out", str(out)],
+    script = BENCHMARKS / "experiments" / "host_overhead.py"
+    done = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
                           capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

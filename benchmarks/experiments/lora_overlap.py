@@ -3,8 +3,8 @@
 One Llama-3-8B layer's four projections (q/k/v, o, gate/up, down) as cuBLAS GEMMs at a decode batch, with
 the layer's LoRA (rank 16, one shared adapter or one adapter per token) either
 
-- `serial`: after each GEMM, shrink + expand adding into its output (the engine's decode graphs until
-  the sixth session), or `serial+pdl`: the same launched with programmatic dependent launch (each LoRA
+- `serial`: after each GEMM, shrink + expand adding into its output (the engine's decode graphs before
+  `lora_side_stream`), or `serial+pdl`: the same launched with programmatic dependent launch (each LoRA
   kernel starts while the kernel before it ends), or
 - `side stream`: each group's memset + shrink + expand into a delta buffer on a second, high-priority
   stream, issued before the GEMM so the two run at once; the main stream waits for it after the GEMM
@@ -13,9 +13,9 @@ the layer's LoRA (rank 16, one shared adapter or one adapter per token) either
 
 Eight layers with their own weights (3.5 GB, so the L2 cache holds none of them), replayed from a CUDA
 graph. Prints one table and writes JSON. An experiment for the GPU only (no --quick: there is nothing
-to run without CUDA streams and cuBLAS); its results are in benchmarks/README.md.
+to run without CUDA streams and cuBLAS); its results are in benchmarks/README.md and HISTORY.md.
 
-    python benchmarks/lora_overlap.py [--batch 64 128 256] [--modes ...] [--out PATH]
+    python benchmarks/experiments/lora_overlap.py [--batch 64 128 256] [--modes ...] [--out PATH]
 """
 import argparse
 import json
@@ -24,8 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from kernels import LORA_GROUPS, LLAMA3_8B_MODULES, _graph_time_us, _pack_lora_layer
 from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
+from common import LLAMA3_8B_MODULES, LORA_GROUPS, PAGE_ELEMS, RESULTS, graph_time_us, pack_lora_layer  # noqa: E402
 
 LAYERS = 8
 RANK = 16
@@ -39,9 +41,9 @@ def _layer_weights(dtype: torch.dtype) -> list[Tensor]:
 
 def _runner(batch: int, num_adapters: int, table_slots: int, mode: str) -> Callable[[], None]:
     from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_into
-    dtype, page_elems = torch.bfloat16, 2 * 16 * 8 * 128
+    dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
-    lora = _pack_lora_layer(table_slots, RANK, page_elems, dtype, gen)
+    lora = pack_lora_layer(table_slots, RANK, PAGE_ELEMS, dtype, gen)
     slots = (torch.arange(batch) % num_adapters).to(torch.int32).cuda()
     segments = lora_segments(slots, table_slots)
     shapes = {name: (fin, fout) for name, fin, fout in LLAMA3_8B_MODULES}
@@ -115,21 +117,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["serial", "serial+pdl", "shrink-side", "side"],
                         choices=["serial", "serial+pdl", "shrink-side", "side+add", "side"],
                         help="how the LoRA runs (the GEMMs alone are always timed)")
-    parser.add_argument("--out", default="benchmarks/results/lora_overlap.json")
+    parser.add_argument("--out", default=str(RESULTS / "lora_overlap.json"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/lora_overlap.py: needs a CUDA GPU")
+        print("benchmarks/experiments/lora_overlap.py: needs a CUDA GPU")
         return 0
     from slora.kernels.pdl import pdl_supported
     if "serial+pdl" in args.modes and not pdl_supported(torch.device("cuda")):
-        print("benchmarks/lora_overlap.py: this GPU has no programmatic dependent launch; leave out serial+pdl")
+        print("benchmarks/experiments/lora_overlap.py: this GPU has no programmatic dependent launch; "
+              "leave out serial+pdl")
         return 1
     rows = []
     print(f"{'batch':>5} {'adapters':>8} {'mode':>10} {'graph us / layer':>17}")
     for batch in args.batch:
         for adapters, table_slots in ((0, 4), (1, 4), (batch, batch)):
             for mode in (("none",) if adapters == 0 else tuple(args.modes)):
-                us = _graph_time_us(_runner(batch, max(adapters, 1), table_slots, mode))
+                us = graph_time_us(_runner(batch, max(adapters, 1), table_slots, mode))
                 per_layer = None if us is None else us / LAYERS
                 rows.append({"batch": batch, "adapters": adapters, "table_slots": table_slots, "mode": mode,
                              "graph_us_per_layer": per_layer})

@@ -2,20 +2,20 @@
 for sm_90 (H100/H200), on any machine.
 
 Triton compiles a kernel for a GPU it is not running on (the NVIDIA backend and its ptxas come with the
-wheel), so the width of every global load can be counted without a GPU. The kernels are compiled the
-way a decode step launches them (bfloat16, rank 16, pointers and sizes specialised as Triton specialises
-them at launch: 16-byte aligned, divisible by 16), once with 128-column tiles (the default: a tile's
-row may cross a page, so the page is chosen per column) and once with 64-column tiles (ALIGN: the page
-is chosen per row, slora.kernels.lora._load_run), and the
+wheel), so the width of every global load can be counted without a GPU. The shrink and the expand are
+compiled the way a decode step launches them (bfloat16, rank 16, pointers and sizes specialised as Triton
+specialises them at launch: 16-byte aligned, divisible by 16), once with 128-column tiles (the default: a
+tile's row may cross a page, so the page is chosen per column) and once with 64-column tiles (ALIGN, the
+tiles of 64-element pages: the page is chosen per row, slora.kernels.lora._load_run), and the
 global load instructions in each PTX are counted by width (instructions in the code, not executions: a
 loop's body counts once). A 2-byte load (`b16`) moves one bfloat16; a `v4.b32` moves eight. From the
 cubin (cuobjdump, also in the wheel): registers per thread; with Triton's shared memory, the programs one
-multiprocessor holds at once (kernel_resources.occupancy_columns). What the counts say depends on the
-Triton version: run it with the GPU machine's (3.6 in the sessions so far; kernel_resources.py reads
-the variants compiled there). Triton 3.9 compiles the 128-column tiles' per-column page choice to 2-byte
-loads, Triton 3.6 to 16-byte loads.
+multiprocessor holds at once (common.occupancy_columns). What the counts say depends on the Triton
+version: run it with the GPU machine's (3.6; kernel_resources.py reads the variants compiled there).
+Triton 3.9 compiles the 128-column tiles' per-column page choice to 2-byte loads, Triton 3.6 to 16-byte
+loads.
 
-    python benchmarks/ptx_loads.py [--quick] [--out PATH]
+    python benchmarks/experiments/ptx_loads.py [--quick] [--out PATH]
 
 --quick is the same run (it takes seconds); it exists so that CI runs the script like the others. It
 must run without TRITON_INTERPRET (the interpreter replaces the JIT functions that are compiled here).
@@ -28,8 +28,8 @@ import re
 import sys
 from pathlib import Path
 
-from common import RESULTS, print_table, write_json
-from kernel_resources import cubin_resources, occupancy_columns
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
+from common import RESULTS, cubin_resources, occupancy_columns, print_table, write_json  # noqa: E402
 
 # Element types of the kernels' pointer arguments (the rest are int32 tables).
 POINTER_TYPES = {"x_ptr": "*bf16", "pool_ptr": "*bf16", "out_ptr": "*bf16", "h_ptr": "*fp32", "scale_ptr": "*fp32",
@@ -38,7 +38,8 @@ POINTER_TYPES = {"x_ptr": "*bf16", "pool_ptr": "*bf16", "out_ptr": "*bf16", "h_p
 MULTIPLES_OF_16 = {"n0", "n1", "n2", "h_rank", "page_elems", "in_features", "row_stride", "max_rank", "k_per_split",
                    "stride_xt", "stride_ht", "stride_ot", "num_tiles", "rank_blocks"}
 SM_90 = ("cuda", 90, 32)
-# Tile widths: the kernels' default (128 columns, pages chosen per column) and ALIGN (64, per row).
+# Tile widths: the kernels' default (128 columns, pages chosen per column) and ALIGN (64, page per row), the
+# width of every tile in pages of 64 elements (a tile lies within a page).
 TILES = (128, 64)
 LOAD = re.compile(r"ld\.global(?:\.[a-z]+\d*)*?\.(v\d\.b\d+|b\d+)\s")
 
@@ -80,13 +81,18 @@ def load_widths(ptx: str) -> collections.Counter:
 
 def kernel_cases(tile: int) -> dict[str, tuple[object, dict[str, object]]]:
     """The decode step's LoRA kernels with the compile-time arguments of a rank-16, 64-token step whose tiles
-    are `tile` columns wide."""
+    are `tile` columns wide (of these, each kernel gets the ones it declares)."""
     from slora.kernels import lora
     common = {"BLOCK_M": 16, "BLOCK_R": 16, "ALIGN_ELEMS": 64, "DOT_PRECISION": "tf32", "USE_PDL": False}
-    return {"shrink": (lora._lora_shrink_kernel, {**common, "BLOCK_K": tile, "ACCUMULATE": True, "HOIST_PAGES": True}),
-            "expand": (lora._lora_expand_kernel, {**common, "BLOCK_N": tile, "N_TILES": 1, "ADD": True}),
-            "fused": (lora._lora_fused_kernel, {key: value for key, value in common.items() if key != "USE_PDL"}
-                      | {"BLOCK_K": tile, "BLOCK_N": tile, "HOIST_PAGES": True})}
+    cases = {"shrink": (lora._lora_shrink_kernel,
+                        {**common, "BLOCK_K": tile, "ACCUMULATE": True, "HOIST_PAGES": True}),
+             "expand": (lora._lora_expand_kernel, {**common, "BLOCK_N": tile, "N_TILES": 1, "ADD": True})}
+    return {name: (kernel, {key: value for key, value in constexprs.items() if key in declared_constexprs(kernel)})
+            for name, (kernel, constexprs) in cases.items()}
+
+
+def declared_constexprs(kernel: object) -> set[str]:
+    return {param.name for param in kernel.params if param.is_constexpr}
 
 
 def rows() -> list[dict]:

@@ -3,26 +3,29 @@
 On the H200, mixed steps (prefill chunks beside decoding sequences; decode graphs do not cover them) are
 bound by the host: decode.py --mixed measured 25-27 ms of GPU time in steps of 53-90 ms, and run() took
 82-101 ms to return (benchmarks/results/h200/decode_mixed_host.txt). This script times what slora's own
-Python adds around the LoRA launches of such a step (the engine's LoraBatch.apply and TritonLora down to
+Python adds around the LoRA launches of such a step (the engine's LoraStep.apply and TritonLora down to
 the wrappers in slora.kernels.lora, for the 4 groups of 32 Llama-3-8B layers), on any machine: the
 kernels are replaced by no-ops, so neither the GPU nor Triton's launcher is timed. On the CPU the split
-and block choices skip their CUDA branch."""
+and block choices skip their CUDA branch.
+
+    python benchmarks/experiments/host_overhead.py [--quick] [--out FILE]
+"""
 import argparse
 import logging
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from common import RESULTS, print_table, write_json
-from llama8b import LLAMA3_8B
-from slora.attention_backend import TritonLora
-from slora.forward_batch import LoraBatch
-from slora.kernels import lora
-from slora.kernels.layout import LORA_MODULES
-from slora.models.config import parse_model_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
+from common import LLAMA3_8B, PAGE_ELEMS, PROJECTIONS, RESULTS, print_table, write_json  # noqa: E402
+from slora.kernels import lora  # noqa: E402
 
-PAGE_ELEMS = 2 * 16 * 8 * 128          # a 16-token page of Llama-3-8B's KV (8 KV heads of 128)
+from slora.lora_backend import LoraStep, TritonLora  # noqa: E402
+from slora.models.config import parse_model_config  # noqa: E402
+from slora.step_batch import StepLora  # noqa: E402
+
 ADAPTER_PAGES = 40                     # pages of a rank-16 adapter on all seven projections
 RANK = 16
 
@@ -40,15 +43,15 @@ class NoLaunch:
         self.launches += 1
 
 
-def lora_batch(tokens: int, slots: int, num_layers: int) -> LoraBatch:
-    """A step's LoRA tables for `tokens` tokens spread over `slots` adapters, every module at rank RANK."""
+def lora_step(tokens: int, slots: int, num_layers: int) -> LoraStep:
+    """A step's LoRA for `tokens` tokens spread over `slots` adapters, every module at rank RANK."""
     token_slots = (torch.arange(tokens) % slots).to(torch.int32)
-    tables = (num_layers, len(LORA_MODULES), slots)
-    ops = TritonLora().prepare(token_slots, slots, num_layers)
-    return LoraBatch(token_slots, torch.arange(slots * ADAPTER_PAGES, dtype=torch.int32).view(slots, -1),
-                     torch.full(tables, RANK, dtype=torch.int32), torch.zeros(tables, dtype=torch.long),
-                     torch.zeros(tables, dtype=torch.long), torch.ones(tables), RANK, ops,
-                     [[True] * len(LORA_MODULES)] * num_layers)
+    shape = (num_layers, len(PROJECTIONS), slots)
+    tables = StepLora(token_slots, torch.arange(slots * ADAPTER_PAGES, dtype=torch.int32).view(slots, -1),
+                      torch.full(shape, RANK, dtype=torch.int32), torch.zeros(shape, dtype=torch.long),
+                      torch.zeros(shape, dtype=torch.long), torch.ones(shape), RANK,
+                      [[True] * len(PROJECTIONS)] * num_layers)
+    return TritonLora().step(tables)
 
 
 def step_seconds(tokens: int, slots: int, num_layers: int, repeats: int) -> float:
@@ -65,7 +68,7 @@ def step_seconds(tokens: int, slots: int, num_layers: int, repeats: int) -> floa
               (slice(6, 7), wide, hidden.clone(), [cfg.hidden_size]))
     best = float("inf")
     for _ in range(repeats):
-        batch = lora_batch(tokens, slots, num_layers)     # a new step: its own workspace, as in the engine
+        batch = lora_step(tokens, slots, num_layers)      # a new step: its own workspace, as in the engine
         start = time.perf_counter()
         for layer in range(num_layers):
             for modules, x, out, sizes in groups:
