@@ -236,8 +236,9 @@ MIXED_PREFILLS = (280, 280)   # a mixed step of the throughput trace: ~600 token
 
 
 def eager_setup(batch: int, num_adapters: int) -> tuple[ModelRunner, PageAllocator, list, AdapterDescriptor]:
-    """A runner without decode graphs (every step eager) and `num_adapters` rank-16 adapters in its pool."""
-    runner, descriptor, adapter_pages = make_runner(batch, num_adapters)
+    """A runner without decode graphs (every step eager) and `num_adapters` rank-16 adapters in its pool, with
+    KV pages for `batch` decoding sequences and the mixed steps' prefills."""
+    runner, descriptor, adapter_pages = make_runner(batch + len(MIXED_PREFILLS), num_adapters)
     runner.graphs = None
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     return runner, allocator, place_adapters(runner, allocator, num_adapters, adapter_pages), descriptor
