@@ -71,7 +71,7 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2
 # Warps of the expand's one-token (gemv) kernel: 8 columns each of its threads. On the H200 the layer's
 # expands with 256 distinct adapters took 205.1 / 200.5 / 197.0 µs with 1 / 2 / 4 warps (256- to 1024-column
-# tiles), measured on its first version (a branch between rows: benchmarks/README.md), not re-measured since.
+# tiles), measured on its first version (a branch between rows: benchmarks/HISTORY.md), not re-measured since.
 _GEMV_WARPS = LORA_GEMV_TILE // (8 * 32)
 
 
@@ -161,7 +161,7 @@ def _load_run(pool_ptr, first, second, room, col_off, row_mask, col_mask, WIDTH:
         # A page boundary falls on a multiple of ALIGN, so the run lies in one page: its page is chosen per
         # row and its columns are contiguous. Columns past the row's end are its ALIGN padding, in the same
         # page: they are loaded with the row and zeroed after, so that the load's mask is constant along a
-        # row. Both keep 16-byte vector loads in the sm_90 PTX (benchmarks/ptx_loads.py).
+        # row. Both keep 16-byte vector loads in the sm_90 PTX (benchmarks/experiments/ptx_loads.py).
         start = (tl.where(col_off < room, first, second) + col_off) // ALIGN_ELEMS * ALIGN_ELEMS   # [R]
         run = tl.load(pool_ptr + start[:, None] + tl.arange(0, WIDTH)[None, :], mask=row_mask[:, None],
                       other=0.0)
@@ -270,7 +270,7 @@ def _store_scaled(o_ptrs, o_mask, base, acc, scaling):
 
 
 # Ints that change with the step's size (k_per_split, stride_hsplit) stay specialised: without it
-# (do_not_specialize) decode steps on the H200 took 2-40% longer (benchmarks/README.md). The variants that
+# (do_not_specialize) decode steps on the H200 took 2-40% longer (benchmarks/HISTORY.md). The variants that
 # mixed steps need are compiled at start (ModelRunner.warm_up). What changes with the step's adapter mix
 # (the per-slot tables' pointers, whose 16-byte alignment depends on the layer and the slot count, and
 # their strides) is read once per program, so it is not specialised: each mix would compile its own

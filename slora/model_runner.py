@@ -20,7 +20,7 @@ from slora.step_batch import RANK_ALIGN, LoraTables, StepAdapters, StepBatch, St
 # default LoraLaunchPolicy, the shrink into one h in LoRA token blocks of 64 (1 slot, 128 tokens) and 16
 # (4 x 8, 4 x 40), and split partial sums in blocks of 64 (1 slot, 320 tokens) and 16 (5 slots, 80
 # tokens). Run once at start so that the first real steps of these kinds do not stall to compile: on
-# the H200, compiling in the middle of an offline run cost it seconds (benchmarks/README.md).
+# the H200, compiling in the middle of an offline run cost it seconds (benchmarks/HISTORY.md).
 WARM_UP_STEPS = ((1, 128, 1), (4, 8, 4), (4, 40, 4), (1, 320, 1), (5, 16, 5))
 
 
