@@ -178,8 +178,8 @@ class PartitionedScheduler(Scheduler):
 
     adapter_allocator: PageAllocator | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def __post_init__(self, adapter_pool: AdapterResidency | None) -> None:
+        super().__post_init__(adapter_pool)
         if self.adapter_allocator is None:
             raise ValueError("a partitioned scheduler needs an adapter_allocator")
         self.adapters = AdapterResidency(self.adapter_allocator)

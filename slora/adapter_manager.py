@@ -355,9 +355,12 @@ class AdapterManager(AdapterResidency):
 
     def packed(self, versions: Iterable[str]) -> dict[str, PackedAdapter]:
         """The host copies of versions being copied into the pool (ready ones, so present)."""
-        copies = {v: self.versions[v].packed for v in versions}
-        assert all(p is not None for p in copies.values()), "a version loaded into the pool from no host copy"
-        return copies   # type: ignore[return-value]
+        copies = {}
+        for version in versions:
+            packed = self.versions[version].packed
+            assert packed is not None, "a version loaded into the pool from no host copy"
+            copies[version] = packed
+        return copies
 
     def weight_bytes(self, version: str) -> int:
         """Bytes of a version's A and B in the pool's dtype (padding not counted): what a decode step reads."""

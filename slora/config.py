@@ -1,12 +1,13 @@
 """Engine configuration, validated once at construction."""
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from slora.scheduler import SchedulerConfig
+from slora.scheduler import PREEMPTION_MODES, SchedulerConfig
 
+LOAD_FORMATS = ("safetensors", "dummy")     # "dummy": random weights from config.json
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FALLBACK_MEMORY_BYTES = 16 << 30      # where the OS does not say how much memory there is
 
@@ -60,10 +61,9 @@ class EngineConfig:
     max_model_len: int | None = _option(None, "context length (default: what the model supports)")
     watermark: float = _option(0.01, "share of all pages kept free when admitting new requests")
     seed: int = _option(0, "seed of the sampling seeds of requests that give none")
-    load_format: str = _option("safetensors", "dummy: random weights from config.json (benchmarks)",
-                               ("safetensors", "dummy"))
+    load_format: str = _option("safetensors", "dummy: random weights from config.json (benchmarks)", LOAD_FORMATS)
     enable_prefix_caching: bool = _option(True, "share the KV pages of common prompt prefixes")
-    preemption_mode: str = _option("recompute", "what a preempted sequence's KV becomes", ("recompute", "swap"))
+    preemption_mode: str = _option("recompute", "what a preempted sequence's KV becomes", PREEMPTION_MODES)
     swap_space_gib: float = _option(1.0, "host swap space in swap mode")
     adapter_host_cache_gib: float | None = _option(None, "packed adapters kept in host memory, LRU by bytes "
                                                          "(default: a quarter of the machine's memory)")
@@ -90,9 +90,8 @@ class EngineConfig:
             raise ValueError(f"adapter_host_cache_gib must be >= 0, got {self.adapter_host_cache_gib}")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
-        choices = next(f.metadata["choices"] for f in fields(self) if f.name == "load_format")
-        if self.load_format not in choices:
-            raise ValueError(f"load_format must be one of {', '.join(choices)}, got {self.load_format!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.scheduler_config()          # the scheduler's settings, checked by their owner now, not at start

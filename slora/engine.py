@@ -53,12 +53,12 @@ class Engine:
         self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device,
                                   sizing.graph_limits(pool_shape) if graphs else None, swap_pages, config.cuda.pdl)
         allocator = PageAllocator(pool_shape.num_pages, config.page_size)
-        usable_pages = allocator.num_pages - int(config.watermark * allocator.num_pages)
+        scheduler_config = config.scheduler_config(swap_pages)
         adapter_format = AdapterFormat(self.shapes, config.max_lora_rank, pool_shape.page_elems, config.torch_dtype,
                                        pin_memory=config.device != "cpu")
-        self.adapters = AdapterManager(allocator, adapter_format, config.adapter_host_cache_bytes, usable_pages)
-        self.scheduler = Scheduler(config.scheduler_config(swap_pages), allocator, adapters=self.adapters)
-        assert self.scheduler.usable_pages == usable_pages, "the adapter manager and scheduler agree on the pool"
+        self.adapters = AdapterManager(allocator, adapter_format, config.adapter_host_cache_bytes,
+                                       scheduler_config.usable_pages(allocator.num_pages))
+        self.scheduler = Scheduler(scheduler_config, allocator, adapter_pool=self.adapters)
         self.sampler = Sampler()
         self.step_stats = StepStats()          # wall time of steps by kind (prefill, decode, mixed)
         self._decode_bytes = sizing.decode_bytes(self.adapters.weight_bytes)
@@ -276,11 +276,14 @@ class Engine:
         return self.scheduler.allocator.stats().as_dict()
 
     def snapshot(self) -> EngineSnapshot:
-        scheduler, adapters = self.scheduler, self.adapters.counts()
-        return EngineSnapshot(self.pool_stats(), len(scheduler.running), len(scheduler.waiting), len(self.requests),
-                              scheduler.num_preemptions, adapters.pool_loads, adapters.pool_evictions, adapters.names,
-                              adapters.on_host, adapters.in_pool, dict(self.step_stats.steps),
-                              dict(self.step_stats.seconds), self.step_stats.decode_bytes)
+        scheduler, adapters, stats = self.scheduler, self.adapters.counts(), self.step_stats
+        return EngineSnapshot(pool=self.pool_stats(), sequences_running=len(scheduler.running),
+                              sequences_waiting=len(scheduler.waiting), requests=len(self.requests),
+                              preemptions=scheduler.num_preemptions, adapter_pool_loads=adapters.pool_loads,
+                              adapter_pool_evictions=adapters.pool_evictions, adapters_registered=adapters.names,
+                              adapters_host=adapters.on_host, adapters_pool=adapters.in_pool,
+                              steps=dict(stats.steps), step_seconds=dict(stats.seconds),
+                              decode_bytes=stats.decode_bytes)
 
     def check(self) -> None:
         """Assert the pool's invariants (tests call it after every scenario)."""

@@ -1,4 +1,5 @@
 """Owns the pool tensor and the model; turns a scheduled step into one forward (DESIGN §3)."""
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from slora.kernels.layout import cdiv
 from slora.lora_backend import LoraLaunchPolicy, TritonLora
 from slora.models.registry import CausalLM
 from slora.scheduler import ScheduledSeq, SchedulerOutput
-from slora.step_batch import RANK_ALIGN, LoraTables, StepAdapters, StepBatch, StepLora, step_max_rank
+from slora.step_batch import RANK_ALIGN, LoraTables, StepAdapters, StepBatch, step_max_rank
 
 # Steps that take other compile-time choices in the Triton kernels than the captured decode steps, as
 # (sequences, tokens each, adapter slots): prefill row blocks of 64 (1 x 128) and 32 (4 x 8); under the
@@ -84,19 +85,16 @@ class ModelRunner:
         """A prefill of num_seqs sequences of tokens_each tokens over `slots` adapters of rank 0, K/V not
         stored (slot -1)."""
         tokens = num_seqs * tokens_each
-        sizes = {"tokens": tokens, "seqs": num_seqs, "pages": cdiv(tokens_each, self.shape.page_size),
-                 "slots": slots, "adapter_pages": limits.max_adapter_pages, "layers": limits.num_layers,
-                 "modules": limits.num_lora_modules}
+        sizes = {**limits.sizes(num_seqs, slots), "tokens": tokens, "pages": cdiv(tokens_each, self.shape.page_size)}
         batch = step_batch.empty(sizes, torch.device("cpu"), self.shape.page_size, max_rank)
-        starts = torch.arange(0, tokens + 1, tokens_each, dtype=torch.int32)
         assert batch.lora is not None
-        lora = StepLora(**{**vars(batch.lora),
-                           "token_slots": torch.arange(tokens, dtype=torch.int32) // tokens_each % slots})
-        return StepBatch(**{**vars(batch), "positions": torch.arange(tokens_each).repeat(num_seqs),
-                            "query_start_loc": starts, "context_lens": torch.full((num_seqs,), tokens_each,
-                                                                                  dtype=torch.int32),
-                            "sample_indices": starts[1:].long() - 1, "max_query_len": tokens_each,
-                            "max_context_len": tokens_each, "lora": lora})
+        starts = torch.arange(0, tokens + 1, tokens_each, dtype=torch.int32)
+        token_slots = torch.arange(tokens, dtype=torch.int32) // tokens_each % slots
+        return dataclasses.replace(batch, positions=torch.arange(tokens_each).repeat(num_seqs), query_start_loc=starts,
+                                   context_lens=torch.full((num_seqs,), tokens_each, dtype=torch.int32),
+                                   sample_indices=starts[1:].long() - 1, max_query_len=tokens_each,
+                                   max_context_len=tokens_each,
+                                   lora=dataclasses.replace(batch.lora, token_slots=token_slots))
 
     def move_pages(self, out: SchedulerOutput, packed: dict[str, PackedAdapter]) -> None:
         """The step's page moves, before its forward: swap-outs first (their pages may be reused by

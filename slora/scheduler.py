@@ -10,7 +10,7 @@ model on the output, the simulator a step-cost function.
 """
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import NamedTuple
 
 from slora.adapter_residency import AdapterResidency
@@ -53,6 +53,14 @@ class SchedulerConfig:
         if self.swap_pages < 0 or self.prefetch_depth < 0:
             raise ValueError("swap_pages and prefetch_depth must be >= 0")
 
+    def watermark_pages(self, num_pages: int) -> int:
+        """Pages of a pool of `num_pages` kept free when admitting new requests."""
+        return int(self.watermark * num_pages)
+
+    def usable_pages(self, num_pages: int) -> int:
+        """Pages one request (or adapter) may ever get in a pool of `num_pages`: all but the watermark."""
+        return num_pages - self.watermark_pages(num_pages)
+
 
 class ScheduledSeq(NamedTuple):
     seq: Sequence
@@ -89,29 +97,24 @@ class Scheduler:
     step_count: int = 0
     num_preemptions: int = 0
     num_swaps: int = 0
-    # Pool residency of adapters (the engine's AdapterManager; a bare one in simulations). A request whose
-    # adapter is not ready (not in host memory: read back in the background) waits without blocking others.
-    adapters: AdapterResidency | None = None
+    # Pool residency of adapters: the engine's AdapterManager, or a bare one (simulations) when none is
+    # given. A request whose adapter is not ready (not in host memory: read back in the background) waits
+    # without blocking others.
+    adapter_pool: InitVar[AdapterResidency | None] = None
 
-    def __post_init__(self) -> None:
-        if self.adapters is None:
-            self.adapters = AdapterResidency(self.allocator)
+    def __post_init__(self, adapter_pool: AdapterResidency | None) -> None:
+        self.adapters = adapter_pool if adapter_pool is not None else AdapterResidency(self.allocator)
         assert self.adapters.allocator is self.allocator, "adapters and KV share one pool"
         self.swap = SwapSpace(self.config.swap_pages)
 
     @property
-    def _residency(self) -> AdapterResidency:
-        assert self.adapters is not None, "__post_init__ makes one when none is given"
-        return self.adapters
-
-    @property
     def watermark_pages(self) -> int:
-        return int(self.config.watermark * self.allocator.num_pages)
+        return self.config.watermark_pages(self.allocator.num_pages)
 
     @property
     def usable_pages(self) -> int:
         """Pages one request (or adapter) may ever get: all but the admission watermark."""
-        return self.allocator.num_pages - self.watermark_pages
+        return self.config.usable_pages(self.allocator.num_pages)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -128,9 +131,9 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         self._prefetch_adapters(out)
-        out.adapters_freed = self._residency.take_freed()
+        out.adapters_freed = self.adapters.take_freed()
         # A load whose pages were taken back within this very step would copy into pages others own.
-        assert all(v in self._residency.resident and self._residency.resident[v].pages == pages
+        assert all(v in self.adapters.resident and self.adapters.resident[v].pages == pages
                    for v, pages in out.adapters_to_load), "an adapter was loaded and evicted in one step"
         return out
 
@@ -149,7 +152,7 @@ class Scheduler:
     def _reclaim(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Make one page available for `seq`; False if `seq` itself had to be preempted."""
         while self.allocator.num_available == 0:
-            if self._residency.evict_one_idle():
+            if self.adapters.evict_one_idle():
                 continue
             victim = self.running[-1]          # newest first
             self.preempt(victim, out)
@@ -188,7 +191,7 @@ class Scheduler:
         versions = self.running_versions() if self.config.max_loras is not None else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
-            if seq.adapter is not None and not self._residency.ready(seq.adapter.version):
+            if seq.adapter is not None and not self.adapters.ready(seq.adapter.version):
                 skipped.append(seq)           # its adapter is still loading: others go ahead
                 continue
             if not self._within_max_loras(seq, versions):
@@ -249,19 +252,19 @@ class Scheduler:
         """Pages a waiting sequence needs to be admitted: its tokens not served by the cache, plus its
         adapter if not resident."""
         adapter = seq.adapter
-        adapter_pages = adapter.num_pages if adapter and not self._residency.is_resident(adapter.version) else 0
+        adapter_pages = adapter.num_pages if adapter and not self.adapters.is_resident(adapter.version) else 0
         return seq.pages_needed(seq.num_tokens, self.config.page_size) - len(matched or []) + adapter_pages
 
     def _can_admit(self, seq: Sequence, matched: list[int]) -> bool:
         own = seq.adapter.version if seq.adapter else None
         reused_cached = sum(1 for page in matched if self.allocator.is_cached(page))
-        available = self.allocator.num_available - reused_cached + self._residency.idle_pages(exclude=own)
+        available = self.allocator.num_available - reused_cached + self.adapters.idle_pages(exclude=own)
         return self.pages_to_admit(seq, matched) + self.watermark_pages <= available
 
     def _admit(self, seq: Sequence, matched: list[int], budget: int, out: SchedulerOutput) -> int:
         if seq.adapter is not None:
             self._make_resident(seq.adapter, out)
-            self._residency.pin(seq.adapter.version, self.step_count)
+            self.adapters.pin(seq.adapter.version, self.step_count)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         if seq.swap_slots is not None:
@@ -275,7 +278,7 @@ class Scheduler:
         return num_tokens
 
     def _make_resident(self, adapter: AdapterRef, out: SchedulerOutput) -> None:
-        pages = self._residency.make_resident(adapter, self.step_count)
+        pages = self.adapters.make_resident(adapter, self.step_count)
         if pages is not None:
             out.adapters_to_load.append((adapter.version, pages))
 
@@ -293,9 +296,9 @@ class Scheduler:
         without evicting anything and without touching the admission watermark."""
         for seq in list(itertools.islice(self.waiting, self.config.prefetch_depth)):   # not the whole queue
             ref = seq.adapter
-            if ref is None or self._residency.is_resident(ref.version) or not self._residency.ready(ref.version):
+            if ref is None or self.adapters.is_resident(ref.version) or not self.adapters.ready(ref.version):
                 continue
-            if self._residency.allocator.num_free - ref.num_pages < self.watermark_pages + 1:
+            if self.adapters.allocator.num_free - ref.num_pages < self.watermark_pages + 1:
                 break
             self._make_resident(ref, out)
 
@@ -323,7 +326,7 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
         if child.adapter is not None:
-            self._residency.pin(child.adapter.version, self.step_count)
+            self.adapters.pin(child.adapter.version, self.step_count)
 
     # ---- preemption and the end of a sequence -------------------------------------------------------
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -374,12 +377,12 @@ class Scheduler:
         seq.block_table = []
         self.running.remove(seq)
         if seq.adapter is not None:
-            self._residency.unpin(seq.adapter.version, self.step_count)
+            self.adapters.unpin(seq.adapter.version, self.step_count)
 
     def check(self) -> None:
         """The pool's invariants against the block tables and adapters held here."""
-        self.allocator.check([s.block_table for s in self.running], self._residency.page_tables())
-        self._residency.check()
+        self.allocator.check([s.block_table for s in self.running], self.adapters.page_tables())
+        self.adapters.check()
         if self.config.max_loras is not None:
             assert len(self.running_versions()) <= self.config.max_loras, "more adapters running than max_loras"
         swapped = sum(len(s.swap_slots) for s in self.waiting if s.swap_slots is not None)

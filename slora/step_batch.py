@@ -7,7 +7,7 @@ dimensions, its dtype and, where the kernels would misread leftovers, the value 
 per-step field is one field here.
 """
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -73,34 +73,51 @@ class StepBatch:
 
     def copy_into(self, static: "StepBatch") -> None:
         """Copy a step into a graph's static views (each at least as large): every tensor into its leading
-        corner, padded fields filled first; arange fields keep their values."""
-        for meta, src, dst in _tensor_pairs(self, static):
-            if meta["arange"]:
+        corner, padded fields filled first; arange fields keep their values. Runs every graph replay, so
+        it walks the fields' metadata read once at import."""
+        for spec, src, dst in _tensor_pairs(self, static):
+            if spec.arange:
                 continue
-            if meta["pad"] is not None:
-                dst.fill_(meta["pad"])
+            if spec.pad is not None:
+                dst.fill_(spec.pad)
             dst[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)
+
+
+class _FieldSpec(NamedTuple):
+    """A tensor field's name and metadata (see _tensor)."""
+    name: str
+    dims: tuple[str, ...]
+    dtype: torch.dtype
+    pad: int | None
+    arange: bool
+
+
+def _specs(cls: type) -> tuple[_FieldSpec, ...]:
+    return tuple(_FieldSpec(f.name, **f.metadata) for f in dataclasses.fields(cls) if "dims" in f.metadata)
+
+
+_BATCH_SPECS, _LORA_SPECS = _specs(StepBatch), _specs(StepLora)
 
 
 def empty(sizes: Sizes, device: torch.device, page_size: int, max_rank: int, with_lora: bool = True) -> StepBatch:
     """Static buffers of these sizes, padded fields at their pad value and arange fields counting."""
-    def make(meta: Mapping[str, Any]) -> Tensor:
-        shape = [_size(sizes, d) for d in meta["dims"]]
-        if meta["arange"]:
-            return torch.arange(shape[0], dtype=meta["dtype"], device=device)
-        return torch.full(shape, meta["pad"] or 0, dtype=meta["dtype"], device=device)
+    def make(spec: _FieldSpec) -> Tensor:
+        shape = [_size(sizes, d) for d in spec.dims]
+        if spec.arange:
+            return torch.arange(shape[0], dtype=spec.dtype, device=device)
+        return torch.full(shape, spec.pad or 0, dtype=spec.dtype, device=device)
     lora = None
     if with_lora:
-        lora = StepLora(**{f.name: make(f.metadata) for f in _tensor_fields(StepLora)}, max_rank=max_rank,
+        lora = StepLora(**{spec.name: make(spec) for spec in _LORA_SPECS}, max_rank=max_rank,
                         active=[[True] * sizes["modules"]] * sizes["layers"])
-    return StepBatch(**{f.name: make(f.metadata) for f in _tensor_fields(StepBatch)}, page_size=page_size,
+    return StepBatch(**{spec.name: make(spec) for spec in _BATCH_SPECS}, page_size=page_size,
                      max_query_len=1, max_context_len=sizes["pages"] * page_size, lora=lora)
 
 
 def view(static: StepBatch, sizes: Sizes, with_lora: bool) -> StepBatch:
     """The leading `sizes` of static buffers (a graph's batch): dims not named in `sizes` stay whole."""
-    def cut(tensor: Tensor, meta: Mapping[str, Any]) -> Tensor:
-        return tensor[tuple(slice(0, _size(sizes, d)) if _named(sizes, d) else slice(None) for d in meta["dims"])]
+    def cut(tensor: Tensor, spec: _FieldSpec) -> Tensor:
+        return tensor[tuple(slice(0, _size(sizes, d)) if _named(sizes, d) else slice(None) for d in spec.dims)]
     cut_batch = _map_tensors(static, cut)
     return cut_batch if with_lora else dataclasses.replace(cut_batch, lora=None)
 
@@ -113,24 +130,22 @@ def _named(sizes: Sizes, dim: str) -> bool:
     return (dim == "seqs+1" and "seqs" in sizes) or dim in sizes
 
 
-def _tensor_fields(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if "dims" in f.metadata]
-
-
-def _map_tensors(batch: Any, fn: Any) -> Any:
-    """A copy of a StepBatch (or StepLora) with fn(tensor, metadata) applied to every tensor field."""
-    changes = {f.name: fn(getattr(batch, f.name), f.metadata) for f in _tensor_fields(type(batch))}
+def _map_tensors(batch: Any, fn: Callable[[Tensor, _FieldSpec], Tensor]) -> Any:
+    """A copy of a StepBatch (or StepLora) with fn(tensor, spec) applied to every tensor field."""
+    specs = _BATCH_SPECS if isinstance(batch, StepBatch) else _LORA_SPECS
+    changes = {spec.name: fn(getattr(batch, spec.name), spec) for spec in specs}
     if isinstance(batch, StepBatch) and batch.lora is not None:
         changes["lora"] = _map_tensors(batch.lora, fn)
     return dataclasses.replace(batch, **changes)
 
 
-def _tensor_pairs(src: Any, dst: Any) -> Iterator[tuple[Mapping[str, Any], Tensor, Tensor]]:
-    for f in _tensor_fields(type(src)):
-        yield f.metadata, getattr(src, f.name), getattr(dst, f.name)
-    if isinstance(src, StepBatch) and src.lora is not None:
+def _tensor_pairs(src: StepBatch, dst: StepBatch) -> Iterator[tuple[_FieldSpec, Tensor, Tensor]]:
+    for spec in _BATCH_SPECS:
+        yield spec, getattr(src, spec.name), getattr(dst, spec.name)
+    if src.lora is not None:
         assert dst.lora is not None, "a step with adapters copied into a graph without LoRA"
-        yield from _tensor_pairs(src.lora, dst.lora)
+        for spec in _LORA_SPECS:
+            yield spec, getattr(src.lora, spec.name), getattr(dst.lora, spec.name)
 
 
 def int_tensor(values: list[int], dtype: type[np.integer]) -> Tensor:

@@ -1,0 +1,64 @@
+"""StepBatch's derived copies: the graphs' static buffers, their views and the copy of a step into them."""
+import torch
+
+from slora import step_batch
+
+LARGEST = {"tokens": 8, "seqs": 8, "pages": 4, "slots": 8, "adapter_pages": 3, "layers": 2, "modules": 7}
+
+
+def _step(n: int, slots: int, width: int) -> step_batch.StepBatch:
+    """A decode step of n sequences over `slots` adapters, every value distinct from any pad value."""
+    tables = torch.arange(2 * 7 * slots).view(2, 7, slots) + 1                     # [layers, modules, slots]
+    lora = step_batch.StepLora(torch.arange(n, dtype=torch.int32) % slots, torch.full((slots, 2), 5, dtype=torch.int32),
+                               tables.int(), tables.long(), tables.long(), tables.float(), 16, [[True] * 7] * 2)
+    return step_batch.StepBatch(torch.arange(n) + 100, torch.arange(n) + 200, torch.arange(n) + 300,
+                                torch.full((n, width), 7, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32),
+                                torch.arange(n, dtype=torch.int32) + 1, torch.arange(n), 16, 1, width * 16, lora)
+
+
+def _dirty(batch: step_batch.StepBatch) -> None:
+    """Leftovers of an earlier, larger step in every buffer but the arange ones."""
+    for tensor in (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.context_lens):
+        tensor.fill_(9)
+    assert batch.lora is not None
+    for tensor in (batch.lora.token_slots, batch.lora.page_tables, batch.lora.ranks, batch.lora.a_offsets):
+        tensor.fill_(9)
+
+
+def test_empty_makes_buffers_of_the_named_sizes_with_pads_and_aranges():
+    static = step_batch.empty(LARGEST, torch.device("cpu"), page_size=16, max_rank=32)
+    assert static.block_tables.shape == (8, 4) and static.query_start_loc.shape == (9,)
+    assert torch.equal(static.query_start_loc, torch.arange(9, dtype=torch.int32))
+    assert torch.equal(static.sample_indices, torch.arange(8))
+    assert (static.slot_mapping == -1).all() and (static.context_lens == 0).all()
+    assert static.lora is not None and static.lora.ranks.shape == (2, 7, 8) and (static.lora.token_slots == -1).all()
+    assert static.max_context_len == 4 * 16 and static.lora.max_rank == 32
+
+
+def test_copy_into_a_view_pads_what_the_step_leaves_and_keeps_the_aranges():
+    static = step_batch.empty(LARGEST, torch.device("cpu"), page_size=16, max_rank=32)
+    _dirty(static)
+    graph = step_batch.view(static, {**LARGEST, "tokens": 4, "seqs": 4, "slots": 4}, with_lora=True)
+    assert graph.input_ids.shape == (4,) and graph.block_tables.shape == (4, 4) and graph.query_start_loc.shape == (5,)
+    assert graph.input_ids.data_ptr() == static.input_ids.data_ptr()          # views of the static buffers
+    host = _step(n=3, slots=2, width=2)
+    host.copy_into(graph)
+    assert torch.equal(graph.input_ids[:3], host.input_ids) and torch.equal(graph.positions[:3], host.positions)
+    assert graph.slot_mapping.tolist() == [300, 301, 302, -1]                 # padding rows store no K/V
+    assert graph.context_lens.tolist() == [1, 2, 3, 0]                         # and attend to nothing
+    assert torch.equal(graph.block_tables[:3, :2], host.block_tables)
+    assert torch.equal(graph.query_start_loc, torch.arange(5, dtype=torch.int32))   # never copied into
+    lora, want = graph.lora, host.lora
+    assert lora is not None and want is not None
+    assert lora.token_slots.tolist() == [0, 1, 0, -1]
+    assert torch.equal(lora.ranks[:, :, :2], want.ranks) and (lora.ranks[:, :, 2:] == 0).all()   # no weight read
+    assert torch.equal(lora.a_offsets[:, :, :2], want.a_offsets) and torch.equal(lora.page_tables[:2, :2], want.page_tables)
+
+
+def test_to_moves_every_tensor_and_a_view_without_lora_has_none():
+    host = _step(n=2, slots=1, width=1)
+    moved = host.to(torch.device("cpu"))
+    assert moved is not host and moved.lora is not None and torch.equal(moved.lora.ranks, host.lora.ranks)
+    static = step_batch.empty(LARGEST, torch.device("cpu"), page_size=16, max_rank=16)
+    base = step_batch.view(static, {"tokens": 2, "seqs": 2}, with_lora=False)
+    assert base.lora is None and base.block_tables.shape == (2, 4)            # unnamed dims stay whole
