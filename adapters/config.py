@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import regex
+
 from slora.adapters.errors import AdapterError
 
 if TYPE_CHECKING:     # typeshed has these modules only under their old names, which 3.11+ re-export

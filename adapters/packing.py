@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
 from slora.adapters.config import qualified_module_name
 from slora.adapters.errors import AdapterError
 from slora.adapters.shapes import TargetShapes

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
 from slora.adapters.config import AdapterConfig, load_adapter_config, qualified_module_name
 from slora.adapters.errors import AdapterError
 from slora.adapters.shapes import TargetShapes

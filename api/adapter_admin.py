@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, BinaryIO, TypeVar
 
+from slora.adapter_manager import PreparedAdapter, UnknownAdapterError
 from slora.adapters.errors import AdapterError
 from slora.adapters.weights import PICKLE_SUFFIXES, WEIGHTS_FILE
 from slora.api.async_engine import AsyncEngine, EngineUnavailable
@@ -26,8 +27,6 @@ from slora.api.errors import APIError, adapter_not_found, bad_request, unavailab
 from slora.api.metrics import ServerMetrics
 from slora.api.protocol import ADAPTER_NAME_PATTERN
 from slora.api.tenants import Tenant, TenantDirectory
-
-from slora.adapter_manager import PreparedAdapter, UnknownAdapterError
 from slora.engine import Engine
 
 logger = logging.getLogger(__name__)

@@ -12,6 +12,11 @@ from typing import Any, NamedTuple
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import FormData, Headers, UploadFile
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from slora.api import protocol
 from slora.api.adapter_admin import AdapterService, UploadedFile
 from slora.api.async_engine import AsyncEngine, EngineSource
@@ -37,11 +42,6 @@ from slora.api.protocol import (
 from slora.api.serving import GenerationService, Tokenization
 from slora.api.settings import ServerSettings
 from slora.api.tenants import Tenant, TenantDirectory, load_tenants
-from starlette.datastructures import FormData, Headers, UploadFile
-from starlette.middleware.body_limit import RequestBodyLimitMiddleware
-from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Receive, Scope, Send
-
 from slora.engine import Engine
 
 logger = logging.getLogger(__name__)

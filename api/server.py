@@ -16,10 +16,10 @@ from typing import Any
 import h11
 import uvicorn
 from fastapi import FastAPI
-from slora.api.app import create_app
-from slora.api.settings import ServerSettings
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from slora.api.app import create_app
+from slora.api.settings import ServerSettings
 from slora.config import EngineConfig
 from slora.engine import Engine
 

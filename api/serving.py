@@ -16,6 +16,8 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+
+from slora.adapter_manager import UnknownAdapterError
 from slora.api import protocol
 from slora.api.async_engine import AsyncEngine, EngineInfo, EngineUnavailable, RequestStream
 from slora.api.errors import APIError, bad_request, internal_error, model_not_found, rate_limited, unavailable
@@ -25,8 +27,6 @@ from slora.api.protocol import ChatCompletionRequest, CompletionRequest, Samplin
 from slora.api.settings import ServerSettings
 from slora.api.streaming import ClientGone, EventStreamResponse, unless_disconnected
 from slora.api.tenants import Tenant
-
-from slora.adapter_manager import UnknownAdapterError
 from slora.outputs import ADAPTER_UNAVAILABLE, RequestError, RequestOutput
 from slora.sampling_params import SamplingParams
 

@@ -14,10 +14,11 @@ reference would produce a tensor of that dtype.
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
 from slora.kernels.checks import check_one_device, is_power_of_two
 from slora.kernels.layout import cdiv, next_power_of_2
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
-from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 16384             # add_rms_norm holds a whole row in registers

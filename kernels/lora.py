@@ -37,10 +37,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
 from slora.kernels.checks import LORA_GEMV_TILE, check_adapter_span
 from slora.kernels.layout import ALIGN, align_up, cdiv
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
-from torch import Tensor
 
 # Programs we aim for per multiprocessor when splitting the shrink reduction (decode: few tokens).
 _PROGRAMS_PER_SM = 2

@@ -20,10 +20,11 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
 from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
 from slora.kernels.layout import next_power_of_2
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
-from torch import Tensor
 
 _LOG2E = 1.4426950408889634
 # Below this many context tokens per split, the merge costs more than the parallelism brings.

@@ -15,8 +15,9 @@ arguments. Design:
 import torch
 import triton
 import triton.language as tl
-from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
 from torch import Tensor
+
+from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
 
 _LOG2E = 1.4426950408889634
 # Launch parameters on CUDA: query tokens and keys per block, warps, pipeline stages.

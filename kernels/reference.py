@@ -14,8 +14,9 @@ uses them directly. Conventions:
 """
 import torch
 import torch.nn.functional as F
-from slora.kernels.layout import align_up
 from torch import Tensor
+
+from slora.kernels.layout import align_up
 
 
 def kv_page_view(kv_pool: Tensor, page_size: int, num_kv_heads: int) -> Tensor:

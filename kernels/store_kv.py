@@ -7,9 +7,10 @@ negative slot (padding tokens of a CUDA-graph batch) is skipped.
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
 from slora.kernels.layout import next_power_of_2
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
-from torch import Tensor
 
 
 @triton.jit
