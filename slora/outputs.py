@@ -1,5 +1,16 @@
 """What `LLM.generate` and `Engine.step` return."""
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class TokenLogprob(NamedTuple):
+    """One position's token: its logprob (of the raw logits), its rank in the vocabulary (1 = the most
+    likely), and the `k` most likely tokens there as (token_id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -8,6 +19,8 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None          # "stop" | "length" | "abort" | "error" | None while running
+    logprobs: list[TokenLogprob] | None = None   # one per token, with SamplingParams.logprobs
+    cumulative_logprob: float = 0.0    # sum of its tokens' logprobs (best_of ranks samples by it)
 
 
 ADAPTER_UNAVAILABLE = "adapter_unavailable"
@@ -39,6 +52,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: RequestError | None = None  # set when the engine failed this request: its unfinished samples
                                        # end with "error" (one that had already ended keeps its reason)
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

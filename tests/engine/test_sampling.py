@@ -119,8 +119,11 @@ def test_max_tokens_gives_length(llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 5
 
 
-@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(n=0),
-                                 dict(top_k=-5), dict(stop=[""]), dict(stop_token_ids=[-1])])
+@pytest.mark.parametrize("bad", [dict(max_tokens=-1), dict(temperature=-1.0), dict(top_p=0.0), dict(n=0),
+                                 dict(top_k=-5), dict(stop=[""]), dict(stop_token_ids=[-1]), dict(logprobs=21),
+                                 dict(prompt_logprobs=-1), dict(presence_penalty=2.5), dict(frequency_penalty=-3),
+                                 dict(repetition_penalty=0.0), dict(min_tokens=17), dict(min_p=1.5),
+                                 dict(logit_bias={5: 101.0}), dict(logit_bias={-1: 1.0}), dict(best_of=1, n=2)])
 def test_invalid_sampling_params_name_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
