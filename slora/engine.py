@@ -19,13 +19,14 @@ from slora.engine_sizing import EngineSizing
 from slora.model_runner import ModelRunner
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
-from slora.outputs import ADAPTER_UNAVAILABLE, INTERNAL_ERROR, EngineSnapshot, RequestError, RequestOutput
+from slora.outputs import ADAPTER_UNAVAILABLE, INTERNAL_ERROR, EngineSnapshot, RequestError, RequestOutput, TokenLogprob
 from slora.page_pool import PageAllocator
-from slora.request_state import RequestState, check_prompt
+from slora.request_state import RequestState, check_prompt, check_token_ids
 from slora.sampler import Sampler
 from slora.sampling_params import SamplingParams
-from slora.scheduler import Scheduler, SchedulerOutput
+from slora.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from slora.sequence import AdapterRef, Sequence, SequenceStatus
+from slora.step_batch import prompt_logit_positions
 from slora.step_stats import StepStats, StepTimer
 from slora.stopping import append_token
 from slora.tokenizer import eos_token_ids, load_tokenizer
@@ -59,7 +60,7 @@ class Engine:
         self.adapters = AdapterManager(allocator, adapter_format, config.adapter_host_cache_bytes,
                                        scheduler_config.usable_pages(allocator.num_pages))
         self.scheduler = Scheduler(scheduler_config, allocator, adapter_pool=self.adapters)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
         self.step_stats = StepStats()          # wall time of steps by kind (prefill, decode, mixed)
         self._decode_bytes = sizing.decode_bytes(self.adapters.weight_bytes)
         self._salt_secret = os.urandom(32)
@@ -103,9 +104,11 @@ class Engine:
         ends, and unless a stop string needs it the text is decoded then, not token by token."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
+        if params.num_samples > self.config.max_num_seqs:
+            raise ValueError(f"{params.num_samples} samples (n or best_of) exceed max_num_seqs="
+                             f"{self.config.max_num_seqs}")
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
+        check_token_ids(params, self.model_config.vocab_size)
         ref = None if adapter is None else self.adapters.resolve(adapter, owner)
         self._check_fits(len(prompt_token_ids), ref)
         if params.seed is None and not params.greedy:
@@ -115,7 +118,8 @@ class Engine:
         parent = self._new_seq(request_id, prompt_token_ids, params, ref, 0, self.cache_salt(owner))
         self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent],
                                                  None if ref is None else ref.version,
-                                                 [""], params.n, [IncrementalDetokenizer(self.tokenizer)], stream)
+                                                 [""], params.num_samples, [IncrementalDetokenizer(self.tokenizer)],
+                                                 stream)
         self.scheduler.add(parent)
 
     def cache_salt(self, owner: str | None) -> bytes:
@@ -137,8 +141,7 @@ class Engine:
             child.num_cached_tokens = parent.num_cached_tokens
             self.scheduler.fork(parent, child)
             state.seqs.append(child)
-            state.texts.append("")
-            state.detokenizers.append(IncrementalDetokenizer(self.tokenizer))
+            state.add_sample(IncrementalDetokenizer(self.tokenizer))
         return children
 
     def _check_fits(self, prompt_len: int, ref: AdapterRef | None) -> None:
@@ -185,6 +188,7 @@ class Engine:
     def _forward_and_sample(self, out: SchedulerOutput, versions: set[str], touched: dict[str, RequestState]) -> None:
         logits = self.runner.run(out.scheduled, self.adapters.step_adapters(versions))
         completing = [item.seq for item in out.scheduled if item.completes]
+        self._record_prompt_logprobs(out.scheduled, logits[len(completing):])
         for item in out.scheduled:
             prompt_len = len(item.seq.prompt_token_ids)
             self.num_prompt_tokens_computed += max(0, min(prompt_len, item.seq.num_computed_tokens + item.num_tokens)
@@ -193,11 +197,26 @@ class Engine:
         rows, seqs = self._sampling_rows(completing)
         self._append_tokens(self._sample(logits[rows], seqs), touched)
 
-    def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+    def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], logits: Tensor) -> None:
+        """The prompt logprobs of this step's rows (after the sampled rows, in step order: step_batch's
+        prompt_logit_positions); a request whose rows raise fails alone."""
+        start = 0
+        for item in scheduled:
+            positions = prompt_logit_positions(item)
+            if not positions:
+                continue
+            rows, start = logits[start:start + len(positions)], start + len(positions)
+            try:
+                self.requests[item.seq.request_id].store_prompt_logprobs(positions, rows)
+            except Exception:
+                self._fail_internal(item.seq, "computing its prompt logprobs")
+
+    def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """A token for each sequence (row of `logits`), sampled as one batch. Should the batch raise, the
         rows are sampled one by one, so that only the requests whose own rows raise fail."""
         try:
-            return list(zip(seqs, self.sampler(logits, seqs)))
+            result = self.sampler(logits, seqs)
+            return list(zip(seqs, result.token_ids, result.logprobs))
         except Exception:
             logger.warning("sampling a batch of %d rows failed; sampling them one by one", len(seqs),
                            exc_info=True)
@@ -206,7 +225,8 @@ class Engine:
             if seq.status is SequenceStatus.FINISHED:
                 continue                               # another sample's fault failed its request
             try:
-                sampled.append((seq, self.sampler(logits[row:row + 1], [seq])[0]))
+                result = self.sampler(logits[row:row + 1], [seq])
+                sampled.append((seq, result.token_ids[0], result.logprobs[0]))
             except Exception:
                 self._fail_internal(seq, "sampling its next token")
         return sampled
@@ -248,18 +268,24 @@ class Engine:
             seqs += family
         return rows, seqs
 
-    def _append_tokens(self, sampled: list[tuple[Sequence, int]], touched: dict[str, RequestState]) -> None:
-        for seq, token in sampled:
+    def _append_tokens(self, sampled: list[tuple[Sequence, int, TokenLogprob | None]],
+                       touched: dict[str, RequestState]) -> None:
+        for seq, token, logprob in sampled:
             if seq.status is SequenceStatus.FINISHED:
                 continue                               # another sample's fault failed its request
             try:
-                self._append_token(seq, token)
+                self._append_token(seq, token, logprob)
             except Exception:
                 self._fail_internal(seq, "handling its new token")
             touched[seq.request_id] = self.requests[seq.request_id]
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
-        reason = append_token(self.requests[seq.request_id], seq, token, self.eos_token_ids, self.max_model_len)
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        state = self.requests[seq.request_id]
+        if seq.params.max_tokens == 0:                 # the prompt alone was asked for
+            self.scheduler.finish(seq, "length")
+            return
+        state.record_logprob(seq.sample_index, logprob)
+        reason = append_token(state, seq, token, self.eos_token_ids, self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason)
 

@@ -1,8 +1,15 @@
 """One request inside the engine: its samples, their texts as they are decoded, and why it failed."""
+import dataclasses
+import reprlib
 from dataclasses import dataclass, field
 
+import torch
+from torch import Tensor
+
 from slora.detokenizer import IncrementalDetokenizer
-from slora.outputs import CompletionOutput, RequestError, RequestOutput
+from slora.outputs import CompletionOutput, RequestError, RequestOutput, TokenLogprob
+from slora.sampler import token_logprobs
+from slora.sampling_params import SamplingParams
 from slora.sequence import Sequence, SequenceStatus
 
 
@@ -17,16 +24,54 @@ class RequestState:
     detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
     stream: bool = True               # the caller reads outputs while it runs (False: only the final one)
     error: RequestError | None = None  # why the engine failed it (its unfinished samples end with "error")
+    logprobs: list[list[TokenLogprob]] = field(default_factory=lambda: [[]])   # per sample, per output token
+    cumulative_logprobs: list[float] = field(default_factory=lambda: [0.0])
+    prompt_logprobs: list[TokenLogprob | None] | None = None    # position p: the logprob of prompt token p
+
+    def __post_init__(self) -> None:
+        if self.seqs[0].params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
         return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
 
+    def add_sample(self, detokenizer: IncrementalDetokenizer) -> None:
+        """Room for one more sample (a fork of the first)."""
+        self.texts.append("")
+        self.detokenizers.append(detokenizer)
+        self.logprobs.append([])
+        self.cumulative_logprobs.append(0.0)
+
+    def record_logprob(self, index: int, logprob: TokenLogprob | None) -> None:
+        """The logprob of sample `index`'s new token (None when neither logprobs nor best_of needs it)."""
+        if logprob is None:
+            return
+        self.cumulative_logprobs[index] += logprob.logprob
+        if self.seqs[index].params.logprobs is not None:
+            self.logprobs[index].append(logprob)
+
+    def store_prompt_logprobs(self, positions: range, logits: Tensor) -> None:
+        """Row i of `logits` `[positions, vocab]` predicts prompt token positions[i] + 1."""
+        k = self.seqs[0].params.prompt_logprobs
+        assert self.prompt_logprobs is not None and k is not None, "prompt logits of a request that asked none"
+        first, last = positions.start + 1, positions.stop + 1
+        targets = torch.tensor(self.prompt_token_ids[first:last], dtype=torch.int64, device=logits.device)
+        self.prompt_logprobs[first:last] = token_logprobs(logits, targets, k)
+
     def output(self) -> RequestOutput:
-        samples = [CompletionOutput(s.sample_index, list(s.output_token_ids), self.texts[i], s.finish_reason)
-                   for i, s in enumerate(self.seqs)]
+        samples = [self._sample_output(i, s) for i, s in enumerate(self.seqs)]
+        n = self.seqs[0].params.n
+        if len(samples) > n:      # best_of: the n samples of highest cumulative logprob, best first
+            best = sorted(samples, key=lambda c: c.cumulative_logprob, reverse=True)[:n]
+            samples = [dataclasses.replace(c, index=i) for i, c in enumerate(best)]
         return RequestOutput(self.request_id, self.prompt_token_ids, samples, self.finished,
-                             self.seqs[0].num_cached_tokens, self.error)
+                             self.seqs[0].num_cached_tokens, self.error, self.prompt_logprobs)
+
+    def _sample_output(self, index: int, seq: Sequence) -> CompletionOutput:
+        logprobs = list(self.logprobs[index]) if seq.params.logprobs is not None else None
+        return CompletionOutput(seq.sample_index, list(seq.output_token_ids), self.texts[index], seq.finish_reason,
+                                logprobs, self.cumulative_logprobs[index])
 
     @property
     def needs_fork(self) -> bool:
@@ -42,3 +87,12 @@ def check_prompt(prompt: list[int], vocab_size: int, max_model_len: int) -> None
     if len(prompt) >= max_model_len:
         raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is "
                          f"{max_model_len} tokens, including at least one generated")
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids in the sampling parameters lie in the vocabulary: ValueError naming the field."""
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        outside = sorted(t for t in ids if t >= vocab_size)
+        if outside:
+            raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab_size}): "
+                             f"{reprlib.repr(outside)}")

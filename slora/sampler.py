@@ -1,15 +1,21 @@
-"""Turning logits into tokens for a whole batch at once: greedy, temperature, top-k, top-p, seeded.
+"""Turning logits into tokens for a whole batch at once: greedy, temperature, top-k, top-p, min-p, seeded,
+after the per-request controls (slora.logit_controls) and grammar masks; and the logprobs of the raw logits.
 
 Random draws come from a counter-based hash of (seed, output position, vocabulary index), computed with
 tensor ops on the logits' device: no per-request generator, no host round trip per request, and the same
 draw on the CPU and on CUDA. A seeded sample is reproduced exactly, also after preemption and recompute,
 given the same logits (on CUDA those can differ in their last bits with the batch and between runs).
 """
+from collections.abc import Collection
+from collections.abc import Sequence as Rows
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
+from slora.logit_controls import apply_controls
+from slora.outputs import TokenLogprob
 from slora.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -51,6 +57,7 @@ class SamplingTensors:
     top_ps: Tensor         # [rows] float32
     seeds: Tensor          # [rows] int64
     steps: Tensor          # [rows] int64, the output position being sampled
+    min_ps: Tensor | None = None   # [rows] float32; None: no row uses min_p
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], device: torch.device, top_ks: list[int]) -> "SamplingTensors":
@@ -58,12 +65,14 @@ class SamplingTensors:
         rows = [(s.params.temperature, top_k, s.params.top_p, s.seed or 0, len(s.output_token_ids))
                 for s, top_k in zip(seqs, top_ks)]
         temperature, top_k, top_p, seed, step = zip(*rows)
+        min_ps = torch.tensor([s.params.min_p for s in seqs]) if any(s.params.min_p for s in seqs) else None
         return cls(torch.tensor(temperature, dtype=torch.float32), torch.tensor(top_k, dtype=torch.int64),
                    torch.tensor(top_p, dtype=torch.float32), torch.tensor(seed, dtype=torch.int64),
-                   torch.tensor(step, dtype=torch.int64)).to(device)
+                   torch.tensor(step, dtype=torch.int64), min_ps).to(device)
 
     def to(self, device: torch.device) -> "SamplingTensors":
-        return SamplingTensors(*(t.to(device, non_blocking=True) for t in self.__dict__.values()))
+        return SamplingTensors(*(None if t is None else t.to(device, non_blocking=True)
+                                 for t in self.__dict__.values()))
 
 
 def scale_logits(logits: Tensor, temperatures: Tensor) -> Tensor:
@@ -71,9 +80,20 @@ def scale_logits(logits: Tensor, temperatures: Tensor) -> Tensor:
     return logits / temperatures.clamp(min=1e-6)[:, None]
 
 
-def filter_logits(logits: Tensor, temperatures: Tensor, top_ks: Tensor, top_ps: Tensor) -> Tensor:
-    """Scaled logits `[rows, vocab]`, with everything outside each row's top-k and top-p nucleus -inf."""
+def drop_below_min_p(logits: Tensor, min_ps: Tensor) -> Tensor:
+    """Scaled logits `[rows, vocab]` with tokens less likely than min_p times the row's top token -inf."""
+    probs = torch.softmax(logits, dim=-1)
+    floor = min_ps[:, None] * probs.max(dim=-1, keepdim=True).values             # [rows, 1]
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def filter_logits(logits: Tensor, temperatures: Tensor, top_ks: Tensor, top_ps: Tensor,
+                  min_ps: Tensor | None = None) -> Tensor:
+    """Scaled logits `[rows, vocab]`, with everything outside each row's top-k and top-p nucleus, or below
+    its min-p floor, -inf."""
     logits = scale_logits(logits, temperatures)
+    if min_ps is not None:
+        logits = drop_below_min_p(logits, min_ps)
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     outside_k = (top_ks[:, None] > 0) & (ranks >= top_ks[:, None])
@@ -89,10 +109,10 @@ def filter_logits(logits: Tensor, temperatures: Tensor, top_ks: Tensor, top_ps: 
 
 def sample(logits: Tensor, params: SamplingTensors, truncate: bool = True) -> Tensor:
     """One token per row `[rows]` (on the device): argmax for greedy rows, else Gumbel-max sampling.
-    truncate=False: no row has top-k or top-p < 1, so the sort over the vocabulary is skipped."""
+    truncate=False: no row has top-k, top-p < 1 or min-p, so the sort over the vocabulary is skipped."""
     greedy = logits.argmax(dim=-1)
     if truncate:
-        filtered = filter_logits(logits.float(), params.temperatures, params.top_ks, params.top_ps)
+        filtered = filter_logits(logits.float(), params.temperatures, params.top_ks, params.top_ps, params.min_ps)
     else:
         filtered = scale_logits(logits.float(), params.temperatures)
     gumbel = -torch.log(-torch.log(uniform_noise(params.seeds, params.steps, logits.shape[-1])))
@@ -106,11 +126,74 @@ def effective_top_k(seq: Sequence, vocab_size: int) -> int:
     return top_k if 0 < top_k < vocab_size else 0
 
 
+class GrammarMask(Protocol):
+    """One sequence's grammar: which tokens it allows next (slora.grammar's state)."""
+
+    def fill_bitmask(self, bitmask: Tensor, row: int) -> None: ...
+
+
+class Masker(Protocol):
+    """Applies the grammar masks of a step's rows to its logits (slora.grammar.GrammarCompiler)."""
+
+    def mask(self, logits: Tensor, grammars: Rows[GrammarMask | None]) -> None: ...
+
+
+class SampleResult(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]     # per row; None where the row asked for none
+
+
 class Sampler:
-    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row of `logits` `[seqs, vocab]`; one device-to-host copy for the whole batch."""
+    """Samples a step's rows. Logprobs are those of the raw logits (vLLM's default): log_softmax before the
+    controls, the grammar mask and the temperature. Everything is computed on the logits' device, and the
+    tokens and their logprobs come to the host in one copy."""
+
+    def __init__(self, eos_token_ids: Collection[int] = (), masker: Masker | None = None) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.masker = masker
+
+    def __call__(self, logits: Tensor, seqs: list[Sequence],
+                 grammars: Rows[GrammarMask | None] | None = None) -> SampleResult:
+        """One token per row of `logits` `[seqs, vocab]`; `grammars`: each row's grammar, if any has one."""
+        raw = logits
+        logits = self._controlled(logits, seqs, grammars)
+        tokens = self._tokens(logits, seqs)                                         # [rows] on the device
+        wanted = [s.params.logprob_count for s in seqs]
+        top = max((k for k in wanted if k is not None), default=None)
+        if top is None:
+            return SampleResult(tokens.tolist(), [None] * len(seqs))
+        logprobs = token_logprobs(raw, tokens, top)       # its copy brings the tokens too
+        return SampleResult([lp.token_id for lp in logprobs], [None if k is None else lp._replace(top=lp.top[:k])
+                                                               for lp, k in zip(logprobs, wanted)])
+
+    def _controlled(self, logits: Tensor, seqs: list[Sequence], grammars: Rows[GrammarMask | None] | None) -> Tensor:
+        """The logits the tokens are drawn from: a float32 copy with controls and masks, where any applies."""
+        controlled = any(s.params.logit_bias or s.params.min_tokens or s.params.penalized for s in seqs)
+        masked = grammars is not None and any(g is not None for g in grammars)
+        if not controlled and not masked:
+            return logits
+        logits = apply_controls(logits.float().clone(), seqs, self.eos_token_ids)
+        if masked:
+            assert self.masker is not None and grammars is not None, "grammars given to a sampler without a masker"
+            self.masker.mask(logits, grammars)
+        return logits
+
+    def _tokens(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         if all(s.params.greedy for s in seqs):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         top_ks = [effective_top_k(s, logits.shape[-1]) for s in seqs]
-        truncate = any(top_ks) or any(s.params.top_p < 1 for s in seqs)
-        return sample(logits, SamplingTensors.from_seqs(seqs, logits.device, top_ks), truncate).tolist()
+        truncate = any(top_ks) or any(s.params.top_p < 1 or s.params.min_p > 0 for s in seqs)
+        return sample(logits, SamplingTensors.from_seqs(seqs, logits.device, top_ks), truncate)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, top: int) -> list[TokenLogprob]:
+    """Each row's token `tokens[row]`: its logprob under log_softmax(logits), its rank, and the `top` best
+    (token, logprob). One host copy: every number packed in one float64 tensor (token ids < 2**53 are exact)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)                            # [rows, vocab]
+    chosen = logprobs.gather(1, tokens[:, None])                                    # [rows, 1]
+    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1                       # [rows, 1]
+    best = logprobs.topk(top, dim=-1)                                               # [rows, top]
+    packed = torch.cat([tokens[:, None].double(), chosen.double(), ranks.double(), best.indices.double(),
+                        best.values.double()], dim=1).tolist()                      # [rows, 3 + 2 * top]
+    return [TokenLogprob(int(row[0]), row[1], int(row[2]),
+                         [(int(t), v) for t, v in zip(row[3:3 + top], row[3 + top:])]) for row in packed]

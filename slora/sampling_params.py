@@ -111,6 +111,14 @@ class SamplingParams:
         return self.best_of or self.n
 
     @property
+    def logprob_count(self) -> int | None:
+        """Top logprobs the sampler computes per token: `logprobs`, or 0 where only best_of needs the token's
+        own (to rank the samples); None: none."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.num_samples > self.n else None
+
+    @property
     def penalized(self) -> bool:
         """Whether the logits depend on the tokens so far (the sampler then counts them)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)

@@ -226,12 +226,14 @@ class Scheduler:
     @staticmethod
     def _seats(seq: Sequence) -> int:
         """Running slots a sequence takes once admitted: all its samples if they are yet to fork."""
-        return seq.params.n if seq.sample_index == 0 and not seq.output_token_ids else 1
+        return seq.params.num_samples if seq.sample_index == 0 and not seq.output_token_ids else 1
 
     def _prefix_match(self, seq: Sequence) -> list[int]:
         """Pages of the prefix cache holding the longest run of this sequence's leading full pages,
         leaving at least one token to compute (its logits are needed)."""
-        if not self.config.enable_prefix_caching or seq.num_computed_tokens or seq.swap_slots is not None:
+        # A request for prompt logprobs computes its whole prompt: the cache holds no logits.
+        if not self.config.enable_prefix_caching or seq.num_computed_tokens or seq.swap_slots is not None \
+                or seq.params.prompt_logprobs is not None:
             return []
         self._extend_hashes(seq, seq.num_tokens - 1)
         matched = []

@@ -61,7 +61,8 @@ class StepBatch:
     block_tables: Tensor = _tensor(("seqs", "pages"), torch.int32)
     query_start_loc: Tensor = _tensor(("seqs+1",), torch.int32, arange=True)
     context_lens: Tensor = _tensor(("seqs",), torch.int32, pad=0)
-    sample_indices: Tensor = _tensor(("seqs",), torch.int64, arange=True)  # rows whose logits are wanted
+    # Rows whose logits are wanted: the completing sequences' last rows, then prompt-logprob rows (eager).
+    sample_indices: Tensor = _tensor(("seqs",), torch.int64, arange=True)
     page_size: int = 16
     max_query_len: int = 1
     max_context_len: int = 0
@@ -179,11 +180,31 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
         lens.append(end)
         if item.completes:
             sample_rows.append(starts[-1] - 1)
+    sample_rows += _prompt_logit_rows(scheduled, starts)
     return StepBatch(
         int_tensor(input_ids, np.int64), int_tensor(positions, np.int64), int_tensor(slots, np.int64),
         padded_rows([i.seq.block_table for i in scheduled]), int_tensor(starts, np.int32),
         int_tensor(lens, np.int32), int_tensor(sample_rows, np.int64), page_size,
         max(i.num_tokens for i in scheduled), max(lens), _step_lora(scheduled, adapters, tables or LoraTables()))
+
+
+def prompt_logit_positions(item: ScheduledSeq) -> range:
+    """Positions of this step whose logits give prompt logprobs (position p predicts prompt token p + 1),
+    for a sequence that asks for them; the prompt's last position is its sampled row instead."""
+    seq = item.seq
+    if seq.params.prompt_logprobs is None:
+        return range(0)
+    start = seq.num_computed_tokens
+    return range(start, min(start + item.num_tokens, len(seq.prompt_token_ids) - 1))
+
+
+def _prompt_logit_rows(scheduled: list[ScheduledSeq], starts: list[int]) -> list[int]:
+    """Rows of the prompt-logprob positions, after the sampled rows: in step order, position by position."""
+    rows: list[int] = []
+    for item, first in zip(scheduled, starts):
+        positions = prompt_logit_positions(item)
+        rows += range(first, first + len(positions))
+    return rows
 
 
 class _AdapterTables(NamedTuple):

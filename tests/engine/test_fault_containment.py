@@ -15,13 +15,14 @@ from typing import NamedTuple
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import edit_weights, first_key, random_prompts
 
 import slora.stopping as stopping_module
 from slora import LLM, SamplingParams
 from slora.adapters.errors import AdapterError
 from slora.engine import Engine
 from slora.outputs import RequestOutput
-from tiny import edit_weights, first_key, random_prompts
+from slora.sampler import SampleResult
 
 VICTIM = "victim"
 FAULT_AT = 2                 # output tokens the victim's first sample has when the injected fault strikes
@@ -95,7 +96,7 @@ def reference(llm) -> Reference:
 def fault_in_sampler(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
     real = engine.sampler
 
-    def sampler(logits: torch.Tensor, seqs: list) -> list[int]:
+    def sampler(logits: torch.Tensor, seqs: list) -> SampleResult:
         if any(s.request_id == VICTIM and len(s.output_token_ids) == FAULT_AT for s in seqs):
             raise RuntimeError("injected sampler fault")
         return real(logits, seqs)
