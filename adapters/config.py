@@ -66,7 +66,7 @@ class AdapterConfig:
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     layers_to_transform: tuple[int, ...] | None = None
     target_regex: str | None = None            # set when target_modules was given as a regex
-    regex_targets: frozenset[str] | None = None    # qualified names target_regex matches
+    regex_targets: frozenset[tuple[int, str]] | None = None    # (layer, module) of what target_regex matches
     rank_overrides: dict[str, int] = field(default_factory=dict)       # qualified name -> rank_pattern's rank
     alpha_overrides: dict[str, float] = field(default_factory=dict)    # qualified name -> alpha_pattern's alpha
 
@@ -74,10 +74,10 @@ class AdapterConfig:
         """Whether the adapter has weights for `module` in decoder layer `layer`."""
         if module not in self.target_modules or not self.targets_layer(layer):
             return False
-        return self.regex_targets is None or qualified_module_name(layer, module) in self.regex_targets
+        return self.regex_targets is None or (layer, module) in self.regex_targets
 
     def module_rank(self, qualified_name: str) -> int:
-        """Rank of the targeted module `model.layers.{i}.{self_attn|mlp}.{name}`, honouring rank_pattern."""
+        """Rank of the targeted module of this name (`TargetShapes.qualified_name`), honouring rank_pattern."""
         return self.rank_overrides.get(qualified_name, self.r)
 
     def module_scaling(self, qualified_name: str) -> float:
@@ -96,11 +96,6 @@ class AdapterConfig:
                 "alpha_pattern": dict(sorted(self.alpha_pattern.items())),
                 "layers_to_transform": None if self.layers_to_transform is None
                 else list(self.layers_to_transform), "target_regex": self.target_regex}
-
-
-def qualified_module_name(layer: int, module: str) -> str:
-    block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-    return f"model.layers.{layer}.{block}.{module}"
 
 
 def _shown(value: Any) -> str:
@@ -219,13 +214,11 @@ def _parse_json(data: bytes) -> Any:
 def parse_adapter_config(raw: dict[str, Any], shapes: TargetShapes, max_lora_rank: int) -> AdapterConfig:
     """Validate a PEFT LoRA config dict for a base model of these shapes; every refusal names the offending
     field."""
-    num_layers = shapes.num_layers
     _check_unsupported_features(raw)
     deadline = time.monotonic() + REGEX_BUDGET_S
     r = _check_rank("r", raw.get("r"), max_lora_rank)
     lora_alpha = _check_alpha("lora_alpha", raw.get("lora_alpha", raw.get("r")))
-    modules, target_regex, regex_targets = _parse_target_modules(raw.get("target_modules"), num_layers,
-                                                                 shapes.modules, deadline)
+    modules, target_regex, regex_targets = _parse_target_modules(raw.get("target_modules"), shapes, deadline)
     config = AdapterConfig(
         r=r,
         lora_alpha=lora_alpha,
@@ -235,16 +228,16 @@ def parse_adapter_config(raw: dict[str, Any], shapes: TargetShapes, max_lora_ran
                       for k, v in _dict_field(raw, "rank_pattern").items()},
         alpha_pattern={k: _check_alpha(f"alpha_pattern[{_shown(k)}]", v)
                        for k, v in _dict_field(raw, "alpha_pattern").items()},
-        layers_to_transform=_parse_layers(raw.get("layers_to_transform"), num_layers),
+        layers_to_transform=_parse_layers(raw.get("layers_to_transform"), shapes.num_layers),
         target_regex=target_regex,
         regex_targets=regex_targets,
     )
-    return _resolve_patterns(config, num_layers, deadline)
+    return _resolve_patterns(config, shapes, deadline)
 
 
-def _resolve_patterns(config: AdapterConfig, num_layers: int, deadline: float) -> AdapterConfig:
+def _resolve_patterns(config: AdapterConfig, shapes: TargetShapes, deadline: float) -> AdapterConfig:
     """The config with the rank and alpha that its patterns give each targeted module."""
-    names = [qualified_module_name(layer, module) for layer in range(num_layers)
+    names = [shapes.qualified_name(layer, module) for layer in range(shapes.num_layers)
              for module in config.target_modules if config.targets(layer, module)]
     return dataclasses.replace(
         config, rank_overrides=_pattern_values("rank_pattern", config.rank_pattern, names, deadline),
@@ -305,16 +298,17 @@ def _dict_field(raw: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
-def _parse_target_modules(value: Any, num_layers: int, supported: tuple[str, ...], deadline: float
-                          ) -> tuple[tuple[str, ...], str | None, frozenset[str] | None]:
-    """(the targeted modules in the model's order `supported`, the regex, the qualified names it matches)."""
+def _parse_target_modules(value: Any, shapes: TargetShapes, deadline: float
+                          ) -> tuple[tuple[str, ...], str | None, frozenset[tuple[int, str]] | None]:
+    """(the targeted modules in the model's order, the regex, the (layer, module) of the names it matches)."""
+    supported = shapes.modules
     if value is None or value == []:
         raise AdapterError("target_modules: the adapter targets no module")
     if value == ALL_LINEAR:
         return supported, None, None
     if isinstance(value, str):
-        matched = _names_matching_regex(value, num_layers, supported, deadline)
-        named = {name.rsplit(".", 1)[-1] for name in matched}
+        matched = _modules_matching_regex(value, shapes, deadline)
+        named = {module for _, module in matched}
         return tuple(m for m in supported if m in named), value, matched
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise AdapterError(f"target_modules: must be a list of module names or a regex, got {_shown(value)}")
@@ -326,13 +320,13 @@ def _parse_target_modules(value: Any, num_layers: int, supported: tuple[str, ...
     return tuple(m for m in supported if m in named), None, None
 
 
-def _names_matching_regex(pattern: str, num_layers: int, supported: tuple[str, ...],
-                          deadline: float) -> frozenset[str]:
-    """The qualified module names that the `target_modules` regex matches in full, as PEFT matches it."""
+def _modules_matching_regex(pattern: str, shapes: TargetShapes, deadline: float) -> frozenset[tuple[int, str]]:
+    """(layer, module) of each module whose qualified name the `target_modules` regex matches in full, as PEFT
+    matches it."""
     compiled = _compile("target_modules", _check_length("target_modules", pattern), deadline)
     matcher = _Matcher("target_modules", compiled.fullmatch, deadline)
-    matched = frozenset(name for name in (qualified_module_name(i, m) for i in range(num_layers)
-                                          for m in supported) if matcher.matches(name))
+    matched = frozenset((layer, module) for layer in range(shapes.num_layers) for module in shapes.modules
+                        if matcher.matches(shapes.qualified_name(layer, module)))
     if not matched:
         raise AdapterError(f"target_modules: the regex {_shown(pattern)} matches no module of the base model")
     return matched

@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 import torch
 
-from slora.adapters.config import qualified_module_name
 from slora.adapters.errors import AdapterError
 from slora.adapters.shapes import TargetShapes
 from slora.adapters.weights import LoadedAdapter, LoraWeights
@@ -111,7 +110,7 @@ def _write_module(flat: torch.Tensor, descriptor: AdapterDescriptor, shapes: Tar
     """Write one module's A and Bᵀ into its layer's buffer."""
     layer, module = key
     m = shapes.modules.index(module)
-    name = qualified_module_name(layer, module)
+    name = shapes.qualified_name(layer, module)
     lora_a = _write_rows(flat[layer], int(descriptor.a_offsets[layer, m]), lora.lora_a)
     lora_b = _write_rows(flat[layer], int(descriptor.b_offsets[layer, m]), lora.lora_b.T)
     return PackedBlock(f"{name}.lora_A", None, lora_a), PackedBlock(f"{name}.lora_B", lora.scaling, lora_b)

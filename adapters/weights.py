@@ -1,4 +1,5 @@
 """Loading a PEFT adapter folder from safetensors, with validation against the base model (DESIGN §5)."""
+import functools
 import hashlib
 import json
 import math
@@ -10,7 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from slora.adapters.config import AdapterConfig, load_adapter_config, qualified_module_name
+from slora.adapters.config import AdapterConfig, load_adapter_config
 from slora.adapters.errors import AdapterError
 from slora.adapters.shapes import TargetShapes
 
@@ -18,8 +19,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # What the loader and the packing to the pool dtype handle; float8 and integer weights are refused.
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-_TENSOR_NAME = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# Layer indices of more digits belong to no model, and int() refuses numbers of thousands of digits.
+MAX_LAYER_DIGITS = 9
 
 
 @dataclass(frozen=True)
@@ -77,21 +78,37 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         raise AdapterError(f"{WEIGHTS_FILE} could not be read: {exc}") from None
 
 
-def _parse_tensor_name(name: str) -> tuple[int, str, str]:
-    match = _TENSOR_NAME.match(name)
+@functools.lru_cache(maxsize=16)
+def _tensor_name_pattern(shapes: TargetShapes) -> re.Pattern[str]:
+    """PEFT's names for the LoRA weights of the model's projections, `[base_model.model.]{qualified name}
+    .lora_{A|B}[.{adapter name}].weight`. The layers' prefix may lack its leading parts: PEFT wrapping the
+    model's body rather than the whole model names Llama's layers `layers.{i}`, not `model.layers.{i}`."""
+    parts = shapes.layers_prefix.split(".")
+    prefixes = "|".join(re.escape(".".join(parts[i:])) for i in range(len(parts)))
+    paths = "|".join(re.escape(path) for path in shapes.module_paths)
+    return re.compile(rf"(?:base_model\.model\.)?(?:{prefixes})\.([0-9]{{1,{MAX_LAYER_DIGITS}}})\.({paths})"
+                      rf"\.lora_([AB])(?:\.[\w-]+)?\.weight")
+
+
+def _parse_tensor_name(name: str, shapes: TargetShapes) -> tuple[int, str, str]:
+    """(layer, module, "A" or "B") of a LoRA weight's name."""
+    match = _tensor_name_pattern(shapes).fullmatch(name)
     if match is None:
-        raise AdapterError(f"tensor {name!r}: not a LoRA A/B weight of a decoder projection "
-                           "(DoRA magnitudes, biases, embeddings and lm_head are not supported)")
-    return int(match.group(1)), match.group(2), match.group(3)
+        raise AdapterError(f"tensor {name!r}: not a LoRA A/B weight of a projection of the base model, "
+                           f"{shapes.layers_prefix}.<layer>.<module>.lora_A/lora_B.weight with <module> one of "
+                           f"{', '.join(shapes.module_paths)} (DoRA magnitudes, biases, embeddings and lm_head "
+                           "are not supported)")
+    layer, path, which = match.groups()
+    return int(layer), shapes.modules[shapes.module_paths.index(path)], which
 
 
 def _validate_weights(config: AdapterConfig, tensors: dict[str, torch.Tensor],
                       shapes: TargetShapes) -> dict[tuple[int, str], LoraWeights]:
     pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
-        layer, module, which = _parse_tensor_name(name)
-        if not (0 <= layer < shapes.num_layers and module in shapes.modules):
-            raise AdapterError(f"tensor {name!r}: the base model has no such module")
+        layer, module, which = _parse_tensor_name(name, shapes)
+        if layer >= shapes.num_layers:
+            raise AdapterError(f"tensor {name!r}: the base model has no layer {layer} (it has {shapes.num_layers})")
         if not config.targets(layer, module):
             raise AdapterError(f"tensor {name!r}: module not listed in target_modules/layers_to_transform")
         _check_dtype(name, tensor)
@@ -112,13 +129,13 @@ def _check_all_targets_present(config: AdapterConfig, pairs: dict, shapes: Targe
         for module in shapes.modules:
             if config.targets(layer, module) and len(pairs.get((layer, module), {})) != 2:
                 raise AdapterError(f"{WEIGHTS_FILE}: missing lora_A or lora_B for "
-                                   f"{qualified_module_name(layer, module)}")
+                                   f"{shapes.qualified_name(layer, module)}")
 
 
 def _check_pair(config: AdapterConfig, key: tuple[int, str], pair: dict[str, tuple[str, torch.Tensor]],
                 shapes: TargetShapes) -> LoraWeights:
     layer, module = key
-    qualified = qualified_module_name(layer, module)
+    qualified = shapes.qualified_name(layer, module)
     rank = config.module_rank(qualified)
     in_features, out_features = shapes.features(module)
     (a_name, lora_a), (b_name, lora_b) = pair["A"], pair["B"]

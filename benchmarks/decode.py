@@ -43,6 +43,7 @@ from slora.cuda_graphs import GraphLimits
 from slora.lora_backend import LoraLaunchPolicy
 from slora.model_runner import ModelRunner, PoolShape
 from slora.models.config import parse_model_config
+from slora.models.llama import LORA_LAYERS_PREFIX, LORA_MODULE_PATHS
 from slora.models.loader import random_model
 from slora.page_pool import PageAllocator
 from slora.sampling_params import SamplingParams
@@ -106,7 +107,8 @@ def adapter_bytes(rank: int, raw: dict = LLAMA3_8B) -> int:
 def rank16_descriptor(rank: int) -> tuple[AdapterDescriptor, int]:
     """The pool layout of a rank-r adapter on all seven projections (weights are filled on the GPU)."""
     features = projection_features()
-    shapes = TargetShapes(LLAMA3_8B["num_hidden_layers"], tuple((m, features[m]) for m in PROJECTIONS))
+    shapes = TargetShapes(LLAMA3_8B["num_hidden_layers"], tuple((m, features[m]) for m in PROJECTIONS),
+                          tuple(LORA_MODULE_PATHS[m] for m in PROJECTIONS), LORA_LAYERS_PREFIX)
     weights = {(l, m): LoraWeights(torch.empty(rank, 0), torch.empty(0, rank), 2.0)
                for l in range(shapes.num_layers) for m in PROJECTIONS}
     config = AdapterConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS)

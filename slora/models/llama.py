@@ -5,6 +5,7 @@ reading A and Bᵀ through the adapter's page table (no copy out of the pool). I
 is a delta computed on a side stream while the GEMM runs, added by the op that reads the projection.
 """
 from collections.abc import Iterable
+from types import MappingProxyType
 from typing import NamedTuple, cast
 
 import torch
@@ -18,9 +19,15 @@ from slora.models.config import ModelConfig
 from slora.models.rope import RotaryEmbedding
 from slora.step_batch import StepBatch
 
-# The model's LoRA layout: the adapter tables' module axis, in this order, and the groups of consecutive
-# modules that read the same input, whose LoRA is one shrink and one expand (q/k/v, gate/up).
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The model's LoRA layout: the adapter tables' module axis, in this order, each module's path inside a
+# decoder layer `model.layers.{i}` (its Hugging Face name, which adapters' patterns and tensor names use), and
+# the groups of consecutive modules that read the same input, whose LoRA is one shrink and one expand
+# (q/k/v, gate/up).
+LORA_LAYERS_PREFIX = "model.layers"
+LORA_MODULE_PATHS = MappingProxyType({
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"})
+LORA_MODULES = tuple(LORA_MODULE_PATHS)
 Q, K, V, O, GATE, UP, DOWN = range(len(LORA_MODULES))
 LORA_GROUPS = (slice(Q, V + 1), slice(O, O + 1), slice(GATE, UP + 1), slice(DOWN, DOWN + 1))
 
@@ -211,12 +218,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def lora_targets(self) -> TargetShapes:
-        """The shapes of this model's LoRA-targetable projections, in the order of `lora_modules`."""
+        """The shapes and names of this model's LoRA-targetable projections, in the order of `lora_modules`."""
         c = self.config
         h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
         features = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                     "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        return TargetShapes(c.num_layers, tuple((m, features[m]) for m in self.lora_modules))
+        return TargetShapes(c.num_layers, tuple((m, features[m]) for m in self.lora_modules),
+                            tuple(LORA_MODULE_PATHS[m] for m in self.lora_modules), LORA_LAYERS_PREFIX)
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up as one GEMM each; call once the weights are in place."""

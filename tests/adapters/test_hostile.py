@@ -11,12 +11,12 @@ from peft.utils.other import get_pattern_key
 
 from slora import LLM
 from slora.adapters import config as adapter_config
-from slora.adapters.config import parse_adapter_config, qualified_module_name
+from slora.adapters.config import parse_adapter_config
 from slora.adapters.errors import AdapterError
 from slora.adapters.packing import pack_adapter
 from slora.adapters.weights import load_adapter
 from slora.adapters.shapes import TargetShapes
-from slora.models.llama import LORA_MODULES
+from slora.models.llama import LORA_LAYERS_PREFIX, LORA_MODULE_PATHS, LORA_MODULES
 from tiny import edit_config, edit_weights, first_key
 
 # Exponential backtracking against every module name: none holds three digits in a row, so the engine
@@ -29,7 +29,8 @@ MAX_RANK = 64
 
 def _shapes(num_layers: int) -> TargetShapes:
     """A Llama-layout model of this many layers (the feature sizes do not matter to config parsing)."""
-    return TargetShapes(num_layers, tuple((module, (64, 64)) for module in LORA_MODULES))
+    return TargetShapes(num_layers, tuple((module, (64, 64)) for module in LORA_MODULES),
+                        tuple(LORA_MODULE_PATHS[module] for module in LORA_MODULES), LORA_LAYERS_PREFIX)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_counted_repeats_of_real_patterns_are_accepted():
                       rank_pattern={r"layers\.[0-9]{1}\.self_attn\.q_proj": 8})
     config = parse_adapter_config(raw, _shapes(2), MAX_RANK)
     assert config.target_modules == ("q_proj", "v_proj")
-    assert config.module_rank(qualified_module_name(1, "q_proj")) == 8
+    assert config.module_rank("model.layers.1.self_attn.q_proj") == 8
 
 
 @pytest.mark.parametrize("field", ["target_modules", "rank_pattern", "alpha_pattern"])
@@ -146,12 +147,13 @@ def test_resolved_tables_match_peft(case):
     """What the parse-time tables give each module is what PEFT's own matching gives."""
     raw = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "use_rslora": case == "suffix",
            **PATTERN_CASES[case]}
-    config = parse_adapter_config(raw, _shapes(5), MAX_RANK)
+    shapes = _shapes(5)
+    config = parse_adapter_config(raw, shapes, MAX_RANK)
     ranks, alphas = raw.get("rank_pattern", {}), raw.get("alpha_pattern", {})
     checked = 0
     for layer in range(5):
         for module in LORA_MODULES:
-            name = qualified_module_name(layer, module)
+            name = shapes.qualified_name(layer, module)
             targeted = raw["target_modules"] == "all-linear" or bool(re.fullmatch(raw["target_modules"], name))
             assert config.targets(layer, module) == targeted
             if targeted:
@@ -167,9 +169,10 @@ def test_resolved_tables_match_peft(case):
 def test_per_module_lookups_run_no_regex():
     """The loader asks for every layer x module; with a key per module (280 keys, 40 layers) a regex scan
     per question would take seconds, the parse-time tables microseconds."""
-    names = [qualified_module_name(layer, module) for layer in range(40) for module in LORA_MODULES]
+    shapes = _shapes(40)
+    names = [shapes.qualified_name(layer, module) for layer in range(40) for module in LORA_MODULES]
     config = parse_adapter_config(base_config(target_modules="all-linear",
-                                              rank_pattern={name: 2 for name in names}), _shapes(40), MAX_RANK)
+                                              rank_pattern={name: 2 for name in names}), shapes, MAX_RANK)
     start = time.monotonic()
     for _ in range(100):
         for name in names:
@@ -225,6 +228,15 @@ def test_duplicate_weight_is_refused(llm, folder):
         tensors[key.replace(".weight", ".default.weight")] = tensors[key].clone()
     edit_weights(folder, duplicate)
     refuse(llm, folder, "the same weight as tensor")
+
+
+def test_layer_index_of_thousands_of_digits_is_refused(llm, folder):
+    """int() raises ValueError, not AdapterError, on a number of more than 4300 digits."""
+    def rename_first_a(tensors):
+        key = first_key(tensors, "lora_A")
+        tensors[key.replace(".layers.0.", f".layers.{'9' * 5000}.")] = tensors.pop(key)
+    edit_weights(folder, rename_first_a)
+    refuse(llm, folder, "not a LoRA A/B weight of a projection of the base model")
 
 
 # ---- 5. weights or scalings that overflow once packed -----------------------------------------------------
