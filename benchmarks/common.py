@@ -258,6 +258,7 @@ def pack_lora_layer(num_adapters: int, rank: int, page_elems: int, dtype: torch.
     import math
 
     import torch
+
     from slora.kernels.layout import align_up
 
     layout, cursor = {}, 0
@@ -295,7 +296,7 @@ def pack_lora_layer(num_adapters: int, rank: int, page_elems: int, dtype: torch.
 class LoraKnobs:
     """Launch choices of the layer's LoRA other than the wrappers' own (None: the wrapper's default)."""
     split_k: int | None = None
-    accumulate: bool = True     # the engine's shrink (lora_shrink_into) rather than split partial sums
+    accumulate: bool = True     # the engine's shrink (lora_shrink(out=h)) rather than split partial sums
     part: str = "both"          # time "both" kernels of each group, or only its "shrink" or its "expand"
     pdl: bool = False           # shrink and expand with programmatic dependent launch
     block_m: int | None = None  # tokens per LoRA block (16 or more: tl.dot's smallest M is 16)
@@ -331,7 +332,8 @@ def lora_layer_step(num_adapters: int, tokens: int, rank: int, gen: torch.Genera
     `tokens` tokens spread over `num_adapters` rank-`rank` adapters. table_slots: adapter slots in the
     tables (a decode graph has one per sequence however many are used; default num_adapters)."""
     import torch
-    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_into, lora_shrink_partials
+
+    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink
 
     dtype = torch.bfloat16
     num_slots = table_slots or num_adapters
@@ -354,12 +356,11 @@ def lora_layer_step(num_adapters: int, tokens: int, rank: int, gen: torch.Genera
 
     def shrink(x: Tensor, ranks: Tensor, a_offsets: Tensor, width: int, used: int) -> Tensor:
         if not knobs.accumulate:
-            return lora_shrink_partials(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank,
-                                        segments=segments, split_k=knobs.split_k, pdl=knobs.pdl)
+            return lora_shrink(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, partials=True,
+                               segments=segments, split_k=knobs.split_k, pdl=knobs.pdl)
         h = workspace[used:used + tokens * width].view(tokens, width)
-        lora_shrink_into(h, x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, segments=segments,
-                         split_k=knobs.split_k, pdl=knobs.pdl)
-        return h
+        return lora_shrink(x, layer.pool, slots, layer.page_tables, ranks, a_offsets, rank, out=h,
+                           segments=segments, split_k=knobs.split_k, pdl=knobs.pdl)
 
     def expand(h: Tensor, group: tuple) -> None:
         _, out, sizes, ranks, _, b_offsets, scalings = group

@@ -22,11 +22,12 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
   page, so its page is chosen per row; a wider tile chooses per column, which Triton 3.6 compiles to
   16-byte vector loads and Triton 3.9 to 2-byte loads (benchmarks/experiments/ptx_loads.py).
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
-  partial sums; expand sums them in a fixed order as it reads h (deterministic, no atomics, and no
-  launch of its own: decode LoRA is bound by launch latency, not bytes). `lora_shrink_into` instead
-  adds every split into one caller-zeroed h with atomics, so the reduction can be split finer (up to
-  32) at no cost to expand; the float32 order of those additions is not fixed. The engine uses it for
-  small steps (slora.lora_backend.LoraLaunchPolicy).
+  partial sums (`lora_shrink(partials=True)` returns them; by default it returns their sum); expand sums
+  them in a fixed order as it reads h (deterministic, no atomics, and no launch of its own: decode LoRA
+  is bound by launch latency, not bytes). `lora_shrink(out=h)` instead adds every split into one
+  caller-zeroed h with atomics, so the reduction can be split finer (up to 32) at no cost to expand; the
+  float32 order of those additions is not fixed. The engine uses it for small steps
+  (slora.lora_backend.LoraLaunchPolicy).
 - Fused modules: the tables may be `[modules, slots]` for up to three modules that share an input
   (q/k/v, gate/up), so one shrink launch and one expand launch (into the fused qkv or gate_up output,
   `out_sizes` columns per module) serve them all: 8 launches per layer for seven projections.
@@ -49,7 +50,7 @@ _PROGRAMS_PER_SM = 2
 # _MAX_SPLIT_K splits (expand sums the partial results of every split when it reads h).
 _MIN_K_PER_SPLIT = 256
 _MAX_SPLIT_K = 8
-# With lora_shrink_into the splits add into one h atomically, so expand's cost does not grow with them.
+# With lora_shrink(out=h) the splits add into one h atomically, so expand's cost does not grow with them.
 _MAX_ACCUMULATE_SPLIT_K = 32
 # Modules fused into one launch: up to three that share their input (q/k/v, gate/up).
 _MAX_MODULES = 3
@@ -694,54 +695,64 @@ def _plan_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tens
     return _ShrinkPlan(modules, segments, cdiv(in_features, k_per_split), k_per_split, block_k)
 
 
-def lora_shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
-                         a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                         split_k: int | None = None, pdl: bool = False) -> Tensor:
-    """Partial sums of the shrink, `[splits, tokens, modules * max_rank]` float32, for `lora_expand`.
+def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
+                a_offsets: Tensor, max_rank: int, *, out: Tensor | None = None, partials: bool = False,
+                segments: LoraSegments | None = None, split_k: int | None = None, pdl: bool = False) -> Tensor:
+    """h[t, m * max_rank + r] = (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t] and r below its rank, in one of
+    three result forms:
 
-    ranks, a_offsets: `[slots]` for one module, or `[modules, slots]` for up to three modules that read
-    the same x (q/k/v, gate/up): one launch for all. Module m's h is in columns m*max_rank onwards.
-    Only the entries of tokens with an adapter and columns below their rank are written; the rest is
-    left as allocated. Summing over the first dimension gives h.
-    pdl: launch with programmatic dependent launch (see `check_pdl`)."""
-    check_pdl(pdl, segments, x.device)
-    return _shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k,
-                            torch.empty, pdl)
+    - default: h itself, `[tokens, modules * max_rank]` in x's dtype (`[tokens, max_rank]` for `[slots]`
+      tables), zero for tokens without adapter and columns past a rank.
+    - partials=True: the split partial sums, `[splits, tokens, modules * max_rank]` float32, for
+      `lora_expand` to add up as it reads them. Only the entries of tokens with an adapter and columns below
+      their rank are written; the rest is left as allocated. Summing over the first dimension gives h.
+    - out=h: adds into h, float32 `[tokens, modules * max_rank]` zeroed by the caller (the engine zeroes one
+      buffer per step for every layer), and returns it. The splits add into h atomically, so expand reads
+      one h, and decode can split the reduction finer (up to 32); the float32 sum order of the splits is
+      not fixed (results may differ in the last bits between runs).
 
-
-def _shrink_partials(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
-                     a_offsets: Tensor, max_rank: int, segments: LoraSegments | None, split_k: int | None,
-                     allocate: Callable[..., Tensor], pdl: bool) -> Tensor:
-    plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k,
-                        _MAX_SPLIT_K)
-    # Token rows padded to a multiple of 16, so the split stride is one too whatever the step's size: Triton
-    # specialises ints on divisibility by 16, and a stride that changed it would compile the kernels again.
-    rows = cdiv(x.shape[0], 16) * 16
-    h = allocate((plan.split_k, rows, plan.modules * max_rank), dtype=torch.float32, device=x.device)[:, :x.shape[0]]
-    _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, h.stride(0), max_rank, accumulate=False,
-                   pdl=pdl)
-    return h
-
-
-def lora_shrink_into(h: Tensor, x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
-                     a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                     split_k: int | None = None, pdl: bool = False) -> None:
-    """h[t, m * max_rank + r] += (x[t] @ A_{m,s}ᵀ)[r] for s = token_slots[t], r below its rank.
-
-    h: float32 `[tokens, modules * max_rank]`, zeroed by the caller (the engine zeroes one buffer per step
-    for every layer). The splits of the reduction add into h atomically, so expand reads one h instead of
-    summing partials, and decode can split the reduction finely; the float32 sum order of the splits is
-    not fixed (results may differ in the last bits between runs). Other arguments as `lora_shrink` and
-    `lora_shrink_partials`."""
+    x: [tokens, in_features]; pool: [num_pages, page_elems]; token_slots: [tokens] (-1 = no adapter);
+    page_tables: [slots, max_pages]; ranks, a_offsets: [slots] for one module, or [modules, slots] for up to
+    three modules that read the same x (q/k/v, gate/up): one launch for all, module m's h in columns
+    m*max_rank onwards; a_offsets: element offset of A's first row. segments: `lora_segments(token_slots,
+    slots)`, computed here when not given. split_k: force the number of splits of the reduction over
+    in_features. pdl: launch with programmatic dependent launch (see `check_pdl`), with out= or
+    partials=True only."""
+    _check_shrink_form(out, partials, pdl)
     check_pdl(pdl, segments, x.device)
     plan = _plan_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k,
-                        _MAX_ACCUMULATE_SPLIT_K)
-    width = plan.modules * max_rank
+                        _MAX_SPLIT_K if out is None else _MAX_ACCUMULATE_SPLIT_K)
+    operands = (x, pool, plan, page_tables, ranks, a_offsets)
+    if out is not None:
+        _check_accumulator(out, x, plan.modules * max_rank)
+        _launch_shrink(*operands, out, 0, max_rank, accumulate=True, pdl=pdl)
+        return out
+    h = _partials_buffer(x, plan, max_rank, torch.empty if partials else torch.zeros)
+    _launch_shrink(*operands, h, h.stride(0), max_rank, accumulate=False, pdl=pdl)
+    return h if partials else h.sum(dim=0).to(x.dtype)
+
+
+def _check_shrink_form(out: Tensor | None, partials: bool, pdl: bool) -> None:
+    if out is not None and partials:
+        raise ValueError("lora_shrink takes out= (add into it) or partials=True (return the split sums), not both")
+    if pdl and out is None and not partials:
+        raise ValueError("pdl=True needs out= or partials=True (the engine's forms); the summed h launches "
+                         "without it")
+
+
+def _check_accumulator(h: Tensor, x: Tensor, width: int) -> None:
     if h.shape != (x.shape[0], width) or h.dtype != torch.float32 or h.stride(1) != 1:
-        raise ValueError(f"h must be float32 [tokens={x.shape[0]}, modules * max_rank={width}] with "
+        raise ValueError(f"out: h must be float32 [tokens={x.shape[0]}, modules * max_rank={width}] with "
                          f"stride 1 in its rows, got {h.dtype} of shape {tuple(h.shape)}")
     _check_devices(h, x)
-    _launch_shrink(x, pool, plan, page_tables, ranks, a_offsets, h, 0, max_rank, accumulate=True, pdl=pdl)
+
+
+def _partials_buffer(x: Tensor, plan: _ShrinkPlan, max_rank: int, allocate: Callable[..., Tensor]) -> Tensor:
+    """`[splits, tokens, modules * max_rank]` float32 for the partial sums. Token rows are padded to a multiple
+    of 16, so the split stride is one too whatever the step's size: Triton specialises ints on divisibility by
+    16, and a stride that changed it would compile the kernels again."""
+    rows = cdiv(x.shape[0], 16) * 16
+    return allocate((plan.split_k, rows, plan.modules * max_rank), dtype=torch.float32, device=x.device)[:, :x.shape[0]]
 
 
 def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tensor, ranks: Tensor,
@@ -767,21 +778,6 @@ def _launch_shrink(x: Tensor, pool: Tensor, plan: _ShrinkPlan, page_tables: Tens
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def lora_shrink(x: Tensor, pool: Tensor, token_slots: Tensor, page_tables: Tensor, ranks: Tensor,
-                a_offsets: Tensor, max_rank: int, *, segments: LoraSegments | None = None,
-                split_k: int | None = None) -> Tensor:
-    """h[t, :r] = x[t] @ A_sᵀ for s = token_slots[t] of rank r; zero elsewhere. Returns
-    `[tokens, modules * max_rank]` in x's dtype (`[tokens, max_rank]` for `[slots]` tables).
-
-    x: [tokens, in_features]; pool: [num_pages, page_elems]; token_slots: [tokens] (-1 = no adapter);
-    page_tables: [slots, max_pages]; ranks, a_offsets: [slots] or [modules, slots] (element offset of A's
-    first row). segments: `lora_segments(token_slots, slots)`, computed here when not given.
-    split_k: force the number of splits of the reduction over in_features."""
-    partials = _shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, segments, split_k,
-                                torch.zeros, pdl=False)
-    return partials.sum(dim=0).to(x.dtype)
 
 
 def _check_partials(h: Tensor, num_tokens: int, modules: int) -> Tensor:

@@ -186,13 +186,12 @@ class _TritonStepKernels:
                     a_offsets: Tensor, max_rank: int) -> Tensor:
         if not self._accumulate:
             # The split partial sums go straight to expand, which adds them up as it reads them.
-            return self._lora.lora_shrink_partials(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                                   segments=self.segments, pdl=self.pdl)
+            return self._lora.lora_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
+                                          partials=True, segments=self.segments, pdl=self.pdl)
         modules = 1 if ranks.dim() == 1 else ranks.shape[0]
         h = self._zeroed(x.shape[0], modules * max_rank, max_rank, x.device)
-        self._lora.lora_shrink_into(h, x, pool, token_slots, page_tables, ranks, a_offsets, max_rank,
-                                    segments=self.segments, pdl=self.pdl)
-        return h
+        return self._lora.lora_shrink(x, pool, token_slots, page_tables, ranks, a_offsets, max_rank, out=h,
+                                      segments=self.segments, pdl=self.pdl)
 
     def _zeroed(self, rows: int, width: int, max_rank: int, device: torch.device) -> Tensor:
         """A zeroed float32 `[rows, width]` slice of the step's workspace, sized at the first call for every

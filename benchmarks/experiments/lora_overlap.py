@@ -40,7 +40,7 @@ def _layer_weights(dtype: torch.dtype) -> list[Tensor]:
 
 
 def _runner(batch: int, num_adapters: int, table_slots: int, mode: str) -> Callable[[], None]:
-    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink_into
+    from slora.kernels.lora import lora_expand, lora_segments, lora_shrink
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     lora = pack_lora_layer(table_slots, RANK, PAGE_ELEMS, dtype, gen)
@@ -62,8 +62,8 @@ def _runner(batch: int, num_adapters: int, table_slots: int, mode: str) -> Calla
     def shrink(x: Tensor, group: int, used: int) -> Tensor:
         ranks, a_off, _, _, sizes = tables[group]
         h = workspace[used:used + batch * len(sizes) * RANK].view(batch, len(sizes) * RANK)
-        lora_shrink_into(h, x, lora.pool, slots, lora.page_tables, ranks, a_off, RANK, segments=segments, pdl=pdl)
-        return h
+        return lora_shrink(x, lora.pool, slots, lora.page_tables, ranks, a_off, RANK, out=h, segments=segments,
+                           pdl=pdl)
 
     def expand(out: Tensor, h: Tensor, group: int) -> None:
         ranks, _, b_off, scalings, sizes = tables[group]

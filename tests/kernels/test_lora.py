@@ -10,13 +10,12 @@ from kernel_helpers import (
     randn,
     random_token_slots,
 )
+
 from slora.kernels import lora, reference
 from slora.kernels.lora import (
     lora_expand,
     lora_segments,
     lora_shrink,
-    lora_shrink_into,
-    lora_shrink_partials,
 )
 
 
@@ -174,7 +173,8 @@ def test_fused_modules_match_reference(monkeypatch, dtype, pattern, name, split_
     _set_launch_constants(monkeypatch, tile=tile, n_tiles=n_tiles)
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=split_k)
     h_want = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
-    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
+    partials = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, partials=True,
+                           split_k=split_k)
     assert partials.shape == (split_k, len(slots), len(out_sizes) * 16)
     assert_close(lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k), h_want)
     want = out.clone()
@@ -197,7 +197,8 @@ def test_expand_without_add_writes_the_delta(monkeypatch, dtype, pattern, name, 
     tiles per program: the last program has tiles past the last one, which must write nothing."""
     _set_launch_constants(monkeypatch, tile=tile, n_tiles=n_tiles)
     x, out, b, slots, out_sizes = _fused_case(dtype, pattern, name, seed=10 + split_k)
-    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
+    partials = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, partials=True,
+                           split_k=split_k)
     h = reference.lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
     want = torch.zeros_like(out)
     reference.lora_expand(want, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes)
@@ -351,7 +352,7 @@ def test_fused_qkv_gpu(dtype, num_tokens, gemv):
     b = make_fused_lora_batch(module_ranks, 4096, out_sizes, 2 * 16 * 8 * 128, dtype, gen, "cuda", weight_scale=0.02)
     slots = random_token_slots(num_tokens, len(GPU_RANKS), gen, device="cuda")
     x = randn((num_tokens, 4096), dtype, gen, "cuda")
-    partials = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128)
+    partials = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, partials=True)
     h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
     out = randn((num_tokens, sum(out_sizes)), dtype, gen, "cuda")
     want = out.float()
@@ -395,7 +396,7 @@ def test_shrink_into_adds_every_split_into_h(monkeypatch, dtype, pattern, name, 
     h_want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 16)
     start = randn(tuple(h_want.shape), torch.float32, make_generator(3))
     h = start.clone()                      # not zero: the shrink must add to what h holds
-    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=split_k)
+    lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, out=h, split_k=split_k)
     assert_close(h, start + h_want)
     want = out.float()
     reference.lora_expand(want, h_want, b.pool.float(), slots, b.page_tables, b.ranks, b.b_offsets, b.scalings,
@@ -409,14 +410,26 @@ def test_shrink_into_rejects_bad_input():
     for h in (torch.zeros(len(slots), 47), torch.zeros(len(slots), 48, dtype=torch.float16),
               torch.zeros(1, len(slots), 48), torch.zeros(len(slots), 96)[:, ::2]):
         with pytest.raises(ValueError, match="h must be float32"):
-            lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+            lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, out=h)
     h = torch.zeros(len(slots), 48)
     with pytest.raises(ValueError, match="split_k"):
-        lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, split_k=0)
+        lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, out=h, split_k=0)
     with pytest.raises(ValueError, match="max_rank"):
-        lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 0)
+        lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 0, out=h)
     with pytest.raises(ValueError, match="no features"):
-        lora_shrink_into(h, x[:, :0], b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16)
+        lora_shrink(x[:, :0], b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, out=h)
+
+
+def test_shrink_result_forms():
+    # out= is returned; out= with partials=True, and pdl without either (the summed h), are refused.
+    x, _, b, slots, _ = _fused_case(torch.float32, "decode", "qkv", seed=8)
+    h = torch.zeros(len(slots), 48)
+    assert lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, out=h) is h
+    with pytest.raises(ValueError, match="not both"):
+        lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, out=h, partials=True)
+    segments = lora_segments(slots, b.page_tables.shape[0])
+    with pytest.raises(ValueError, match="pdl=True needs out= or partials=True"):
+        lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 16, segments=segments, pdl=True)
 
 
 @pytest.mark.gpu
@@ -436,7 +449,7 @@ def test_shrink_into_gpu(monkeypatch, dtype, split_k, in_features, hoist_pages):
     slots = random_token_slots(64, len(GPU_RANKS), gen, device="cuda")
     x = randn((64, in_features), dtype, gen, "cuda")
     h = torch.zeros(64, 2 * 128, dtype=torch.float32, device="cuda")
-    lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, split_k=split_k)
+    lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, out=h, split_k=split_k)
     want = reference.lora_shrink(x.float(), b.pool.float(), slots, b.page_tables, b.ranks, b.a_offsets, 128)
     assert_close(h, want)
 
@@ -445,11 +458,11 @@ def test_pdl_needs_segments_and_a_gpu():
     x, b, slots, max_rank = _shrink_case(torch.float32, "decode", 96, seed=7)
     h = torch.zeros(x.shape[0], max_rank)
     with pytest.raises(ValueError, match="segments computed beforehand"):
-        lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, pdl=True)
+        lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, out=h, pdl=True)
     segments = lora_segments(slots, b.page_tables.shape[0])
     with pytest.raises(ValueError, match="compute capability 9.0"):
-        lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, segments=segments,
-                         pdl=True)
+        lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, max_rank, out=h, segments=segments,
+                    pdl=True)
     out = torch.zeros(x.shape[0], 8)
     with pytest.raises(ValueError, match="segments computed beforehand"):
         lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, pdl=True)
@@ -489,11 +502,11 @@ def test_pdl_launches_in_a_graph_gpu(dtype, num_tokens, split_k, shared):
         out = x @ weight.T                                     # [tokens, 6144]
         if num_tokens <= 64:
             h = torch.zeros(num_tokens, 3 * 128, dtype=torch.float32, device="cuda")
-            lora_shrink_into(h, x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, segments=segments,
-                             pdl=True)
+            lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, out=h, segments=segments,
+                        pdl=True)
         else:
-            h = lora_shrink_partials(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, segments=segments,
-                                     split_k=split_k, pdl=True)
+            h = lora_shrink(x, b.pool, slots, b.page_tables, b.ranks, b.a_offsets, 128, partials=True,
+                            segments=segments, split_k=split_k, pdl=True)
         lora_expand(out, h, b.pool, slots, b.page_tables, b.ranks, b.b_offsets, b.scalings, out_sizes=out_sizes,
                     segments=segments, pdl=True)
         rotary_qk_(out, cos, sin, 32, 8, 128, pdl=True)        # q/k/v: 32 heads, 8 KV heads of 128
