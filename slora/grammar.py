@@ -1,0 +1,206 @@
+"""Structured output on xgrammar: a request's `StructuredOutput` compiled against the tokenizer, one matcher
+per sequence, and the next-token masks of a step's rows applied to its logits as one bitmask
+`[rows, ceil(vocab / 32)]` int32 (bit set: allowed).
+
+The kinds: `json_schema` (xgrammar's strict mode: no properties or items beyond the schema's), `json_object`
+(any JSON object), `regex` (matched whole), `choice` (exactly one of the strings) and `grammar` (xgrammar's
+EBNF, GBNF-like, whose start rule is `root`). JSON may hold whitespace between its tokens, at most
+`JSON_MAX_WHITESPACE` characters at a time: room for indentation, none for the endless whitespace that small
+models fall into under an any-whitespace grammar. Once the output is complete and nothing but the end may
+follow, only the EOS tokens are allowed.
+"""
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import xgrammar as xgr
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from slora.structured_output import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+JSON_MAX_WHITESPACE = 16      # characters of whitespace between two JSON tokens
+MAX_ERROR_CHARS = 200         # of the library's message in a ValueError: the spec is tenant input
+SPEC_NAMES = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}
+_LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    """A spec compiled against one tokenizer; shared by every sequence that uses the spec."""
+
+    spec: StructuredOutput
+    grammar: xgr.CompiledGrammar
+
+
+class _BitmaskFiller(Protocol):
+    def fill_bitmask(self, bitmask: Tensor, row: int) -> None: ...
+
+
+class GrammarState:
+    """One sequence's place in its grammar. It advances only through `accept`, once for each output token
+    appended: a preempted sequence whose tokens are recomputed keeps its state and is not fed them again.
+    Children of a prompt (n > 1) each take `fork()` of the state the prompt left (a fresh one)."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, stop_words: Tensor) -> None:
+        self._matcher = matcher
+        self._stop_words = stop_words      # [words] int32: the bits of the EOS tokens
+        self._finished = False
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by `token_id`; False (the state unchanged) where the grammar forbids it."""
+        if not self._matcher.accept_token(token_id):
+            return False
+        self._finished = self._matcher.is_terminated() or (self._matcher.is_completed() and self._only_end_left())
+        return True
+
+    def is_finished(self) -> bool:
+        """Whether the output is complete and only the end (an EOS token) may follow."""
+        return self._finished
+
+    def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
+        """Write the tokens allowed next into `bitmask[row]` (a CPU tensor of `allocate_bitmask`)."""
+        if self._matcher.is_terminated():          # an EOS was accepted: nothing but the end again
+            bitmask[row].copy_(self._stop_words)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fork(self) -> "GrammarState":
+        """An independent copy of this state."""
+        twin = GrammarState(self._matcher.fork(), self._stop_words)
+        twin._finished = self._finished
+        return twin
+
+    def _only_end_left(self) -> bool:
+        words = torch.empty((1, self._stop_words.numel()), dtype=torch.int32)
+        self._matcher.fill_next_token_bitmask(words, 0)
+        return not bool((words[0] & ~self._stop_words).any())
+
+
+class GrammarCompiler:
+    """Compiles specs against the engine's tokenizer (thread-safe, with an LRU cache of `cache_size`
+    grammars), starts sequences' states, and masks a step's logits. `vocab_size` is the logits' width: ids
+    the tokenizer lacks (padding) are never allowed. The EOS tokens are the tokenizer's unless given."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                 eos_token_ids: Collection[int] | None = None, cache_size: int = 128) -> None:
+        stop = _stop_ids(tokenizer, eos_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
+        self._stop_words = _token_words(stop, vocab_size)
+        self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        """The compiled grammar of `spec`, from the cache when it is there; ValueError for an invalid spec."""
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        compiled = CompiledGrammar(spec, self._compile(spec))
+        with self._lock:
+            compiled = self._cache.setdefault(spec, compiled)     # a thread that compiled it meanwhile wins
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def start(self, compiled: CompiledGrammar) -> GrammarState:
+        """A sequence's state at the start of its output."""
+        return GrammarState(xgr.GrammarMatcher(compiled.grammar), self._stop_words)
+
+    def mask(self, logits: Tensor, grammars: Sequence[_BitmaskFiller | None]) -> None:
+        """Mask each row of `logits` `[rows, vocab]` to its grammar's next tokens; rows of None untouched."""
+        bitmask = allocate_bitmask(len(grammars), self.vocab_size)
+        rows = []
+        for row, grammar in enumerate(grammars):
+            if grammar is not None:
+                grammar.fill_bitmask(bitmask, row)
+                rows.append(row)
+        apply_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int32))
+
+    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        began = time.perf_counter()
+        try:
+            grammar = self._compile_kind(spec)
+        except (RuntimeError, UnicodeError) as e:   # xgrammar's for any invalid spec; a lone surrogate
+            raise ValueError(f"invalid {SPEC_NAMES[spec.kind]}: {_short(str(e))}") from None
+        logger.debug("compiled a %s grammar in %.1f ms", spec.kind, (time.perf_counter() - began) * 1e3)
+        return grammar
+
+    def _compile_kind(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        if spec.kind == "json_schema":
+            return self._compiler.compile_json_schema(_json_text(str(spec.spec)),
+                                                      max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if spec.kind == "json_object":
+            return self._compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                      max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        if spec.kind == "regex":
+            return self._compiler.compile_regex(str(spec.spec))
+        if spec.kind == "choice":
+            return self._compiler.compile_grammar(choice_grammar(tuple(spec.spec or ())))
+        return self._compiler.compile_grammar(str(spec.spec))
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """The EBNF grammar of exactly one of `choices`: an alternation of their JSON-escaped literals."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> Tensor:
+    """A CPU bitmask `[rows, ceil(vocab_size / 32)]` int32 that allows every token."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor | None = None) -> None:
+    """Set to -inf, in place, the logits of `logits` `[rows, vocab]` whose bit in the same row of `bitmask`
+    is 0, on the logits' device (xgrammar's Triton kernel on CUDA, its C++ one on CPU); only the row indices
+    `rows` when given, the others untouched."""
+    if bitmask.shape[-1] * 32 < logits.shape[-1]:
+        raise ValueError(f"a bitmask of {bitmask.shape[-1] * 32} tokens cannot mask {logits.shape[-1]} logits")
+    if rows is not None and rows.numel() == 0:
+        return
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1],
+                                    indices=None if rows is None else rows.tolist())
+
+
+def _token_words(token_ids: Collection[int], vocab_size: int) -> Tensor:
+    """The bitmask row `[words]` int32 that allows exactly `token_ids`."""
+    words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+    for token in token_ids:
+        words[token // 32] |= np.uint32(1 << (token % 32))
+    return torch.from_numpy(words.view(np.int32))
+
+
+def _stop_ids(tokenizer: PreTrainedTokenizerBase, eos_token_ids: Collection[int] | None) -> list[int]:
+    stop = sorted(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
+    if None in stop:
+        raise ValueError("structured output needs EOS token ids, and the tokenizer has no EOS token")
+    return stop
+
+
+def _json_text(schema: str) -> str:
+    """`schema` if it is JSON text (checked here, for a message that does not echo the schema)."""
+    try:
+        json.loads(schema)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON schema: not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    return schema
+
+
+def _short(message: str) -> str:
+    """The library's message without its source location, on one line and at most MAX_ERROR_CHARS long."""
+    text = " ".join(_LIBRARY_PREFIX.sub("", message.strip()).split())
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 3] + "..."
