@@ -64,13 +64,33 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs, one entry per token (with echo, the prompt's first, whose logprob is null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, null (the first) or {token id: its logprob, rank and text}.
+PromptLogprobs = list[dict[str, PromptLogprob] | None] | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: str | None
     token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
     prompt_token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
+    prompt_logprobs: PromptLogprobs = absent("with prompt_logprobs")
 
 
 class Completion(BaseModel):
@@ -87,10 +107,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
     token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
     prompt_token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
@@ -103,6 +137,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs = absent("with prompt_logprobs")
 
 
 class ServerSentEvent(BaseModel):

@@ -1,18 +1,26 @@
 """Request bodies of the OpenAI-compatible routes (pydantic) and builders of the response objects.
 
-Unknown fields are refused (as OpenAI does) so that a misspelt parameter is a 400, not silently ignored.
-Fields that OpenAI has but slora does not implement are accepted only at their neutral value, and their schema
-admits only that value.
+Every documented field of OpenAI's completions and chat completions, and vLLM's extensions, is accepted. Unknown
+fields are ignored with a warning naming them in the log (as vLLM does), so that a client sending a newer field
+still works. A documented field that slora does not implement is accepted only at its neutral value, its schema
+admits only that value, and any other value is a 400 naming the field ("not supported"). Fields that cannot change
+the answer (store, metadata, service_tier, prompt_cache_key, ...) are accepted at any valid value and ignored.
 
 Every field is bounded here, so that a hostile body is refused while it is validated, before any work is done
 for it, and /openapi.json shows the bounds. The caps are hard ones, far above the server's defaults; its
 settings (max_n, max_choices, max_stop_sequences, max_stop_length, max_prompt_chars) tighten them at run time.
 """
+import json
+import logging
+import math
+import reprlib
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -24,10 +32,15 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     WrapValidator,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from slora.sampling_params import MAX_SEED, MAX_TOP_K, MIN_SEED
+from slora.outputs import TokenLogprob
+from slora.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED, MAX_TOP_K, MIN_SEED
+from slora.structured_output import StructuredOutput
+
+logger = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = MIN_SEED, MAX_SEED     # seeds: the sampler's int64
 INT32_MAX = MAX_TOP_K                         # token ids and top_k: the sampler and kernels index in int32
@@ -41,8 +54,22 @@ MAX_TOKENS = 2 ** 24                        # max_tokens / max_completion_tokens
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024                   # enough to list every token of a small vocabulary
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_REPETITION_PENALTY = 1e6
 MAX_NAME_CHARS = 256                        # model, user, message and adapter names
 MAX_PATH_CHARS = 4096
+MAX_SPEC_CHARS = 2 ** 18                    # a JSON schema (as text), regex or grammar
+MAX_GUIDED_CHOICES = 1024
+MAX_JSON_DEPTH = 64                         # nesting of a free-form JSON value (schemas, tool parameters)
+MAX_TOOLS = 128                             # OpenAI's bound on tools (and legacy functions)
+MAX_TOOL_CALLS = 128                        # tool calls of one assistant message
+MAX_DOCUMENTS = 256
+MAX_DOCUMENT_FIELDS = 64
+MAX_TEMPLATE_KWARGS = 64
+MAX_METADATA = 16                           # OpenAI's bounds on metadata: 16 pairs, 64-char keys, 512-char values
+LOGPROB_FLOOR = -9999.0                     # what -inf (and NaN) logprobs are reported as: JSON has no -inf
+_NAMES = reprlib.Repr()                     # names of ignored fields, as the log shows them: bounded
+_NAMES.maxlist, _NAMES.maxstring = 16, 64
 
 
 def _valid_unicode(value: Any) -> Any:  # noqa: ANN401 - the raw JSON value, checked before its type
@@ -69,6 +96,32 @@ def _not_supported(accepted: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
+def _bounded_json(value: Any) -> Any:  # noqa: ANN401 - a free-form JSON value
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH (walked without recursion): it is serialized again for the
+    chat template or the grammar compiler, whose recursion a hostile depth would exhaust."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"is nested deeper than {MAX_JSON_DEPTH} levels")
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return value
+
+
+def schema_text(value: Any) -> str:  # noqa: ANN401 - a JSON schema given as an object or as JSON text
+    """A JSON schema as the engine takes it: compact JSON text of an object. ValueError if it is not one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise ValueError("must be a JSON schema: an object, or a string of JSON text of one") from None
+        _bounded_json(value)
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON schema: an object, or a string of JSON text of one")
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 VALID_UNICODE = BeforeValidator(_valid_unicode)
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), VALID_UNICODE]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), VALID_UNICODE]
@@ -84,6 +137,26 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), VALI
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
 NEUTRAL_ONLY = "Not supported yet: only the neutral value shown is accepted."
+IGNORED = "Accepted and ignored: it does not change the answer."
+Spec = Annotated[str, Field(min_length=1, max_length=MAX_SPEC_CHARS), VALID_UNICODE]
+JsonObject = Annotated[dict[str, Any], AfterValidator(_bounded_json)]
+# A JSON schema: an object, or (vLLM's guided_json) JSON text of one.
+SchemaValue = Annotated[
+    Annotated[JsonObject, Tag("object")] | Annotated[Spec, Tag("string")],
+    Discriminator(lambda v: "object" if isinstance(v, dict) else "string" if isinstance(v, str) else None,
+                  custom_error_type="invalid_schema",
+                  custom_error_message="must be a JSON schema: an object, or a string of JSON text of one"),
+    AfterValidator(lambda value: schema_text(value) and value)]
+GuidedChoices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), VALID_UNICODE]],
+                          Field(min_length=1, max_length=MAX_GUIDED_CHOICES)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+# OpenAI sends logit_bias with token ids as JSON object keys, so as strings of digits.
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                           Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]],
+                      Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64), VALID_UNICODE],
+                          Annotated[str, Field(max_length=512), VALID_UNICODE]], Field(max_length=MAX_METADATA)]
 
 
 def _string_or_list(value: Any) -> str | None:  # noqa: ANN401 - the raw JSON value
@@ -121,65 +194,195 @@ Stop = Annotated[
                   custom_error_message="must be a string or a list of strings")]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+class Tolerant(BaseModel):
+    """A request body whose unknown fields are ignored, with a warning naming them (as vLLM does): a client
+    that sends a field newer than this server still works, and the log says what was not understood."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _ignore_unknown_fields(self) -> "Tolerant":
+        extra = self.__pydantic_extra__
+        if extra:
+            logger.warning("%s: ignoring unknown fields %s", type(self).__name__, _NAMES.repr(sorted(extra)))
+            extra.clear()
+        return self
 
 
-class SamplingRequest(BaseModel):
+class StreamOptions(Tolerant):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = Field(False, description="vLLM: every chunk carries the usage so far.")
+    include_obfuscation: bool | None = Field(None, description="Accepted; no obfuscation field is sent.")
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Name = "response"
+    description: Text | None = None
+    schema_: SchemaValue | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Annotated[Literal["text", "json_object", "json_schema"],
+                    _not_supported('"text", "json_object" or "json_schema"')]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("missing", 'json_schema is required with type "json_schema"')
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object. Backend options
+    (disable_any_whitespace, ...) are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    json_: SchemaValue | None = Field(None, alias="json")
+    regex: Spec | None = None
+    choice: GuidedChoices | None = None
+    grammar: Spec | None = None
+    json_object: bool | None = None
+    structural_tag: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+    whitespace_pattern: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+
+
+def structured_output(kind: str, spec: Any) -> StructuredOutput:  # noqa: ANN401 - as the request gave it
+    if kind == "json_schema":
+        return StructuredOutput("json_schema", schema_text(spec))
+    if kind == "choice":
+        return StructuredOutput("choice", tuple(spec))
+    return StructuredOutput(kind, spec)  # type: ignore[arg-type]  # kind is one of STRUCTURED_KINDS here
+
+
+class SamplingRequest(Tolerant):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
-
     model: ModelName
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="0: the prompt only (with echo and "
+                                                                          "logprobs, its loglikelihood).")
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="Wins over max_tokens.")
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="That many samples run; the n with the highest "
+                                                                  "cumulative logprob are returned. Not with stream.")
     stop: Stop | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
                              description="Sample i of n uses seed + i, so seed + n - 1 must fit in int64 too.")
     user: Name | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[float, Field(ge=0, le=0, description=NEUTRAL_ONLY), _not_supported("0")] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=0, le=0, description=NEUTRAL_ONLY), _not_supported("0")] = 0.0
-    logit_bias: Annotated[dict[str, float] | None, Field(max_length=0, description=NEUTRAL_ONLY),
-                          _not_supported("an empty object or null")] = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = Field(None, description="Token id (as a string) -> bias added to its logit.")
+    response_format: ResponseFormat | None = None
     # Extensions shared with vLLM.
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="0 or -1: no top-k filter.")
-    ignore_eos: bool = False
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False,
+                                             description="1: none.")
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    ignore_eos: bool | None = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    return_token_ids: bool = False           # add `token_ids` (and `prompt_token_ids`) to the choices
+    prompt_logprobs: Logprobs | None = Field(None, description="vLLM: logprobs of the prompt's tokens. Not with "
+                                                                "stream.")
+    return_token_ids: bool | None = False    # add `token_ids` (and `prompt_token_ids`) to the choices
+    return_tokens_as_token_ids: bool | None = Field(False, description='Tokens in logprobs as "token_id:<id>".')
+    add_special_tokens: bool | None = Field(None, description="Default: true for completions, false for chat.")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_PROMPT_TOKEN_IDS,
+                                               description="Keep only the prompt's last this many tokens.")
+    guided_json: SchemaValue | None = None
+    guided_regex: Spec | None = None
+    guided_choice: GuidedChoices | None = None
+    guided_grammar: Spec | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_decoding_backend: Name | None = Field(None, description=IGNORED)
+    request_id: Name | None = Field(None, description=IGNORED)
+    guided_whitespace_pattern: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+    skip_special_tokens: Annotated[Literal[True], Field(description=NEUTRAL_ONLY), _not_supported("true")] = True
+    spaces_between_special_tokens: Annotated[Literal[True], Field(description=NEUTRAL_ONLY),
+                                             _not_supported("true")] = True
+    include_stop_str_in_output: Annotated[Literal[False], Field(description=NEUTRAL_ONLY),
+                                          _not_supported("false")] = False
+    use_beam_search: Annotated[Literal[False], Field(description=NEUTRAL_ONLY), _not_supported("false")] = False
+    length_penalty: Annotated[float, Field(ge=1, le=1, description=NEUTRAL_ONLY), _not_supported("1")] = 1.0
+    allowed_token_ids: Annotated[list[TokenId] | None, Field(max_length=0, description=NEUTRAL_ONLY),
+                                 _not_supported("an empty list or null")] = None
+    bad_words: Annotated[list[str] | None, Field(max_length=0, description=NEUTRAL_ONLY),
+                         _not_supported("an empty list or null")] = None
+    logits_processors: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+    priority: Annotated[int, Field(ge=0, le=0, description=NEUTRAL_ONLY), _not_supported("0")] = 0
+    cache_salt: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+    kv_transfer_params: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+    vllm_xargs: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_at_least_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n")           # absent when n itself was refused
+        if best_of is not None and n is not None and best_of < n:
+            raise ValueError(f"best_of must be at least n={n}")
+        return best_of
 
     @field_validator("seed")
     @classmethod
     def _last_sample_seed_fits(cls, seed: int | None, info: ValidationInfo) -> int | None:
-        n = info.data.get("n")           # absent when n itself was refused
-        if seed is not None and n is not None and seed + n - 1 > INT64_MAX:
-            raise ValueError(f"seed + n - 1 must be at most {INT64_MAX} (sample i uses seed + i)")
+        samples = info.data.get("best_of") or info.data.get("n")   # absent when it was refused
+        if seed is not None and samples is not None and seed + samples - 1 > INT64_MAX:
+            raise ValueError(f"seed + {'best_of' if info.data.get('best_of') else 'n'} - 1 must be at most "
+                             f"{INT64_MAX} (sample i uses seed + i)")
         return seed
 
     @property
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+
+    def structured_outputs_given(self) -> list[tuple[str, StructuredOutput]]:
+        """(the field, what it asks for) of every structured-output field given; ValueError naming a bad one.
+        Exactly one may be given: the caller refuses more."""
+        found: list[tuple[str, str, Any]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            spec = self.response_format.json_schema.schema_ if self.response_format.json_schema else None
+            found.append(("response_format", "json_object" if spec is None else "json_schema", spec))
+        for field, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                found.append((field, kind, getattr(self, field)))
+        outputs = self.structured_outputs
+        if outputs is not None:
+            for name, kind, value in (("json", "json_schema", outputs.json_), ("regex", "regex", outputs.regex),
+                                      ("choice", "choice", outputs.choice), ("grammar", "grammar", outputs.grammar)):
+                if value is not None:
+                    found.append((f"structured_outputs.{name}", kind, value))
+            if outputs.json_object:
+                found.append(("structured_outputs.json_object", "json_object", None))
+        return [(field, structured_output(kind, spec)) for field, kind, spec in found]
+
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
-    echo: Annotated[Literal[False], Field(description=NEUTRAL_ONLY), _not_supported("false")] = False
-    logprobs: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Not supported yet: only equal to n.")
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS, description="0: the prompt only (with echo and "
+                                                                        "logprobs, its loglikelihood).")
+    echo: bool | None = Field(False, description="The prompt comes first in the text (and in logprobs).")
+    logprobs: Logprobs | None = Field(None, description="Each token's logprob, and the this many most likely "
+                                                        "tokens at each position.")
     suffix: Annotated[Literal[""] | None, Field(description=NEUTRAL_ONLY), _not_supported("an empty string or null")] \
         = None
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
-        if best_of is not None and best_of != info.data.get("n"):
-            raise ValueError("best_of is not supported yet (it may only equal n)")
-        return best_of
+    prompt_embeds: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
 
     @property
     def num_prompts(self) -> int:
@@ -195,54 +398,218 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: Text
 
 
+class RefusalPart(BaseModel):
+    """An assistant message's refusal, rendered as its text."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["refusal"]
+    refusal: Text
+
+
+def _part_kind(value: Any) -> str | None:  # noqa: ANN401 - the raw JSON value
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("text", "refusal") else None
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text")] | Annotated[RefusalPart, Tag("refusal")],
+    Discriminator(_part_kind, custom_error_type="not_supported",
+                  custom_error_message='not supported: only "text" (and "refusal") content parts are accepted; '
+                                       "this server reads text only (no images, audio or files)")]
 Content = Annotated[
     Annotated[Text, Tag("string")]
-    | Annotated[list[TextPart], Tag("list"), Field(max_length=MAX_CONTENT_PARTS)],
+    | Annotated[list[ContentPart], Tag("list"), Field(max_length=MAX_CONTENT_PARTS)],
     Discriminator(_string_or_list, custom_error_type="invalid_content",
                   custom_error_message="must be a string or a list of text parts")]
 
 
-class ChatMessage(BaseModel):
-    # Extra fields (tool_call_id, ...) that some clients send with plain messages are ignored.
+class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    name: Name
+    arguments: Text = Field("", description="JSON text, as the model wrote it.")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Name | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    # Extra fields that some clients send with messages are ignored.
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Content | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None   # assistant
+    tool_call_id: Name | None = None                                                         # tool
+    function_call: FunctionCall | None = None                                                # legacy assistant
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
 
     @property
     def text_chars(self) -> int:
+        chars = sum(len(call.function.arguments) for call in self.tool_calls or ())
         if self.content is None or isinstance(self.content, str):
-            return len(self.content or "")
-        return sum(len(part.text) for part in self.content)
+            return chars + len(self.content or "")
+        return chars + sum(len(part.text if isinstance(part, TextPart) else part.refusal) for part in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it. Tool-call arguments become objects where they are JSON (the
+        form Hugging Face templates expect, as vLLM passes them)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name:
+            message["name"] = self.name
+        calls = list(self.tool_calls or [])
+        if not calls and self.function_call is not None:
+            calls = [ToolCall(function=self.function_call)]
+        if calls:
+            message["tool_calls"] = [{**({"id": call.id} if call.id else {}), "type": "function",
+                                      "function": {"name": call.function.name,
+                                                   "arguments": _arguments(call.function.arguments)}}
+                                     for call in calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(text: str) -> Any:  # noqa: ANN401 - JSON
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), VALID_UNICODE]
+    description: Text | None = None
+    parameters: JsonObject | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Annotated[Literal["function"], _not_supported('"function" tools')] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Name
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("string")] | Annotated[NamedToolChoice, Tag("object")],
+    Discriminator(lambda v: "string" if isinstance(v, str) else "object" if isinstance(v, (dict, BaseModel)) else None,
+                  custom_error_type="invalid_tool_choice",
+                  custom_error_message='must be "none", "auto", "required" or {"type": "function", "function": '
+                                       '{"name": ...}}')]
+FunctionChoice = Annotated[
+    Annotated[Literal["none", "auto"], Tag("string")] | Annotated[NamedFunction, Tag("object")],
+    Discriminator(lambda v: "string" if isinstance(v, str) else "object" if isinstance(v, (dict, BaseModel)) else None,
+                  custom_error_type="invalid_function_call",
+                  custom_error_message='must be "none", "auto" or {"name": ...}')]
+Document = Annotated[dict[Annotated[str, Field(max_length=MAX_NAME_CHARS)], Text],
+                     Field(max_length=MAX_DOCUMENT_FIELDS)]
+TemplateKwargs = Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")], Any],
+                           Field(max_length=MAX_TEMPLATE_KWARGS), AfterValidator(_bounded_json)]
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted output: only a speed hint, accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["content"] = "content"
+    content: Content
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    logprobs: Annotated[Literal[False], Field(description=NEUTRAL_ONLY), _not_supported("false")] = False
-    top_logprobs: Annotated[int | None, Field(ge=0, le=0, description=NEUTRAL_ONLY), _not_supported("0 or null")] \
-        = None
-    add_generation_prompt: bool = True       # vLLM extension
+    logprobs: bool | None = Field(False, description="Each output token's logprob.")
+    top_logprobs: Logprobs | None = Field(None, description="With logprobs: this many most likely tokens per "
+                                                            "position.")
+    echo: bool | None = Field(False, description="vLLM: the answer starts with the last message's content when "
+                                                 "that message has the answer's role.")
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="Passed to the chat template (the answer is not parsed into tool calls).")
+    tool_choice: ToolChoice | None = None
+    functions: Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="Legacy form of tools.")
+    function_call: FunctionChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description=IGNORED)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None, description="Passed to the chat template, which may use it.")
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, description=IGNORED)
+    store: bool | None = Field(None, description=IGNORED + " Nothing is stored.")
+    metadata: Metadata | None = Field(None, description=IGNORED)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = Field(
+        None, description=IGNORED)
+    prompt_cache_key: Name | None = Field(None, description=IGNORED)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(None, description=IGNORED)
+    prompt_cache_options: JsonObject | None = Field(None, description=IGNORED)
+    safety_identifier: Name | None = Field(None, description=IGNORED)
+    prediction: Prediction | None = Field(None, description=IGNORED)
+    modalities: Annotated[list[Literal["text"]] | None, Field(max_length=1, description=NEUTRAL_ONLY),
+                          _not_supported('["text"] or null')] = None
+    audio: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+    web_search_options: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+    moderation: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+    # vLLM extensions.
+    add_generation_prompt: bool = True
+    continue_final_message: bool | None = Field(False, description="The last message is left open for the model "
+                                                                   "to continue (add_generation_prompt false).")
+    chat_template_kwargs: TemplateKwargs | None = Field(None, description="More variables for the chat template.")
+    documents: Annotated[list[Document], Field(max_length=MAX_DOCUMENTS)] | None = Field(
+        None, description="Passed to the chat template (for retrieval-augmented templates).")
+    include_reasoning: bool | None = Field(True, description=IGNORED)
+    chat_template: Annotated[None, Field(description=NEUTRAL_ONLY + " The model's own template is used."),
+                             _not_supported("null")] = None
+    mm_processor_kwargs: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
 
-    @property
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return top
 
     @property
     def text_chars(self) -> int:
-        return sum(m.text_chars for m in self.messages)
+        """Characters of text the chat template may render: messages, tools, documents and template variables."""
+        chars = sum(m.text_chars for m in self.messages)
+        for extra in (self.tools, self.functions, self.documents):
+            if extra:
+                chars += len(json.dumps([item if isinstance(item, dict) else item.model_dump() for item in extra],
+                                        ensure_ascii=False))
+        if self.chat_template_kwargs:
+            chars += len(json.dumps(self.chat_template_kwargs, ensure_ascii=False))
+        return chars
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """tools (or the legacy functions, as tools) as chat templates take them."""
+        if self.tools:
+            return [tool.model_dump(exclude_none=True) for tool in self.tools]
+        if self.functions:
+            return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions]
+        return None
 
 
 class AdapterLoadRequest(BaseModel):
@@ -284,20 +651,95 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+TokenText = Callable[[int], str]      # a token id's text, as logprobs show it
+LogprobList = Sequence[TokenLogprob | None] | None
+
+
+def logprob_value(value: float) -> float:
+    """A logprob as JSON can carry it: -inf and NaN become LOGPROB_FLOOR (as vLLM reports them)."""
+    return value if math.isfinite(value) and value > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def padded(token_ids: Sequence[int], logprobs: LogprobList) -> list[TokenLogprob | None]:
+    """One entry per token: what `logprobs` has, then None (for positions it lacks)."""
+    entries = list(logprobs or [])[:len(token_ids)]
+    return entries + [None] * (len(token_ids) - len(entries))
+
+
+def completion_logprobs(token_ids: Sequence[int], logprobs: LogprobList, top: int, token_text: TokenText,
+                        offset: int = 0) -> tuple[dict[str, list[Any]], int]:
+    """OpenAI's legacy logprobs of some tokens (the prompt's first has none: null) and the text offset after
+    them. top_logprobs holds the `top` most likely tokens and the token itself."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for token_id, entry in zip(token_ids, padded(token_ids, logprobs)):
+        text = token_text(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        value = logprob_value(entry.logprob)
+        values.append(value)
+        best: dict[str, float] = {}
+        for candidate, candidate_logprob in entry.top[:top]:
+            best.setdefault(token_text(candidate), logprob_value(candidate_logprob))
+        best.setdefault(text, value)
+        tops.append(best)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def chat_logprobs(token_ids: Sequence[int], logprobs: LogprobList, top: int, token_text: TokenText) -> dict[str, Any]:
+    """OpenAI's chat logprobs of some output tokens: `{"content": [...]}`."""
+    def entry_of(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob_value(logprob), "bytes": list(text.encode("utf-8"))}
+    content = [{**entry_of(token_id, entry.logprob),
+                "top_logprobs": [entry_of(candidate, value) for candidate, value in entry.top[:top]]}
+               for token_id, entry in zip(token_ids, padded(token_ids, logprobs)) if entry is not None]
+    return {"content": content}
+
+
+def prompt_logprobs(token_ids: Sequence[int], logprobs: LogprobList, top: int,
+                    token_text: TokenText) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    for the token itself and the `top` most likely there."""
+    if logprobs is None:
+        return None
+    positions: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(token_ids, padded(token_ids, logprobs)):
+        if entry is None:
+            positions.append(None)
+            continue
+        position = {str(token_id): {"logprob": logprob_value(entry.logprob), "rank": entry.rank,
+                                    "decoded_token": token_text(token_id)}}
+        for rank, (candidate, value) in enumerate(entry.top[:top], 1):
+            position.setdefault(str(candidate), {"logprob": logprob_value(value), "rank": rank,
+                                                 "decoded_token": token_text(candidate)})
+        positions.append(position)
+    return positions
+
+
 def completion_choice(index: int, text: str, finish_reason: str | None,
-                      token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> dict:
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                      token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None,
+                      logprobs: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict:
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     if prompt_token_ids is not None:
         choice["prompt_token_ids"] = prompt_token_ids
+    choice.update(extra or {})
     return choice
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
-                prompt_token_ids: list[int] | None = None) -> dict:
+                prompt_token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None) -> dict:
     choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text},
-                              "logprobs": None, "finish_reason": finish_reason}
+                              "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     if prompt_token_ids is not None:
@@ -306,19 +748,21 @@ def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: lis
 
 
 def chat_delta_choice(index: int, delta: dict[str, Any], finish_reason: str | None,
-                      token_ids: list[int] | None = None) -> dict:
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                      token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None) -> dict:
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice
 
 
 def response_object(kind: str, response_id: str, created: int, model: str, choices: list[dict],
-                    usage_value: dict | None, include_usage_key: bool = True) -> dict:
+                    usage_value: dict | None, include_usage_key: bool = True,
+                    extra: dict[str, Any] | None = None) -> dict:
     body: dict[str, Any] = {"id": response_id, "object": kind, "created": created, "model": model,
                             "choices": choices}
     if include_usage_key:
         body["usage"] = usage_value
+    body.update(extra or {})
     return body
 
 

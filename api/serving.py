@@ -3,6 +3,8 @@ as one JSON object or as server-sent events."""
 import asyncio
 import contextlib
 import copy
+import functools
+import inspect
 import json
 import logging
 import re
@@ -27,8 +29,9 @@ from slora.api.protocol import ChatCompletionRequest, CompletionRequest, Samplin
 from slora.api.settings import ServerSettings
 from slora.api.streaming import ClientGone, EventStreamResponse, unless_disconnected
 from slora.api.tenants import Tenant
-from slora.outputs import ADAPTER_UNAVAILABLE, RequestError, RequestOutput
+from slora.outputs import ADAPTER_UNAVAILABLE, CompletionOutput, RequestError, RequestOutput
 from slora.sampling_params import SamplingParams
+from slora.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 # Tokens per sample reserved against a tenant's token rate when a request gives no max_tokens (then settled).
@@ -42,6 +45,8 @@ DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['cont
                          "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 DONE_EVENT = "data: [DONE]\n\n"
 _PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
+# Words of an engine refusal (ValueError from add_request) of the request's structured output, not its prompt.
+_STRUCTURE_WORDS = re.compile(r"schema|regex|regular expression|grammar|json|choice|structured", re.IGNORECASE)
 
 
 def _outcome_of(exc: BaseException) -> str:
@@ -78,6 +83,8 @@ class ChoiceProgress:
     sent_text: str = ""
     sent_tokens: int = 0
     finish_reason: str | None = None
+    started: bool = False                  # its first event (with the echo, if any) went out
+    text_offset: int = 0                   # of the next token in its logprobs (legacy completions format)
 
     def advance(self, text: str, token_ids: list[int], finish_reason: str | None,
                 stops: list[str]) -> tuple[str, list[int], bool]:
@@ -117,6 +124,15 @@ class Job:
     outcome: str = "ok"
     closed: bool = False
     reserved_tokens: int = 0                   # charged to the tenant's token rate at admission
+    continuous_usage: bool = False             # every streamed chunk carries the usage so far
+    echo: list[str] | None = None              # per prompt, the text its answers start with
+    echo_logprobs: bool = False                # completions: the prompt's tokens come first in logprobs
+    logprobs: int | None = None                # top logprobs per position in the answer (None: no logprobs)
+    prompt_logprobs: int | None = None         # vLLM's prompt_logprobs in the answer
+    tokens_as_ids: bool = False                # tokens in logprobs as "token_id:<id>"
+    structured_param: str | None = None        # the field that asked for a structured output
+    prompt_param: str = "prompt"
+    sent_tokens: dict[tuple[int, int], int] = field(default_factory=dict)   # streamed tokens per choice
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -139,6 +155,10 @@ class Job:
     def completion_tokens(self) -> int:
         return sum(len(o.token_ids) for out in self.finals.values() for o in out.outputs)
 
+    def streamed_tokens(self) -> int:
+        """Output tokens of every choice so far (while streaming)."""
+        return sum(self.sent_tokens.values())
+
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
@@ -147,7 +167,7 @@ class Job:
         prompt. Without an explicit max_tokens (chat's default is the rest of the context) at most
         _UNSPECIFIED_RESERVE per sample is reserved; the difference to what ran is settled at the end."""
         per_sample = self.params.max_tokens if max_tokens_given else min(self.params.max_tokens, _UNSPECIFIED_RESERVE)
-        return self.prompt_tokens() + len(self.prompts) * self.params.n * per_sample
+        return self.prompt_tokens() + len(self.prompts) * self.params.num_samples * per_sample
 
     def tokens_used(self) -> int:
         """What the tenant's token rate is finally charged: nothing for a request refused before it ran."""
@@ -164,6 +184,8 @@ class Tokenizer(Protocol):
     chat_template: str | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
 
     def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...  # noqa: ANN401
 
@@ -315,26 +337,87 @@ def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *arg
         pass
 
 
-def encode_text(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Text -> ids exactly as the offline `LLM.encode` does, so both give the same tokens."""
+def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Text -> ids exactly as the offline `LLM.encode` does (by default), so both give the same tokens."""
+    if not add_special_tokens:
+        return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(text))
 
 
-def encode_texts(tokenizer: Tokenizer, texts: list[str], cancelled: threading.Event) -> list[list[int]]:
+def encode_texts(tokenizer: Tokenizer, texts: list[str], cancelled: threading.Event,
+                 add_special_tokens: bool = True) -> list[list[int]]:
     """Each prompt's ids; stops between prompts once `cancelled` is set."""
     ids = []
     for text in texts:
         if cancelled.is_set():
             raise TokenizationCancelled()
-        ids.append(encode_text(tokenizer, text))
+        ids.append(encode_text(tokenizer, text, add_special_tokens))
     return ids
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+def decode_prompts(tokenizer: Tokenizer, prompts: list[list[int]], cancelled: threading.Event) -> list[str]:
+    """Each token-id prompt's text (for echo); stops between prompts once `cancelled` is set."""
+    texts = []
+    for prompt in prompts:
+        if cancelled.is_set():
+            raise TokenizationCancelled()
+        texts.append(tokenizer.decode(prompt))
+    return texts
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                continue_final_message: bool = False, add_special_tokens: bool = False,
+                **template_kwargs: Any) -> list[int]:   # noqa: ANN401 - the template's variables
+    """The chat template's text of `messages`, as ids. `template_kwargs` (tools, documents, the request's
+    chat_template_kwargs) are the template's; keys that are none of its variables are left out."""
     template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+    extra = {key: value for key, value in template_kwargs.items() if value is not None}
+    if continue_final_message:
+        extra["continue_final_message"] = True
     text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+                                         add_generation_prompt=add_generation_prompt, **extra)
+    return encode_text(tokenizer, text, add_special_tokens)
+
+
+def template_reserved_names(tokenizer: Tokenizer) -> frozenset[str]:
+    """Names chat_template_kwargs may not use: the parameters of `apply_chat_template` itself (tokenize,
+    chat_template, tools, ...), which would change how it runs rather than what the template sees."""
+    return _reserved_names(type(tokenizer))
+
+
+@functools.lru_cache(maxsize=16)
+def _reserved_names(tokenizer_class: type[Tokenizer]) -> frozenset[str]:
+    try:
+        parameters = list(inspect.signature(tokenizer_class.apply_chat_template).parameters.values())
+    except (AttributeError, TypeError, ValueError):
+        parameters = []
+    names = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return frozenset(names | {"conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
+                              "continue_final_message", "tools", "documents", "return_dict", "tokenizer_kwargs"})
+
+
+class TokenTexts:
+    """Each token id's text for logprobs, as vLLM shows it: the id decoded alone, special tokens included.
+    Decoded once per id with a copy of the tokenizer used only on the event loop, then remembered."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._source = tokenizer
+        self._tokenizer: Any = None
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            if self._source is None:
+                return f"token_id:{token_id}"
+            if self._tokenizer is None:
+                self._tokenizer = copy.deepcopy(self._source)   # never shared with the tokenizer threads
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+    @staticmethod
+    def as_id(token_id: int) -> str:
+        return f"token_id:{token_id}"
 
 
 class GenerationService:
@@ -345,6 +428,13 @@ class GenerationService:
         self.admission = admission
         self.metrics = metrics
         self.tokenization = tokenization
+        self._token_texts: TokenTexts | None = None
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self._info.tokenizer)
+        return self._token_texts
 
     @property
     def _info(self) -> EngineInfo:
@@ -362,12 +452,50 @@ class GenerationService:
         return await self._serve(request, lambda: self._chat_job(body, tenant))
 
     async def _completion_job(self, body: CompletionRequest, tenant: Tenant) -> Job:
-        prompts = await self._completion_prompts(body.prompt, tenant)
-        return self._job("completion", body, tenant, prompts, body.max_tokens, "prompt")
+        add_special_tokens = body.add_special_tokens is not False      # vLLM's default for completions: true
+        given = await self._completion_prompts(body.prompt, tenant, add_special_tokens)
+        prompts = self._truncated(body, given)
+        echo_logprobs = bool(body.echo) and body.logprobs is not None
+        prompt_logprobs = body.prompt_logprobs
+        if echo_logprobs:                    # the engine computes what the answer shows of the prompt
+            prompt_logprobs = max(body.logprobs or 0, prompt_logprobs or 0)
+        job = self._job("completion", body, tenant, prompts, body.token_limit, "prompt", logprobs=body.logprobs,
+                        prompt_logprobs=prompt_logprobs)
+        job.echo_logprobs = echo_logprobs
+        if body.echo:                        # a truncated prompt is echoed as what is left of it
+            job.echo = await self._echo_texts(body.prompt if prompts == given else prompts, prompts, tenant)
+        return job
 
     async def _chat_job(self, body: ChatCompletionRequest, tenant: Tenant) -> Job:
         prompt = await self._chat_prompt(body, tenant)
-        return self._job("chat", body, tenant, [prompt], body.token_limit, "messages")
+        prompts = self._truncated(body, [prompt])
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        job = self._job("chat", body, tenant, prompts, body.token_limit, "messages", logprobs=logprobs,
+                        prompt_logprobs=body.prompt_logprobs)
+        if body.echo:
+            # vLLM's echo: the answer starts with the last message when that message has the answer's role.
+            role = "assistant" if body.add_generation_prompt else body.messages[-1].role
+            last = body.messages[-1]
+            job.echo = [last.text() if last.role == role else ""]
+        return job
+
+    @staticmethod
+    def _truncated(body: SamplingRequest, prompts: list[list[int]]) -> list[list[int]]:
+        keep = body.truncate_prompt_tokens
+        return prompts if keep is None else [p[-keep:] for p in prompts]
+
+    async def _echo_texts(self, prompt: str | list[str] | list[int] | list[list[int]], prompts: list[list[int]],
+                          tenant: Tenant) -> list[str]:
+        """The text each prompt's answers start with: the prompt as given, or decoded from its ids."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], str):
+            return [p for p in prompt if isinstance(p, str)]
+        tokenizer = self._info.tokenizer
+        if tokenizer is None:
+            return ["" for _ in prompts]
+        return await self.tokenization.run(tenant.id, tokenizer,
+                                           lambda own, cancelled: decode_prompts(own, prompts, cancelled))
 
     # ---- validation --------------------------------------------------------------------------------------
     def _check_request(self, body: SamplingRequest, num_prompts: int, text_chars: int, prompt_param: str) -> None:
@@ -381,13 +509,45 @@ class GenerationService:
                               code="request_too_large")
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
+        if body.stream and body.best_of is not None and body.best_of > body.n:
+            raise bad_request("best_of greater than n is not supported with stream=true (the best samples are "
+                              "known only at the end)", param="best_of")
+        if body.stream and body.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not available with stream=true", param="prompt_logprobs")
+        self._check_token_ids(body)
+        if isinstance(body, ChatCompletionRequest):
+            self._check_chat(body)
 
     def _check_samples(self, body: SamplingRequest, num_prompts: int) -> None:
         if body.n > self.settings.max_n:
             raise bad_request(f"n must be between 1 and {self.settings.max_n}", param="n")
-        if num_prompts * body.n > self.settings.max_choices:
-            raise bad_request(f"prompts x n must be at most {self.settings.max_choices}, got {num_prompts} x "
-                              f"{body.n}", param="n")
+        if body.best_of is not None and body.best_of > self.settings.max_n:
+            raise bad_request(f"best_of must be between n and {self.settings.max_n}", param="best_of")
+        samples, name = (body.best_of, "best_of") if body.best_of is not None else (body.n, "n")
+        if num_prompts * samples > self.settings.max_choices:
+            raise bad_request(f"prompts x {name} must be at most {self.settings.max_choices}, got {num_prompts} x "
+                              f"{samples}", param=name)
+
+    def _check_token_ids(self, body: SamplingRequest) -> None:
+        vocab = self._info.vocab_size
+        outside = sorted(token for token in body.logit_bias_ids if token >= vocab)
+        if outside:
+            raise bad_request(f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})"
+                              + (f" ({len(outside)} such ids)" if len(outside) > 1 else ""), param="logit_bias")
+
+    def _check_chat(self, body: ChatCompletionRequest) -> None:
+        if body.continue_final_message and body.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              param="continue_final_message")
+        if body.continue_final_message and body.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's",
+                              param="continue_final_message")
+        if body.chat_template_kwargs and self._info.tokenizer is not None:
+            reserved = template_reserved_names(self._info.tokenizer)
+            clashes = sorted(key for key in body.chat_template_kwargs if key in reserved)
+            if clashes:
+                raise bad_request(f"chat_template_kwargs may not set {clashes[0]!r}: it is a parameter of the "
+                                  "template call, not a template variable", param="chat_template_kwargs")
 
     def _check_stops(self, stops: list[str]) -> None:
         if len(stops) > self.settings.max_stop_sequences:
@@ -404,23 +564,26 @@ class GenerationService:
         return tokenizer
 
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
-                                  tenant: Tenant) -> list[list[int]]:
+                                  tenant: Tenant, add_special_tokens: bool = True) -> list[list[int]]:
         texts = [prompt] if isinstance(prompt, str) else prompt
         if isinstance(texts[0], int):            # CompletionRequest refuses empty lists
             return [list(texts)]
         if isinstance(texts[0], list):
             return [list(p) for p in texts]
         tokenizer = self._tokenizer("text prompts")
-        return await self.tokenization.run(tenant.id, tokenizer,
-                                           lambda own, cancelled: encode_texts(own, texts, cancelled))
+        return await self.tokenization.run(
+            tenant.id, tokenizer, lambda own, cancelled: encode_texts(own, texts, cancelled, add_special_tokens))
 
     async def _chat_prompt(self, body: ChatCompletionRequest, tenant: Tenant) -> list[int]:
         tokenizer = self._tokenizer("chat")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                     **({"name": m.name} if m.name else {})} for m in body.messages]
+        messages = [m.template_dict() for m in body.messages]
+        variables: dict[str, Any] = {"tools": body.template_tools(), "documents": body.documents,
+                                     "reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}
         try:
             return await self.tokenization.run(
-                tenant.id, tokenizer, lambda own, _: render_chat(own, messages, body.add_generation_prompt))
+                tenant.id, tokenizer, lambda own, _: render_chat(
+                    own, messages, body.add_generation_prompt, bool(body.continue_final_message),
+                    bool(body.add_special_tokens), **variables))
         except (ValueError, TypeError, KeyError) as exc:
             raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") \
                 from None
@@ -430,22 +593,49 @@ class GenerationService:
             raise
 
     def _job(self, kind: str, body: SamplingRequest, tenant: Tenant, prompts: list[list[int]],
-             max_tokens: int | None, prompt_param: str) -> Job:
-        params = self._params(body, prompts, max_tokens, prompt_param)
+             max_tokens: int | None, prompt_param: str, logprobs: int | None = None,
+             prompt_logprobs: int | None = None) -> Job:
+        structured_param, structured = self._structured(body)
+        params = self._params(body, prompts, max_tokens, prompt_param, logprobs, prompt_logprobs, structured)
         adapter = None if body.model == self._info.model_name else body.model
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        job = Job(kind, body.model, adapter, tenant, prompts, params, body.stream, include_usage,
-                  body.return_token_ids, body.user)
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        job = Job(kind, body.model, adapter, tenant, prompts, params, bool(body.stream), include_usage,
+                  bool(body.return_token_ids), body.user)
+        job.continuous_usage = bool(options and options.continuous_usage_stats)
+        job.logprobs = logprobs
+        job.prompt_logprobs = body.prompt_logprobs
+        job.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+        job.structured_param = structured_param
+        job.prompt_param = prompt_param
         job.reserved_tokens = job.token_reservation(max_tokens is not None)
         return job
 
+    @staticmethod
+    def _structured(body: SamplingRequest) -> tuple[str | None, StructuredOutput | None]:
+        """The one structured output the request asks for (response_format, guided_*, structured_outputs)."""
+        try:
+            given = body.structured_outputs_given()
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        if len(given) > 1:
+            names = [name for name, _ in given]
+            raise bad_request(f"{' and '.join(names)} cannot both be given: a request takes one structured output",
+                              param=names[1])
+        return given[0] if given else (None, None)
+
     def _params(self, body: SamplingRequest, prompts: list[list[int]], max_tokens: int | None,
-                prompt_param: str) -> SamplingParams:
+                prompt_param: str, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                structured: StructuredOutput | None = None) -> SamplingParams:
         context = self._info.max_model_len
         longest = max(len(p) for p in prompts)
         if longest == 0:
             raise bad_request("the prompt is empty", param=prompt_param)
-        if longest >= context:
+        if max_tokens == 0:                  # the prompt alone (a loglikelihood): it may fill the context
+            if longest > context:
+                raise bad_request(f"This model's maximum context length is {context} tokens, but the prompt has "
+                                  f"{longest} tokens.", param=prompt_param, code="context_length_exceeded")
+        elif longest >= context:
             raise bad_request(f"This model's maximum context length is {context} tokens, but the prompt has "
                               f"{longest} tokens (at least one token must be generated).", param=prompt_param,
                               code="context_length_exceeded")
@@ -453,7 +643,7 @@ class GenerationService:
         if max_tokens is None:               # as much as the context leaves, within the server's limit
             max_tokens = min(limit, context - longest)
         if max_tokens > limit:
-            raise bad_request(f"max_tokens must be between 1 and {limit}", param="max_tokens")
+            raise bad_request(f"max_tokens must be between 0 and {limit}", param="max_tokens")
         if longest + max_tokens > context:
             raise bad_request(f"This model's maximum context length is {context} tokens. However, you requested "
                               f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for the "
@@ -463,7 +653,11 @@ class GenerationService:
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k is None else body.top_k,
                 seed=body.seed, stop=body.stop_list, stop_token_ids=body.stop_token_ids or [], n=body.n,
-                ignore_eos=body.ignore_eos)
+                ignore_eos=bool(body.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                min_tokens=body.min_tokens or 0, min_p=body.min_p or 0.0, logit_bias=body.logit_bias_ids,
+                best_of=body.best_of, structured=structured)
         except ValueError as exc:
             found = _PARAM_IN_MESSAGE.search(str(exc))
             message = str(exc).replace("SamplingParams.", "")
@@ -527,7 +721,13 @@ class GenerationService:
                 raise unavailable("the server is not serving now; retry later", self.settings.retry_after_s) \
                     from None
             except ValueError as exc:
-                raise bad_request(str(exc), param="messages" if job.kind == "chat" else "prompt") from None
+                message = str(exc).replace("SamplingParams.", "")
+                param = job.prompt_param
+                if job.structured_param is not None and _STRUCTURE_WORDS.search(message):
+                    param = job.structured_param     # the engine could not compile the structured output
+                elif (found := _PARAM_IN_MESSAGE.search(str(exc))) is not None:
+                    param = found.group(1)
+                raise bad_request(message, param=param) from None
             job.streams.append(stream)
 
     async def _outputs(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
@@ -593,16 +793,60 @@ class GenerationService:
         return any(o.finish_reason == "abort" for out in job.finals.values() for o in out.outputs)
 
     def _response(self, job: Job) -> dict[str, Any]:
-        build = protocol.chat_choice if job.kind == "chat" else protocol.completion_choice
         choices = []
         for index in range(len(job.prompts)):
             out = job.finals[index]
-            for sample in out.outputs:
-                extra = (sample.token_ids, out.prompt_token_ids) if job.return_token_ids else (None, None)
-                choices.append(build(job.choice_index(index, sample.index), sample.text, sample.finish_reason,
-                                     *extra))
+            echo = job.echo[index] if job.echo else ""
+            for position, sample in enumerate(out.outputs):      # best_of: the best first
+                ids = {"token_ids": sample.token_ids, "prompt_token_ids": out.prompt_token_ids} \
+                    if job.return_token_ids else {}
+                choice = job.choice_index(index, position)
+                if job.kind == "chat":
+                    choices.append(protocol.chat_choice(choice, echo + sample.text, sample.finish_reason, **ids,
+                                                        logprobs=self._chat_logprobs(job, sample, 0)))
+                    continue
+                logprobs, _ = self._completion_logprobs(job, out, sample, 0, job.echo_logprobs)
+                extra = None
+                if job.prompt_logprobs is not None:
+                    extra = {"prompt_logprobs": self._prompt_logprobs(job, out)}
+                choices.append(protocol.completion_choice(choice, echo + sample.text, sample.finish_reason, **ids,
+                                                          logprobs=logprobs, extra=extra))
+        extra = None
+        if job.kind == "chat" and job.prompt_logprobs is not None:      # vLLM puts it beside the choices
+            extra = {"prompt_logprobs": self._prompt_logprobs(job, job.finals[0])}
         return protocol.response_object(job.object_name, job.response_id, job.created, job.model, choices,
-                                        self._usage(job))
+                                        self._usage(job), extra=extra)
+
+    def _token_text(self, job: Job) -> protocol.TokenText:
+        return TokenTexts.as_id if job.tokens_as_ids else self.token_texts
+
+    def _chat_logprobs(self, job: Job, sample: CompletionOutput, start: int,
+                       end: int | None = None) -> dict[str, Any] | None:
+        """The chat logprobs of sample tokens [start:end]."""
+        if job.logprobs is None:
+            return None
+        end = len(sample.token_ids) if end is None else end
+        logprobs = None if sample.logprobs is None else sample.logprobs[start:end]
+        return protocol.chat_logprobs(sample.token_ids[start:end], logprobs, job.logprobs, self._token_text(job))
+
+    def _completion_logprobs(self, job: Job, out: RequestOutput, sample: CompletionOutput, start: int,
+                             with_prompt: bool, end: int | None = None,
+                             offset: int = 0) -> tuple[dict[str, Any] | None, int]:
+        """The legacy logprobs of sample tokens [start:end], after the prompt's with `with_prompt` (echo), and the
+        text offset after them."""
+        if job.logprobs is None:
+            return None, offset
+        end = len(sample.token_ids) if end is None else end
+        token_ids = sample.token_ids[start:end]
+        logprobs = protocol.padded(token_ids, None if sample.logprobs is None else sample.logprobs[start:end])
+        if with_prompt:
+            token_ids = out.prompt_token_ids + token_ids
+            logprobs = protocol.padded(out.prompt_token_ids, out.prompt_logprobs) + logprobs
+        return protocol.completion_logprobs(token_ids, logprobs, job.logprobs, self._token_text(job), offset)
+
+    def _prompt_logprobs(self, job: Job, out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        return protocol.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, job.prompt_logprobs or 0,
+                                        self._token_text(job))
 
     @staticmethod
     def _usage(job: "Job") -> dict:
@@ -613,8 +857,9 @@ class GenerationService:
         progress: dict[int, ChoiceProgress] = {}
         try:
             if job.kind == "chat":
+                echo = job.echo[0] if job.echo else ""
                 for choice in range(len(job.prompts) * job.params.n):
-                    yield self._chunk(job, [protocol.chat_delta_choice(choice, {"role": "assistant", "content": ""},
+                    yield self._chunk(job, [protocol.chat_delta_choice(choice, {"role": "assistant", "content": echo},
                                                                        None)])
             async with contextlib.aclosing(self._outputs(job)) as outputs:
                 async for index, output in outputs:
@@ -646,24 +891,32 @@ class GenerationService:
                 continue
             choice = job.choice_index(index, sample.index)
             state = progress.setdefault(choice, ChoiceProgress())
+            start = state.sent_tokens
             text, tokens, finished = state.advance(sample.text, sample.token_ids, sample.finish_reason,
                                                    job.params.stop)
             if not text and not tokens and not finished:
                 continue
+            first, state.started = not state.started, True
+            job.sent_tokens[(index, sample.index)] = state.sent_tokens
             token_ids = tokens if job.return_token_ids else None
             reason = sample.finish_reason if finished else None
             if job.kind == "chat":
                 delta = {"content": text} if text or not finished else {}
-                choice_obj = protocol.chat_delta_choice(choice, delta, reason, token_ids)
+                choice_obj = protocol.chat_delta_choice(choice, delta, reason, token_ids,
+                                                        self._chat_logprobs(job, sample, start, state.sent_tokens))
             else:
-                choice_obj = protocol.completion_choice(choice, text, reason, token_ids)
+                logprobs, state.text_offset = self._completion_logprobs(
+                    job, output, sample, start, first and job.echo_logprobs, state.sent_tokens, state.text_offset)
+                echo = job.echo[index] if job.echo and first else ""
+                choice_obj = protocol.completion_choice(choice, echo + text, reason, token_ids, logprobs=logprobs)
             events.append(self._chunk(job, [choice_obj]))
         return events
 
     @staticmethod
     def _chunk(job: Job, choices: list[dict[str, Any]]) -> str:
+        usage = protocol.usage(job.prompt_tokens(), job.streamed_tokens()) if job.continuous_usage else None
         return sse(protocol.response_object(job.chunk_name, job.response_id, job.created, job.model, choices,
-                                            None, include_usage_key=job.include_usage))
+                                            usage, include_usage_key=job.include_usage or job.continuous_usage))
 
     def _on_stream_closed(self, job: Job, disconnected: bool) -> None:
         if disconnected and len(job.finals) < len(job.streams):

@@ -187,15 +187,16 @@ def test_valid_non_ascii_text_is_served(http):
 
 # ---- fields accepted only at their neutral value -------------------------------------------------------
 def test_neutral_values_of_unsupported_fields_are_accepted(http):
-    neutral = dict(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, echo=False, logprobs=None, best_of=1,
-                   suffix="")
+    neutral = dict(suffix="", use_beam_search=False, skip_special_tokens=True, include_stop_str_in_output=False,
+                   allowed_token_ids=[], bad_words=[], priority=0, length_penalty=1)
     assert completion(http, **neutral).status_code == 200
-    assert chat(http, logprobs=False, top_logprobs=0, logit_bias=None).status_code == 200
+    assert chat(http, logprobs=False, top_logprobs=0, logit_bias=None, audio=None, web_search_options=None,
+                modalities=["text"]).status_code == 200
 
 
-@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("frequency_penalty", -1), ("echo", True),
-                                         ("logit_bias", {"5": 1.0}), ("logprobs", 1), ("suffix", "end"),
-                                         ("best_of", 2)])
+@pytest.mark.parametrize("field,value", [("suffix", "end"), ("use_beam_search", True), ("skip_special_tokens", False),
+                                         ("include_stop_str_in_output", True), ("allowed_token_ids", [5]),
+                                         ("priority", 1)])
 def test_other_values_of_unsupported_fields_are_400(http, field, value):
     error = error_of(completion(http, **{field: value}))
     assert error["param"] == field and "not supported" in error["message"], error

@@ -136,15 +136,15 @@ def test_models_list_base_and_adapters(client):
 BAD_REQUESTS = {
     "n-too-large": dict(n=1000),
     "max-tokens-over-context": dict(max_tokens=5000),
-    "max-tokens-zero": dict(max_tokens=0),
+    "max-tokens-negative": dict(max_tokens=-1),
     "negative-temperature": dict(temperature=-1),
     "top-p-zero": dict(top_p=0),
     "too-many-stops": dict(stop=["a", "b", "c", "d", "e"]),
-    "unknown-field": dict(extra_body={"no_such_field": 1}),
+    "suffix": dict(suffix="and then"),
     "prompt-too-long": dict(prompt=[5] * 2100),
     "token-out-of-vocab": dict(prompt=[10 ** 6]),
     "empty-prompt": dict(prompt=""),
-    "logprobs": dict(logprobs=2),
+    "logprobs-too-many": dict(logprobs=21),
 }
 
 
