@@ -45,7 +45,14 @@ def uniform_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     columns = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     state = _splitmix64(seeds[:, None] * _GOLDEN + steps[:, None])                # [rows, 1]
     bits = _splitmix64(state + columns[None, :] * _GOLDEN)                        # [rows, vocab]
-    return (_shift_right(bits, 40).float() + 0.5) / float(1 << 24)
+    return unit_interval(bits)
+
+
+def unit_interval(bits: Tensor) -> Tensor:
+    """The top 23 bits of int64 `bits` as float32 in (0, 1), both ends excluded: (k + 0.5) / 2**23 is exact in
+    float32's 24-bit significand. (With 24 bits the largest k rounded to 1.0, whose Gumbel noise is +inf,
+    and +inf on a -inf logit is NaN, which argmax picks: a masked token drawn.)"""
+    return (_shift_right(bits, 41).float() + 0.5) / float(1 << 23)
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,10 @@ class SamplingTensors:
                    torch.tensor(step, dtype=torch.int64), min_ps).to(device)
 
     def to(self, device: torch.device) -> "SamplingTensors":
-        return SamplingTensors(*(None if t is None else t.to(device, non_blocking=True)
-                                 for t in self.__dict__.values()))
+        def moved(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=True)
+        return SamplingTensors(moved(self.temperatures), moved(self.top_ks), moved(self.top_ps), moved(self.seeds),
+                               moved(self.steps), None if self.min_ps is None else moved(self.min_ps))
 
 
 def scale_logits(logits: Tensor, temperatures: Tensor) -> Tensor:
@@ -131,6 +140,12 @@ class GrammarMask(Protocol):
 
     def fill_bitmask(self, bitmask: Tensor, row: int) -> None: ...
 
+    def accept(self, token_id: int) -> bool: ...
+
+    def is_finished(self) -> bool: ...
+
+    def fork(self) -> "GrammarMask": ...
+
 
 class Masker(Protocol):
     """Applies the grammar masks of a step's rows to its logits (slora.grammar.GrammarCompiler)."""
@@ -148,15 +163,15 @@ class Sampler:
     controls, the grammar mask and the temperature. Everything is computed on the logits' device, and the
     tokens and their logprobs come to the host in one copy."""
 
-    def __init__(self, eos_token_ids: Collection[int] = (), masker: Masker | None = None) -> None:
+    def __init__(self, eos_token_ids: Collection[int] = ()) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.masker = masker
 
-    def __call__(self, logits: Tensor, seqs: list[Sequence],
-                 grammars: Rows[GrammarMask | None] | None = None) -> SampleResult:
-        """One token per row of `logits` `[seqs, vocab]`; `grammars`: each row's grammar, if any has one."""
+    def __call__(self, logits: Tensor, seqs: list[Sequence], grammars: Rows[GrammarMask | None] | None = None,
+                 masker: Masker | None = None) -> SampleResult:
+        """One token per row of `logits` `[seqs, vocab]`; `grammars`: each row's grammar where any has one,
+        applied by `masker`."""
         raw = logits
-        logits = self._controlled(logits, seqs, grammars)
+        logits = self._controlled(logits, seqs, grammars, masker)
         tokens = self._tokens(logits, seqs)                                         # [rows] on the device
         wanted = [s.params.logprob_count for s in seqs]
         top = max((k for k in wanted if k is not None), default=None)
@@ -166,7 +181,8 @@ class Sampler:
         return SampleResult([lp.token_id for lp in logprobs], [None if k is None else lp._replace(top=lp.top[:k])
                                                                for lp, k in zip(logprobs, wanted)])
 
-    def _controlled(self, logits: Tensor, seqs: list[Sequence], grammars: Rows[GrammarMask | None] | None) -> Tensor:
+    def _controlled(self, logits: Tensor, seqs: list[Sequence], grammars: Rows[GrammarMask | None] | None,
+                    masker: Masker | None) -> Tensor:
         """The logits the tokens are drawn from: a float32 copy with controls and masks, where any applies."""
         controlled = any(s.params.logit_bias or s.params.min_tokens or s.params.penalized for s in seqs)
         masked = grammars is not None and any(g is not None for g in grammars)
@@ -174,8 +190,8 @@ class Sampler:
             return logits
         logits = apply_controls(logits.float().clone(), seqs, self.eos_token_ids)
         if masked:
-            assert self.masker is not None and grammars is not None, "grammars given to a sampler without a masker"
-            self.masker.mask(logits, grammars)
+            assert masker is not None and grammars is not None, "grammars given to the sampler without a masker"
+            masker.mask(logits, grammars)
         return logits
 
     def _tokens(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
