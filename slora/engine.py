@@ -16,13 +16,14 @@ from slora.builtin_models import resolve_model
 from slora.config import EngineConfig
 from slora.detokenizer import IncrementalDetokenizer
 from slora.engine_sizing import EngineSizing
+from slora.grammar import EngineGrammars
 from slora.model_runner import ModelRunner
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
 from slora.outputs import ADAPTER_UNAVAILABLE, INTERNAL_ERROR, EngineSnapshot, RequestError, RequestOutput, TokenLogprob
 from slora.page_pool import PageAllocator
 from slora.request_state import RequestState, check_prompt, check_token_ids
-from slora.sampler import Sampler
+from slora.sampler import GrammarMask, Sampler
 from slora.sampling_params import SamplingParams
 from slora.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from slora.sequence import AdapterRef, Sequence, SequenceStatus
@@ -61,6 +62,7 @@ class Engine:
                                        scheduler_config.usable_pages(allocator.num_pages))
         self.scheduler = Scheduler(scheduler_config, allocator, adapter_pool=self.adapters)
         self.sampler = Sampler(self.eos_token_ids)
+        self.grammars = EngineGrammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.step_stats = StepStats()          # wall time of steps by kind (prefill, decode, mixed)
         self._decode_bytes = sizing.decode_bytes(self.adapters.weight_bytes)
         self._salt_secret = os.urandom(32)
@@ -113,13 +115,16 @@ class Engine:
         self._check_fits(len(prompt_token_ids), ref)
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=self._seed_source.randrange(2 ** 62))
+        grammars: list[GrammarMask] | None = None
+        if params.structured is not None:
+            grammars = [self.grammars.start(params.structured)]
         if ref is not None:
             self.adapters.acquire(ref.version)
         parent = self._new_seq(request_id, prompt_token_ids, params, ref, 0, self.cache_salt(owner))
         self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent],
                                                  None if ref is None else ref.version,
                                                  [""], params.num_samples, [IncrementalDetokenizer(self.tokenizer)],
-                                                 stream)
+                                                 stream, grammars=grammars)
         self.scheduler.add(parent)
 
     def cache_salt(self, owner: str | None) -> bytes:
@@ -214,8 +219,10 @@ class Engine:
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """A token for each sequence (row of `logits`), sampled as one batch. Should the batch raise, the
         rows are sampled one by one, so that only the requests whose own rows raise fail."""
+        grammars = [self.requests[s.request_id].grammar_of(s) for s in seqs]
+        masker = self.grammars if any(g is not None for g in grammars) else None
         try:
-            result = self.sampler(logits, seqs)
+            result = self.sampler(logits, seqs, grammars, masker)
             return list(zip(seqs, result.token_ids, result.logprobs))
         except Exception:
             logger.warning("sampling a batch of %d rows failed; sampling them one by one", len(seqs),
@@ -225,7 +232,7 @@ class Engine:
             if seq.status is SequenceStatus.FINISHED:
                 continue                               # another sample's fault failed its request
             try:
-                result = self.sampler(logits[row:row + 1], [seq])
+                result = self.sampler(logits[row:row + 1], [seq], grammars[row:row + 1], masker)
                 sampled.append((seq, result.token_ids[0], result.logprobs[0]))
             except Exception:
                 self._fail_internal(seq, "sampling its next token")
@@ -280,12 +287,8 @@ class Engine:
             touched[seq.request_id] = self.requests[seq.request_id]
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        state = self.requests[seq.request_id]
-        if seq.params.max_tokens == 0:                 # the prompt alone was asked for
-            self.scheduler.finish(seq, "length")
-            return
-        state.record_logprob(seq.sample_index, logprob)
-        reason = append_token(state, seq, token, self.eos_token_ids, self.max_model_len)
+        reason = append_token(self.requests[seq.request_id], seq, token, logprob, self.eos_token_ids,
+                              self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason)
 

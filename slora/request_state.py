@@ -8,7 +8,7 @@ from torch import Tensor
 
 from slora.detokenizer import IncrementalDetokenizer
 from slora.outputs import CompletionOutput, RequestError, RequestOutput, TokenLogprob
-from slora.sampler import token_logprobs
+from slora.sampler import GrammarMask, token_logprobs
 from slora.sampling_params import SamplingParams
 from slora.sequence import Sequence, SequenceStatus
 
@@ -27,6 +27,7 @@ class RequestState:
     logprobs: list[list[TokenLogprob]] = field(default_factory=lambda: [[]])   # per sample, per output token
     cumulative_logprobs: list[float] = field(default_factory=lambda: [0.0])
     prompt_logprobs: list[TokenLogprob | None] | None = None    # position p: the logprob of prompt token p
+    grammars: list[GrammarMask] | None = None   # per sample, with SamplingParams.structured
 
     def __post_init__(self) -> None:
         if self.seqs[0].params.prompt_logprobs is not None:
@@ -42,6 +43,11 @@ class RequestState:
         self.detokenizers.append(detokenizer)
         self.logprobs.append([])
         self.cumulative_logprobs.append(0.0)
+        if self.grammars is not None:           # forks are made before the first sample's first token
+            self.grammars.append(self.grammars[0].fork())
+
+    def grammar_of(self, seq: Sequence) -> "GrammarMask | None":
+        return None if self.grammars is None else self.grammars[seq.sample_index]
 
     def record_logprob(self, index: int, logprob: TokenLogprob | None) -> None:
         """The logprob of sample `index`'s new token (None when neither logprobs nor best_of needs it)."""

@@ -1,6 +1,7 @@
-"""A sequence's new token: its text, and whether the sequence ends."""
+"""A sequence's new token: its logprob, its text, its grammar, and whether the sequence ends."""
 from dataclasses import dataclass
 
+from slora.outputs import TokenLogprob
 from slora.request_state import RequestState
 from slora.sequence import Sequence
 
@@ -29,11 +30,34 @@ def check_stop(seq: Sequence, text: str, eos_token_ids: frozenset[int], max_mode
     return StopResult(None, text)
 
 
-def append_token(state: RequestState, seq: Sequence, token: int, eos_token_ids: frozenset[int],
-                 max_model_len: int) -> str | None:
+def append_token(state: RequestState, seq: Sequence, token: int, logprob: TokenLogprob | None,
+                 eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
     """Append a sampled token to one sample of a request, decode it if the caller reads text as it grows
     (or a stop string must be matched against it) and check the stop conditions; the finish reason, or
-    None while the sample goes on."""
+    None while the sample goes on. A sample of max_tokens=0 (the prompt alone) ends without its token;
+    one whose grammar is complete ends with "stop"."""
+    if seq.params.max_tokens == 0:
+        return "length"
+    state.record_logprob(seq.sample_index, logprob)
+    reason = _append_text(state, seq, token, eos_token_ids, max_model_len)
+    if reason is None and _completes_grammar(state, seq, token):
+        state.texts[seq.sample_index] = state.detokenizers[seq.sample_index].final_text()
+        return "stop"
+    return reason
+
+
+def _completes_grammar(state: RequestState, seq: Sequence, token: int) -> bool:
+    """Advance the sample's grammar, if it has one; whether its output is now complete."""
+    grammar = state.grammar_of(seq)
+    if grammar is None:
+        return False
+    if not grammar.accept(token):
+        raise AssertionError(f"token {token} sampled under a grammar mask that forbids it")
+    return grammar.is_finished()
+
+
+def _append_text(state: RequestState, seq: Sequence, token: int, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> str | None:
     seq.output_token_ids.append(token)
     index = seq.sample_index                     # its place in state.seqs
     detokenizer = state.detokenizers[index]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from slora import LLM, SamplingParams
-from slora.sampler import SamplingTensors, filter_logits, uniform_noise
+from slora.sampler import SamplingTensors, filter_logits, uniform_noise, unit_interval
 from slora.sampler import sample as sample_tokens
 from slora.builtin_models import TINY_MODEL
 from tiny import random_prompts
@@ -81,6 +81,16 @@ def test_noise_is_uniform_and_a_function_of_seed_and_step():
     assert 0 < noise.min() and noise.max() < 1 and abs(noise.mean() - 0.5) < 0.01
     assert torch.equal(noise[0], uniform_noise(torch.tensor([1]), torch.tensor([0]), 20000)[0])
     assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+
+
+def test_noise_never_reaches_one_so_masked_tokens_are_never_drawn():
+    """The extreme bit patterns map inside (0, 1): Gumbel noise stays finite, and a -inf logit (masked by a
+    grammar, top-k or top-p) stays -inf after it is added, never NaN (which argmax would pick)."""
+    extremes = unit_interval(torch.tensor([-1, 0, 2 ** 62, -(2 ** 63)], dtype=torch.int64))
+    assert (extremes > 0).all() and (extremes < 1).all()
+    gumbel = -torch.log(-torch.log(extremes))
+    assert torch.isfinite(gumbel).all()
+    assert torch.isneginf(torch.tensor(float("-inf")) + gumbel).all()
 
 
 def test_stop_token_ids_end_with_stop(llm):
