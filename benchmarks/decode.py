@@ -6,9 +6,12 @@ adapter, each request on its own rank-16 adapter (all seven projections). Roofli
 With --vs-peft: end-to-end generation (prompt 128, 64 new tokens, batch 64, 32 rank-16 adapters) of
 slora against transformers + PEFT on the same GPU, in the same run. --profile: GPU time by kernel of one
 eager decode step; --mixed: eager mixed steps (decoding sequences beside prefills) timed and profiled;
---host-profile: cProfile of the host side of such steps.
+--host-profile: cProfile of the host side of such steps. --sampling-cost: the decode step at batch 64 with
+the sampler (temperature 1) on the host's side of it, with 0, 50 and 100% of the requests asking for logprobs
+(top 5) or for JSON-schema output (xgrammar masks; --tokenizer DIR, default: the default model's).
 
-    python benchmarks/decode.py [--quick] [--vs-peft | --profile | --mixed | --host-profile] [--out FILE]
+    python benchmarks/decode.py [--quick] [--vs-peft | --profile | --mixed | --host-profile | --sampling-cost]
+                                [--out FILE]
 """
 import argparse
 import dataclasses
@@ -32,23 +35,28 @@ from common import (
     write_json,
     write_peft_adapter,
 )
+
 from slora.adapters.config import AdapterConfig
 from slora.adapters.packing import AdapterDescriptor, buffer_layout
 from slora.adapters.shapes import TargetShapes
 from slora.adapters.weights import LoadedAdapter, LoraWeights
-from slora.kernels.layout import cdiv
-
+from slora.builtin_models import DEFAULT_MODEL, resolve_model
 from slora.config import CudaConfig
 from slora.cuda_graphs import GraphLimits
+from slora.engine_grammars import EngineGrammars
+from slora.kernels.layout import cdiv
 from slora.lora_backend import LoraLaunchPolicy
 from slora.model_runner import ModelRunner, PoolShape
 from slora.models.config import parse_model_config
 from slora.models.llama import LORA_LAYERS_PREFIX, LORA_MODULE_PATHS
 from slora.models.loader import random_model
 from slora.page_pool import PageAllocator
+from slora.sampler import Sampler
 from slora.sampling_params import SamplingParams
 from slora.scheduler import ScheduledSeq
 from slora.sequence import AdapterRef, Sequence
+from slora.structured_output import StructuredOutput
+from slora.tokenizer import eos_token_ids, load_tokenizer
 
 BF16_FLOPS = 810e12
 CONTEXT, RANK = 1024, 16
@@ -407,6 +415,77 @@ def vs_peft(batch: int, num_adapters: int, new_tokens: int) -> dict:
             "peft_tok_s": peft, "slora_tok_s": ours, "ratio": ours / peft, "slora_steps": steps}
 
 
+# A bounded schema: sampled under its mask from random weights it still ends within a few dozen tokens.
+PERSON_SCHEMA = '{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, ' \
+                '"age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}'
+SAMPLING_FEATURES = ("logprobs", "json_schema")
+
+
+def feature_params(feature: str, seed: int) -> SamplingParams:
+    if feature == "logprobs":
+        return SamplingParams(max_tokens=2, temperature=1.0, seed=seed, logprobs=5)
+    if feature == "json_schema":
+        return SamplingParams(max_tokens=2, temperature=1.0, seed=seed,
+                              structured=StructuredOutput("json_schema", PERSON_SCHEMA))
+    return SamplingParams(max_tokens=2, temperature=1.0, seed=seed)
+
+
+class SampledSteps:
+    """Decode steps of one batch, each sampled like the engine does, grammars advanced per token (a grammar
+    that completes starts again, so every step masks)."""
+
+    def __init__(self, runner: ModelRunner, scheduled: list[ScheduledSeq], grammars: EngineGrammars,
+                 features: list[str]) -> None:
+        self.runner, self.scheduled, self.grammars = runner, scheduled, grammars
+        self.seqs = [item.seq for item in scheduled]
+        for i, (seq, feature) in enumerate(zip(self.seqs, features)):
+            seq.params = feature_params(feature, i)
+        self.states = [self._fresh(seq) for seq in self.seqs]
+        self.sampler = Sampler()
+
+    def _fresh(self, seq: Sequence):
+        return None if seq.params.structured is None else self.grammars.start(seq.params.structured)
+
+    def step(self) -> None:
+        logits = self.runner.run(self.scheduled, {})
+        masker = self.grammars if any(s is not None for s in self.states) else None
+        result = self.sampler(logits, self.seqs, self.states, masker)
+        for i, (state, token) in enumerate(zip(self.states, result.token_ids)):
+            if state is not None and (not state.accept(token) or state.is_finished()):
+                self.states[i] = self._fresh(self.seqs[i])
+
+
+def sampling_rows(batch: int, iters: int, tokenizer_dir: Path) -> list[dict]:
+    """Step time with each feature on 0, 50 and 100% of the batch, against the plain sampled step."""
+    runner, descriptor, _ = make_runner(batch, 0)
+    allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
+    scheduled, _ = build_step(runner, allocator, batch, [], descriptor, "none")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    grammars = EngineGrammars(tokenizer, LLAMA3_8B["vocab_size"], eos_token_ids((), tokenizer))
+    cases = [("none", 0.0)] + [(f, share) for f in SAMPLING_FEATURES for share in (0.5, 1.0)]
+    rows, base = [], None
+    for feature, share in cases:
+        users = int(batch * share)
+        steps = SampledSteps(runner, scheduled, grammars, [feature] * users + ["none"] * (batch - users))
+        seconds = time_calls(steps.step, iters)
+        base = base or seconds
+        rows.append({"batch": batch, "feature": feature, "share_pct": 100 * share, "step_ms": seconds * 1e3,
+                     "vs_none_pct": 100 * (seconds / base - 1)})
+    release_kv(allocator, scheduled)
+    return rows
+
+
+def time_calls(step, iters: int) -> float:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
@@ -425,6 +504,11 @@ def main() -> None:
                         help="eager mixed steps (64 decoding + 2 prefills) on 5 vs distinct adapters, by kernel")
     modes.add_argument("--host-profile", action="store_true",
                         help="cProfile of the host side of eager mixed steps (text report to --out or stdout)")
+    modes.add_argument("--sampling-cost", action="store_true",
+                       help="the batch-64 decode step with logprobs or JSON-schema output on 0/50/100%% of requests")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="with --sampling-cost: the HF tokenizer folder for the grammars (default: the "
+                             "default model's)")
     modes.add_argument("--profile", action="store_true",
                         help="GPU time by kernel of one eager step at batch 64 (no roofline table)")
     parser.add_argument("--mixes", default=",".join(MIXES),
@@ -468,6 +552,13 @@ def main() -> None:
         rows = mixed_rows(8 if args.quick else 64, 3 if args.quick else 10)
         print_table(rows)
         write_json(Path(args.out or RESULTS / "decode_mixed_h200.json"), {"benchmark": "decode-mixed", "rows": rows})
+        return
+    if args.sampling_cost:
+        folder = args.tokenizer or resolve_model(DEFAULT_MODEL).folder
+        rows = sampling_rows(8 if args.quick else 64, 5 if args.quick else 30, folder)
+        print_table(rows)
+        write_json(Path(args.out or RESULTS / "decode_sampling_h200.json"),
+                   {"benchmark": "decode-sampling-cost", "context": CONTEXT, "rows": rows})
         return
     if args.profile:
         rows = kernel_profile(8 if args.quick else 64)

@@ -15,8 +15,8 @@ from slora.adapters.errors import AdapterError
 from slora.builtin_models import resolve_model
 from slora.config import EngineConfig
 from slora.detokenizer import IncrementalDetokenizer
+from slora.engine_grammars import EngineGrammars
 from slora.engine_sizing import EngineSizing
-from slora.grammar import EngineGrammars
 from slora.model_runner import ModelRunner
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model

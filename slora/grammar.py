@@ -9,7 +9,6 @@ EBNF, GBNF-like, whose start rule is `root`). JSON may hold whitespace between i
 models fall into under an any-whitespace grammar. Once the output is complete and nothing but the end may
 follow, only the EOS tokens are allowed.
 """
-import functools
 import json
 import logging
 import os
@@ -206,24 +205,3 @@ def _short(message: str) -> str:
     text = " ".join(_LIBRARY_PREFIX.sub("", message.strip()).split())
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 3] + "..."
 
-
-class EngineGrammars:
-    """The engine's grammar compiler, built on the first structured request (building the tokenizer's
-    tables takes a while, and most engines never need them)."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
-                 eos_token_ids: Collection[int]) -> None:
-        self._tokenizer, self._vocab_size, self._eos_token_ids = tokenizer, vocab_size, eos_token_ids
-
-    @functools.cached_property
-    def compiler(self) -> GrammarCompiler:
-        if self._tokenizer is None:
-            raise ValueError("structured output needs the model's tokenizer, and this model has none")
-        return GrammarCompiler(self._tokenizer, self._vocab_size, self._eos_token_ids)
-
-    def start(self, spec: StructuredOutput) -> GrammarState:
-        """A fresh state of the spec's grammar (compiled once per spec); ValueError for an invalid spec."""
-        return self.compiler.start(self.compiler.compile(spec))
-
-    def mask(self, logits: Tensor, grammars: Sequence[_BitmaskFiller | None]) -> None:
-        self.compiler.mask(logits, grammars)
