@@ -76,6 +76,11 @@ class GrammarState:
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    @property
+    def matcher(self) -> "xgr.GrammarMatcher | None":
+        """The library's matcher while it can take tokens (None once terminated), for batched fills."""
+        return None if self._matcher.is_terminated() else self._matcher
+
     def fork(self) -> "GrammarState":
         """An independent copy of this state."""
         twin = GrammarState(self._matcher.fork(), self._stop_words)
@@ -103,6 +108,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._batch = xgr.BatchGrammarMatcher()          # threads: half the machine's cores
+        self._buffer: Tensor | None = None
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """The compiled grammar of `spec`, from the cache when it is there; ValueError for an invalid spec."""
@@ -122,14 +129,27 @@ class GrammarCompiler:
         return GrammarState(xgr.GrammarMatcher(compiled.grammar), self._stop_words)
 
     def mask(self, logits: Tensor, grammars: Sequence[_BitmaskFiller | None]) -> None:
-        """Mask each row of `logits` `[rows, vocab]` to its grammar's next tokens; rows of None untouched."""
-        bitmask = allocate_bitmask(len(grammars), self.vocab_size)
-        rows = []
-        for row, grammar in enumerate(grammars):
-            if grammar is not None:
+        """Mask each row of `logits` `[rows, vocab]` to its grammar's next tokens; rows of None untouched.
+        The rows' masks are filled by the library's thread pool, into a reused (pinned, on CUDA) buffer."""
+        bitmask = self._bitmask(len(grammars), logits.device)
+        present = [(row, grammar) for row, grammar in enumerate(grammars) if grammar is not None]
+        live = [(row, m) for row, grammar in present if (m := _matcher_of(grammar)) is not None]
+        if live:
+            self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [row for row, _ in live])
+        for row, grammar in present:
+            if _matcher_of(grammar) is None:                  # terminated: its EOS-only row
                 grammar.fill_bitmask(bitmask, row)
-                rows.append(row)
-        apply_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int32))
+        apply_bitmask(logits, bitmask, torch.tensor([row for row, _ in present], dtype=torch.int32))
+
+    def _bitmask(self, rows: int, device: torch.device) -> Tensor:
+        """`[rows, words]` of the step's bitmask buffer, all allowed; grown when a step has more rows. The
+        previous step's copy to the device is done: its sampled ids were read on the host since."""
+        if self._buffer is None or self._buffer.shape[0] < rows:
+            self._buffer = allocate_bitmask(rows, self.vocab_size).pin_memory() if device.type == "cuda" \
+                else allocate_bitmask(rows, self.vocab_size)
+        view = self._buffer[:rows]
+        view.fill_(-1)
+        return view
 
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         began = time.perf_counter()
@@ -154,6 +174,10 @@ class GrammarCompiler:
         return self._compiler.compile_grammar(str(spec.spec))
 
 
+def _matcher_of(grammar: object) -> "xgr.GrammarMatcher | None":
+    return grammar.matcher if isinstance(grammar, GrammarState) else None
+
+
 def choice_grammar(choices: Sequence[str]) -> str:
     """The EBNF grammar of exactly one of `choices`: an alternation of their JSON-escaped literals."""
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
@@ -172,8 +196,8 @@ def apply_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor | None = None) -
         raise ValueError(f"a bitmask of {bitmask.shape[-1] * 32} tokens cannot mask {logits.shape[-1]} logits")
     if rows is not None and rows.numel() == 0:
         return
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[-1],
-                                    indices=None if rows is None else rows.tolist())
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    vocab_size=logits.shape[-1], indices=None if rows is None else rows.tolist())
 
 
 def _token_words(token_ids: Collection[int], vocab_size: int) -> Tensor:

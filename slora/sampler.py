@@ -204,12 +204,16 @@ class Sampler:
 
 def token_logprobs(logits: Tensor, tokens: Tensor, top: int) -> list[TokenLogprob]:
     """Each row's token `tokens[row]`: its logprob under log_softmax(logits), its rank, and the `top` best
-    (token, logprob). One host copy: every number packed in one float64 tensor (token ids < 2**53 are exact)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)                            # [rows, vocab]
-    chosen = logprobs.gather(1, tokens[:, None])                                    # [rows, 1]
-    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1                       # [rows, 1]
-    best = logprobs.topk(top, dim=-1)                                               # [rows, top]
-    packed = torch.cat([tokens[:, None].double(), chosen.double(), ranks.double(), best.indices.double(),
-                        best.values.double()], dim=1).tolist()                      # [rows, 3 + 2 * top]
+    (token, logprob). The log-normaliser is taken once per row, so no `[rows, vocab]` logprobs are written;
+    one host copy: every number packed in one float64 tensor (token ids < 2**53 are exact)."""
+    logits = logits.float()
+    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)                     # [rows, 1]
+    chosen = logits.gather(1, tokens[:, None])                                      # [rows, 1]
+    ranks = (logits > chosen).sum(dim=-1, keepdim=True) + 1                         # [rows, 1]
+    columns = [tokens[:, None].double(), (chosen - normaliser).double(), ranks.double()]
+    if top:
+        best = logits.topk(top, dim=-1)                                             # [rows, top]
+        columns += [best.indices.double(), (best.values - normaliser).double()]
+    packed = torch.cat(columns, dim=1).tolist()                                     # [rows, 3 + 2 * top]
     return [TokenLogprob(int(row[0]), row[1], int(row[2]),
                          [(int(t), v) for t, v in zip(row[3:3 + top], row[3 + top:])]) for row in packed]

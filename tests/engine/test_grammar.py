@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from slora.builtin_models import smollm2_folder
+from slora.builtin_models import TINY_MODEL, resolve_model, smollm2_folder
 from slora.grammar import MAX_ERROR_CHARS, GrammarCompiler, GrammarState, allocate_bitmask, apply_bitmask
 from slora.structured_output import StructuredOutput
 
@@ -228,8 +228,12 @@ def test_a_bitmask_narrower_than_the_logits_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_logits_are_masked_as_on_the_cpu(compiler):
-    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+def test_cuda_logits_are_masked_as_on_the_cpu():
+    """On the tiny model's tokenizer (the GPU machine lacks the default model's package), with 44 logits
+    past its vocabulary, which are masked too."""
+    tiny = AutoTokenizer.from_pretrained(resolve_model(TINY_MODEL).folder)
+    compiler = GrammarCompiler(tiny, len(tiny) + 44)
+    logits = torch.randn(4, compiler.vocab_size, generator=torch.Generator().manual_seed(1))
     grammars = [start(compiler, "json_object"), None, start(compiler, "regex"), None]
     on_cpu, on_cuda = logits.clone(), logits.cuda()
     compiler.mask(on_cpu, grammars)
