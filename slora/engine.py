@@ -22,12 +22,12 @@ from slora.models.config import ModelConfig
 from slora.models.loader import load_model
 from slora.outputs import ADAPTER_UNAVAILABLE, INTERNAL_ERROR, EngineSnapshot, RequestError, RequestOutput, TokenLogprob
 from slora.page_pool import PageAllocator
-from slora.request_state import RequestState, check_prompt, check_token_ids
-from slora.sampler import GrammarMask, Sampler
+from slora.request_state import RequestState, check_request
+from slora.sampler import Sampler
 from slora.sampling_params import SamplingParams
 from slora.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from slora.sequence import AdapterRef, Sequence, SequenceStatus
-from slora.step_batch import prompt_logit_positions
+from slora.step_batch import prompt_logits
 from slora.step_stats import StepStats, StepTimer
 from slora.stopping import append_token
 from slora.tokenizer import eos_token_ids, load_tokenizer
@@ -106,18 +106,13 @@ class Engine:
         ends, and unless a stop string needs it the text is decoded then, not token by token."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.num_samples > self.config.max_num_seqs:
-            raise ValueError(f"{params.num_samples} samples (n or best_of) exceed max_num_seqs="
-                             f"{self.config.max_num_seqs}")
-        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
-        check_token_ids(params, self.model_config.vocab_size)
+        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
+                      self.config.max_num_seqs)
         ref = None if adapter is None else self.adapters.resolve(adapter, owner)
-        self._check_fits(len(prompt_token_ids), ref)
+        self.scheduler.check_fits(len(prompt_token_ids), ref)
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=self._seed_source.randrange(2 ** 62))
-        grammars: list[GrammarMask] | None = None
-        if params.structured is not None:
-            grammars = [self.grammars.start(params.structured)]
+        grammars = None if params.structured is None else [self.grammars.start(params.structured)]
         if ref is not None:
             self.adapters.acquire(ref.version)
         parent = self._new_seq(request_id, prompt_token_ids, params, ref, 0, self.cache_salt(owner))
@@ -149,12 +144,6 @@ class Engine:
             state.add_sample(IncrementalDetokenizer(self.tokenizer))
         return children
 
-    def _check_fits(self, prompt_len: int, ref: AdapterRef | None) -> None:
-        pages = -(-(prompt_len + 1) // self.config.page_size) + (ref.num_pages if ref else 0)
-        usable = self.scheduler.usable_pages
-        if pages > usable:
-            raise ValueError(f"the request needs {pages} pages but the pool has only {usable} usable")
-
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; None if it is not running."""
         state = self.requests.get(request_id)
@@ -171,8 +160,7 @@ class Engine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; outputs of the requests that changed, of those added with
-        stream=False only once they end (building every running request's output each step was about a
-        tenth of the host work per step at batch 64, for a caller that reads none of them)."""
+        stream=False only once they end (building them every step cost a tenth of its host work)."""
         self._refresh_host_tier()
         out = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
@@ -203,14 +191,8 @@ class Engine:
         self._append_tokens(self._sample(logits[rows], seqs), touched)
 
     def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], logits: Tensor) -> None:
-        """The prompt logprobs of this step's rows (after the sampled rows, in step order: step_batch's
-        prompt_logit_positions); a request whose rows raise fails alone."""
-        start = 0
-        for item in scheduled:
-            positions = prompt_logit_positions(item)
-            if not positions:
-                continue
-            rows, start = logits[start:start + len(positions)], start + len(positions)
+        """The prompt logprobs of this step's rows past its sampled ones; a request whose rows raise fails alone."""
+        for item, positions, rows in prompt_logits(scheduled, logits):
             try:
                 self.requests[item.seq.request_id].store_prompt_logprobs(positions, rows)
             except Exception:
@@ -239,9 +221,8 @@ class Engine:
         return sampled
 
     def _fail_internal(self, seq: Sequence, stage: str) -> None:
-        """Called from an `except` around one request's work: that request alone fails. The log gets the
-        traceback; the client an internal_error naming the stage, not the engine's internals. (A plain
-        try/except at each call site, not a context manager: it runs per token on the decode path.)"""
+        """From an `except` around one request's work (a plain try/except: it runs per token): that request
+        alone fails, the log gets the traceback, the client an internal_error naming the stage."""
         logger.exception("request %s failed while %s; the other requests go on", seq.request_id, stage)
         self._fail_request(seq.request_id, RequestError(INTERNAL_ERROR, f"internal error while {stage}; "
                                                         "the request was stopped"))

@@ -84,6 +84,15 @@ class RequestState:
         return len(self.seqs) < self.num_samples
 
 
+def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                  max_num_seqs: int) -> None:
+    """A request the engine can take: ValueError naming what is wrong with it."""
+    if params.num_samples > max_num_seqs:
+        raise ValueError(f"{params.num_samples} samples (n or best_of) exceed max_num_seqs={max_num_seqs}")
+    check_prompt(prompt, vocab_size, max_model_len)
+    check_token_ids(params, vocab_size)
+
+
 def check_prompt(prompt: list[int], vocab_size: int, max_model_len: int) -> None:
     """A prompt the engine can take: ValueError naming what is wrong with it."""
     if not prompt:

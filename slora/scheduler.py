@@ -116,6 +116,12 @@ class Scheduler:
         """Pages one request (or adapter) may ever get: all but the admission watermark."""
         return self.config.usable_pages(self.allocator.num_pages)
 
+    def check_fits(self, prompt_len: int, adapter: AdapterRef | None) -> None:
+        """A prompt (and its adapter) that the pool could ever hold: ValueError if not."""
+        pages = -(-(prompt_len + 1) // self.config.page_size) + (adapter.num_pages if adapter else 0)
+        if pages > self.usable_pages:
+            raise ValueError(f"the request needs {pages} pages but the pool has only {self.usable_pages} usable")
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -198,6 +198,17 @@ def prompt_logit_positions(item: ScheduledSeq) -> range:
     return range(start, min(start + item.num_tokens, len(seq.prompt_token_ids) - 1))
 
 
+def prompt_logits(scheduled: list[ScheduledSeq], logits: Tensor) -> Iterator[tuple[ScheduledSeq, range, Tensor]]:
+    """The prompt-logprob rows of a step's logits (those after its sampled rows): each sequence that asked
+    for them, its positions, and their logits `[positions, vocab]`, in step order."""
+    start = 0
+    for item in scheduled:
+        positions = prompt_logit_positions(item)
+        if positions:
+            yield item, positions, logits[start:start + len(positions)]
+            start += len(positions)
+
+
 def _prompt_logit_rows(scheduled: list[ScheduledSeq], starts: list[int]) -> list[int]:
     """Rows of the prompt-logprob positions, after the sampled rows: in step order, position by position."""
     rows: list[int] = []

@@ -96,10 +96,10 @@ def reference(llm) -> Reference:
 def fault_in_sampler(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
     real = engine.sampler
 
-    def sampler(logits: torch.Tensor, seqs: list) -> SampleResult:
+    def sampler(logits: torch.Tensor, seqs: list, *grammars) -> SampleResult:
         if any(s.request_id == VICTIM and len(s.output_token_ids) == FAULT_AT for s in seqs):
             raise RuntimeError("injected sampler fault")
-        return real(logits, seqs)
+        return real(logits, seqs, *grammars)
     monkeypatch.setattr(engine, "sampler", sampler)
 
 
