@@ -183,9 +183,7 @@ class Engine:
         completing = [item.seq for item in out.scheduled if item.completes]
         self._record_prompt_logprobs(out.scheduled, logits[len(completing):])
         for item in out.scheduled:
-            prompt_len = len(item.seq.prompt_token_ids)
-            self.num_prompt_tokens_computed += max(0, min(prompt_len, item.seq.num_computed_tokens + item.num_tokens)
-                                                   - item.seq.num_computed_tokens)
+            self.num_prompt_tokens_computed += item.prompt_tokens
             self.scheduler.on_computed(item.seq, item.num_tokens)
         rows, seqs = self._sampling_rows(completing)
         self._append_tokens(self._sample(logits[rows], seqs), touched)

@@ -67,6 +67,12 @@ class ScheduledSeq(NamedTuple):
     num_tokens: int                  # tokens computed for it in this step, from seq.num_computed_tokens
 
     @property
+    def prompt_tokens(self) -> int:
+        """Of the tokens computed in this step, those of the prompt."""
+        start = self.seq.num_computed_tokens
+        return max(0, min(len(self.seq.prompt_token_ids), start + self.num_tokens) - start)
+
+    @property
     def completes(self) -> bool:
         """Whether this step computes the sequence's last known token, so a new token is sampled."""
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
