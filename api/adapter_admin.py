@@ -13,7 +13,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -36,11 +36,12 @@ _NAME = re.compile(ADAPTER_NAME_PATTERN)
 T = TypeVar("T")
 
 
-def check_adapter_name(name: str, base_model: str) -> None:
+def check_adapter_name(name: str, base_model: str | Collection[str]) -> None:
+    """An adapter name must match ADAPTER_NAME_PATTERN and be none of the base model's names."""
     if not _NAME.fullmatch(name):           # fullmatch: `$` alone would let a final newline through
         raise bad_request("adapter name must be 1-128 letters, digits, '.', '_' or '-', starting with a letter "
                           "or digit", param="name")
-    if name == base_model:
+    if name in ((base_model,) if isinstance(base_model, str) else base_model):
         raise bad_request("adapter name must differ from the base model's name", param="name")
 
 
@@ -164,14 +165,23 @@ class AdapterService:
     and `max_adapter_bytes` of adapter files (AdapterManager.disk_bytes: uploads and path loads alike)."""
 
     def __init__(self, engine: AsyncEngine, tenants: TenantDirectory, metrics: ServerMetrics,
-                 adapter_root: Path | None, upload_dir: Path, default_byte_quota: int | None = None) -> None:
+                 adapter_root: Path | None, upload_dir: Path, default_byte_quota: int | None = None,
+                 served_names: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.tenants = tenants
         self.metrics = metrics
         self.adapter_root = adapter_root
         self.upload_dir = upload_dir
         self.default_byte_quota = default_byte_quota
+        self.served_names = served_names                 # ServerSettings.served_model_names
         self._uploading: dict[str | None, int] = {}      # bytes of uploads being stored, by namespace
+        self._resolving: dict[tuple[str | None, str], asyncio.Future[bool]] = {}   # resolver loads under way
+
+    @property
+    def base_names(self) -> tuple[str, ...]:
+        """Every name of the base model, which no adapter may take: its served names and its own."""
+        own = (self.engine.info.model_name,) if self.engine.info is not None else ()
+        return self.served_names + own
 
     def namespace_for(self, tenant: Tenant, owner: str | None) -> str | None:
         """The namespace an operation acts on. A non-admin naming someone else's namespace gets 404, the
@@ -222,6 +232,47 @@ class AdapterService:
         # A tenant at its quota is refused before the server reads and packs anything.
         await self._call(lambda engine: self._check_quota(engine, namespace, name))
         return await self._load(name, folder, namespace, public, owns_files=False)
+
+    async def load_module(self, name: str, folder: Path) -> dict[str, Any]:
+        """Load a `--lora-modules` adapter at start: public, in no tenant's namespace, through the checks of
+        a path load (its name and folder were checked by ServerSettings)."""
+        check_adapter_name(name, self.base_names)
+        return await self._load(name, folder, None, public=True, owns_files=False)
+
+    async def resolve(self, tenant: Tenant, name: str) -> bool:
+        """vLLM's filesystem LoRA resolver: load `<adapter root>/<name>` for a request that names an adapter
+        the caller does not have, into the caller's namespace (a tenant's own, within its quotas), through
+        `load_path`, the admin route's load. False, with nothing loaded, when there is no such folder (or the
+        name could not be one: an invalid name, one with '..', a symbolic link out of the root); APIError
+        when the folder holds no valid adapter or the tenant is at its quota. Concurrent first requests for
+        one name share one load."""
+        if self.adapter_root is None or not _NAME.fullmatch(name) or name in self.base_names:
+            return False
+        key = (tenant.namespace, name)
+        load = self._resolving.get(key)
+        if load is None:
+            # A task of its own, so that a first requester going away does not cancel the others' load.
+            load = self._resolving[key] = asyncio.ensure_future(self._resolve_once(tenant, name))
+            load.add_done_callback(lambda _: self._resolving.pop(key, None))
+            load.add_done_callback(lambda task: task.cancelled() or task.exception())   # may be read by nobody
+        return await asyncio.shield(load)
+
+    async def _resolve_once(self, tenant: Tenant, name: str) -> bool:
+        found = await self._call(lambda engine: engine.adapters.lookup(name, tenant.namespace))
+        if found is not None:       # loaded meanwhile: by a request that came first, or through the routes
+            return True
+        try:
+            await asyncio.to_thread(resolve_in_root, self.adapter_root, name, "model")
+        except APIError:            # no such folder in the root, or not one inside it: the usual 404
+            return False
+        logger.info("resolver: loading adapter %s for %s from the adapter root", name, tenant.namespace or "local")
+        try:
+            await self.load_path(tenant, name, name, param="model")
+        except APIError as error:
+            if error.param in ("adapter", "path"):
+                error.param = "model"       # the adapter the request's model names is what was refused
+            raise
+        return True
 
     async def load_upload(self, tenant: Tenant, name: str, files: list[UploadedFile], public: bool = False,
                           owner: str | None = None) -> dict[str, Any]:
@@ -333,7 +384,7 @@ class AdapterService:
 
     def _check_load(self, tenant: Tenant, name: str, public: bool) -> None:
         if self.engine.info is not None:
-            check_adapter_name(name, self.engine.info.model_name)
+            check_adapter_name(name, self.base_names)
         if public and not tenant.is_admin:
             raise APIError(403, "only admins may publish adapters", param="public")
 

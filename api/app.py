@@ -1,17 +1,19 @@
 """The FastAPI app: `create_app(engine, settings)` builds everything a server needs and holds no global state."""
 import asyncio
 import contextlib
+import importlib.metadata
+import json
 import logging
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple, TypeVar, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.requests import ClientDisconnect
@@ -19,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from slora.api import protocol
 from slora.api.adapter_admin import AdapterService, UploadedFile
-from slora.api.async_engine import AsyncEngine, EngineSource
+from slora.api.async_engine import AsyncEngine, EngineSource, EngineState
 from slora.api.errors import (
     APIError,
     bad_request,
@@ -33,13 +35,18 @@ from slora.api.limits import Admission
 from slora.api.metrics import CONTENT_TYPE, ServerMetrics
 from slora.api.openapi import install_openapi
 from slora.api.protocol import (
+    MAX_PROMPT_TOKEN_IDS,
     AdapterLoadRequest,
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoraAdapterRequest,
+    ModelName,
+    Text,
+    TokenId,
+    Tolerant,
     UnloadLoraAdapterRequest,
 )
-from slora.api.serving import GenerationService, Tokenization
+from slora.api.serving import GenerationService, Tokenization, encode_text
 from slora.api.settings import ServerSettings
 from slora.api.tenants import Tenant, TenantDirectory, load_tenants
 from slora.engine import Engine
@@ -48,9 +55,11 @@ logger = logging.getLogger(__name__)
 UPLOAD_ROUTE = "/v1/adapters"
 METRICS_ROUTE = "/metrics"
 KEYED_PREFIX = "/v1/"           # every route under it needs a key; /health, /metrics and the docs do not
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/version"})   # vLLM's, outside /v1/
 MULTIPART = "multipart/form-data"
 TENANT_STATE = "tenant"         # where Authentication leaves the caller, in the ASGI scope's state
 DISCARD_S = 1.0                 # how long a refused request's body is read and dropped before the answer
+TModel = TypeVar("TModel", bound=BaseModel)
 
 
 class ServerContext:
@@ -71,9 +80,41 @@ class ServerContext:
         self.upload_dir = Path(tempfile.mkdtemp(prefix="slora-uploads-", dir=base))
         root = Path(settings.adapter_root) if settings.adapter_root else None
         self.adapters = AdapterService(self.engine, self.tenants, self.metrics, root, self.upload_dir,
-                                       settings.max_adapter_bytes)
-        self.generation = GenerationService(self.engine, settings, self.admission, self.metrics, self.tokenization)
+                                       settings.max_adapter_bytes, settings.served_model_names)
+        resolver = self.adapters.resolve if settings.enable_lora_resolver else None
+        self.generation = GenerationService(self.engine, settings, self.admission, self.metrics, self.tokenization,
+                                            resolver)
         self.created = protocol.now()
+        # --lora-modules: the server serves once they are loaded; one refused stops the start (startup_error,
+        # then on_startup_failure, which `slora serve` sets to stop the server).
+        self.loading_modules = bool(settings.lora_modules)
+        self.startup_error: str | None = None
+        self.on_startup_failure: Callable[[], None] | None = None
+
+    async def load_lora_modules(self) -> None:
+        """Load the --lora-modules adapters once the engine is up, through the admin load's checks."""
+        while self.engine.info is None or self.engine.state is EngineState.STARTING:
+            if self.engine.state in (EngineState.FAILED, EngineState.STOPPED):
+                return
+            await asyncio.sleep(0.05)
+        for module in self.settings.lora_modules:
+            try:
+                folder = await asyncio.to_thread(self.settings.lora_module_folder, module)
+                await self.adapters.load_module(module.name, folder)
+            except (APIError, ValueError) as exc:
+                reason = exc.message if isinstance(exc, APIError) else str(exc)
+                prefix = f"--lora-modules {module.name!r}: "
+                self.fail_start(reason if reason.startswith(prefix) else prefix + reason)
+                return
+        self.loading_modules = False
+        logger.info("--lora-modules loaded: %s", ", ".join(m.name for m in self.settings.lora_modules))
+
+    def fail_start(self, message: str) -> None:
+        logger.error("the server cannot start: %s", message)
+        self.startup_error = message
+        self.engine.begin_drain()
+        if self.on_startup_failure is not None:
+            self.on_startup_failure()
 
     async def close(self) -> None:
         await self.engine.shutdown(self.settings.shutdown_timeout_s)
@@ -86,6 +127,9 @@ class ServerContext:
     def require_engine(self) -> None:
         if self.engine.info is None or not self.engine.accepting:
             raise unavailable(f"the server is {self.engine.state.value}; retry later", self.settings.retry_after_s)
+        if self.loading_modules:
+            raise unavailable("the server is loading its --lora-modules adapters; retry later",
+                              self.settings.retry_after_s)
 
 
 class BodyLimit:
@@ -140,7 +184,7 @@ class Authentication:
         await self.app(scope, receive, send)
 
     def _guarded(self, path: str) -> bool:
-        return path.startswith(KEYED_PREFIX) or (self.guard_metrics and path == METRICS_ROUTE)
+        return path.startswith(KEYED_PREFIX) or path in KEYED_PATHS or (self.guard_metrics and path == METRICS_ROUTE)
 
 
 def authenticate(tenants: TenantDirectory, headers: Headers) -> Tenant:
@@ -218,9 +262,14 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
+        modules = asyncio.ensure_future(ctx.load_lora_modules()) if settings.lora_modules else None
         try:
             yield
         finally:
+            if modules is not None:
+                modules.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await modules
             await ctx.close()
 
     app = FastAPI(title="slora", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
@@ -238,6 +287,7 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
     _add_model_routes(app, ctx, caller)
     _add_adapter_routes(app, ctx, caller)
     _add_ops_routes(app, ctx, caller)
+    _add_tokenizer_routes(app, ctx, caller)
     return app
 
 
@@ -275,9 +325,10 @@ def _add_model_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
                 seen.setdefault(e.name, (e.name, e.owner, e.public))
             return list(seen.values())
         adapters = await ctx.engine.call(visible)
-        base = protocol.model_card(info.model_name, ctx.created, "slora", None, info.max_model_len)
+        base_name = ctx.generation.base_names[0]
+        base = protocol.model_card(base_name, ctx.created, "slora", None, info.max_model_len)
         return [base] + [protocol.model_card(name, ctx.created, tenant.id if owner == namespace else "slora",
-                                             info.model_name, info.max_model_len)
+                                             base_name, info.max_model_len)
                          for name, owner, _ in sorted(adapters)]
 
     @app.get("/v1/models")
@@ -377,6 +428,8 @@ def _add_ops_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
     @app.get("/health")
     async def health() -> Response:
         ok, reason = ctx.engine.health(ctx.settings.stall_timeout_s)
+        if ok and ctx.loading_modules:
+            ok, reason = False, "loading the --lora-modules adapters"
         if not ok:
             return unavailable(f"not healthy: {reason}", ctx.settings.retry_after_s).response()
         return JSONResponse({"status": "ok"})
@@ -386,3 +439,124 @@ def _add_ops_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
         queued = ctx.admission.queued
         text = ctx.metrics.render(ctx.engine, queued=queued, inflight=ctx.admission.pending - queued)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
+
+
+# ---- vLLM's tokenizer routes ---------------------------------------------------------------------------------
+class TokenizeRequest(Tolerant):
+    """vLLM's `POST /tokenize` body with a prompt (one with `messages` is a ChatCompletionRequest)."""
+
+    model: ModelName | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(Tolerant):
+    """vLLM's `POST /detokenize` body."""
+
+    model: ModelName | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+
+
+def slora_version() -> str:
+    try:
+        return importlib.metadata.version("slora")
+    except importlib.metadata.PackageNotFoundError:     # run from a tree that is not installed
+        return "0+unknown"
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(raw or b"{}")
+    except (ValueError, RecursionError):
+        raise bad_request("the body is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise bad_request("the body must be a JSON object")
+    return value
+
+
+def _validated(model: type[TModel], value: dict[str, Any]) -> TModel:
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise invalid_request(exc.errors()) from None
+
+
+def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
+    """/tokenize, /detokenize, /tokenizer_info and /version, as vLLM serves them (lm-eval's remote tokenizer
+    uses the first three). Behind a key like the generation routes, with their limits; tokenizer work runs on
+    their tokenizer threads. Left out of /openapi.json: its table of operations (api/openapi.py) lacks them."""
+    def tokenizer() -> Any:  # noqa: ANN401 - a Hugging Face tokenizer
+        ctx.require_engine()
+        assert ctx.engine.info is not None, "require_engine() refuses the request before the engine is up"
+        if ctx.engine.info.tokenizer is None:
+            raise bad_request("this model has no tokenizer", param="model")
+        return ctx.engine.info.tokenizer
+
+    @app.post("/tokenize", include_in_schema=False)
+    async def tokenize(request: Request, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
+        source = tokenizer()
+        value = _json_object(await request.body())
+        if "messages" not in value:
+            body = _validated(TokenizeRequest, value)
+            if body.model is not None:
+                await ctx.generation.require_model(body.model, tenant)
+            if len(body.prompt) > ctx.settings.max_prompt_chars:
+                raise bad_request(f"prompt has {len(body.prompt)} characters; the limit is "
+                                  f"{ctx.settings.max_prompt_chars} per request (max_prompt_chars)", param="prompt",
+                                  code="request_too_large")
+            prompt, specials = body.prompt, body.add_special_tokens
+            ids = await ctx.tokenization.run(tenant.id, source, lambda own, _: encode_text(own, prompt, specials))
+            return await _tokenized(ctx, tenant, source, ids, bool(body.return_token_strs))
+        token_strs = value.pop("return_token_strs", False)
+        if not isinstance(token_strs, bool) and token_strs is not None:
+            raise bad_request("return_token_strs: must be a boolean", param="return_token_strs")
+        given = value.get("model")
+        value.setdefault("model", ctx.generation.base_names[0])
+        chat = _validated(ChatCompletionRequest, value)
+        if given is not None:
+            await ctx.generation.require_model(chat.model, tenant)
+        # The chat route's own checks and rendering: the ids are exactly the prompt /v1/chat/completions runs.
+        ctx.generation._check_request(chat, 1, chat.text_chars, "messages")
+        ids = await ctx.generation._chat_prompt(chat, tenant)
+        return await _tokenized(ctx, tenant, source, ids, bool(token_strs))
+
+    @app.post("/detokenize", include_in_schema=False)
+    async def detokenize(request: Request, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
+        source = tokenizer()
+        body = _validated(DetokenizeRequest, _json_object(await request.body()))
+        if body.model is not None:
+            await ctx.generation.require_model(body.model, tenant)
+        assert ctx.engine.info is not None, "tokenizer() checked that the engine is up"
+        vocab = ctx.engine.info.vocab_size
+        outside = [token for token in body.tokens if token >= vocab]
+        if outside:
+            raise bad_request(f"tokens: token id {outside[0]} is outside the vocabulary [0, {vocab})"
+                              + (f" ({len(outside)} such ids)" if len(outside) > 1 else ""), param="tokens")
+        tokens = body.tokens
+        text = await ctx.tokenization.run(tenant.id, source, lambda own, _: own.decode(tokens))
+        return {"prompt": text}
+
+    @app.get("/tokenizer_info", include_in_schema=False)
+    async def tokenizer_info(tenant: Tenant = Depends(caller)) -> dict[str, Any]:
+        source = tokenizer()
+        assert ctx.engine.info is not None, "tokenizer() checked that the engine is up"
+        return {"tokenizer_class": type(source).__name__, "model_max_length": ctx.engine.info.max_model_len,
+                "vocab_size": ctx.engine.info.vocab_size,
+                **{name: getattr(source, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token",
+                                                                  "chat_template")}}
+
+    @app.get("/version", include_in_schema=False)
+    async def version(tenant: Tenant = Depends(caller)) -> dict[str, str]:
+        return {"version": slora_version()}
+
+
+async def _tokenized(ctx: ServerContext, tenant: Tenant, source: Any, ids: list[int],  # noqa: ANN401
+                     token_strs: bool) -> dict[str, Any]:
+    assert ctx.engine.info is not None, "the tokenizer routes run once the engine is up"
+    answer: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.engine.info.max_model_len, "tokens": ids}
+    if token_strs:
+        # A Hugging Face tokenizer's method, which serving's Tokenizer protocol does not name.
+        answer["token_strs"] = await ctx.tokenization.run(
+            tenant.id, source, lambda own, _: list(cast(Any, own).convert_ids_to_tokens(ids)))
+    return answer

@@ -30,6 +30,10 @@ class ListenError(ValueError):
     """The server cannot listen on the address it was given (taken, not permitted, unknown host)."""
 
 
+class StartupError(ValueError):
+    """The server stopped during its start: an adapter of --lora-modules could not be loaded."""
+
+
 @dataclass(frozen=True)
 class ReadTimeouts:
     header_s: float         # from a connection's start, or a new request's first byte, to the end of its headers
@@ -155,13 +159,17 @@ def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
 
 
 def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
-    """Run the server until SIGTERM or SIGINT; returns the exit status. Raises ListenError."""
+    """Run the server until SIGTERM or SIGINT; returns the exit status. Raises ListenError, and StartupError
+    when the start fails (a --lora-modules adapter refused), once the server has shut down."""
     with listen(settings.host, settings.port) as sock:
         app = create_app(lambda: Engine(engine_config), settings)
-        server = _Server(uvicorn_config(app, settings),
-                         lambda: app.state.ctx.engine.begin_drain(settings.shutdown_timeout_s))
+        ctx = app.state.ctx
+        server = _Server(uvicorn_config(app, settings), lambda: ctx.engine.begin_drain(settings.shutdown_timeout_s))
+        ctx.on_startup_failure = lambda: setattr(server, "should_exit", True)
         logger.info("listening on http://%s:%d", settings.host, sock.getsockname()[1])
         _run(server, sock)
+    if ctx.startup_error is not None:
+        raise StartupError(ctx.startup_error)
     return 0 if server.started else 1
 
 

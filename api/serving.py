@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from slora.adapter_manager import UnknownAdapterError
-from slora.api import protocol
+from slora.api import protocol, tool_calls
 from slora.api.async_engine import AsyncEngine, EngineInfo, EngineUnavailable, RequestStream
 from slora.api.errors import APIError, bad_request, internal_error, model_not_found, rate_limited, unavailable
 from slora.api.limits import Admission
@@ -133,6 +133,7 @@ class Job:
     structured_param: str | None = None        # the field that asked for a structured output
     prompt_param: str = "prompt"
     sent_tokens: dict[tuple[int, int], int] = field(default_factory=dict)   # streamed tokens per choice
+    tool_names: frozenset[str] | None = None   # chat: parse calls of these tools out of the answer (None: don't)
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -420,14 +421,20 @@ class TokenTexts:
         return f"token_id:{token_id}"
 
 
+# Loads the adapter a request names when the caller has none of that name (AdapterService.resolve): whether
+# it loaded one.
+AdapterResolver = Callable[[Tenant, str], Awaitable[bool]]
+
+
 class GenerationService:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings, admission: Admission,
-                 metrics: ServerMetrics, tokenization: Tokenization) -> None:
+                 metrics: ServerMetrics, tokenization: Tokenization, resolver: AdapterResolver | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.admission = admission
         self.metrics = metrics
         self.tokenization = tokenization
+        self.resolver = resolver                 # with --enable-lora-resolver
         self._token_texts: TokenTexts | None = None
 
     @property
@@ -441,6 +448,32 @@ class GenerationService:
         info = self.engine.info
         assert info is not None, "the routes run only once the engine is up (ServerContext.require_engine)"
         return info
+
+    # ---- the request's model ---------------------------------------------------------------------------------
+    @property
+    def base_names(self) -> tuple[str, ...]:
+        """What the base model answers to (ServerSettings.base_names_of); the first is the one answers echo."""
+        return self.settings.base_names_of(self._info.model_name)
+
+    def adapter_of(self, model: str) -> str | None:
+        """The adapter a request's `model` names; None for the base model."""
+        return None if model in self.base_names else model
+
+    async def require_model(self, model: str, tenant: Tenant) -> None:
+        """404 unless `model` is the base model or an adapter the tenant may use (loaded by the resolver if
+        need be): for routes that use no engine request, where add_request would make that check."""
+        adapter = self.adapter_of(model)
+        if adapter is None:
+            return
+        try:
+            found = await self.engine.call(lambda engine: engine.adapters.lookup(adapter, tenant.namespace))
+        except EngineUnavailable:
+            raise unavailable("the server is not serving now; retry later", self.settings.retry_after_s) from None
+        if found is None and not await self._resolved(tenant, adapter):
+            raise model_not_found(model)
+
+    async def _resolved(self, tenant: Tenant, adapter: str) -> bool:
+        return self.resolver is not None and await self.resolver(tenant, adapter)
 
     # ---- entry points ------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, tenant: Tenant, request: Request) -> Response:
@@ -472,6 +505,8 @@ class GenerationService:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = self._job("chat", body, tenant, prompts, body.token_limit, "messages", logprobs=logprobs,
                         prompt_logprobs=body.prompt_logprobs)
+        if self.settings.enable_auto_tool_choice:
+            job.tool_names = tool_calls.tool_names_of(body.tools, body.tool_choice)
         if body.echo:
             # vLLM's echo: the answer starts with the last message when that message has the answer's role.
             role = "assistant" if body.add_generation_prompt else body.messages[-1].role
@@ -597,10 +632,11 @@ class GenerationService:
              prompt_logprobs: int | None = None) -> Job:
         structured_param, structured = self._structured(body)
         params = self._params(body, prompts, max_tokens, prompt_param, logprobs, prompt_logprobs, structured)
-        adapter = None if body.model == self._info.model_name else body.model
+        adapter = self.adapter_of(body.model)
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
-        job = Job(kind, body.model, adapter, tenant, prompts, params, bool(body.stream), include_usage,
+        shown = self.base_names[0] if adapter is None else body.model      # what the answer says it is
+        job = Job(kind, shown, adapter, tenant, prompts, params, bool(body.stream), include_usage,
                   bool(body.return_token_ids), body.user)
         job.continuous_usage = bool(options and options.continuous_usage_stats)
         job.logprobs = logprobs
@@ -713,8 +749,7 @@ class GenerationService:
     async def _submit(self, job: Job) -> None:
         for index, prompt in enumerate(job.prompts):
             try:
-                stream = await self.engine.generate(job.request_id(index), prompt, job.params, job.adapter,
-                                                    job.tenant.namespace)
+                stream = await self._generate(job, index, prompt)
             except UnknownAdapterError:
                 raise model_not_found(job.model) from None
             except EngineUnavailable:
@@ -729,6 +764,16 @@ class GenerationService:
                     param = found.group(1)
                 raise bad_request(message, param=param) from None
             job.streams.append(stream)
+
+    async def _generate(self, job: Job, index: int, prompt: list[int]) -> RequestStream:
+        """One engine request of the job; an adapter the caller lacks is loaded by the resolver, then tried again."""
+        try:
+            return await self.engine.generate(job.request_id(index), prompt, job.params, job.adapter,
+                                              job.tenant.namespace)
+        except UnknownAdapterError:
+            if job.adapter is None or not await self._resolved(job.tenant, job.adapter):
+                raise
+        return await self.engine.generate(job.request_id(index), prompt, job.params, job.adapter, job.tenant.namespace)
 
     async def _outputs(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, cumulative output) as they come, over all of the job's engine requests."""
@@ -802,8 +847,7 @@ class GenerationService:
                     if job.return_token_ids else {}
                 choice = job.choice_index(index, position)
                 if job.kind == "chat":
-                    choices.append(protocol.chat_choice(choice, echo + sample.text, sample.finish_reason, **ids,
-                                                        logprobs=self._chat_logprobs(job, sample, 0)))
+                    choices.append(self._chat_choice(job, choice, echo, sample, ids))
                     continue
                 logprobs, _ = self._completion_logprobs(job, out, sample, 0, job.echo_logprobs)
                 extra = None
@@ -816,6 +860,18 @@ class GenerationService:
             extra = {"prompt_logprobs": self._prompt_logprobs(job, job.finals[0])}
         return protocol.response_object(job.object_name, job.response_id, job.created, job.model, choices,
                                         self._usage(job), extra=extra)
+
+    def _chat_choice(self, job: Job, choice: int, echo: str, sample: CompletionOutput,
+                     ids: dict[str, list[int]]) -> dict[str, Any]:
+        """One chat choice; with tool parsing, the calls in its text as message.tool_calls."""
+        logprobs = self._chat_logprobs(job, sample, 0)
+        parsed = None if job.tool_names is None else tool_calls.parse_hermes(sample.text, job.tool_names)
+        if parsed is None or not parsed.tool_calls:
+            return protocol.chat_choice(choice, echo + sample.text, sample.finish_reason, **ids, logprobs=logprobs)
+        made = protocol.chat_choice(choice, echo + (parsed.content or ""), "tool_calls", **ids, logprobs=logprobs)
+        made["message"]["content"] = made["message"]["content"] or None
+        made["message"]["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
+        return made
 
     def _token_text(self, job: Job) -> protocol.TokenText:
         return TokenTexts.as_id if job.tokens_as_ids else self.token_texts
@@ -892,8 +948,10 @@ class GenerationService:
             choice = job.choice_index(index, sample.index)
             state = progress.setdefault(choice, ChoiceProgress())
             start = state.sent_tokens
-            text, tokens, finished = state.advance(sample.text, sample.token_ids, sample.finish_reason,
-                                                   job.params.stop)
+            parsing = job.tool_names is not None
+            # With tool parsing the text from the first <tool_call> on waits for the end of the answer.
+            shown = tool_calls.streamable(sample.text) if parsing else sample.text
+            text, tokens, finished = state.advance(shown, sample.token_ids, sample.finish_reason, job.params.stop)
             if not text and not tokens and not finished:
                 continue
             first, state.started = not state.started, True
@@ -901,7 +959,9 @@ class GenerationService:
             token_ids = tokens if job.return_token_ids else None
             reason = sample.finish_reason if finished else None
             if job.kind == "chat":
-                delta = {"content": text} if text or not finished else {}
+                delta: dict[str, Any] = {"content": text} if text or not finished else {}
+                if parsing and finished:
+                    delta, reason = self._final_tool_delta(job, sample, state, text, reason)
                 choice_obj = protocol.chat_delta_choice(choice, delta, reason, token_ids,
                                                         self._chat_logprobs(job, sample, start, state.sent_tokens))
             else:
@@ -911,6 +971,23 @@ class GenerationService:
                 choice_obj = protocol.completion_choice(choice, echo + text, reason, token_ids, logprobs=logprobs)
             events.append(self._chunk(job, [choice_obj]))
         return events
+
+    @staticmethod
+    def _final_tool_delta(job: Job, sample: CompletionOutput, state: ChoiceProgress, text: str,
+                          reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The last delta of a streamed choice with tool parsing: the content held back (from the first
+        <tool_call> on) that is not a call, and the calls, all at once; `text` is what streamable() let out in
+        this chunk."""
+        assert job.tool_names is not None, "only for jobs that parse tool calls"
+        parsed = tool_calls.parse_hermes(sample.text, job.tool_names)
+        content = parsed.content or ""
+        held = content[len(state.sent_text):] if content.startswith(state.sent_text) else ""
+        state.sent_text += held
+        delta: dict[str, Any] = {"content": text + held} if text or held else {}
+        if not parsed.tool_calls:
+            return delta, reason
+        delta["tool_calls"] = [{"index": i, **call.as_openai()} for i, call in enumerate(parsed.tool_calls)]
+        return delta, "tool_calls"
 
     @staticmethod
     def _chunk(job: Job, choices: list[dict[str, Any]]) -> str:

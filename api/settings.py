@@ -1,9 +1,49 @@
 """Settings of the HTTP service, validated once at construction."""
 import ipaddress
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 LOOPBACK_NAMES = ("localhost",)
+TOOL_CALL_PARSERS = ("hermes",)
+MAX_SERVED_NAME_CHARS = 256               # protocol.MAX_NAME_CHARS: a longer `model` is refused anyway
+_LORA_MODULE_KEYS = frozenset({"name", "path", "base_model_name"})
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """An adapter `slora serve --lora-modules` loads at start, public (owned by no tenant)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None    # vLLM's JSON form carries it; accepted, not used (one base model)
+
+
+def parse_lora_module(text: str) -> LoraModule:
+    """One `--lora-modules` item: `name=path`, or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}`.
+    ValueError naming the item."""
+    shown = text if len(text) <= 200 else text[:200] + "..."
+    if text.lstrip().startswith("{"):
+        try:
+            fields = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {shown!r}: not valid JSON ({exc})") from None
+        unknown = sorted(set(fields) - _LORA_MODULE_KEYS) if isinstance(fields, dict) else []
+        if unknown:
+            raise ValueError(f"--lora-modules {shown!r}: unknown key(s) {', '.join(unknown)}; the keys are name, "
+                             "path and base_model_name")
+        if not isinstance(fields, dict) or not all(isinstance(fields.get(key), str) for key in ("name", "path")):
+            raise ValueError(f"--lora-modules {shown!r}: the JSON form needs \"name\" and \"path\" strings")
+        base = fields.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"--lora-modules {shown!r}: base_model_name must be a string")
+        return LoraModule(fields["name"], fields["path"], base)
+    name, equals, path = text.partition("=")
+    if not equals or not path:
+        raise ValueError(f"--lora-modules {shown!r}: give name=path or a JSON object "
+                         '{"name": ..., "path": ...}')
+    return LoraModule(name, path)
 
 
 def is_loopback(host: str) -> bool:
@@ -43,6 +83,11 @@ class ServerSettings:
     timeout_body_idle_s: float = 30.0         # the longest pause allowed while a client sends a request body
     max_connections: int = 1000               # open connections served; requests on more get 503
     metrics_require_key: bool = False         # /metrics answers only with an admin tenant's key
+    lora_modules: tuple[LoraModule, ...] = ()  # adapters loaded at start, public; a bad one stops the start
+    enable_lora_resolver: bool = False        # a request naming an unloaded adapter loads <adapter_root>/<name>
+    served_model_names: tuple[str, ...] = ()  # the base model's names (the first is shown); default: its own
+    enable_auto_tool_choice: bool = False     # parse tool calls out of chat answers (with tool_call_parser)
+    tool_call_parser: str | None = None       # one of TOOL_CALL_PARSERS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -70,6 +115,65 @@ class ServerSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.metrics_require_key and self.tenants_file is None:
             raise ValueError("metrics_require_key needs a tenants file: without one there are no keys")
+        if self.enable_lora_resolver and self.adapter_root is None:
+            raise ValueError("enable_lora_resolver (--enable-lora-resolver) needs an adapter root (--adapter-root "
+                             "DIR): it loads <adapter root>/<model name>")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs a tool_call_parser "
+                             f"(--tool-call-parser {'|'.join(TOOL_CALL_PARSERS)})")
+        self._check_served_names()
+        self._check_lora_modules()
+
+    def _check_served_names(self) -> None:
+        for name in self.served_model_names:
+            if not isinstance(name, str) or not 1 <= len(name) <= MAX_SERVED_NAME_CHARS or not name.isprintable():
+                raise ValueError(f"served_model_names: {name!r} must be 1 to {MAX_SERVED_NAME_CHARS} printable "
+                                 "characters")
+        if len(set(self.served_model_names)) != len(self.served_model_names):
+            raise ValueError("served_model_names: a name is given twice")
+
+    def _check_lora_modules(self) -> None:
+        """Each module's name and path, before the model loads; its files are validated (as PEFT, against the
+        model) once the engine is up, by the same code as the admin load route."""
+        if not self.lora_modules:
+            return
+        # Imported here: protocol pulls in pydantic, which `slora generate` need not load.
+        from slora.api.protocol import ADAPTER_NAME_PATTERN
+        seen: set[str] = set()
+        for module in self.lora_modules:
+            where = f"--lora-modules {module.name!r}"
+            if not re.fullmatch(ADAPTER_NAME_PATTERN, module.name):
+                raise ValueError(f"{where}: an adapter name must be 1-128 letters, digits, '.', '_' or '-', "
+                                 "starting with a letter or digit")
+            if module.name in seen:
+                raise ValueError(f"{where}: the name is given twice")
+            if module.name in self.served_model_names:
+                raise ValueError(f"{where}: the name is one of the base model's served_model_names")
+            seen.add(module.name)
+            self.lora_module_folder(module)
+
+    def lora_module_folder(self, module: LoraModule) -> Path:
+        """The folder of a --lora-modules adapter: with an adapter root, inside it (the admin route's check:
+        no '..', no symbolic link out of it); without one, any folder. ValueError naming the module."""
+        if self.adapter_root is None:
+            folder = Path(module.path).expanduser()
+            if not folder.is_dir():
+                raise ValueError(f"--lora-modules {module.name!r}: {module.path} is not a folder")
+            return folder.resolve()
+        from slora.api.adapter_admin import resolve_in_root  # the engine's modules: loaded when needed only
+        from slora.api.errors import APIError
+        try:
+            return resolve_in_root(Path(self.adapter_root), module.path, "path")
+        except APIError as exc:
+            raise ValueError(f"--lora-modules {module.name!r}: {exc.message}") from None
+
+    def base_names_of(self, model_name: str) -> tuple[str, ...]:
+        """What the base model answers to: the served_model_names if any (its own name then no longer), else
+        its own name. The first is the one /v1/models lists and answers echo."""
+        return self.served_model_names or (model_name,)
 
     @property
     def single_user(self) -> bool:

@@ -106,7 +106,7 @@ SERVE_LIMITS = (
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
-    from slora.api.settings import ServerSettings
+    from slora.api.settings import TOOL_CALL_PARSERS, ServerSettings
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP service")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
@@ -122,6 +122,26 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics-require-key", action="store_true",
                        help="/metrics answers only requests with the key of a tenant whose role is admin in the "
                             "tenants file (401 without a valid key, 403 for other tenants); needs --tenants")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                       help="adapters to load at start: NAME=PATH, or vLLM's JSON form "
+                            '\'{"name": ..., "path": ..., "base_model_name": ...}\' (base_model_name is not used); '
+                            "each PATH inside --adapter-root if one is given; checked as the admin load route checks "
+                            "them, and a bad one stops the start. They are public: every caller may use them (with "
+                            "--tenants they belong to no tenant; only admins may unload them)")
+    serve.add_argument("--enable-lora-resolver", action="store_true",
+                       help="a request whose model names an adapter that is not loaded loads "
+                            "<adapter-root>/<model> on first use, into the caller's namespace (with --tenants, "
+                            "the tenant's own, within its adapter quotas); needs --adapter-root")
+    serve.add_argument("--served-model-name", dest="served_model_names", nargs="+", action="extend", default=[],
+                       metavar="NAME",
+                       help="the names the base model answers to (the first is the one /v1/models lists and "
+                            "answers echo); its own name is then no longer accepted")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="parse tool calls out of chat answers to requests with tools (message.tool_calls, "
+                            'finish_reason "tool_calls"); needs --tool-call-parser')
+    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="how tool calls are written: hermes is <tool_call>{\"name\": ..., \"arguments\": "
+                            "{...}}</tool_call> (Hermes, Qwen2.5 and others)")
     defaults = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
     for flag, field, kind, help_text in SERVE_LIMITS:
         shown = "" if defaults[field] is None else f" (default: {defaults[field]})"
@@ -131,11 +151,16 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
 
 def serve_settings(args: argparse.Namespace) -> "ServerSettings":
     """The ServerSettings of `slora serve`'s arguments (ValueError naming a bad one)."""
-    from slora.api.settings import ServerSettings
+    from slora.api.settings import ServerSettings, parse_lora_module
     limits = {field: getattr(args, field) for _, field, _, _ in SERVE_LIMITS if hasattr(args, field)}
     return ServerSettings(host=args.host, port=args.port, tenants_file=args.tenants, adapter_root=args.adapter_root,
                           upload_dir=args.upload_dir, allow_unauthenticated=args.allow_unauthenticated,
-                          metrics_require_key=args.metrics_require_key, **limits)
+                          metrics_require_key=args.metrics_require_key,
+                          lora_modules=tuple(parse_lora_module(item) for item in args.lora_modules),
+                          enable_lora_resolver=args.enable_lora_resolver,
+                          served_model_names=tuple(args.served_model_names),
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser, **limits)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -346,7 +346,8 @@ def test_a_taken_port_is_a_clear_error_before_the_model_loads():
 # ---- 9. a CLI flag for every limit ---------------------------------------------------------------------------
 def test_every_server_setting_has_a_flag_forwarded_into_the_settings(tmp_path):
     not_limits = {"host", "port", "tenants_file", "adapter_root", "upload_dir", "allow_unauthenticated",
-                  "metrics_require_key"}
+                  "metrics_require_key", "lora_modules", "enable_lora_resolver", "served_model_names",
+                  "enable_auto_tool_choice", "tool_call_parser"}
     fields = {f.name: f for f in dataclasses.fields(ServerSettings)}
     assert {field for _, field, _, _ in SERVE_LIMITS} == set(fields) - not_limits
     argv, expected = ["serve"], {}
