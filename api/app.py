@@ -517,8 +517,8 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None
         if given is not None:
             await ctx.generation.require_model(chat.model, tenant)
         # The chat route's own checks and rendering: the ids are exactly the prompt /v1/chat/completions runs.
-        ctx.generation._check_request(chat, 1, chat.text_chars, "messages")
-        ids = await ctx.generation._chat_prompt(chat, tenant)
+        ctx.generation.check_request(chat, 1, chat.text_chars, "messages")
+        ids = await ctx.generation.chat_prompt(chat, tenant)
         return await _tokenized(ctx, tenant, source, ids, bool(token_strs))
 
     @app.post("/detokenize", include_in_schema=False)

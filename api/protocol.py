@@ -549,7 +549,7 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool | None = Field(False, description="vLLM: the answer starts with the last message's content when "
                                                  "that message has the answer's role.")
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
-        None, description="Passed to the chat template (the answer is not parsed into tool calls).")
+        None, description="Passed to the chat template; parsed back into tool_calls with --enable-auto-tool-choice.")
     tool_choice: ToolChoice | None = None
     functions: Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="Legacy form of tools.")

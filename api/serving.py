@@ -477,11 +477,11 @@ class GenerationService:
 
     # ---- entry points ------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, tenant: Tenant, request: Request) -> Response:
-        self._check_request(body, body.num_prompts, body.text_chars, "prompt")
+        self.check_request(body, body.num_prompts, body.text_chars, "prompt")
         return await self._serve(request, lambda: self._completion_job(body, tenant))
 
     async def chat(self, body: ChatCompletionRequest, tenant: Tenant, request: Request) -> Response:
-        self._check_request(body, 1, body.text_chars, "messages")
+        self.check_request(body, 1, body.text_chars, "messages")
         return await self._serve(request, lambda: self._chat_job(body, tenant))
 
     async def _completion_job(self, body: CompletionRequest, tenant: Tenant) -> Job:
@@ -500,7 +500,7 @@ class GenerationService:
         return job
 
     async def _chat_job(self, body: ChatCompletionRequest, tenant: Tenant) -> Job:
-        prompt = await self._chat_prompt(body, tenant)
+        prompt = await self.chat_prompt(body, tenant)
         prompts = self._truncated(body, [prompt])
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = self._job("chat", body, tenant, prompts, body.token_limit, "messages", logprobs=logprobs,
@@ -533,7 +533,7 @@ class GenerationService:
                                            lambda own, cancelled: decode_prompts(own, prompts, cancelled))
 
     # ---- validation --------------------------------------------------------------------------------------
-    def _check_request(self, body: SamplingRequest, num_prompts: int, text_chars: int, prompt_param: str) -> None:
+    def check_request(self, body: SamplingRequest, num_prompts: int, text_chars: int, prompt_param: str) -> None:
         """The run-time limits (the settings, tighter than the models' hard caps) on the raw request, before
         any tokenizer work is done for it."""
         self._check_samples(body, num_prompts)
@@ -609,7 +609,7 @@ class GenerationService:
         return await self.tokenization.run(
             tenant.id, tokenizer, lambda own, cancelled: encode_texts(own, texts, cancelled, add_special_tokens))
 
-    async def _chat_prompt(self, body: ChatCompletionRequest, tenant: Tenant) -> list[int]:
+    async def chat_prompt(self, body: ChatCompletionRequest, tenant: Tenant) -> list[int]:
         tokenizer = self._tokenizer("chat")
         messages = [m.template_dict() for m in body.messages]
         variables: dict[str, Any] = {"tools": body.template_tools(), "documents": body.documents,
