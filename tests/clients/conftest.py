@@ -1,4 +1,4 @@
-"""Real clients (issue #21) against a real `slora serve` of the default model, one server per test module.
+"""Real clients (issue #21) against a real `slora serve` of the default model, one server for the folder.
 
 The server helpers are tests/api/conftest.py's, loaded here as the module `api_server_helpers`: test folders have
 no __init__.py, so a plain `import conftest` would find whichever conftest pytest loaded last."""
@@ -21,9 +21,10 @@ if "api_server_helpers" not in sys.modules:
 from api_server_helpers import Server, start_server  # noqa: E402
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def server(tmp_path_factory) -> Server:
-    """`slora serve` with no --model: the default model, as customers start it."""
+    """`slora serve` with no --model: the default model, as customers start it. One for the folder: each start
+    loads the model again (about 10 s here), and no client test depends on another's state."""
     srv = start_server(tmp_path_factory.mktemp("logs"), model=None)
     yield srv
     srv.stop()
