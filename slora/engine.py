@@ -22,7 +22,7 @@ from slora.models.config import ModelConfig
 from slora.models.loader import load_model
 from slora.outputs import ADAPTER_UNAVAILABLE, INTERNAL_ERROR, EngineSnapshot, RequestError, RequestOutput, TokenLogprob
 from slora.page_pool import PageAllocator
-from slora.request_state import RequestState, check_request
+from slora.request_state import RequestState, check_request, step_grammars
 from slora.sampler import Sampler
 from slora.sampling_params import SamplingParams
 from slora.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -199,8 +199,8 @@ class Engine:
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """A token for each sequence (row of `logits`), sampled as one batch. Should the batch raise, the
         rows are sampled one by one, so that only the requests whose own rows raise fail."""
-        grammars = [self.requests[s.request_id].grammar_of(s) for s in seqs]
-        masker = self.grammars if any(g is not None for g in grammars) else None
+        grammars = step_grammars(self.requests, seqs)
+        masker = None if grammars is None else self.grammars
         try:
             result = self.sampler(logits, seqs, grammars, masker)
             return list(zip(seqs, result.token_ids, result.logprobs))
@@ -212,7 +212,7 @@ class Engine:
             if seq.status is SequenceStatus.FINISHED:
                 continue                               # another sample's fault failed its request
             try:
-                result = self.sampler(logits[row:row + 1], [seq], grammars[row:row + 1], masker)
+                result = self.sampler(logits[row:row + 1], [seq], grammars and grammars[row:row + 1], masker)
                 sampled.append((seq, result.token_ids[0], result.logprobs[0]))
             except Exception:
                 self._fail_internal(seq, "sampling its next token")

@@ -132,14 +132,20 @@ class GrammarCompiler:
         """Mask each row of `logits` `[rows, vocab]` to its grammar's next tokens; rows of None untouched.
         The rows' masks are filled by the library's thread pool, into a reused (pinned, on CUDA) buffer."""
         bitmask = self._bitmask(len(grammars), logits.device)
-        present = [(row, grammar) for row, grammar in enumerate(grammars) if grammar is not None]
-        live = [(row, m) for row, grammar in present if (m := _matcher_of(grammar)) is not None]
-        if live:
-            self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [row for row, _ in live])
-        for row, grammar in present:
-            if _matcher_of(grammar) is None:                  # terminated: its EOS-only row
+        rows, live_rows, matchers = [], [], []
+        for row, grammar in enumerate(grammars):
+            if grammar is None:
+                continue
+            rows.append(row)
+            matcher = _matcher_of(grammar)
+            if matcher is None:                                # terminated: its EOS-only row
                 grammar.fill_bitmask(bitmask, row)
-        apply_bitmask(logits, bitmask, torch.tensor([row for row, _ in present], dtype=torch.int32))
+            else:
+                live_rows.append(row)
+                matchers.append(matcher)
+        if matchers:
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
+        apply_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int32))
 
     def _bitmask(self, rows: int, device: torch.device) -> Tensor:
         """`[rows, words]` of the step's bitmask buffer, all allowed; grown when a step has more rows. The

@@ -84,6 +84,13 @@ class RequestState:
         return len(self.seqs) < self.num_samples
 
 
+def step_grammars(requests: dict[str, RequestState], seqs: list[Sequence]) -> list[GrammarMask | None] | None:
+    """Each row's grammar for the sampler, or None when no row has one (the common step: no lookups)."""
+    if all(s.params.structured is None for s in seqs):
+        return None
+    return [requests[s.request_id].grammar_of(s) for s in seqs]
+
+
 def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
                   max_num_seqs: int) -> None:
     """A request the engine can take: ValueError naming what is wrong with it."""
