@@ -9,7 +9,9 @@
 # Compute on the distinct-adapter LoRA expands), "gemv" (kernel_bench.py --lora-gemv-sweep), "sharing",
 # "smollm2" (offline.py: the default model's shape with random bf16 weights and its demo adapters, decode at
 # batch 64 and 256, against transformers + PEFT), "throughput", "serving", which pass
-# $THROUGHPUT_ARGS / $SERVING_ARGS on). At most 8 files come back from the device tool: pick steps to fit.
+# $THROUGHPUT_ARGS / $SERVING_ARGS on, and "engine_throughput" (issue 22's six offline workloads against
+# vLLM's figures; $ENGINE_THROUGHPUT_ARGS, e.g. "--workloads decode_base,prefill"). At most 8 files come back
+# from the device tool: pick steps to fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu}"
@@ -59,6 +61,9 @@ has sharing && run sharing python benchmarks/sharing.py --device cuda --out "$OU
 # shellcheck disable=SC2086  # the ARGS variables hold several words on purpose
 has throughput && run throughput python benchmarks/throughput.py --device cuda ${THROUGHPUT_ARGS:-} \
   --out "$OUT/throughput_cuda.json"
+# shellcheck disable=SC2086
+has engine_throughput && run engine_throughput python benchmarks/engine_throughput.py "${quick[@]}" --device cuda \
+  ${ENGINE_THROUGHPUT_ARGS:-} --out "$OUT/engine_throughput.json"
 # shellcheck disable=SC2086
 has serving && run serving python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} --out "$OUT/serving_cuda.json"
 exit $status
