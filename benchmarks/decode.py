@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import gc
 import logging
+import statistics
 import sys
 import tempfile
 import time
@@ -419,6 +420,7 @@ def vs_peft(batch: int, num_adapters: int, new_tokens: int) -> dict:
 PERSON_SCHEMA = '{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, ' \
                 '"age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}'
 SAMPLING_FEATURES = ("logprobs", "json_schema")
+ROUNDS = 5                     # turns of the sampling-cost cases
 
 
 def feature_params(feature: str, seed: int) -> SamplingParams:
@@ -431,48 +433,89 @@ def feature_params(feature: str, seed: int) -> SamplingParams:
 
 
 class SampledSteps:
-    """Decode steps of one batch, each sampled like the engine does, grammars advanced per token (a grammar
-    that completes starts again, so every step masks)."""
+    """Decode steps of one batch, each sampled like the engine does: each grammar row's token pushed to its
+    grammar, which takes it while the next step's forward runs; a grammar that ends (its EOS) starts again,
+    so every step masks. Host time is split at the forward's return and at the sampled ids' arrival."""
 
     def __init__(self, runner: ModelRunner, scheduled: list[ScheduledSeq], grammars: EngineGrammars,
-                 features: list[str]) -> None:
-        self.runner, self.scheduled, self.grammars = runner, scheduled, grammars
+                 features: list[str], eos: frozenset[int]) -> None:
+        self.runner, self.scheduled, self.grammars, self.eos = runner, scheduled, grammars, eos
         self.seqs = [item.seq for item in scheduled]
         for i, (seq, feature) in enumerate(zip(self.seqs, features)):
             seq.params = feature_params(feature, i)
         self.states = [self._fresh(seq) for seq in self.seqs]
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos)
+        self.host = {"launch": 0.0, "sample": 0.0, "push": 0.0}    # seconds, summed over steps
 
     def _fresh(self, seq: Sequence):
         return None if seq.params.structured is None else self.grammars.start(seq.params.structured)
 
     def step(self) -> None:
+        began = time.perf_counter()
         logits = self.runner.run(self.scheduled, {})
+        launched = time.perf_counter()
         masker = self.grammars if any(s is not None for s in self.states) else None
         result = self.sampler(logits, self.seqs, self.states, masker)
+        sampled = time.perf_counter()
         for i, (state, token) in enumerate(zip(self.states, result.token_ids)):
-            if state is not None and (not state.accept(token) or state.is_finished()):
+            if state is None:
+                continue
+            if token in self.eos:
                 self.states[i] = self._fresh(self.seqs[i])
+            else:
+                state.push(token)
+        self.host["launch"] += launched - began
+        self.host["sample"] += sampled - launched
+        self.host["push"] += time.perf_counter() - sampled
 
 
 def sampling_rows(batch: int, iters: int, tokenizer_dir: Path) -> list[dict]:
-    """Step time with each feature on 0, 50 and 100% of the batch, against the plain sampled step."""
+    """Step time with each feature on 0, 50 and 100% of the batch, against the plain sampled step. The
+    cases take turns, `ROUNDS` times, and each row gives the median over the rounds: one machine's drift
+    then moves every case alike."""
     runner, descriptor, _ = make_runner(batch, 0)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     scheduled, _ = build_step(runner, allocator, batch, [], descriptor, "none")
     tokenizer = load_tokenizer(tokenizer_dir)
-    grammars = EngineGrammars(tokenizer, LLAMA3_8B["vocab_size"], eos_token_ids((), tokenizer))
+    eos = frozenset(eos_token_ids((), tokenizer))
+    grammars = EngineGrammars(tokenizer, LLAMA3_8B["vocab_size"], eos)
     cases = [("none", 0.0)] + [(f, share) for f in SAMPLING_FEATURES for share in (0.5, 1.0)]
-    rows, base = [], None
-    for feature, share in cases:
-        users = int(batch * share)
-        steps = SampledSteps(runner, scheduled, grammars, [feature] * users + ["none"] * (batch - users))
-        seconds = time_calls(steps.step, iters)
-        base = base or seconds
-        rows.append({"batch": batch, "feature": feature, "share_pct": 100 * share, "step_ms": seconds * 1e3,
-                     "vs_none_pct": 100 * (seconds / base - 1)})
+    timings: dict[tuple[str, float], list[float]] = {case: [] for case in cases}
+    host: dict[tuple[str, float], dict[str, float]] = {}
+    for _ in range(ROUNDS):
+        for feature, share in cases:
+            steps = SampledSteps(runner, scheduled, grammars, case_features(feature, share, batch), eos)
+            timings[(feature, share)].append(time_calls(steps.step, iters))
+            host[(feature, share)] = {k: v / (iters + 3) for k, v in steps.host.items()}
+    busy = {case: gpu_busy_seconds(SampledSteps(runner, scheduled, grammars, case_features(*case, batch), eos).step)
+            for case in cases}
     release_kv(allocator, scheduled)
-    return rows
+    base = statistics.median(timings[cases[0]])
+    return [{"batch": batch, "feature": feature, "share_pct": 100 * share,
+             "step_ms": statistics.median(timings[(feature, share)]) * 1e3,
+             "vs_none_pct": 100 * (statistics.median(timings[(feature, share)]) / base - 1),
+             "gpu_busy_ms": busy[(feature, share)] * 1e3,
+             **{f"host_{k}_ms": v * 1e3 for k, v in host[(feature, share)].items()}}
+            for feature, share in cases]
+
+
+def case_features(feature: str, share: float, batch: int) -> list[str]:
+    users = int(batch * share)
+    return [feature] * users + ["none"] * (batch - users)
+
+
+def gpu_busy_seconds(step, iters: int = 5) -> float:
+    """The GPU time of one step's kernels and copies (torch.profiler): against the step's wall time, what
+    the GPU spends waiting for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / iters
 
 
 def time_calls(step, iters: int) -> float:
@@ -555,7 +598,7 @@ def main() -> None:
         return
     if args.sampling_cost:
         folder = args.tokenizer or resolve_model(DEFAULT_MODEL).folder
-        rows = sampling_rows(8 if args.quick else 64, 5 if args.quick else 30, folder)
+        rows = sampling_rows(8 if args.quick else 64, 5 if args.quick else 20, folder)
         print_table(rows)
         write_json(Path(args.out or RESULTS / "decode_sampling_h200.json"),
                    {"benchmark": "decode-sampling-cost", "context": CONTEXT, "rows": rows})

@@ -48,29 +48,47 @@ class _BitmaskFiller(Protocol):
     def fill_bitmask(self, bitmask: Tensor, row: int) -> None: ...
 
 
+class GrammarViolation(RuntimeError):
+    """A token was appended that the grammar forbids: sampled under a mask that should have excluded it."""
+
+
 class GrammarState:
-    """One sequence's place in its grammar. It advances only through `accept`, once for each output token
-    appended: a preempted sequence whose tokens are recomputed keeps its state and is not fed them again.
-    Children of a prompt (n > 1) each take `fork()` of the state the prompt left (a fresh one)."""
+    """One sequence's place in its grammar. The engine `push`es each output token as it is appended, and the
+    matcher takes it at the next `fill_bitmask` (or `settle`): that runs while the GPU computes the next
+    step, where an accept right after sampling would keep the GPU waiting. A preempted sequence whose tokens
+    are recomputed keeps its state and is not fed them again. Children of a prompt (n > 1) each take `fork()`
+    of the state the prompt left (a fresh one)."""
 
     def __init__(self, matcher: xgr.GrammarMatcher, stop_words: Tensor) -> None:
         self._matcher = matcher
         self._stop_words = stop_words      # [words] int32: the bits of the EOS tokens
-        self._finished = False
+        self._pending: list[int] = []      # pushed, not yet taken by the matcher
+
+    def push(self, token_id: int) -> None:
+        """`token_id` was appended to the output; the matcher takes it later (GrammarViolation then if it
+        may not)."""
+        self._pending.append(token_id)
+
+    def settle(self) -> None:
+        """Feed the matcher the pushed tokens; GrammarViolation for one it forbids."""
+        while self._pending:
+            if not self._matcher.accept_token(self._pending[0]):      # it stays pending: raised again
+                raise GrammarViolation(f"token {self._pending[0]} was sampled under a grammar mask that forbids it")
+            self._pending.pop(0)
 
     def accept(self, token_id: int) -> bool:
-        """Advance by `token_id`; False (the state unchanged) where the grammar forbids it."""
-        if not self._matcher.accept_token(token_id):
-            return False
-        self._finished = self._matcher.is_terminated() or (self._matcher.is_completed() and self._only_end_left())
-        return True
+        """Advance by `token_id` now; False (the state unchanged) where the grammar forbids it."""
+        self.settle()
+        return self._matcher.accept_token(token_id)
 
     def is_finished(self) -> bool:
         """Whether the output is complete and only the end (an EOS token) may follow."""
-        return self._finished
+        self.settle()
+        return self._matcher.is_terminated() or (self._matcher.is_completed() and self._only_end_left())
 
     def fill_bitmask(self, bitmask: Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask[row]` (a CPU tensor of `allocate_bitmask`)."""
+        self.settle()
         if self._matcher.is_terminated():          # an EOS was accepted: nothing but the end again
             bitmask[row].copy_(self._stop_words)
         else:
@@ -78,14 +96,15 @@ class GrammarState:
 
     @property
     def matcher(self) -> "xgr.GrammarMatcher | None":
-        """The library's matcher while it can take tokens (None once terminated), for batched fills."""
+        """The library's matcher, settled, while it can take tokens (None once terminated), for batched
+        fills."""
+        self.settle()
         return None if self._matcher.is_terminated() else self._matcher
 
     def fork(self) -> "GrammarState":
         """An independent copy of this state."""
-        twin = GrammarState(self._matcher.fork(), self._stop_words)
-        twin._finished = self._finished
-        return twin
+        self.settle()
+        return GrammarState(self._matcher.fork(), self._stop_words)
 
     def _only_end_left(self) -> bool:
         words = torch.empty((1, self._stop_words.numel()), dtype=torch.int32)

@@ -28,13 +28,17 @@ def _apply_logit_bias(logits: Tensor, seqs: list[Sequence]) -> None:
 
 
 def _mask_until_min_tokens(logits: Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> None:
-    """Rows short of min_tokens cannot end: their EOS (unless ignored) and stop_token_ids are -inf."""
+    """Rows short of min_tokens cannot end: their EOS (unless ignored) and stop_token_ids are -inf, except in
+    a row where nothing else is left (a grammar that allows only its end): that one still ends."""
     entries = [(row, token) for row, s in enumerate(seqs) if len(s.output_token_ids) < s.params.min_tokens
                for token in _ending_tokens(s, eos_token_ids)]
     if not entries:
         return
-    rows, tokens = zip(*entries)
-    logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = float("-inf")
+    rows, tokens = (torch.tensor(ids, device=logits.device) for ids in zip(*entries))
+    ending = logits[rows, tokens]                                                  # [entries]
+    logits[rows, tokens] = float("-inf")
+    stuck = (logits[rows] == float("-inf")).all(dim=-1)                            # [entries]
+    logits[rows, tokens] = torch.where(stuck, ending, float("-inf"))
 
 
 def _ending_tokens(seq: Sequence, eos_token_ids: Collection[int]) -> set[int]:

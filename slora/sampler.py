@@ -140,9 +140,7 @@ class GrammarMask(Protocol):
 
     def fill_bitmask(self, bitmask: Tensor, row: int) -> None: ...
 
-    def accept(self, token_id: int) -> bool: ...
-
-    def is_finished(self) -> bool: ...
+    def push(self, token_id: int) -> None: ...
 
     def fork(self) -> "GrammarMask": ...
 
@@ -188,11 +186,11 @@ class Sampler:
         masked = grammars is not None and any(g is not None for g in grammars)
         if not controlled and not masked:
             return logits
-        logits = apply_controls(logits.float().clone(), seqs, self.eos_token_ids)
-        if masked:
+        logits = logits.float().clone()
+        if masked:      # first: min_tokens must see what the grammar leaves
             assert masker is not None and grammars is not None, "grammars given to the sampler without a masker"
             masker.mask(logits, grammars)
-        return logits
+        return apply_controls(logits, seqs, self.eos_token_ids)
 
     def _tokens(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         if all(s.params.greedy for s in seqs):

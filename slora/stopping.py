@@ -34,26 +34,21 @@ def append_token(state: RequestState, seq: Sequence, token: int, logprob: TokenL
                  eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
     """Append a sampled token to one sample of a request, decode it if the caller reads text as it grows
     (or a stop string must be matched against it) and check the stop conditions; the finish reason, or
-    None while the sample goes on. A sample of max_tokens=0 (the prompt alone) ends without its token;
-    one whose grammar is complete ends with "stop"."""
+    None while the sample goes on. A sample of max_tokens=0 (the prompt alone) ends without its token. Under
+    a grammar, the token goes to it, and an EOS (which its mask allows only once the output is complete)
+    ends the sample with "stop", even with ignore_eos: the grammar cannot go on."""
     if seq.params.max_tokens == 0:
         return "length"
     state.record_logprob(seq.sample_index, logprob)
     reason = _append_text(state, seq, token, eos_token_ids, max_model_len)
-    if reason is None and _completes_grammar(state, seq, token):
-        state.texts[seq.sample_index] = state.detokenizers[seq.sample_index].final_text()
-        return "stop"
-    return reason
-
-
-def _completes_grammar(state: RequestState, seq: Sequence, token: int) -> bool:
-    """Advance the sample's grammar, if it has one; whether its output is now complete."""
     grammar = state.grammar_of(seq)
     if grammar is None:
-        return False
-    if not grammar.accept(token):
-        raise AssertionError(f"token {token} sampled under a grammar mask that forbids it")
-    return grammar.is_finished()
+        return reason
+    if reason is None and token in eos_token_ids:
+        state.texts[seq.sample_index] = state.detokenizers[seq.sample_index].final_text()
+        return "stop"
+    grammar.push(token)
+    return reason
 
 
 def _append_text(state: RequestState, seq: Sequence, token: int, eos_token_ids: frozenset[int],

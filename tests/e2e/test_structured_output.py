@@ -124,3 +124,25 @@ def test_an_invalid_spec_is_refused_naming_the_problem(llm, structured, problem)
     with pytest.raises(ValueError, match=problem):
         llm.generate(["Hello"], SamplingParams(max_tokens=4, structured=structured))
     assert not llm.engine.has_unfinished() and llm.pool_stats()["kv_pages"] == 0
+
+
+def test_a_complete_output_ends_at_its_eos_also_with_ignore_eos(llm):
+    """The grammar's mask allows only EOS once the output is complete; that EOS ends the request, also with
+    ignore_eos (the grammar cannot go on), long before max_tokens."""
+    eos = llm.engine.tokenizer.eos_token_id
+    for ignore_eos in (False, True):
+        out = llm.generate([prompt(llm, "Is the sky blue?")],
+                           SamplingParams(max_tokens=32, temperature=1.0, seed=5, ignore_eos=ignore_eos,
+                                          structured=StructuredOutput("choice", CHOICES)))[0]
+        assert out.finish_reason == "stop" and out.text in CHOICES, (ignore_eos, out.text)
+        assert out.token_ids[-1] == eos and len(out.token_ids) < 32
+
+
+def test_min_tokens_beyond_the_grammar_still_ends_when_only_the_end_is_left(llm):
+    """min_tokens forbids EOS, but a complete choice allows nothing else: the request ends with its choice
+    rather than sampling from a row of nothing."""
+    out = llm.generate([prompt(llm, "Is the sky blue?")],
+                       SamplingParams(max_tokens=32, min_tokens=20, temperature=1.0, seed=5,
+                                      structured=StructuredOutput("choice", CHOICES)))[0]
+    assert out.finish_reason == "stop" and out.text in CHOICES, out.text
+    assert llm.pool_stats()["kv_pages"] == 0

@@ -11,7 +11,14 @@ import torch
 from transformers import AutoTokenizer
 
 from slora.builtin_models import TINY_MODEL, resolve_model, smollm2_folder
-from slora.grammar import MAX_ERROR_CHARS, GrammarCompiler, GrammarState, allocate_bitmask, apply_bitmask
+from slora.grammar import (
+    MAX_ERROR_CHARS,
+    GrammarCompiler,
+    GrammarState,
+    GrammarViolation,
+    allocate_bitmask,
+    apply_bitmask,
+)
 from slora.structured_output import StructuredOutput
 
 VOCAB = 49152                  # SmolLM2's vocabulary, as wide as its logits
@@ -109,6 +116,26 @@ def test_an_invalid_token_is_refused_and_leaves_the_state_as_it_was(compiler, to
     assert not state.accept(tokenizer.eos_token_id)           # nothing is complete yet
     assert all(state.accept(t) for t in tokenizer.encode(CASES[kind].valid, add_special_tokens=False))
     assert state.is_finished()
+
+
+@pytest.mark.parametrize("kind", CASES)
+def test_pushed_tokens_are_taken_at_the_next_fill(compiler, tokenizer, kind):
+    """The engine pushes each token; the matcher takes them when the next mask is filled, to the same state
+    as accepting them at once."""
+    ids = tokenizer.encode(CASES[kind].valid, add_special_tokens=False)[:3]
+    pushed, accepted = start(compiler, kind), start(compiler, kind)
+    for token_id in ids:
+        pushed.push(token_id)
+        assert accepted.accept(token_id)
+    assert allowed(pushed) == allowed(accepted)
+
+
+def test_a_forbidden_pushed_token_raises_at_the_next_fill_and_every_one_after(compiler, tokenizer):
+    state = start(compiler, "regex")
+    state.push(token(tokenizer, CASES["regex"].wrong))          # no check yet: that runs later
+    for _ in range(2):
+        with pytest.raises(GrammarViolation, match="forbids it"):
+            allowed(state)
 
 
 def test_a_complete_output_that_may_go_on_is_not_finished(compiler, tokenizer):

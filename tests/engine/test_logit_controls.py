@@ -57,6 +57,17 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
     assert Sampler({EOS})(logits[:2], held).token_ids == [11, EOS]
 
 
+def test_min_tokens_leaves_the_end_to_a_row_with_nothing_else():
+    """A grammar that allows only its end (everything else -inf) still ends under min_tokens; a row with
+    another token left loses its EOS."""
+    only_end = torch.full((VOCAB,), float("-inf"))
+    only_end[EOS] = 1.0
+    other_left = only_end.clone()
+    other_left[5] = 0.0
+    out = apply_controls(torch.stack([only_end, other_left]), [seq(min_tokens=3), seq(min_tokens=3)], {EOS})
+    assert out[0, EOS] == 1.0 and out[1, EOS] == float("-inf") and out[1, 5] == 0.0
+
+
 def test_presence_and_frequency_penalties_count_the_output():
     logits = logits_of(base_row(), base_row())
     seqs = [seq(output=(4, 4, 4, 9), presence_penalty=1.0), seq(output=(4, 4, 4, 9), frequency_penalty=0.5)]
