@@ -9,11 +9,11 @@ import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.requests import ClientDisconnect
@@ -35,15 +35,13 @@ from slora.api.limits import Admission
 from slora.api.metrics import CONTENT_TYPE, ServerMetrics
 from slora.api.openapi import install_openapi
 from slora.api.protocol import (
-    MAX_PROMPT_TOKEN_IDS,
     AdapterLoadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoraAdapterRequest,
-    ModelName,
-    Text,
-    TokenId,
-    Tolerant,
+    TokenizeChatRequest,
+    TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
 from slora.api.serving import GenerationService, Tokenization, encode_text
@@ -442,22 +440,6 @@ def _add_ops_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
 
 
 # ---- vLLM's tokenizer routes ---------------------------------------------------------------------------------
-class TokenizeRequest(Tolerant):
-    """vLLM's `POST /tokenize` body with a prompt (one with `messages` is a ChatCompletionRequest)."""
-
-    model: ModelName | None = None
-    prompt: Text
-    add_special_tokens: bool = True
-    return_token_strs: bool | None = False
-
-
-class DetokenizeRequest(Tolerant):
-    """vLLM's `POST /detokenize` body."""
-
-    model: ModelName | None = None
-    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
-
-
 def slora_version() -> str:
     try:
         return importlib.metadata.version("slora")
@@ -485,7 +467,8 @@ def _validated(model: type[TModel], value: dict[str, Any]) -> TModel:
 def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
     """/tokenize, /detokenize, /tokenizer_info and /version, as vLLM serves them (lm-eval's remote tokenizer
     uses the first three). Behind a key like the generation routes, with their limits; tokenizer work runs on
-    their tokenizer threads. Left out of /openapi.json: its table of operations (api/openapi.py) lacks them."""
+    their tokenizer threads. They parse their bodies by hand (a prompt or chat messages), so api/openapi.py
+    documents the bodies."""
     def tokenizer() -> Any:  # noqa: ANN401 - a Hugging Face tokenizer
         ctx.require_engine()
         assert ctx.engine.info is not None, "require_engine() refuses the request before the engine is up"
@@ -493,7 +476,7 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None
             raise bad_request("this model has no tokenizer", param="model")
         return ctx.engine.info.tokenizer
 
-    @app.post("/tokenize", include_in_schema=False)
+    @app.post("/tokenize")
     async def tokenize(request: Request, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
         source = tokenizer()
         value = _json_object(await request.body())
@@ -508,20 +491,17 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None
             prompt, specials = body.prompt, body.add_special_tokens
             ids = await ctx.tokenization.run(tenant.id, source, lambda own, _: encode_text(own, prompt, specials))
             return await _tokenized(ctx, tenant, source, ids, bool(body.return_token_strs))
-        token_strs = value.pop("return_token_strs", False)
-        if not isinstance(token_strs, bool) and token_strs is not None:
-            raise bad_request("return_token_strs: must be a boolean", param="return_token_strs")
-        given = value.get("model")
-        value.setdefault("model", ctx.generation.base_names[0])
-        chat = _validated(ChatCompletionRequest, value)
-        if given is not None:
+        chat = _validated(TokenizeChatRequest, value)
+        if chat.model is None:           # the base model, as the chat route would answer for it
+            chat.model = ctx.generation.base_names[0]
+        else:
             await ctx.generation.require_model(chat.model, tenant)
         # The chat route's own checks and rendering: the ids are exactly the prompt /v1/chat/completions runs.
         ctx.generation.check_request(chat, 1, chat.text_chars, "messages")
         ids = await ctx.generation.chat_prompt(chat, tenant)
-        return await _tokenized(ctx, tenant, source, ids, bool(token_strs))
+        return await _tokenized(ctx, tenant, source, ids, bool(chat.return_token_strs))
 
-    @app.post("/detokenize", include_in_schema=False)
+    @app.post("/detokenize")
     async def detokenize(request: Request, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
         source = tokenizer()
         body = _validated(DetokenizeRequest, _json_object(await request.body()))
@@ -537,7 +517,7 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None
         text = await ctx.tokenization.run(tenant.id, source, lambda own, _: own.decode(tokens))
         return {"prompt": text}
 
-    @app.get("/tokenizer_info", include_in_schema=False)
+    @app.get("/tokenizer_info")
     async def tokenizer_info(tenant: Tenant = Depends(caller)) -> dict[str, Any]:
         source = tokenizer()
         assert ctx.engine.info is not None, "tokenizer() checked that the engine is up"
@@ -546,7 +526,7 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None
                 **{name: getattr(source, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token",
                                                                   "chat_template")}}
 
-    @app.get("/version", include_in_schema=False)
+    @app.get("/version")
     async def version(tenant: Tenant = Depends(caller)) -> dict[str, str]:
         return {"version": slora_version()}
 

@@ -17,7 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema, models_json_schema
 
 from slora.api.adapter_admin import CONFIG_FILE, WEIGHTS_FILE
-from slora.api.protocol import AdapterLoadRequest, AdapterName, Name
+from slora.api.protocol import (
+    AdapterLoadRequest,
+    AdapterName,
+    DetokenizeRequest,
+    Name,
+    TokenizeChatRequest,
+    TokenizeRequest,
+)
 
 REF = "#/components/schemas/{model}"
 JSON, SSE, TEXT, HTML, MULTIPART = ("application/json", "text/event-stream", "text/plain", "text/html",
@@ -102,9 +109,25 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class AssistantFunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text of an object")
+
+
+class AssistantToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: AssistantFunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is only tool calls")
+    tool_calls: list[AssistantToolCall] | SkipJsonSchema[None] = absent(
+        'the calls the answer made: with tool_choice "required" or a named function, or parsed with '
+        "--enable-auto-tool-choice")
+    function_call: AssistantFunctionCall | SkipJsonSchema[None] = absent(
+        "the first call again, for a request that gave the legacy functions")
 
 
 class ChatTopLogprob(BaseModel):
@@ -138,6 +161,32 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs = absent("with prompt_logprobs")
+
+
+class Tokenized(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | SkipJsonSchema[None] = absent("with return_token_strs")
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    model_max_length: int
+    vocab_size: int
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | dict[str, str] | None = Field(description="Hugging Face tokenizers may name several")
+
+
+class Version(BaseModel):
+    version: str
 
 
 class ServerSentEvent(BaseModel):
@@ -206,7 +255,7 @@ class OperationDoc:
     errors: tuple[int, ...]
     ok: tuple[tuple[str, type[BaseModel] | Mapping[str, Any]], ...]   # media type, body model or schema
     public: bool = False                                  # served without an API key
-    bodies: tuple[tuple[str, type[BaseModel]], ...] = ()  # request bodies FastAPI cannot see
+    bodies: tuple[tuple[str, type[BaseModel] | Mapping[str, Any]], ...] = ()  # request bodies FastAPI cannot see
 
 
 # Any request may carry a body over the limit (413), meet an unexpected failure (500) or find the server over
@@ -217,6 +266,9 @@ _KEYED = _ANY + (401,)
 _PARSED = _KEYED + (400,)
 _GENERATION = _PARSED + (404, 409, 429)
 _METRICS = ("get", "/metrics")
+# /tokenize takes a prompt or chat messages (told apart by `messages`).
+_TOKENIZE_BODY = MappingProxyType({"anyOf": [{"$ref": REF.format(model=model.__name__)}
+                                             for model in (TokenizeRequest, TokenizeChatRequest)]})
 OPERATIONS: Mapping[tuple[str, str], OperationDoc] = MappingProxyType({
     ("post", "/v1/completions"): OperationDoc(_GENERATION, ((JSON, Completion), (SSE, ServerSentEvent))),
     ("post", "/v1/chat/completions"): OperationDoc(_GENERATION, ((JSON, ChatCompletion), (SSE, ServerSentEvent))),
@@ -229,6 +281,11 @@ OPERATIONS: Mapping[tuple[str, str], OperationDoc] = MappingProxyType({
     ("post", "/v1/load_lora_adapter"): OperationDoc(_PARSED + (403,), ((TEXT, _STRING),)),
     ("post", "/v1/unload_lora_adapter"): OperationDoc(_PARSED + (404,), ((TEXT, _STRING),)),
     _METRICS: OperationDoc(_ANY, ((TEXT, _STRING),), public=True),
+    ("post", "/tokenize"): OperationDoc(_PARSED + (404, 429), ((JSON, Tokenized),), bodies=((JSON, _TOKENIZE_BODY),)),
+    ("post", "/detokenize"): OperationDoc(_PARSED + (404, 429), ((JSON, Detokenized),),
+                                          bodies=((JSON, DetokenizeRequest),)),
+    ("get", "/tokenizer_info"): OperationDoc(_KEYED + (400,), ((JSON, TokenizerInfo),)),
+    ("get", "/version"): OperationDoc(_KEYED, ((JSON, Version),)),
     ("get", "/health"): OperationDoc(_ANY, ((JSON, Health),), public=True),
     ("get", "/openapi.json"): OperationDoc(_ANY, ((JSON, _OBJECT),), public=True),
     ("get", "/docs"): OperationDoc(_ANY, ((HTML, _STRING),), public=True),
@@ -252,7 +309,8 @@ _ERROR_DESCRIPTIONS = MappingProxyType({
 _RETRY_AFTER = MappingProxyType({"Retry-After": {"description": "seconds to wait before retrying",
                                                  "schema": {"type": "integer"}}})
 _DOC_MODELS = (ErrorResponse, Completion, ChatCompletion, ServerSentEvent, ModelList, AdapterList, AdapterDeleted,
-               Health, AdapterLoadRequest, AdapterUpload)
+               Health, AdapterLoadRequest, AdapterUpload, TokenizeRequest, TokenizeChatRequest, DetokenizeRequest,
+               Tokenized, Detokenized, TokenizerInfo, Version)
 _UPLOAD_ENCODING = MappingProxyType({CONFIG_FILE: {"contentType": JSON},
                                      WEIGHTS_FILE: {"contentType": "application/octet-stream"}})
 
@@ -312,7 +370,7 @@ def _document(operation: dict[str, Any], doc: OperationDoc) -> None:
     responses.update({str(status): _error_response(status) for status in sorted(doc.errors)})
 
 
-def _body(media: str, model: type[BaseModel]) -> dict[str, Any]:
+def _body(media: str, model: type[BaseModel] | Mapping[str, Any]) -> dict[str, Any]:
     body: dict[str, Any] = {"schema": _schema_of(model)}
     if media == MULTIPART:
         body["encoding"] = dict(_UPLOAD_ENCODING)

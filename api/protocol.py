@@ -36,6 +36,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from slora.api import tool_calls
 from slora.outputs import TokenLogprob
 from slora.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED, MAX_TOP_K, MIN_SEED
 from slora.structured_output import StructuredOutput
@@ -549,12 +550,16 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool | None = Field(False, description="vLLM: the answer starts with the last message's content when "
                                                  "that message has the answer's role.")
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
-        None, description="Passed to the chat template; parsed back into tool_calls with --enable-auto-tool-choice.")
-    tool_choice: ToolChoice | None = None
+        None, description="Passed to the chat template (not with tool_choice \"none\"); parsed back into "
+                          "tool_calls with --enable-auto-tool-choice.")
+    tool_choice: ToolChoice | None = Field(
+        None, description='"required" or a named function: the answer is made a call (structured output), '
+                          "returned in tool_calls; not with another structured output.")
     functions: Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)] | None = Field(
-        None, description="Legacy form of tools.")
-    function_call: FunctionChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, description=IGNORED)
+        None, description="Legacy form of tools: taken as tools of type function.")
+    function_call: FunctionChoice | None = Field(
+        None, description="Legacy form of tool_choice; the answer's call is also in message.function_call.")
+    parallel_tool_calls: bool | None = Field(None, description='false: tool_choice "required" makes one call.')
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
         None, description="Passed to the chat template, which may use it.")
     verbosity: Literal["low", "medium", "high"] | None = Field(None, description=IGNORED)
@@ -603,13 +608,89 @@ class ChatCompletionRequest(SamplingRequest):
             chars += len(json.dumps(self.chat_template_kwargs, ensure_ascii=False))
         return chars
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """tools (or the legacy functions, as tools) as chat templates take them."""
-        if self.tools:
-            return [tool.model_dump(exclude_none=True) for tool in self.tools]
-        if self.functions:
-            return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions]
+    @property
+    def legacy_functions(self) -> bool:
+        """Whether the request uses the deprecated `functions` / `function_call` in place of tools."""
+        return self.tools is None and self.tool_choice is None and \
+            (self.functions is not None or self.function_call is not None)
+
+    @property
+    def tool_choice_param(self) -> str:
+        """The field that gave the tool choice, for errors."""
+        return "function_call" if self.tool_choice is None and self.function_call is not None else "tool_choice"
+
+    def effective_tools(self) -> list[Tool] | None:
+        """tools, or the legacy functions as tools of type function."""
+        if self.tools is not None:
+            return self.tools
+        if self.functions is not None:
+            return [Tool(function=function) for function in self.functions]
         return None
+
+    def effective_tool_choice(self) -> "str | NamedToolChoice | None":
+        """tool_choice, or the legacy function_call as one ("none", "auto" or the named function)."""
+        if self.tool_choice is not None or self.function_call is None:
+            return self.tool_choice
+        if isinstance(self.function_call, str):
+            return self.function_call
+        return NamedToolChoice(function=self.function_call)
+
+    def forced_tool(self) -> NamedFunction | Literal["required"] | None:
+        """The call the answer must be: "required" (one or more of the tools), a named function, or None."""
+        choice = self.effective_tool_choice()
+        if choice == "required":
+            return "required"
+        return choice.function if isinstance(choice, NamedToolChoice) else None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """tools (or the legacy functions, as tools) as chat templates take them; none with tool_choice "none".
+        vLLM passes them even then by default (it drops them only with --exclude-tools-when-tool-choice-none);
+        slora drops them: a template shown tools asks the model to call them, which "none" forbids, and whose
+        calls would not be parsed."""
+        tools = self.effective_tools()
+        if not tools or self.effective_tool_choice() == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in tools]
+
+    def structured_outputs_given(self) -> list[tuple[str, StructuredOutput]]:
+        """As SamplingRequest's, and a forced tool choice's: the JSON schema of its call (as vLLM does it)."""
+        given = super().structured_outputs_given()
+        forced = self.forced_tool()
+        tools = self.effective_tools() or []
+        if forced == "required":
+            functions = [(tool.function.name, tool.function.parameters) for tool in tools]
+            schema = tool_calls.required_schema(functions, parallel=self.parallel_tool_calls is not False)
+        elif forced is not None:
+            parameters = next((t.function.parameters for t in tools if t.function.name == forced.name), None)
+            schema = tool_calls.parameters_schema(parameters)
+        else:
+            return given
+        return [*given, (self.tool_choice_param, structured_output("json_schema", schema))]
+
+
+class TokenizeRequest(Tolerant):
+    """vLLM's `POST /tokenize` body with a prompt."""
+
+    model: ModelName | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """vLLM's `POST /tokenize` body with chat messages: the ids are the prompt the chat route would run."""
+
+    # Optional here (the base model by default), where the chat route requires it: the route fills it in once
+    # validated, before any use as a ChatCompletionRequest; mypy sees the base's field widened.
+    model: ModelName | None = None  # type: ignore[assignment]
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(Tolerant):
+    """vLLM's `POST /detokenize` body."""
+
+    model: ModelName | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
 
 
 class AdapterLoadRequest(BaseModel):

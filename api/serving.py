@@ -133,7 +133,8 @@ class Job:
     structured_param: str | None = None        # the field that asked for a structured output
     prompt_param: str = "prompt"
     sent_tokens: dict[tuple[int, int], int] = field(default_factory=dict)   # streamed tokens per choice
-    tool_names: frozenset[str] | None = None   # chat: parse calls of these tools out of the answer (None: don't)
+    tool_parser: tool_calls.ToolParser | None = None   # chat: how calls are read out of the answer (None: not)
+    legacy_functions: bool = False             # chat: the request used `functions`; calls in function_call too
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -177,6 +178,21 @@ class Job:
     def cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache."""
         return sum(out.num_cached_tokens for out in self.finals.values())
+
+
+def _calls_fields(job: Job, calls: tuple[tool_calls.ToolCall, ...]) -> dict[str, Any]:
+    """The message fields of an answer's calls: tool_calls, and for a legacy request (`functions`) also
+    function_call, the first call, where such clients read it (the legacy form has one call)."""
+    made = [call.as_openai() for call in calls]
+    fields: dict[str, Any] = {"tool_calls": made}
+    if job.legacy_functions:
+        fields["function_call"] = dict(made[0]["function"])
+    return fields
+
+
+def _calls_reason(job: Job) -> str:
+    """The finish_reason of an answer that made calls: OpenAI's legacy "function_call" for `functions`."""
+    return "function_call" if job.legacy_functions else "tool_calls"
 
 
 class Tokenizer(Protocol):
@@ -505,8 +521,9 @@ class GenerationService:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = self._job("chat", body, tenant, prompts, body.token_limit, "messages", logprobs=logprobs,
                         prompt_logprobs=body.prompt_logprobs)
-        if self.settings.enable_auto_tool_choice:
-            job.tool_names = tool_calls.tool_names_of(body.tools, body.tool_choice)
+        job.tool_parser = tool_calls.parser_for(body.effective_tools(), body.effective_tool_choice(),
+                                                self.settings.enable_auto_tool_choice)
+        job.legacy_functions = body.legacy_functions
         if body.echo:
             # vLLM's echo: the answer starts with the last message when that message has the answer's role.
             role = "assistant" if body.add_generation_prompt else body.messages[-1].role
@@ -577,12 +594,31 @@ class GenerationService:
         if body.continue_final_message and body.messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs the last message to be the assistant's",
                               param="continue_final_message")
+        self._check_tools(body)
         if body.chat_template_kwargs and self._info.tokenizer is not None:
             reserved = template_reserved_names(self._info.tokenizer)
             clashes = sorted(key for key in body.chat_template_kwargs if key in reserved)
             if clashes:
                 raise bad_request(f"chat_template_kwargs may not set {clashes[0]!r}: it is a parameter of the "
                                   "template call, not a template variable", param="chat_template_kwargs")
+
+    @staticmethod
+    def _check_tools(body: ChatCompletionRequest) -> None:
+        """tools or the legacy functions, not both; a forced tool choice needs tools and names one of them."""
+        if body.tools is not None and body.functions is not None:
+            raise bad_request("tools and functions cannot both be given: functions is the deprecated form of tools",
+                              param="functions")
+        if body.tool_choice is not None and body.function_call is not None:
+            raise bad_request("tool_choice and function_call cannot both be given: function_call is the deprecated "
+                              "form of tool_choice", param="function_call")
+        forced, param = body.forced_tool(), body.tool_choice_param
+        tools = body.effective_tools()
+        if forced is not None and not tools:
+            given = '"required"' if forced == "required" else "a named function"
+            raise bad_request(f"{param} {given} needs tools (or functions) to call", param=param)
+        if isinstance(forced, protocol.NamedFunction) and forced.name not in {t.function.name for t in tools or ()}:
+            raise bad_request(f"{param} names the function {forced.name!r}, which is not among the request's "
+                              f"{'tools' if body.tools is not None else 'functions'}", param=param)
 
     def _check_stops(self, stops: list[str]) -> None:
         if len(stops) > self.settings.max_stop_sequences:
@@ -654,8 +690,14 @@ class GenerationService:
             given = body.structured_outputs_given()
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+        names = [name for name, _ in given]
+        forced = next((name for name in names if name in ("tool_choice", "function_call")), None)
+        if forced is not None and len(given) > 1:
+            other = next(name for name in names if name != forced)
+            kinds = '"required" or a named function' if forced == "tool_choice" else "a named function"
+            raise bad_request(f"{forced} and {other} cannot both be given: a forced {forced} ({kinds}) makes the "
+                              "answer the call's JSON, a structured output of its own", param=other)
         if len(given) > 1:
-            names = [name for name, _ in given]
             raise bad_request(f"{' and '.join(names)} cannot both be given: a request takes one structured output",
                               param=names[1])
         return given[0] if given else (None, None)
@@ -863,14 +905,16 @@ class GenerationService:
 
     def _chat_choice(self, job: Job, choice: int, echo: str, sample: CompletionOutput,
                      ids: dict[str, list[int]]) -> dict[str, Any]:
-        """One chat choice; with tool parsing, the calls in its text as message.tool_calls."""
+        """One chat choice; with tool parsing, the calls in its text as message.tool_calls (and the first as
+        the legacy message.function_call for a request that gave `functions`)."""
         logprobs = self._chat_logprobs(job, sample, 0)
-        parsed = None if job.tool_names is None else tool_calls.parse_hermes(sample.text, job.tool_names)
+        parsed = None if job.tool_parser is None else job.tool_parser.parse(sample.text)
         if parsed is None or not parsed.tool_calls:
             return protocol.chat_choice(choice, echo + sample.text, sample.finish_reason, **ids, logprobs=logprobs)
-        made = protocol.chat_choice(choice, echo + (parsed.content or ""), "tool_calls", **ids, logprobs=logprobs)
+        made = protocol.chat_choice(choice, echo + (parsed.content or ""), _calls_reason(job), **ids,
+                                    logprobs=logprobs)
         made["message"]["content"] = made["message"]["content"] or None
-        made["message"]["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
+        made["message"].update(_calls_fields(job, parsed.tool_calls))
         return made
 
     def _token_text(self, job: Job) -> protocol.TokenText:
@@ -948,9 +992,9 @@ class GenerationService:
             choice = job.choice_index(index, sample.index)
             state = progress.setdefault(choice, ChoiceProgress())
             start = state.sent_tokens
-            parsing = job.tool_names is not None
-            # With tool parsing the text from the first <tool_call> on waits for the end of the answer.
-            shown = tool_calls.streamable(sample.text) if parsing else sample.text
+            parsing = job.tool_parser is not None
+            # With tool parsing the text from the first <tool_call> on (a forced call: all) waits for the end.
+            shown = job.tool_parser.streamable(sample.text) if job.tool_parser is not None else sample.text
             text, tokens, finished = state.advance(shown, sample.token_ids, sample.finish_reason, job.params.stop)
             if not text and not tokens and not finished:
                 continue
@@ -978,16 +1022,18 @@ class GenerationService:
         """The last delta of a streamed choice with tool parsing: the content held back (from the first
         <tool_call> on) that is not a call, and the calls, all at once; `text` is what streamable() let out in
         this chunk."""
-        assert job.tool_names is not None, "only for jobs that parse tool calls"
-        parsed = tool_calls.parse_hermes(sample.text, job.tool_names)
+        assert job.tool_parser is not None, "only for jobs that parse tool calls"
+        parsed = job.tool_parser.parse(sample.text)
         content = parsed.content or ""
         held = content[len(state.sent_text):] if content.startswith(state.sent_text) else ""
         state.sent_text += held
         delta: dict[str, Any] = {"content": text + held} if text or held else {}
         if not parsed.tool_calls:
             return delta, reason
-        delta["tool_calls"] = [{"index": i, **call.as_openai()} for i, call in enumerate(parsed.tool_calls)]
-        return delta, "tool_calls"
+        fields = _calls_fields(job, parsed.tool_calls)
+        fields["tool_calls"] = [{"index": i, **call} for i, call in enumerate(fields["tool_calls"])]
+        delta.update(fields)
+        return delta, _calls_reason(job)
 
     @staticmethod
     def _chunk(job: Job, choices: list[dict[str, Any]]) -> str:

@@ -10,15 +10,21 @@ the content as it was written. The content is the text outside the calls' blocks
 whitespace. A last block left open (the answer stopped before `</tool_call>`) counts when its JSON is complete,
 as vLLM's hermes parser reads it.
 
+A forced tool choice (`tool_choice: "required"` or a named function), as vLLM does it, needs no parser flag:
+the answer is made to match a JSON schema (structured output) and read back as calls. "required" is an array
+of at least one `{"name", "parameters"}` object, one per call, each name one of the tools' and its parameters
+matching that tool's; a named function's answer is its parameters object alone. `parallel_tool_calls: false`
+caps the array at one call, which vLLM does not do, but OpenAI documents.
+
 Pure functions: the chat routes call them on the final text (and, while streaming, `streamable` on the text
-so far, which holds back everything from the first `<tool_call>` on).
+so far, which holds back everything from the first `<tool_call>` on, or all of a forced answer).
 """
 import json
 import re
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|\Z)", re.DOTALL)
@@ -105,3 +111,90 @@ def tool_names_of(tools: list[Any] | None, tool_choice: Any) -> frozenset[str] |
     if function is not None:
         names = names & {function.name}
     return names
+
+
+# ---- forced tool choices --------------------------------------------------------------------------------------
+ParserMode = Literal["hermes", "required", "named"]
+# OpenAI: "omitting parameters defines a function with an empty parameter list", so its only arguments are {}.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def parameters_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The JSON schema of a function's arguments, as the request's tool gave it (`parameters`)."""
+    return NO_PARAMETERS if parameters is None else parameters
+
+
+def required_schema(functions: Sequence[tuple[str, dict[str, Any] | None]], parallel: bool) -> dict[str, Any]:
+    """The JSON schema of the answer to `tool_choice: "required"`: an array of calls, each `{"name": one of
+    `functions`' names, "parameters": that function's arguments}`; at most one call unless `parallel`."""
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters_schema(parameters)},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for name, parameters in functions]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def parse_required(text: str, tool_names: Collection[str]) -> ParsedAnswer:
+    """The calls of an answer to `tool_choice: "required"` (required_schema's array); the text as content, with
+    no call, when it is not that array (cut short by max_tokens or a stop string)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return ParsedAnswer(text, ())
+    if not isinstance(value, list) or not value:
+        return ParsedAnswer(text, ())
+    calls = []
+    for item in value:
+        if not isinstance(item, dict) or item.get("name") not in tool_names or \
+                not isinstance(item.get("parameters"), dict):
+            return ParsedAnswer(text, ())
+        calls.append(ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+    return ParsedAnswer(None, tuple(calls))
+
+
+def parse_named(text: str, name: str) -> ParsedAnswer:
+    """The one call of an answer to a named tool_choice (the function's arguments object); the text as content,
+    with no call, when it is not a JSON object (cut short)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return ParsedAnswer(text, ())
+    if not isinstance(value, dict):
+        return ParsedAnswer(text, ())
+    return ParsedAnswer(None, (ToolCall(name, json.dumps(value, ensure_ascii=False)),))
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    """How one request's answers are read for calls: the hermes blocks of --tool-call-parser hermes, or the JSON
+    of a forced tool choice (`names` then holds the named function alone)."""
+
+    names: frozenset[str]
+    mode: ParserMode
+
+    def parse(self, text: str) -> ParsedAnswer:
+        if self.mode == "required":
+            return parse_required(text, self.names)
+        if self.mode == "named":
+            return parse_named(text, next(iter(self.names)))
+        return parse_hermes(text, self.names)
+
+    def streamable(self, text: str) -> str:
+        """What may be streamed as content before the answer ends: nothing of a forced answer, which is all
+        calls (sent whole at the end)."""
+        return "" if self.mode != "hermes" else streamable(text)
+
+
+def parser_for(tools: list[Any] | None, tool_choice: Any, hermes: bool) -> ToolParser | None:  # noqa: ANN401
+    """The parser of a request's answers (None: its answers are not read for calls): a forced tool choice
+    always has one, "auto" (or no tool_choice) only with `hermes` (--enable-auto-tool-choice)."""
+    names = tool_names_of(tools, tool_choice)
+    if names is None:
+        return None
+    if tool_choice == "required":
+        return ToolParser(names, "required")
+    if getattr(tool_choice, "function", None) is not None:
+        return ToolParser(names, "named") if names else None   # a name outside tools: the route refuses it
+    return ToolParser(names, "hermes") if hermes else None

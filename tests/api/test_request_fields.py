@@ -202,6 +202,116 @@ def test_max_tokens_zero_runs_the_prompt_only(app):
     assert body["choices"][0]["text"] == "" and body["usage"]["completion_tokens"] == 0
 
 
+def test_min_tokens_holds_back_an_eos_the_model_wants(app):
+    """min_tokens reaches the sampler (guidellm's test cannot show it: it also sends ignore_eos). EOS biased to
+    win every greedy step ends the answer at once; with min_tokens it comes only after that many tokens."""
+    client, records, engine = app
+    eos = {"logit_bias": {str(engine.tokenizer.eos_token_id): 100}, "temperature": 0, "max_tokens": 12}
+    alone = ok(completion(client, **eos))
+    assert alone["choices"][0]["finish_reason"] == "stop" and alone["usage"]["completion_tokens"] < 6, alone
+    held = ok(completion(client, min_tokens=6, **eos))
+    assert held["choices"][0]["finish_reason"] == "stop", held           # its EOS, not max_tokens, ended it
+    assert 6 <= held["usage"]["completion_tokens"] < 12, held
+    assert records[-1][1].min_tokens == 6
+    # As guidellm streams it (continuous usage stats), without its ignore_eos: the last usage counts them all.
+    events = sse_payloads(completion(client, min_tokens=6, stream=True,
+                                     stream_options={"continuous_usage_stats": True}, **eos).text)
+    assert events[-1]["usage"]["completion_tokens"] >= 6, events[-1]
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["stop"]
+
+
+# ---- tools and tool_choice --------------------------------------------------------------------------------
+def test_tool_choice_none_keeps_the_tools_out_of_the_template(app):
+    """vLLM still renders the tools with tool_choice "none" (unless --exclude-tools-when-tool-choice-none);
+    slora leaves them out, for tools and for the legacy functions alike."""
+    client, records, engine = app
+    for fields in ({"tools": [TOOL], "tool_choice": "none"},
+                   {"functions": [TOOL["function"]], "function_call": "none"}):
+        ok(chat(client, **fields))
+        assert "tools=" not in engine.tokenizer.decode(records[-1][0]), fields
+        assert records[-1][1].structured is None
+    ok(chat(client, tools=[TOOL], tool_choice="auto"))
+    assert "tools=" in engine.tokenizer.decode(records[-1][0])
+
+
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}      # no parameters: its arguments are {}
+
+
+@pytest.mark.parametrize("fields,schema", [
+    ({"tools": [TOOL, CLOCK], "tool_choice": "required"},
+     {"type": "array", "minItems": 1, "items": {"anyOf": [
+         {"type": "object",
+          "properties": {"name": {"const": "get_weather"}, "parameters": TOOL["function"]["parameters"]},
+          "required": ["name", "parameters"], "additionalProperties": False},
+         {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": NO_ARGUMENTS},
+          "required": ["name", "parameters"], "additionalProperties": False}]}}),
+    ({"tools": [CLOCK], "tool_choice": "required", "parallel_tool_calls": False},
+     {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [
+         {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": NO_ARGUMENTS},
+          "required": ["name", "parameters"], "additionalProperties": False}]}}),
+    ({"tools": [CLOCK, TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     TOOL["function"]["parameters"]),
+    ({"tools": [TOOL, CLOCK], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, NO_ARGUMENTS),
+    ({"functions": [TOOL["function"]], "function_call": {"name": "get_weather"}}, TOOL["function"]["parameters"]),
+], ids=["required", "required-one-call", "named", "named-without-parameters", "legacy-function_call"])
+def test_a_forced_tool_choice_reaches_the_engine_as_a_json_schema(app, fields, schema):
+    client, records, _ = app
+    ok(chat(client, **fields))
+    structured = records[-1][1].structured
+    assert structured is not None and structured.kind == "json_schema"
+    assert json.loads(structured.spec) == schema
+
+
+def test_a_forced_call_is_answered_as_tool_calls_without_the_parser_flag(app):
+    """This app has no --enable-auto-tool-choice: as in vLLM, a forced call needs none. The output is the
+    tiny random model's, held to the schema."""
+    client, _, _ = app
+    body = ok(chat(client, tools=[TOOL, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                   max_tokens=64, seed=2))
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    call, = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"]) == {}
+    legacy = ok(chat(client, functions=[CLOCK["function"]], function_call={"name": "get_time"}, max_tokens=64,
+                     seed=2))["choices"][0]
+    assert legacy["finish_reason"] == "function_call", legacy
+    assert legacy["message"]["function_call"] == {"name": "get_time", "arguments": "{}"}
+    assert legacy["message"]["tool_calls"][0]["function"] == legacy["message"]["function_call"]
+
+
+def test_a_forced_call_cut_short_is_returned_as_text(app):
+    client, _, _ = app
+    choice = ok(chat(client, tools=[TOOL], tool_choice="required", max_tokens=2))["choices"][0]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"], choice
+    assert choice["message"]["content"].startswith("[")          # the schema's array, begun
+
+
+@pytest.mark.parametrize("fields,param,words", [
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     ("tool_choice", "response_format")),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+      "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}},
+     "response_format", ("tool_choice", "response_format")),
+    ({"functions": [TOOL["function"]], "function_call": {"name": "get_weather"}, "guided_json": {"type": "object"}},
+     "guided_json", ("function_call", "guided_json")),
+    ({"tool_choice": "required"}, "tool_choice", ("needs tools",)),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
+     ("'get_time'", "not among")),
+    ({"functions": [TOOL["function"]], "function_call": {"name": "get_time"}}, "function_call", ("'get_time'",)),
+    ({"tools": [TOOL], "functions": [TOOL["function"]]}, "functions", ("tools", "functions")),
+    ({"tools": [TOOL], "tool_choice": "auto", "function_call": "auto"}, "function_call", ("tool_choice",)),
+], ids=["required+response_format", "named+json_schema", "function_call+guided_json", "required-without-tools",
+        "named-unknown", "function_call-unknown", "tools+functions", "tool_choice+function_call"])
+def test_tool_choice_conflicts_are_400_naming_them(app, fields, param, words):
+    client, records, _ = app
+    before = len(records)
+    error = error_of(chat(client, **fields))
+    assert error["param"] == param and all(word in error["message"] for word in words), error
+    assert len(records) == before                       # refused before the engine saw it
+
+
 # ---- structured output ---------------------------------------------------------------------------------
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))
