@@ -209,3 +209,19 @@ def silu_and_mul(gate_up: Tensor, delta: Tensor | None = None, token_slots: Tens
     Returns a new contiguous `[tokens, inter]` tensor. delta: see add_lora_delta."""
     gate, up = add_lora_delta(gate_up, delta, token_slots).chunk(2, dim=-1)
     return (F.silu(gate) * up).contiguous()
+
+
+def logprob_rows(logits: Tensor, tokens: Tensor, top: int) -> Tensor:
+    """`[rows, 3 + 2 * top]` float64: per row of `logits` `[rows, vocab]`, token `tokens[row]`'s id, its
+    logprob under log_softmax of the row, its rank (1 + the logits strictly above it), then the `top` best
+    ids, then their logprobs. The log-normaliser is taken once per row, so no `[rows, vocab]` logprobs are
+    written; float64 holds the ids exactly (< 2**53)."""
+    logits = logits.float()
+    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)                     # [rows, 1]
+    chosen = logits.gather(1, tokens[:, None])                                      # [rows, 1]
+    ranks = (logits > chosen).sum(dim=-1, keepdim=True) + 1                         # [rows, 1]
+    columns = [tokens[:, None].double(), (chosen - normaliser).double(), ranks.double()]
+    if top:
+        best = logits.topk(top, dim=-1)                                             # [rows, top]
+        columns += [best.indices.double(), (best.values - normaliser).double()]
+    return torch.cat(columns, dim=1)

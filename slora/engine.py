@@ -62,6 +62,8 @@ class Engine:
                                        scheduler_config.usable_pages(allocator.num_pages))
         self.scheduler = Scheduler(scheduler_config, allocator, adapter_pool=self.adapters)
         self.sampler = Sampler(self.eos_token_ids)
+        if config.device != "cpu":
+            self.sampler.warm_up(self.model_config.vocab_size, config.torch_device)
         self.grammars = EngineGrammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.step_stats = StepStats()          # wall time of steps by kind (prefill, decode, mixed)
         self._decode_bytes = sizing.decode_bytes(self.adapters.weight_bytes)

@@ -14,6 +14,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from slora.kernels import reference
 from slora.logit_controls import apply_controls
 from slora.outputs import TokenLogprob
 from slora.sequence import Sequence
@@ -172,12 +173,16 @@ class Sampler:
         logits = self._controlled(logits, seqs, grammars, masker)
         tokens = self._tokens(logits, seqs)                                         # [rows] on the device
         wanted = [s.params.logprob_count for s in seqs]
-        top = max((k for k in wanted if k is not None), default=None)
-        if top is None:
+        if all(k is None for k in wanted):
             return SampleResult(tokens.tolist(), [None] * len(seqs))
-        logprobs = token_logprobs(raw, tokens, top)       # its copy brings the tokens too
-        return SampleResult([lp.token_id for lp in logprobs], [None if k is None else lp._replace(top=lp.top[:k])
-                                                               for lp, k in zip(logprobs, wanted)])
+        logprobs = token_logprobs(raw, tokens, wanted)    # its copy brings the tokens too
+        return SampleResult([lp.token_id for lp in logprobs],
+                            [None if k is None else lp for lp, k in zip(logprobs, wanted)])
+
+    def warm_up(self, vocab_size: int, device: torch.device) -> None:
+        """Compile the logprob kernels now (on CUDA), so that the first request asking for logprobs does
+        not stall a step of every tenant's while they compile."""
+        token_logprobs(torch.zeros(1, vocab_size, device=device), torch.zeros(1, dtype=torch.int64, device=device), 1)
 
     def _controlled(self, logits: Tensor, seqs: list[Sequence], grammars: Rows[GrammarMask | None] | None,
                     masker: Masker | None) -> Tensor:
@@ -200,18 +205,21 @@ class Sampler:
         return sample(logits, SamplingTensors.from_seqs(seqs, logits.device, top_ks), truncate)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, top: int) -> list[TokenLogprob]:
-    """Each row's token `tokens[row]`: its logprob under log_softmax(logits), its rank, and the `top` best
-    (token, logprob). The log-normaliser is taken once per row, so no `[rows, vocab]` logprobs are written;
-    one host copy: every number packed in one float64 tensor (token ids < 2**53 are exact)."""
-    logits = logits.float()
-    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)                     # [rows, 1]
-    chosen = logits.gather(1, tokens[:, None])                                      # [rows, 1]
-    ranks = (logits > chosen).sum(dim=-1, keepdim=True) + 1                         # [rows, 1]
-    columns = [tokens[:, None].double(), (chosen - normaliser).double(), ranks.double()]
-    if top:
-        best = logits.topk(top, dim=-1)                                             # [rows, top]
-        columns += [best.indices.double(), (best.values - normaliser).double()]
-    packed = torch.cat(columns, dim=1).tolist()                                     # [rows, 3 + 2 * top]
+def token_logprobs(logits: Tensor, tokens: Tensor, top: int | list[int | None]) -> list[TokenLogprob]:
+    """Each row's token `tokens[row]`: its logprob under log_softmax(logits), its rank, and its best
+    (token, logprob): `top` of them, or per row `top[row]` (None counts as 0). One host copy: every number
+    packed in one float64 tensor (slora.kernels' logprob_rows)."""
+    counts = [top] * len(tokens) if isinstance(top, int) else [k or 0 for k in top]
+    width = max(counts, default=0)
+    packed = logprob_rows(logits, tokens, width).tolist()                           # [rows, 3 + 2 * width]
     return [TokenLogprob(int(row[0]), row[1], int(row[2]),
-                         [(int(t), v) for t, v in zip(row[3:3 + top], row[3 + top:])]) for row in packed]
+                         list(zip(map(int, row[3:3 + k]), row[3 + width:3 + width + k])))
+            for row, k in zip(packed, counts)]
+
+
+def logprob_rows(logits: Tensor, tokens: Tensor, top: int) -> Tensor:
+    """The Triton kernel on CUDA (two launches), the torch reference elsewhere."""
+    if logits.is_cuda:
+        from slora.kernels import logprobs
+        return logprobs.logprob_rows(logits, tokens, top)
+    return reference.logprob_rows(logits, tokens, top)
