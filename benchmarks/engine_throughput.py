@@ -172,6 +172,7 @@ class Settings:
     workloads: tuple[str, ...]
     alpha: float
     engine_args: dict[str, Any] = field(default_factory=dict)
+    profile: bool = False               # also profile each workload's steady-state step (profile_workload)
 
     @property
     def sizes(self) -> Sizes:
@@ -266,6 +267,69 @@ def run_workload(llm: Any, load: Workload, settings: Settings, vocab_size: int) 
     return result_row(load, settings, wall, warm_s, llm.engine.step_stats.as_dict())
 
 
+PROFILE_WINDOWS = (16, 16)           # steps skipped to reach the steady state, then steps per window
+QUICK_PROFILE_WINDOWS = (2, 4)
+
+
+def profile_workload(llm: Any, load: Workload, settings: Settings, vocab_size: int) -> dict[str, Any]:
+    """Where a workload's steady-state step spends its time: the workload submitted again (prompts of its
+    own), the first steps skipped, then three windows of equal steps: timed plainly (wall per step), under
+    torch.profiler (the GPU's busy time per step: kernels and copies), and under cProfile (the host's
+    functions by cumulative time per step). Busy time below the wall time is the GPU waiting for the host."""
+    from slora import SamplingParams
+
+    engine, (skip, window) = llm.engine, QUICK_PROFILE_WINDOWS if settings.quick else PROFILE_WINDOWS
+    prompts = make_prompts(load.trace, vocab_size, prompt_seed(load.name, True) + 50)
+    for i, (prompt, request, name) in enumerate(zip(prompts, load.trace, load.adapter_names())):
+        engine.add_request(f"profile-{i}", prompt, SamplingParams(max_tokens=request.output_len, temperature=0,
+                                                                  ignore_eos=True), adapter=name)
+    for _ in range(skip):
+        engine.step()
+    wall = timed_window(engine.step, window, settings.device)
+    busy = gpu_busy_per_step(engine.step, window) if settings.device != "cpu" else None
+    host = host_profile(engine.step, window)
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    return {"skipped_steps": skip, "window_steps": window, "wall_ms_per_step": wall * 1e3,
+            "gpu_busy_ms_per_step": None if busy is None else busy * 1e3, "host_top": host}
+
+
+def timed_window(step: Any, steps: int, device: str) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return (time.perf_counter() - start) / steps
+
+
+def gpu_busy_per_step(step: Any, steps: int) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps
+
+
+def host_profile(step: Any, steps: int, top: int = 30) -> list[dict[str, Any]]:
+    """The `top` functions by cumulative host time, per step."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats                    # (file, line, name) -> (cc, nc, tottime, cumtime, _)
+    rows = [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": nc / steps,
+             "tottime_ms_per_step": tt * 1e3 / steps, "cumtime_ms_per_step": ct * 1e3 / steps}
+            for (file, line, name), (_, nc, tt, ct, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r["cumtime_ms_per_step"])[:top]
+
+
 def result_row(load: Workload, settings: Settings, wall: float, warm_s: float,
                steps: dict[str, Any]) -> dict[str, Any]:
     gen_tokens = sum(r.output_len for r in load.trace)
@@ -324,6 +388,8 @@ def run(settings: Settings, out: Path) -> dict[str, Any]:
         data: dict[str, Any] = {}
         for load in loads:
             rows.append(run_workload(llm, load, settings, setup.vocab_size))
+            if settings.profile:
+                rows[-1]["profile"] = profile_workload(llm, load, settings, setup.vocab_size)
             logger.info("%s: %.1f gen tok/s", load.name, rows[-1]["gen_tok_s"])
             data = payload(settings, setup, engine, rows, {**extra, "wall_seconds": time.perf_counter() - start})
             write_json(out, {**data, "partial": len(rows) < len(loads)})
@@ -359,6 +425,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the trace's power-law exponent of adapter popularity (1: uniform)")
     parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
                         help="an extra LLM keyword (EngineConfig or CudaConfig field), e.g. enforce_eager=true")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each workload, profile its steady-state step: wall, GPU busy and host time")
     parser.add_argument("--out", default=None, help="JSON file (default: results/engine_throughput_<device>.json)")
     return parser.parse_args(argv)
 
@@ -368,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("slora").setLevel(logging.WARNING)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    settings = Settings(device, args.quick, args.workloads, args.alpha, dict(args.engine_arg))
+    settings = Settings(device, args.quick, args.workloads, args.alpha, dict(args.engine_arg), args.profile)
     out = Path(args.out or RESULTS / f"engine_throughput_{'cpu' if device == 'cpu' else 'gpu'}.json")
     data = run(settings, out)
     print_table(table_rows(data["rows"]))
