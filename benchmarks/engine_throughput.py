@@ -281,17 +281,18 @@ def profile_workload(llm: Any, load: Workload, settings: Settings, vocab_size: i
     engine, (skip, window) = llm.engine, QUICK_PROFILE_WINDOWS if settings.quick else PROFILE_WINDOWS
     prompts = make_prompts(load.trace, vocab_size, prompt_seed(load.name, True) + 50)
     for i, (prompt, request, name) in enumerate(zip(prompts, load.trace, load.adapter_names())):
-        engine.add_request(f"profile-{i}", prompt, SamplingParams(max_tokens=request.output_len, temperature=0,
-                                                                  ignore_eos=True), adapter=name)
+        params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
+        engine.add_request(f"profile-{i}", prompt, params, adapter=name, stream=False)   # as LLM.generate
     for _ in range(skip):
         engine.step()
     wall = timed_window(engine.step, window, settings.device)
-    busy = gpu_busy_per_step(engine.step, window) if settings.device != "cpu" else None
+    kernels = gpu_kernels_per_step(engine.step, window) if settings.device != "cpu" else []
     host = host_profile(engine.step, window)
     for request_id in list(engine.requests):
         engine.abort(request_id)
+    busy = sum(k["device_ms_per_step"] for k in kernels) if kernels else None
     return {"skipped_steps": skip, "window_steps": window, "wall_ms_per_step": wall * 1e3,
-            "gpu_busy_ms_per_step": None if busy is None else busy * 1e3, "host_top": host}
+            "gpu_busy_ms_per_step": busy, "gpu_top": kernels[:20], "host_top": host}
 
 
 def timed_window(step: Any, steps: int, device: str) -> float:
@@ -303,14 +304,19 @@ def timed_window(step: Any, steps: int, device: str) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def gpu_busy_per_step(step: Any, steps: int) -> float:
+def gpu_kernels_per_step(step: Any, steps: int) -> list[dict[str, Any]]:
+    """The GPU's kernels and copies by device time per step, longest first (torch.profiler). Their sum is
+    the GPU's busy time, counting twice what two streams run at once (the LoRA side stream)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps
+    rows = [{"kernel": e.key[:90], "calls_per_step": e.count / steps,
+             "device_ms_per_step": e.self_device_time_total / 1e3 / steps}
+            for e in prof.key_averages() if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["device_ms_per_step"])
 
 
 def host_profile(step: Any, steps: int, top: int = 30) -> list[dict[str, Any]]:

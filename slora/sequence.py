@@ -48,6 +48,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, position: int) -> int:
+        """token_ids[position] without building the whole list."""
+        prompt_len = len(self.prompt_token_ids)
+        if position < prompt_len:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - prompt_len]
+
     def tokens_between(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list (a decode step reads one token)."""
         prompt_len = len(self.prompt_token_ids)

@@ -173,14 +173,20 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
     for item in scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_tokens
-        input_ids += seq.tokens_between(start, end)
-        positions += range(start, end)
-        slots += [seq.block_table[i // page_size] * page_size + i % page_size for i in range(start, end)]
+        if item.num_tokens == 1:           # a decode row, most of a step's: no lists built for it
+            input_ids.append(seq.token_at(start))
+            positions.append(start)
+            slots.append(seq.block_table[start // page_size] * page_size + start % page_size)
+        else:
+            input_ids += seq.tokens_between(start, end)
+            positions += range(start, end)
+            slots += [seq.block_table[i // page_size] * page_size + i % page_size for i in range(start, end)]
         starts.append(starts[-1] + item.num_tokens)
         lens.append(end)
-        if item.completes:
+        if end == seq.num_tokens:          # item.completes: a token is sampled from its last row
             sample_rows.append(starts[-1] - 1)
-    sample_rows += _prompt_logit_rows(scheduled, starts)
+    if any_prompt_logprobs(scheduled):
+        sample_rows += _prompt_logit_rows(scheduled, starts)
     return StepBatch(
         int_tensor(input_ids, np.int64), int_tensor(positions, np.int64), int_tensor(slots, np.int64),
         padded_rows([i.seq.block_table for i in scheduled]), int_tensor(starts, np.int32),
@@ -198,9 +204,15 @@ def prompt_logit_positions(item: ScheduledSeq) -> range:
     return range(start, min(start + item.num_tokens, len(seq.prompt_token_ids) - 1))
 
 
+def any_prompt_logprobs(scheduled: list[ScheduledSeq]) -> bool:
+    return any(item.seq.params.prompt_logprobs is not None for item in scheduled)
+
+
 def prompt_logits(scheduled: list[ScheduledSeq], logits: Tensor) -> Iterator[tuple[ScheduledSeq, range, Tensor]]:
     """The prompt-logprob rows of a step's logits (those after its sampled rows): each sequence that asked
     for them, its positions, and their logits `[positions, vocab]`, in step order."""
+    if not any_prompt_logprobs(scheduled):
+        return
     start = 0
     for item in scheduled:
         positions = prompt_logit_positions(item)

@@ -62,3 +62,25 @@ def test_to_moves_every_tensor_and_a_view_without_lora_has_none():
     static = step_batch.empty(LARGEST, torch.device("cpu"), page_size=16, max_rank=16)
     base = step_batch.view(static, {"tokens": 2, "seqs": 2}, with_lora=False)
     assert base.lora is None and base.block_tables.shape == (2, 4)            # unnamed dims stay whole
+
+
+def test_build_lays_out_decode_rows_prompt_rows_and_a_chunk():
+    """A decode row (its last output token), a one-token item of a prompt (a chunk that ends it) and a
+    three-token chunk in the middle of a prompt: ids, positions, slots through the block tables, sampled rows."""
+    from slora.sampling_params import SamplingParams
+    from slora.scheduler import ScheduledSeq
+    from slora.sequence import Sequence
+
+    def seq(prompt: list[int], output: list[int], computed: int, table: list[int]) -> Sequence:
+        s = Sequence(1, "r", prompt, SamplingParams(max_tokens=8), output_token_ids=output, block_table=table)
+        s.num_computed_tokens = computed
+        return s
+    decoding = seq([11, 12, 13, 14], [21, 22], computed=5, table=[3, 7])      # position 5: page 7, offset 1
+    ending = seq([31, 32, 33, 34, 35], [], computed=4, table=[2, 9])          # position 4: page 9, offset 0
+    middle = seq([41, 42, 43, 44, 45, 46], [], computed=1, table=[5, 6])      # positions 1-3 of page 5
+    batch = step_batch.build([ScheduledSeq(decoding, 1), ScheduledSeq(ending, 1), ScheduledSeq(middle, 3)], {}, 4)
+    assert batch.input_ids.tolist() == [22, 35, 42, 43, 44]
+    assert batch.positions.tolist() == [5, 4, 1, 2, 3]
+    assert batch.slot_mapping.tolist() == [7 * 4 + 1, 9 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3]
+    assert batch.query_start_loc.tolist() == [0, 1, 2, 5] and batch.context_lens.tolist() == [6, 5, 4]
+    assert batch.sample_indices.tolist() == [0, 1]                 # the middle chunk samples nothing
