@@ -26,7 +26,8 @@ def make_serve(tmp_path):
         wait_healthy(f"http://127.0.0.1:{port}", process, tmp_path / "serve.log", STARTUP_TIMEOUT_S)
         yield f"http://127.0.0.1:{port}"
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        if process.poll() is None:                 # make may have exited already (a failed install)
+            os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=120)
         log.close()
 
