@@ -17,9 +17,11 @@ from slora.kernels.layout import cdiv, next_power_of_2
 
 SPLIT = 4096                  # logit columns per program of the first pass
 MAX_TOP = 20                  # the most top logprobs a row can ask for (OpenAI's top_logprobs bound)
+# `top` is not specialised (Triton would compile top == 1 and top % 16 == 0 apart), so the one variant the
+# engine compiles at start serves every request's top_logprobs.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["top"])
 def _split_stats_kernel(
     logits_ptr, tokens_ptr, max_ptr, sum_ptr, count_ptr, top_val_ptr, top_idx_ptr,
     stride, vocab, splits, top, BLOCK: tl.constexpr,
@@ -46,7 +48,7 @@ def _split_stats_kernel(
         x = tl.where(lanes == lane, float("-inf"), x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["top"])
 def _combine_kernel(
     logits_ptr, tokens_ptr, max_ptr, sum_ptr, count_ptr, top_val_ptr, top_idx_ptr, out_ptr,
     stride, splits, top, SPLITS: tl.constexpr, CANDIDATES: tl.constexpr,

@@ -63,7 +63,7 @@ class RequestState:
         assert self.prompt_logprobs is not None and k is not None, "prompt logits of a request that asked none"
         first, last = positions.start + 1, positions.stop + 1
         targets = torch.tensor(self.prompt_token_ids[first:last], dtype=torch.int64, device=logits.device)
-        self.prompt_logprobs[first:last] = token_logprobs(logits, targets, k)
+        self.prompt_logprobs[first:last] = token_logprobs(logits, targets, [k] * len(targets))
 
     def output(self) -> RequestOutput:
         samples = [self._sample_output(i, s) for i, s in enumerate(self.seqs)]

@@ -175,14 +175,14 @@ class Sampler:
         wanted = [s.params.logprob_count for s in seqs]
         if all(k is None for k in wanted):
             return SampleResult(tokens.tolist(), [None] * len(seqs))
-        logprobs = token_logprobs(raw, tokens, wanted)    # its copy brings the tokens too
+        logprobs = token_logprobs(raw, tokens, [k or 0 for k in wanted])    # its copy brings the tokens too
         return SampleResult([lp.token_id for lp in logprobs],
                             [None if k is None else lp for lp, k in zip(logprobs, wanted)])
 
     def warm_up(self, vocab_size: int, device: torch.device) -> None:
         """Compile the logprob kernels now (on CUDA), so that the first request asking for logprobs does
         not stall a step of every tenant's while they compile."""
-        token_logprobs(torch.zeros(1, vocab_size, device=device), torch.zeros(1, dtype=torch.int64, device=device), 1)
+        token_logprobs(torch.zeros(1, vocab_size, device=device), torch.zeros(1, dtype=torch.int64, device=device), [1])
 
     def _controlled(self, logits: Tensor, seqs: list[Sequence], grammars: Rows[GrammarMask | None] | None,
                     masker: Masker | None) -> Tensor:
@@ -205,11 +205,9 @@ class Sampler:
         return sample(logits, SamplingTensors.from_seqs(seqs, logits.device, top_ks), truncate)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, top: int | list[int | None]) -> list[TokenLogprob]:
-    """Each row's token `tokens[row]`: its logprob under log_softmax(logits), its rank, and its best
-    (token, logprob): `top` of them, or per row `top[row]` (None counts as 0). One host copy: every number
-    packed in one float64 tensor (slora.kernels' logprob_rows)."""
-    counts = [top] * len(tokens) if isinstance(top, int) else [k or 0 for k in top]
+def token_logprobs(logits: Tensor, tokens: Tensor, counts: list[int]) -> list[TokenLogprob]:
+    """Each row's token `tokens[row]`: its logprob under log_softmax(logits), its rank, and its `counts[row]`
+    best (token, logprob). One host copy: every number packed in one float64 tensor (logprob_rows)."""
     width = max(counts, default=0)
     packed = logprob_rows(logits, tokens, width).tolist()                           # [rows, 3 + 2 * width]
     return [TokenLogprob(int(row[0]), row[1], int(row[2]),

@@ -176,14 +176,14 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
         if item.num_tokens == 1:           # a decode row, most of a step's: no lists built for it
             input_ids.append(seq.token_at(start))
             positions.append(start)
-            slots.append(seq.block_table[start // page_size] * page_size + start % page_size)
+            slots.append(slot_of(seq.block_table, start, page_size))
         else:
             input_ids += seq.tokens_between(start, end)
             positions += range(start, end)
-            slots += [seq.block_table[i // page_size] * page_size + i % page_size for i in range(start, end)]
+            slots += [slot_of(seq.block_table, i, page_size) for i in range(start, end)]
         starts.append(starts[-1] + item.num_tokens)
         lens.append(end)
-        if end == seq.num_tokens:          # item.completes: a token is sampled from its last row
+        if item.completes:
             sample_rows.append(starts[-1] - 1)
     if any_prompt_logprobs(scheduled):
         sample_rows += _prompt_logit_rows(scheduled, starts)
@@ -192,6 +192,11 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
         padded_rows([i.seq.block_table for i in scheduled]), int_tensor(starts, np.int32),
         int_tensor(lens, np.int32), int_tensor(sample_rows, np.int64), page_size,
         max(i.num_tokens for i in scheduled), max(lens), _step_lora(scheduled, adapters, tables or LoraTables()))
+
+
+def slot_of(block_table: list[int], position: int, page_size: int) -> int:
+    """The KV slot of a sequence's token `position`: its page's slot 0 plus its offset in the page."""
+    return block_table[position // page_size] * page_size + position % page_size
 
 
 def prompt_logit_positions(item: ScheduledSeq) -> range:
@@ -211,7 +216,7 @@ def any_prompt_logprobs(scheduled: list[ScheduledSeq]) -> bool:
 def prompt_logits(scheduled: list[ScheduledSeq], logits: Tensor) -> Iterator[tuple[ScheduledSeq, range, Tensor]]:
     """The prompt-logprob rows of a step's logits (those after its sampled rows): each sequence that asked
     for them, its positions, and their logits `[positions, vocab]`, in step order."""
-    if not any_prompt_logprobs(scheduled):
+    if logits.shape[0] == 0:           # no item asked for them: nothing to look for
         return
     start = 0
     for item in scheduled:

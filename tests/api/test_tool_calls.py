@@ -141,13 +141,19 @@ def test_chat_answer_with_a_call(client):
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
 
 
-def test_streamed_chat_answer_sends_the_calls_at_the_end(client):
+def streamed(chunks) -> tuple[str, list, list]:
+    """A chat stream's content, tool-call deltas and finish reasons (one per choice chunk)."""
     content, calls, reasons = "", [], []
-    for chunk in ask(client, tools=TOOLS, stream=True):
+    for chunk in chunks:
         for choice in chunk.choices:
             content += choice.delta.content or ""
             calls += choice.delta.tool_calls or []
             reasons.append(choice.finish_reason)
+    return content, calls, reasons
+
+
+def test_streamed_chat_answer_sends_the_calls_at_the_end(client):
+    content, calls, reasons = streamed(ask(client, tools=TOOLS, stream=True))
     assert content == "Sure. " and reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
     call, = calls
     assert call.index == 0 and call.id.startswith("call_") and call.function.name == "get_weather"
@@ -218,12 +224,8 @@ def test_named_tool_choice_calls_that_tool(client):
 
 
 def test_a_streamed_forced_call_comes_whole_at_the_end(client):
-    content, calls, reasons = "", [], []
-    for chunk in force(client, "required", parallel_tool_calls=False, temperature=0, stream=True):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            calls += choice.delta.tool_calls or []
-            reasons.append(choice.finish_reason)
+    content, calls, reasons = streamed(force(client, "required", parallel_tool_calls=False, temperature=0,
+                                             stream=True))
     assert content == "" and reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
     call, = calls
     assert call.index == 0

@@ -247,3 +247,21 @@ def test_serving_launches_no_kernel_variant_the_warm_up_did_not(tiny_llama, monk
                                            ([12, 30], ["attn-r4", "attn-r4"]), ([70], ["mlp-r8"]), *partials)):
         llm.generate(random_prompts(lengths, seed=50 + seed), params, adapters=mix)
     assert recorder.new == [], "\n".join(map(str, recorder.new))
+
+
+def test_the_logprob_kernels_warmed_up_at_top_1_serve_every_top(monkeypatch):
+    """The engine compiles the logprob kernels once at start, with top 1; requests then ask for 0 to 20 top
+    logprobs, and none of those may compile a variant of its own (Triton specialises ints on == 1 and on
+    divisibility by 16 unless told not to)."""
+    from slora.kernels.logprobs import MAX_TOP, logprob_rows
+
+    recorder = VariantRecorder()
+    run = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, grid, warmup, **kwargs: (
+        recorder.see(self, args, kwargs), run(self, *args, grid=grid, warmup=warmup, **kwargs))[1])
+    logits, tokens = torch.randn(2, 300), torch.tensor([3, 7])
+    logprob_rows(logits, tokens, 1)
+    recorder.checking = True
+    for top in (0, 5, 16, MAX_TOP):
+        logprob_rows(logits, tokens, top)
+    assert recorder.new == [], "\n".join(map(str, recorder.new))
