@@ -26,6 +26,7 @@ import xgrammar as xgr
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from slora.device_copy import to_device
 from slora.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -164,7 +165,8 @@ class GrammarCompiler:
                 matchers.append(matcher)
         if matchers:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
-        apply_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int32))
+        every_row = len(rows) == len(grammars)         # no index list to copy
+        apply_bitmask(logits, bitmask, None if every_row else torch.tensor(rows, dtype=torch.int32))
 
     def _bitmask(self, rows: int, device: torch.device) -> Tensor:
         """`[rows, words]` of the step's bitmask buffer, all allowed; grown when a step has more rows. The
@@ -221,8 +223,9 @@ def apply_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor | None = None) -
         raise ValueError(f"a bitmask of {bitmask.shape[-1] * 32} tokens cannot mask {logits.shape[-1]} logits")
     if rows is not None and rows.numel() == 0:
         return
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                    vocab_size=logits.shape[-1], indices=None if rows is None else rows.tolist())
+    indices = None if rows is None else to_device(rows.to(torch.int32), logits.device)
+    xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device), vocab_size=logits.shape[-1],
+                                    indices=indices)
 
 
 def _token_words(token_ids: Collection[int], vocab_size: int) -> Tensor:

@@ -6,6 +6,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
+from slora.device_copy import tensor_on
 from slora.sequence import Sequence
 
 
@@ -23,8 +24,8 @@ def _apply_logit_bias(logits: Tensor, seqs: list[Sequence]) -> None:
     if not entries:
         return
     rows, tokens, biases = zip(*entries)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-    logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+    index = (tensor_on(rows, torch.int64, logits.device), tensor_on(tokens, torch.int64, logits.device))
+    logits.index_put_(index, tensor_on(biases, logits.dtype, logits.device), accumulate=True)
 
 
 def _mask_until_min_tokens(logits: Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> None:
@@ -34,7 +35,7 @@ def _mask_until_min_tokens(logits: Tensor, seqs: list[Sequence], eos_token_ids: 
                for token in _ending_tokens(s, eos_token_ids)]
     if not entries:
         return
-    rows, tokens = (torch.tensor(ids, device=logits.device) for ids in zip(*entries))
+    rows, tokens = (tensor_on(ids, torch.int64, logits.device) for ids in zip(*entries))
     ending = logits[rows, tokens]                                                  # [entries]
     logits[rows, tokens] = float("-inf")
     stuck = (logits[rows] == float("-inf")).all(dim=-1)                            # [entries]
@@ -64,10 +65,10 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)
     if width:
         padded = [t + [vocab] * (width - len(t)) for t in token_lists]          # pads count in a spare column
-        index = torch.tensor(padded, dtype=torch.int64, device=device)
+        index = tensor_on(padded, torch.int64, device)
         counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
     return counts[:, :vocab]
 
 
 def _row_values(seqs: list[Sequence], name: str, device: torch.device) -> Tensor:
-    return torch.tensor([getattr(s.params, name) for s in seqs], dtype=torch.float32, device=device)[:, None]
+    return tensor_on([getattr(s.params, name) for s in seqs], torch.float32, device)[:, None]

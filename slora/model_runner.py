@@ -10,6 +10,7 @@ from slora import step_batch
 from slora.adapters.packing import PackedAdapter
 from slora.attention_backend import backends_for
 from slora.cuda_graphs import DecodeGraphs, GraphLimits
+from slora.device_copy import tensor_on, to_device
 from slora.kernels.layout import cdiv
 from slora.lora_backend import LoraLaunchPolicy, TritonLora
 from slora.models.registry import CausalLM
@@ -105,10 +106,10 @@ class ModelRunner:
         for pages, slots in out.swap_out:
             self.swap_space()[:, slots] = self.pool[:, pages].to("cpu", non_blocking=False)
         for slots, pages in out.swap_in:
-            self.pool[:, pages] = self.swap_space()[:, slots].to(self.device, non_blocking=True)
+            self.pool.index_copy_(1, self._index(pages), to_device(self.swap_space()[:, slots], self.device))
         if out.copies:
             sources, targets = zip(*out.copies)
-            self.pool[:, list(targets)] = self.pool[:, list(sources)]
+            self.pool.index_copy_(1, self._index(targets), self.pool.index_select(1, self._index(sources)))
         for version, pages in out.adapters_to_load:
             self.load_adapter(packed[version], pages)
 
@@ -131,10 +132,14 @@ class ModelRunner:
         with torch.cuda.stream(self._copy_stream):
             # The index is allocated on the side stream too: made on the main stream, its memory could be
             # handed to the next step's tensors once this function returns, before the copy has read it.
-            index = torch.tensor(pages, dtype=torch.long, device=self.device)
+            index = self._index(pages)
             self.pool.index_copy_(1, index, packed.pages.to(self.device, self.pool.dtype, non_blocking=True))
             self._pending_copies[packed.version] = torch.cuda.Event()
             self._pending_copies[packed.version].record()
+
+    def _index(self, pages: Iterable[int]) -> Tensor:
+        """Page ids as an index on the pool's device, copied without waiting for the GPU."""
+        return tensor_on(list(pages), torch.long, self.device)
 
     def _wait_for_adapters(self, versions: Iterable[str]) -> None:
         """Make the forward stream wait for the pending copies of these adapter versions."""

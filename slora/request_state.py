@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from slora.detokenizer import IncrementalDetokenizer
+from slora.device_copy import tensor_on
 from slora.outputs import CompletionOutput, RequestError, RequestOutput, TokenLogprob
 from slora.sampler import GrammarMask, token_logprobs
 from slora.sampling_params import SamplingParams
@@ -62,7 +63,7 @@ class RequestState:
         k = self.seqs[0].params.prompt_logprobs
         assert self.prompt_logprobs is not None and k is not None, "prompt logits of a request that asked none"
         first, last = positions.start + 1, positions.stop + 1
-        targets = torch.tensor(self.prompt_token_ids[first:last], dtype=torch.int64, device=logits.device)
+        targets = tensor_on(self.prompt_token_ids[first:last], torch.int64, logits.device)
         self.prompt_logprobs[first:last] = token_logprobs(logits, targets, [k] * len(targets))
 
     def output(self) -> RequestOutput:

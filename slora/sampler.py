@@ -14,6 +14,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from slora.device_copy import to_device
 from slora.kernels import reference
 from slora.logit_controls import apply_controls
 from slora.outputs import TokenLogprob
@@ -80,7 +81,7 @@ class SamplingTensors:
 
     def to(self, device: torch.device) -> "SamplingTensors":
         def moved(t: Tensor) -> Tensor:
-            return t.to(device, non_blocking=True)
+            return to_device(t, device)
         return SamplingTensors(moved(self.temperatures), moved(self.top_ks), moved(self.top_ps), moved(self.seeds),
                                moved(self.steps), None if self.min_ps is None else moved(self.min_ps))
 

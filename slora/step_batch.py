@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from slora.adapters.packing import AdapterDescriptor
+from slora.device_copy import copy_from_host, to_device
 from slora.kernels.layout import align_up
 from slora.scheduler import ScheduledSeq
 
@@ -70,7 +71,7 @@ class StepBatch:
 
     def to(self, device: torch.device) -> "StepBatch":
         """The batch on `device` (copies that do not block the host)."""
-        return _map_tensors(self, lambda t, _: t.to(device, non_blocking=True))
+        return _map_tensors(self, lambda t, _: to_device(t, device))
 
     def copy_into(self, static: "StepBatch") -> None:
         """Copy a step into a graph's static views (each at least as large): every tensor into its leading
@@ -81,7 +82,7 @@ class StepBatch:
                 continue
             if spec.pad is not None:
                 dst.fill_(spec.pad)
-            dst[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)
+            copy_from_host(dst[tuple(slice(0, n) for n in src.shape)], src)
 
 
 class _FieldSpec(NamedTuple):
