@@ -63,6 +63,8 @@ class EngineConfig:
     seed: int = _option(0, "seed of the sampling seeds of requests that give none")
     load_format: str = _option("safetensors", "dummy: random weights from config.json (benchmarks)", LOAD_FORMATS)
     enable_prefix_caching: bool = _option(True, "share the KV pages of common prompt prefixes")
+    async_scheduling: bool = _option(True, "overlap the host's work for the next step with the GPU's step: the "
+                                           "sampled ids stay on the device as the next step's inputs")
     preemption_mode: str = _option("recompute", "what a preempted sequence's KV becomes", PREEMPTION_MODES)
     swap_space_gib: float = _option(1.0, "host swap space in swap mode")
     adapter_host_cache_gib: float | None = _option(None, "packed adapters kept in host memory, LRU by bytes "
@@ -96,10 +98,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.scheduler_config()          # the scheduler's settings, checked by their owner now, not at start
 
-    def scheduler_config(self, swap_pages: int = 0) -> SchedulerConfig:
+    def scheduler_config(self, swap_pages: int = 0, max_model_len: int | None = None) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.page_size, self.watermark,
                                self.enable_prefix_caching, self.preemption_mode, swap_pages,
-                               max_loras=self.max_loras)
+                               max_loras=self.max_loras, max_model_len=max_model_len)
 
     @property
     def adapter_host_cache_bytes(self) -> int:

@@ -15,7 +15,7 @@ from slora import step_batch
 from slora.attention_backend import AttentionBackend
 from slora.lora_backend import LoraBackend, LoraStep
 from slora.models.registry import CausalLM
-from slora.step_batch import StepBatch
+from slora.step_batch import StepBatch, TokenFeed
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +106,12 @@ class DecodeGraphs:
         """Whether a decode step of this bucket with this many distinct adapters replays a few-adapter graph."""
         return 0 < num_adapters <= self.limits.lora_slots(size, few=True) and (size, True, True) in self.graphs
 
-    def replay(self, size: int, host: StepBatch, batch_size: int) -> Tensor:
-        """Copy a decode step of `batch_size` sequences into the bucket's graph and replay it."""
+    def replay(self, size: int, host: StepBatch, batch_size: int, feed: TokenFeed | None = None) -> Tensor:
+        """Copy a decode step of `batch_size` sequences (and its input ids still on the device) into the
+        bucket's graph and replay it."""
         num_adapters = 0 if host.lora is None else host.lora.page_tables.shape[0]
         graph, static, logits = self.graphs[(size, host.lora is not None, self.uses_few(size, num_adapters))]
         host.copy_into(static)
+        step_batch.feed_tokens(static, feed)
         graph.replay()
         return logits[:batch_size]

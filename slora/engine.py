@@ -6,8 +6,11 @@ import itertools
 import logging
 import os
 import random
+from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 from slora.adapter_manager import AdapterFormat, AdapterManager, UnknownAdapterError
@@ -15,17 +18,19 @@ from slora.adapters.errors import AdapterError
 from slora.builtin_models import resolve_model
 from slora.config import EngineConfig
 from slora.detokenizer import IncrementalDetokenizer
+from slora.device_copy import tensor_on
 from slora.engine_grammars import EngineGrammars
 from slora.engine_sizing import EngineSizing
+from slora.in_flight import ArrivingSample, HostCopy, InFlight, ReadySample
 from slora.model_runner import ModelRunner
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
 from slora.outputs import ADAPTER_UNAVAILABLE, INTERNAL_ERROR, EngineSnapshot, RequestError, RequestOutput, TokenLogprob
 from slora.page_pool import PageAllocator
 from slora.request_state import RequestState, check_request, step_grammars
-from slora.sampler import Sampler
+from slora.sampler import Sampler, SampleResult
 from slora.sampling_params import SamplingParams
-from slora.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from slora.scheduler import ScheduledSeq, Scheduler
 from slora.sequence import AdapterRef, Sequence, SequenceStatus
 from slora.step_batch import prompt_logits
 from slora.step_stats import StepStats, StepTimer
@@ -35,6 +40,15 @@ from slora.tokenizer import eos_token_ids, load_tokenizer
 __all__ = ["Engine", "UnknownAdapterError"]
 
 logger = logging.getLogger(__name__)
+
+
+class Launched(NamedTuple):
+    """A step whose forward is queued: what its sampling needs."""
+
+    scheduled: list[ScheduledSeq]
+    completing: list[Sequence]        # logits row i samples completing[i]
+    logits: Tensor                    # [rows, vocab], not read yet
+    timer: StepTimer
 
 
 class Engine:
@@ -55,7 +69,7 @@ class Engine:
         self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device,
                                   sizing.graph_limits(pool_shape) if graphs else None, swap_pages, config.cuda.pdl)
         allocator = PageAllocator(pool_shape.num_pages, config.page_size)
-        scheduler_config = config.scheduler_config(swap_pages)
+        scheduler_config = config.scheduler_config(swap_pages, self.max_model_len)
         adapter_format = AdapterFormat(self.shapes, config.max_lora_rank, pool_shape.page_elems, config.torch_dtype,
                                        pin_memory=config.device != "cpu")
         self.adapters = AdapterManager(allocator, adapter_format, config.adapter_host_cache_bytes,
@@ -71,6 +85,8 @@ class Engine:
         self.num_prompt_tokens_computed = 0   # prompt tokens that went through a forward (cache misses)
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
         self._failed: list[str] = []          # requests failed (_fail_request) since the last step returned
+        self._in_flight: InFlight | None = None   # the step whose tokens are still coming to the host
+        self._last_step_end = 0.0             # perf_counter when the last step's tokens arrived
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         self._load_demo_adapters(source.demo_adapters)
@@ -161,8 +177,10 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; outputs of the requests that changed, of those added with
-        stream=False only once they end (building them every step cost a tenth of its host work)."""
+        """Schedule, launch one forward, take the step before's tokens, sample; outputs of the requests that
+        changed, of those added with stream=False only once they end (building them every step cost a tenth
+        of its host work). Under async_scheduling a step's tokens reach the host in the next step, while
+        that one's forward runs: its decode rows read them on the device."""
         self._refresh_host_tier()
         out = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
@@ -170,55 +188,84 @@ class Engine:
             self.scheduler.finish(seq, "length")
             touched[seq.request_id] = self.requests[seq.request_id]
         self.runner.move_pages(out, self.adapters.packed(v for v, _ in out.adapters_to_load))
-        if out.scheduled:
-            self._run(out, touched)
+        launched = self._launch(out.scheduled) if out.scheduled else None
+        self._take_sampled(touched)                   # the step before's, while this forward runs
+        if launched is not None:
+            self._in_flight = self._sample_step(*launched)
+            if not self.config.async_scheduling:
+                self._take_sampled(touched)
         touched.update(self._take_failed())
         return [self._finalize(state) for state in touched.values() if state.stream or state.finished]
 
-    def _run(self, out: SchedulerOutput, touched: dict[str, RequestState]) -> None:
-        versions = {i.seq.adapter.version for i in out.scheduled if i.seq.adapter}
-        with StepTimer(self.step_stats, out.scheduled, versions, self._decode_bytes):
-            self._forward_and_sample(out, versions, touched)
+    def _launch(self, scheduled: list[ScheduledSeq]) -> Launched:
+        """The step's forward, queued on the device: its logits `[rows, vocab]` are not read yet."""
+        versions = {i.seq.adapter.version for i in scheduled if i.seq.adapter}
+        timer = StepTimer(self.step_stats, scheduled, versions, self._decode_bytes)
+        sampled = None if self._in_flight is None else self._in_flight.token_ids
+        logits = self.runner.run(scheduled, self.adapters.step_adapters(versions), sampled)
+        # Now: a sequence that ends before the sampling (a failed request's) no longer counts as completing.
+        return Launched(scheduled, [item.seq for item in scheduled if item.completes], logits, timer)
 
-    def _forward_and_sample(self, out: SchedulerOutput, versions: set[str], touched: dict[str, RequestState]) -> None:
-        logits = self.runner.run(out.scheduled, self.adapters.step_adapters(versions))
-        completing = [item.seq for item in out.scheduled if item.completes]
-        self._record_prompt_logprobs(out.scheduled, logits[len(completing):])
-        for item in out.scheduled:
-            self.num_prompt_tokens_computed += item.prompt_tokens
-            self.scheduler.on_computed(item.seq, item.num_tokens)
+    def _sample_step(self, scheduled: list[ScheduledSeq], completing: list[Sequence], logits: Tensor,
+                     timer: StepTimer) -> InFlight:
+        """After the step before's tokens are appended: the prompt logprobs, the computed tokens, and the
+        samples of the completing sequences (logits row i: completing[i]), left on their way to the host. A
+        sequence that ended meanwhile is not sampled, and its freed pages are not registered."""
+        self._record_prompt_logprobs(scheduled, logits[len(completing):])
+        for item in scheduled:
+            if item.seq.status is not SequenceStatus.FINISHED:
+                self.num_prompt_tokens_computed += item.prompt_tokens
+                self.scheduler.on_computed(item.seq, item.num_tokens)
         rows, seqs = self._sampling_rows(completing)
-        self._append_tokens(self._sample(logits[rows], seqs), touched)
+        token_ids, arriving = self._sample(logits[rows], seqs)
+        for row, seq in enumerate(seqs):
+            seq.pending_row = row
+        return InFlight(seqs, token_ids, arriving, timer)
+
+    def _take_sampled(self, touched: dict[str, RequestState]) -> None:
+        """Append the tokens of the step in flight, once they are on the host."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        result = flight.arriving.result()
+        self._last_step_end = flight.timer.stop(self._last_step_end)
+        for seq in flight.seqs:
+            seq.pending_row = None
+        self._append_tokens(zip(flight.seqs, result.token_ids, result.logprobs), touched)
 
     def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], logits: Tensor) -> None:
         """The prompt logprobs of this step's rows past its sampled ones; a request whose rows raise fails alone."""
         for item, positions, rows in prompt_logits(scheduled, logits):
+            if item.seq.status is SequenceStatus.FINISHED:
+                continue
             try:
                 self.requests[item.seq.request_id].store_prompt_logprobs(positions, rows)
             except Exception:
                 self._fail_internal(item.seq, "computing its prompt logprobs")
 
-    def _sample(self, logits: Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """A token for each sequence (row of `logits`), sampled as one batch. Should the batch raise, the
-        rows are sampled one by one, so that only the requests whose own rows raise fail."""
+    def _sample(self, logits: Tensor, seqs: list[Sequence]) -> tuple[Tensor, ArrivingSample]:
+        """A token for each sequence (row of `logits`), sampled as one batch: the ids `[rows]` on the device,
+        and their copy coming to the host. Should the batch raise, the rows are sampled one by one, so that
+        only the requests whose own rows raise fail."""
         grammars = step_grammars(self.requests, seqs)
         masker = None if grammars is None else self.grammars
         try:
-            result = self.sampler(logits, seqs, grammars, masker)
-            return list(zip(seqs, result.token_ids, result.logprobs))
+            sample = self.sampler.on_device(logits, seqs, grammars, masker)
+            return sample.token_ids, HostCopy(sample)
         except Exception:
             logger.warning("sampling a batch of %d rows failed; sampling them one by one", len(seqs),
                            exc_info=True)
-        sampled = []
+        tokens = [0] * len(seqs)                       # a failed row's 0 is never read: its sequence ended
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         for row, seq in enumerate(seqs):
             if seq.status is SequenceStatus.FINISHED:
                 continue                               # another sample's fault failed its request
             try:
                 result = self.sampler(logits[row:row + 1], [seq], grammars and grammars[row:row + 1], masker)
-                sampled.append((seq, result.token_ids[0], result.logprobs[0]))
+                tokens[row], logprobs[row] = result.token_ids[0], result.logprobs[0]
             except Exception:
                 self._fail_internal(seq, "sampling its next token")
-        return sampled
+        return tensor_on(tokens, torch.int64, logits.device), ReadySample(SampleResult(tokens, logprobs))
 
     def _fail_internal(self, seq: Sequence, stage: str) -> None:
         """From an `except` around one request's work (a plain try/except: it runs per token): that request
@@ -250,13 +297,15 @@ class Engine:
         """The logits row of each sequence that samples now; forked samples share their parent's row."""
         rows, seqs = [], []
         for row, seq in enumerate(completing):
+            if seq.status is SequenceStatus.FINISHED:
+                continue                               # its pending token ended it
             state = self.requests[seq.request_id]
             family = [seq] + (self._fork_samples(state) if state.needs_fork and seq is state.seqs[0] else [])
             rows += [row] * len(family)
             seqs += family
         return rows, seqs
 
-    def _append_tokens(self, sampled: list[tuple[Sequence, int, TokenLogprob | None]],
+    def _append_tokens(self, sampled: Iterable[tuple[Sequence, int, TokenLogprob | None]],
                        touched: dict[str, RequestState]) -> None:
         for seq, token, logprob in sampled:
             if seq.status is SequenceStatus.FINISHED:

@@ -224,8 +224,9 @@ def apply_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor | None = None) -
     if rows is not None and rows.numel() == 0:
         return
     indices = None if rows is None else to_device(rows.to(torch.int32), logits.device)
+    # Typed as a list, but its CPU and Triton backends take a tensor, which is copied without a sync.
     xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device), vocab_size=logits.shape[-1],
-                                    indices=indices)
+                                    indices=indices)  # type: ignore[arg-type]
 
 
 def _token_words(token_ids: Collection[int], vocab_size: int) -> Tensor:

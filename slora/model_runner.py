@@ -15,7 +15,7 @@ from slora.kernels.layout import cdiv
 from slora.lora_backend import LoraLaunchPolicy, TritonLora
 from slora.models.registry import CausalLM
 from slora.scheduler import ScheduledSeq, SchedulerOutput
-from slora.step_batch import RANK_ALIGN, LoraTables, StepAdapters, StepBatch, step_max_rank
+from slora.step_batch import RANK_ALIGN, LoraTables, StepAdapters, StepBatch, TokenFeed, step_max_rank
 
 # Steps that take other compile-time choices in the Triton kernels than the captured decode steps, as
 # (sequences, tokens each, adapter slots): prefill row blocks of 64 (1 x 128) and 32 (4 x 8); under the
@@ -148,23 +148,26 @@ class ModelRunner:
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
 
-    def run(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> Tensor:
-        """One forward over the scheduled tokens; logits `[sampled, vocab]` of the completing sequences."""
+    def run(self, scheduled: list[ScheduledSeq], adapters: StepAdapters, sampled: Tensor | None = None) -> Tensor:
+        """One forward over the scheduled tokens; logits `[sampled, vocab]` of the completing sequences.
+        `sampled`: the ids the step before sampled, still on the device, which pending tokens come from."""
         host = self.inputs_for(scheduled, adapters)
+        feed = step_batch.token_feed(scheduled, sampled)
         self._wait_for_adapters(adapters)
         bucket = self._graph_bucket(scheduled, host)
         if bucket is not None:
             assert self.graphs is not None
-            return self.graphs.replay(bucket, host, len(scheduled))
-        return self.forward(host)
+            return self.graphs.replay(bucket, host, len(scheduled), feed)
+        return self.forward(host, feed)
 
     def inputs_for(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> StepBatch:
         """A step's inputs on the host (adapter tables of recent mixes come from a cache)."""
         return step_batch.build(scheduled, adapters, self.shape.page_size, self._lora_tables)
 
-    def forward(self, host: StepBatch) -> Tensor:
-        """An eager forward of a step built on the host."""
+    def forward(self, host: StepBatch, feed: TokenFeed | None = None) -> Tensor:
+        """An eager forward of a step built on the host (its pending input ids fed on the device)."""
         batch = host.to(self.device)
+        step_batch.feed_tokens(batch, feed)
         lora = None if batch.lora is None else self.lora.step(batch.lora)
         return self.model(batch, self.pool, self.attention, lora)
 

@@ -158,6 +158,14 @@ class SampleResult(NamedTuple):
     logprobs: list[TokenLogprob | None]     # per row; None where the row asked for none
 
 
+class DeviceSample(NamedTuple):
+    """A step's sampled tokens before they reach the host (`host_result` brings them)."""
+
+    token_ids: Tensor                       # [rows] int64 on the logits' device
+    logprob_rows: Tensor | None             # [rows, 3 + 2 * top] float64 (logprob_rows); None: no row asked
+    logprob_counts: list[int | None]        # per row: its top count; None where the row asked for no logprobs
+
+
 class Sampler:
     """Samples a step's rows. Logprobs are those of the raw logits (vLLM's default): log_softmax before the
     controls, the grammar mask and the temperature. Everything is computed on the logits' device, and the
@@ -170,15 +178,19 @@ class Sampler:
                  masker: Masker | None = None) -> SampleResult:
         """One token per row of `logits` `[seqs, vocab]`; `grammars`: each row's grammar where any has one,
         applied by `masker`."""
+        return host_result(self.on_device(logits, seqs, grammars, masker))
+
+    def on_device(self, logits: Tensor, seqs: list[Sequence], grammars: Rows[GrammarMask | None] | None = None,
+                  masker: Masker | None = None) -> DeviceSample:
+        """As `__call__`, with the tokens and logprobs left on the logits' device: no host sync (but for the
+        grammar masks, filled on the host while the GPU runs)."""
         raw = logits
         logits = self._controlled(logits, seqs, grammars, masker)
         tokens = self._tokens(logits, seqs)                                         # [rows] on the device
         wanted = [s.params.logprob_count for s in seqs]
         if all(k is None for k in wanted):
-            return SampleResult(tokens.tolist(), [None] * len(seqs))
-        logprobs = token_logprobs(raw, tokens, [k or 0 for k in wanted])    # its copy brings the tokens too
-        return SampleResult([lp.token_id for lp in logprobs],
-                            [None if k is None else lp for lp, k in zip(logprobs, wanted)])
+            return DeviceSample(tokens, None, wanted)
+        return DeviceSample(tokens, logprob_rows(raw, tokens, max(k or 0 for k in wanted)), wanted)
 
     def warm_up(self, vocab_size: int, device: torch.device) -> None:
         """Compile the logprob kernels now (on CUDA), so that the first request asking for logprobs does
@@ -206,14 +218,34 @@ class Sampler:
         return sample(logits, SamplingTensors.from_seqs(seqs, logits.device, top_ks), truncate)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, counts: list[int]) -> list[TokenLogprob]:
-    """Each row's token `tokens[row]`: its logprob under log_softmax(logits), its rank, and its `counts[row]`
-    best (token, logprob). One host copy: every number packed in one float64 tensor (logprob_rows)."""
-    width = max(counts, default=0)
-    packed = logprob_rows(logits, tokens, width).tolist()                           # [rows, 3 + 2 * width]
+def host_result(sample: DeviceSample) -> SampleResult:
+    """The sample on the host (waits for it): one copy, of the logprob rows where there are any, as they
+    hold the tokens too."""
+    if sample.logprob_rows is None:
+        return SampleResult(sample.token_ids.tolist(), [None] * len(sample.logprob_counts))
+    return unpack(sample.logprob_rows.tolist(), sample.logprob_counts)
+
+
+def unpack(packed: list[list[float]], counts: list[int | None]) -> SampleResult:
+    """A SampleResult from the host copy of `logprob_rows` `[rows, 3 + 2 * top]`, with `counts[row]` best
+    tokens per row (None: the row's logprob is not returned)."""
+    logprobs = unpack_logprobs(packed, [k or 0 for k in counts])
+    return SampleResult([lp.token_id for lp in logprobs],
+                        [None if k is None else lp for lp, k in zip(logprobs, counts)])
+
+
+def unpack_logprobs(packed: list[list[float]], counts: list[int]) -> list[TokenLogprob]:
+    """Rows of `logprob_rows` as TokenLogprobs, with `counts[row]` of each row's best tokens."""
+    width = (len(packed[0]) - 3) // 2 if packed else 0
     return [TokenLogprob(int(row[0]), row[1], int(row[2]),
                          list(zip(map(int, row[3:3 + k]), row[3 + width:3 + width + k])))
             for row, k in zip(packed, counts)]
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, counts: list[int]) -> list[TokenLogprob]:
+    """Each row's token `tokens[row]`: its logprob under log_softmax(logits), its rank, and its `counts[row]`
+    best (token, logprob). One host copy: every number packed in one float64 tensor (logprob_rows)."""
+    return unpack_logprobs(logprob_rows(logits, tokens, max(counts, default=0)).tolist(), counts)
 
 
 def logprob_rows(logits: Tensor, tokens: Tensor, top: int) -> Tensor:

@@ -36,6 +36,7 @@ class SchedulerConfig:
     # Steps a request may be passed over for max_loras before newer requests queue behind it (the running
     # adapters then drain and it gets a place): requests of busy adapters cannot starve it.
     max_loras_patience: int = 16
+    max_model_len: int | None = None  # a sequence ends at this many tokens
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -153,6 +154,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.ends_with_pending(self.config.max_model_len):
+                index += 1                  # its token in flight ends it: a step after it would be wasted
+                continue
             num_tokens = min(seq.num_uncomputed, budget)
             if not self._grow(seq, seq.num_computed_tokens + num_tokens, out):
                 break                       # seq preempted itself: everything after it is gone too

@@ -39,13 +39,25 @@ class Sequence:
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache when first admitted
     swap_slots: list[int] | None = None   # host swap pages holding its KV while swapped out
     max_loras_waits: int = 0              # steps it was passed over because max_loras adapters were running
+    # Overlapped scheduling: its newest token is sampled but still on the device, in this row of the step's
+    # sampled ids; the next step takes it from there as input, and it is appended when it reaches the host.
+    pending_row: int | None = None
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Its tokens, a pending one (`pending_row`) included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + (self.pending_row is not None)
+
+    def ends_with_pending(self, max_model_len: int | None) -> bool:
+        """Whether the pending token will end it by length, whatever it is (nothing to schedule after it)."""
+        if self.pending_row is None:
+            return False
+        full = max_model_len is not None and self.num_tokens >= max_model_len
+        return full or len(self.output_token_ids) + 1 >= self.params.max_tokens
 
     @property
     def token_ids(self) -> list[int]:
+        """Its tokens known on the host (a pending one is not)."""
         return self.prompt_token_ids + self.output_token_ids
 
     def token_at(self, position: int) -> int:

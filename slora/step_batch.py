@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from slora.adapters.packing import AdapterDescriptor
-from slora.device_copy import copy_from_host, to_device
+from slora.device_copy import copy_from_host, tensor_on, to_device
 from slora.kernels.layout import align_up
 from slora.scheduler import ScheduledSeq
 
@@ -175,10 +175,12 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_tokens
         if item.num_tokens == 1:           # a decode row, most of a step's: no lists built for it
-            input_ids.append(seq.token_at(start))
+            # A pending token is on the device: token_feed writes it there, over this 0.
+            input_ids.append(0 if seq.pending_row is not None else seq.token_at(start))
             positions.append(start)
             slots.append(slot_of(seq.block_table, start, page_size))
         else:
+            assert seq.pending_row is None, "a pending token is its sequence's only uncomputed one"
             input_ids += seq.tokens_between(start, end)
             positions += range(start, end)
             slots += [slot_of(seq.block_table, i, page_size) for i in range(start, end)]
@@ -193,6 +195,37 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
         padded_rows([i.seq.block_table for i in scheduled]), int_tensor(starts, np.int32),
         int_tensor(lens, np.int32), int_tensor(sample_rows, np.int64), page_size,
         max(i.num_tokens for i in scheduled), max(lens), _step_lora(scheduled, adapters, tables or LoraTables()))
+
+
+class TokenFeed(NamedTuple):
+    """Input ids still on the device (overlapped scheduling): rows of a step's input_ids, and the ids the
+    step before sampled for them."""
+
+    rows: Tensor          # [fed] int64, on the device
+    token_ids: Tensor     # [fed] int64, on the device
+
+
+def token_feed(scheduled: list[ScheduledSeq], sampled: Tensor | None) -> TokenFeed | None:
+    """The feed of the step's pending tokens from `sampled` `[rows]`, the ids of the step before; None when
+    every input id is known on the host."""
+    rows, sources, end = [], [], 0
+    for item in scheduled:
+        end += item.num_tokens
+        if item.seq.pending_row is not None:
+            rows.append(end - 1)
+            sources.append(item.seq.pending_row)
+    if not rows:
+        return None
+    assert sampled is not None, "a pending token without the sampled ids it is in"
+    device = sampled.device
+    return TokenFeed(tensor_on(rows, torch.int64, device),
+                     sampled.index_select(0, tensor_on(sources, torch.int64, device)))
+
+
+def feed_tokens(batch: StepBatch, feed: TokenFeed | None) -> None:
+    """Write the feed's ids into the batch's input_ids on the device (after the host's were copied there)."""
+    if feed is not None:
+        batch.input_ids.index_copy_(0, feed.rows, feed.token_ids)
 
 
 def slot_of(block_table: list[int], position: int, page_size: int) -> int:

@@ -1,7 +1,8 @@
 """Wall time of the engine's steps by kind, for profiling where end-to-end time goes.
 
-A step's time runs from scheduling to the sampled tokens on the host: the sampler's copy to the host
-waits for the step's GPU work, so the time includes it (and any Triton compilation the step caused)."""
+A step's time runs from its forward's launch to its sampled tokens on the host: the copy to the host
+waits for the step's GPU work, so the time includes it (and any Triton compilation the step caused).
+Under overlapped scheduling a step starts before the one before it ends; each is charged from that end."""
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class StepStats:
 
 
 class StepTimer:
-    """`with StepTimer(stats, scheduled, versions, decode_bytes):` around a step's forward and sampling."""
+    """Started as a step's forward is launched; `stop` once its sampled tokens are on the host."""
 
     def __init__(self, stats: StepStats, scheduled: list[ScheduledSeq], versions: Iterable[str],
                  decode_bytes: DecodeBytes) -> None:
@@ -75,9 +76,11 @@ class StepTimer:
         # Now, before the step: its forward moves the sequences' computed-token counts.
         self.bytes = decode_bytes.of(scheduled, versions) if self.kind == "decode" else 0
 
-    def __enter__(self) -> "StepTimer":
         self.start = time.perf_counter()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stats.record(self.kind, self.scheduled, time.perf_counter() - self.start, self.bytes)
+    def stop(self, since: float = 0.0) -> float:
+        """Record the step's time from its start, or from `since` (when the step before ended) if that is
+        later: overlapped steps are each charged the time they added. Returns the time now."""
+        now = time.perf_counter()
+        self.stats.record(self.kind, self.scheduled, now - max(self.start, since), self.bytes)
+        return now

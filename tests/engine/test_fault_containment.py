@@ -22,7 +22,7 @@ from slora import LLM, SamplingParams
 from slora.adapters.errors import AdapterError
 from slora.engine import Engine
 from slora.outputs import RequestOutput
-from slora.sampler import SampleResult
+from slora.sampler import DeviceSample
 
 VICTIM = "victim"
 FAULT_AT = 2                 # output tokens the victim's first sample has when the injected fault strikes
@@ -94,13 +94,15 @@ def reference(llm) -> Reference:
 
 # ---- faults injected at each stage, for the victim only ---------------------------------------------------
 def fault_in_sampler(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
-    real = engine.sampler
+    """The sampler raises on any batch holding the victim's rows (its one-by-one rows too: __call__ samples
+    through on_device)."""
+    real = engine.sampler.on_device
 
-    def sampler(logits: torch.Tensor, seqs: list, *grammars) -> SampleResult:
+    def on_device(logits: torch.Tensor, seqs: list, *grammars) -> DeviceSample:
         if any(s.request_id == VICTIM and len(s.output_token_ids) == FAULT_AT for s in seqs):
             raise RuntimeError("injected sampler fault")
         return real(logits, seqs, *grammars)
-    monkeypatch.setattr(engine, "sampler", sampler)
+    monkeypatch.setattr(engine.sampler, "on_device", on_device)
 
 
 def seed_past_int64(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
@@ -165,7 +167,8 @@ def test_the_step_that_fails_a_request_returns_its_output_with_the_error(llm, re
             assert outputs[VICTIM].error.code == "internal_error"
             assert not outputs["greedy"].finished          # the others are still running, and streamed
             break
-    assert failed_at == FAULT_AT                 # one step per token: the prefill's token, then decodes
+    # One step per token: the prefill's token, then decodes; overlapped, a step's tokens come in the next.
+    assert failed_at == FAULT_AT + engine.config.async_scheduling
     while engine.has_unfinished():
         engine.step()
     engine.check()

@@ -12,7 +12,8 @@ def test_steps_are_counted_by_kind(tiny_llama):
     stats = llm.engine.step_stats
     assert sum(stats.tokens.values()) == 45 + 2 * 5     # every prompt token once, then 5 decode tokens each
     assert stats.steps["prefill"] >= 1 and stats.steps["decode"] >= 1
-    assert sum(stats.steps.values()) == llm.engine.scheduler.step_count
+    # Overlapped, the last schedule runs no forward: its step only takes the tokens of the step before.
+    assert sum(stats.steps.values()) == llm.engine.scheduler.step_count - llm.engine.config.async_scheduling
     assert stats.slowest_seconds >= max(stats.seconds[k] / stats.steps[k] for k in stats.steps if stats.steps[k])
     assert stats.slowest_seconds <= sum(stats.seconds.values())
 

@@ -1,0 +1,190 @@
+"""Overlapped scheduling (EngineConfig.async_scheduling): a step's sampled ids stay on the device as the next
+step's inputs and reach the host one step later. Every output must equal the synchronous engine's, under
+preemption, aborts, stop strings, grammars, forks and adapter eviction, and no page may leak."""
+from typing import NamedTuple
+
+import pytest
+import torch
+from tiny import random_prompts
+
+from slora import LLM, SamplingParams
+from slora.engine import Engine
+from slora.scheduler import ScheduledSeq
+from slora.sequence import Sequence
+from slora.step_batch import build, feed_tokens, token_feed
+from slora.structured_output import StructuredOutput
+
+ADAPTERS = ("attn-r4", "mlp-r8", "all-r16")
+
+
+class Outcome(NamedTuple):
+    token_ids: list[list[int]]
+    texts: list[str]
+    finish_reasons: list[str | None]
+    logprobs: list[list[tuple[int, float, int]] | None]
+    prompt_logprobs: list[float | None] | None
+
+
+def outcome(output) -> Outcome:  # noqa: ANN001 - a RequestOutput
+    def logprob_rows(sample) -> list[tuple[int, float, int]] | None:  # noqa: ANN001
+        if sample.logprobs is None:
+            return None
+        return [(lp.token_id, round(lp.logprob, 4), lp.rank) for lp in sample.logprobs]
+    prompt = None if output.prompt_logprobs is None else \
+        [None if lp is None else round(lp.logprob, 4) for lp in output.prompt_logprobs]
+    return Outcome([s.token_ids for s in output.outputs], [s.text for s in output.outputs],
+                   [s.finish_reason for s in output.outputs], [logprob_rows(s) for s in output.outputs], prompt)
+
+
+def make_llm(tiny_llama, async_scheduling: bool, **config: object) -> LLM:  # noqa: ANN001 - the fixture
+    llm = LLM(str(tiny_llama.model_dir), async_scheduling=async_scheduling, **{"num_pages": 256, **config})
+    for name in ADAPTERS:
+        llm.load_adapter(name, str(tiny_llama.adapters[name]))
+    return llm
+
+
+class Request(NamedTuple):
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    arrives: int = 0                 # the step before which it is added
+
+
+def drive(engine: Engine, requests: list[Request], abort_at_tokens: dict[str, int] | None = None,
+          max_steps: int = 500) -> dict[str, Outcome]:
+    """Step the engine until every request ends, adding each at its step and aborting one once its stream
+    shows that many tokens; the final outcome of each request."""
+    finals: dict[str, Outcome] = {}
+    abort_at_tokens = abort_at_tokens or {}
+    for step in range(max_steps):
+        for request in requests:
+            if request.arrives == step:
+                engine.add_request(request.request_id, request.prompt, request.params, request.adapter)
+        if step > max(r.arrives for r in requests) and not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = outcome(out)
+            elif len(out.outputs[0].token_ids) >= abort_at_tokens.get(out.request_id, 1 << 30):
+                finals[out.request_id] = outcome(engine.abort(out.request_id))
+    assert not engine.has_unfinished(), "the engine did not finish"
+    engine.check()
+    assert engine.pool_stats()["kv_pages"] == 0, "KV pages leaked"
+    return finals
+
+
+def both(tiny_llama, requests: list[Request], **config: object) -> tuple[dict[str, Outcome], dict[str, Outcome]]:  # noqa: ANN001
+    """The outcomes of the synchronous engine, then of the overlapped one, on the same requests."""
+    return tuple(drive(make_llm(tiny_llama, mode, **config).engine, requests) for mode in (False, True))
+
+
+def mixed_requests(count: int, seed: int = 0, max_tokens: int = 12) -> list[Request]:
+    """Requests of every kind of sampling, on three adapters and the base model, arriving over the first steps."""
+    prompts = random_prompts([5 + (7 * i) % 23 for i in range(count)], seed=seed)
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.9, top_k=20, top_p=0.9, seed=3),
+        dict(temperature=1.0, seed=4, n=3),
+        dict(temperature=1.0, seed=5, n=2, best_of=3),
+        dict(temperature=0, logprobs=3, prompt_logprobs=2),
+        dict(temperature=0.7, seed=6, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+        dict(temperature=0, min_tokens=6, logit_bias={7: 2.0}),
+        dict(temperature=0, stop_token_ids=[17, 33, 101]),
+        dict(temperature=1.2, seed=7, min_p=0.05, ignore_eos=False),
+        dict(temperature=1.0, seed=8, structured=StructuredOutput("choice", ("yes", "no", "maybe"))),
+    ]
+    requests = []
+    for i, prompt in enumerate(prompts):
+        kind = {"ignore_eos": True, "max_tokens": max_tokens, **kinds[i % len(kinds)]}
+        if "structured" in kind:
+            kind["ignore_eos"] = False
+        adapter = (None, *ADAPTERS)[i % 4]
+        requests.append(Request(f"r{i}", prompt, SamplingParams(**kind), adapter, arrives=i // 3))
+    return requests
+
+
+def test_outputs_equal_the_synchronous_engine_over_every_kind_of_sampling(tiny_llama):
+    sync, overlapped = both(tiny_llama, mixed_requests(20))
+    assert overlapped == sync
+    assert {o.finish_reasons[0] for o in sync.values()} >= {"length", "stop"}     # both ends were reached
+
+
+def test_outputs_equal_under_chunked_prefill_beside_decodes(tiny_llama):
+    sync, overlapped = both(tiny_llama, mixed_requests(12, seed=1), max_num_batched_tokens=16)
+    assert overlapped == sync
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_outputs_equal_under_preemption(tiny_llama, mode):
+    requests = mixed_requests(12, seed=2, max_tokens=24)
+    engines = [make_llm(tiny_llama, overlap, page_size=8, num_pages=48, watermark=0.0, preemption_mode=mode).engine
+               for overlap in (False, True)]
+    sync, overlapped = (drive(engine, requests) for engine in engines)
+    assert overlapped == sync
+    assert all(engine.scheduler.num_preemptions > 0 for engine in engines), "the pool never ran short"
+
+
+def test_outputs_equal_while_adapters_are_evicted_and_loaded_again(tiny_llama):
+    # A pool that holds one adapter beside the running KV: every change of adapter evicts the last one.
+    requests = [Request(f"r{i}", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                        ADAPTERS[i % 3], arrives=i)
+                for i, prompt in enumerate(random_prompts([9, 6, 11, 7, 8, 10], seed=3))]
+    engines = [make_llm(tiny_llama, overlap, page_size=8, num_pages=48, max_num_seqs=2, watermark=0.0).engine
+               for overlap in (False, True)]
+    sync, overlapped = (drive(engine, requests) for engine in engines)
+    assert overlapped == sync
+    assert all(engine.adapters.counts().pool_evictions > 0 for engine in engines), "no adapter was evicted"
+
+
+def test_stop_strings_end_at_the_same_token_and_cut_the_same_text(tiny_llama):
+    prompt = random_prompts([12], seed=7)[0]
+    reference = make_llm(tiny_llama, False).generate([prompt], SamplingParams(max_tokens=20, temperature=0,
+                                                                              ignore_eos=True))[0]
+    stop = reference.text[len(reference.text) // 2:len(reference.text) // 2 + 2]
+    requests = [Request("stop", prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop])),
+                Request("other", prompt[:7], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))]
+    sync, overlapped = both(tiny_llama, requests)
+    assert overlapped == sync
+    assert sync["stop"].finish_reasons == ["stop"] and stop not in sync["stop"].texts[0]
+
+
+def test_an_abort_mid_run_leaves_the_others_unchanged_and_frees_its_pages(tiny_llama):
+    requests = mixed_requests(9, seed=4, max_tokens=16)
+    sync = drive(make_llm(tiny_llama, False).engine, requests)
+    engine = make_llm(tiny_llama, True).engine
+    overlapped = drive(engine, requests, abort_at_tokens={"r1": 3, "r4": 5})     # drive checks the pool
+    for request_id in ("r1", "r4"):
+        cut, whole = overlapped[request_id].token_ids[0], sync[request_id].token_ids[0]
+        assert overlapped[request_id].finish_reasons == ["abort"] and cut == whole[:len(cut)]
+    assert {k: v for k, v in overlapped.items() if k not in ("r1", "r4")} == \
+        {k: v for k, v in sync.items() if k not in ("r1", "r4")}
+
+
+def test_a_sequence_whose_pending_token_ends_it_is_not_scheduled_again(tiny_llama):
+    """Its token in flight is its last by length: the step after it would be wasted (and past max_tokens)."""
+    prompts = random_prompts([6, 9], seed=5)
+    counts = []
+    for overlap in (False, True):
+        llm = make_llm(tiny_llama, overlap)
+        llm.generate(prompts, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
+        counts.append(dict(llm.engine.step_stats.tokens))
+    assert counts[1] == counts[0] == {"prefill": 15, "decode": 12, "mixed": 0}
+
+
+def test_the_token_feed_writes_pending_ids_into_their_rows():
+    """Decode rows whose token is pending take it from the sampled ids on the device; others keep the host's."""
+    def seq(seq_id: int, prompt: list[int], pending_row: int | None) -> Sequence:
+        s = Sequence(seq_id, f"r{seq_id}", prompt, SamplingParams(max_tokens=4), block_table=[seq_id])
+        s.num_computed_tokens = len(prompt) - (pending_row is None)
+        s.pending_row = pending_row
+        return s
+    known, fed, prefill, fed_too = seq(0, [5, 6, 7], None), seq(1, [8, 9], 2), seq(2, [1, 2, 3, 4], None), \
+        seq(3, [3, 3], 0)
+    prefill.num_computed_tokens = 0
+    scheduled = [ScheduledSeq(known, 1), ScheduledSeq(fed, 1), ScheduledSeq(prefill, 4), ScheduledSeq(fed_too, 1)]
+    batch = build(scheduled, {}, page_size=16)
+    sampled = torch.tensor([40, 41, 42])                              # the step before's ids, by row
+    feed_tokens(batch, token_feed(scheduled, sampled))
+    assert batch.input_ids.tolist() == [7, 42, 1, 2, 3, 4, 40]
+    assert token_feed(scheduled[:1] + scheduled[2:3], None) is None   # nothing pending: no feed
