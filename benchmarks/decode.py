@@ -52,6 +52,7 @@ from slora.models.config import parse_model_config
 from slora.models.llama import LORA_LAYERS_PREFIX, LORA_MODULE_PATHS
 from slora.models.loader import random_model
 from slora.page_pool import PageAllocator
+from slora.in_flight import HostCopy
 from slora.sampler import Sampler
 from slora.sampling_params import SamplingParams
 from slora.scheduler import ScheduledSeq
@@ -435,17 +436,22 @@ def feature_params(feature: str, seed: int) -> SamplingParams:
 class SampledSteps:
     """Decode steps of one batch, each sampled like the engine does: each grammar row's token pushed to its
     grammar, which takes it while the next step's forward runs; a grammar that ends (its EOS) starts again,
-    so every step masks. Host time is split at the forward's return and at the sampled ids' arrival."""
+    so every step masks. overlap: in the engine's overlapped order, the next forward is launched before the
+    tokens of the step before are taken (its input ids are the host's, stale, which changes no timing).
+    Host time is split into the launch, the take of the tokens before (their wait and pushes) and the
+    sampling (a synchronous step's take comes after its sampling: it waits for the forward)."""
 
     def __init__(self, runner: ModelRunner, scheduled: list[ScheduledSeq], grammars: EngineGrammars,
-                 features: list[str], eos: frozenset[int]) -> None:
+                 features: list[str], eos: frozenset[int], overlap: bool = True) -> None:
         self.runner, self.scheduled, self.grammars, self.eos = runner, scheduled, grammars, eos
+        self.overlap = overlap
         self.seqs = [item.seq for item in scheduled]
         for i, (seq, feature) in enumerate(zip(self.seqs, features)):
             seq.params = feature_params(feature, i)
         self.states = [self._fresh(seq) for seq in self.seqs]
         self.sampler = Sampler(eos)
-        self.host = {"launch": 0.0, "sample": 0.0, "push": 0.0}    # seconds, summed over steps
+        self.in_flight: HostCopy | None = None
+        self.host = {"launch": 0.0, "take": 0.0, "sample": 0.0}    # seconds, summed over steps
 
     def _fresh(self, seq: Sequence):
         return None if seq.params.structured is None else self.grammars.start(seq.params.structured)
@@ -454,9 +460,22 @@ class SampledSteps:
         began = time.perf_counter()
         logits = self.runner.run(self.scheduled, {})
         launched = time.perf_counter()
+        if self.overlap:
+            self._take()
+        taken = time.perf_counter()
         masker = self.grammars if any(s is not None for s in self.states) else None
-        result = self.sampler(logits, self.seqs, self.states, masker)
-        sampled = time.perf_counter()
+        self.in_flight = HostCopy(self.sampler.on_device(logits, self.seqs, self.states, masker))
+        if not self.overlap:
+            self._take()
+        self.host["launch"] += launched - began
+        self.host["sample"] += time.perf_counter() - taken
+        self.host["take"] += taken - launched
+
+    def _take(self) -> None:
+        """The tokens in flight, on the host: pushed to their grammars."""
+        if self.in_flight is None:
+            return
+        result, self.in_flight = self.in_flight.result(), None
         for i, (state, token) in enumerate(zip(self.states, result.token_ids)):
             if state is None:
                 continue
@@ -464,15 +483,17 @@ class SampledSteps:
                 self.states[i] = self._fresh(self.seqs[i])
             else:
                 state.push(token)
-        self.host["launch"] += launched - began
-        self.host["sample"] += sampled - launched
-        self.host["push"] += time.perf_counter() - sampled
 
 
 def sampling_rows(batch: int, iters: int, tokenizer_dir: Path) -> list[dict]:
-    """Step time with each feature on 0, 50 and 100% of the batch, against the plain sampled step. The
-    cases take turns, `ROUNDS` times, and each row gives the median over the rounds: one machine's drift
-    then moves every case alike."""
+    """Step time with each feature on 0, 50 and 100% of the batch, against the plain sampled step, in the
+    engine's overlapped order and in the synchronous one. The cases take turns, `ROUNDS` times, and each
+    row gives the median over the rounds: one machine's drift then moves every case alike."""
+    return [{"order": "overlapped" if overlap else "synchronous", **row}
+            for overlap in (True, False) for row in sampling_mode_rows(batch, iters, tokenizer_dir, overlap)]
+
+
+def sampling_mode_rows(batch: int, iters: int, tokenizer_dir: Path, overlap: bool) -> list[dict]:
     runner, descriptor, _ = make_runner(batch, 0)
     allocator = PageAllocator(runner.shape.num_pages, runner.shape.page_size)
     scheduled, _ = build_step(runner, allocator, batch, [], descriptor, "none")
@@ -484,10 +505,11 @@ def sampling_rows(batch: int, iters: int, tokenizer_dir: Path) -> list[dict]:
     host: dict[tuple[str, float], dict[str, float]] = {}
     for _ in range(ROUNDS):
         for feature, share in cases:
-            steps = SampledSteps(runner, scheduled, grammars, case_features(feature, share, batch), eos)
+            steps = SampledSteps(runner, scheduled, grammars, case_features(feature, share, batch), eos, overlap)
             timings[(feature, share)].append(time_calls(steps.step, iters))
             host[(feature, share)] = {k: v / (iters + 3) for k, v in steps.host.items()}
-    busy = {case: gpu_busy_seconds(SampledSteps(runner, scheduled, grammars, case_features(*case, batch), eos).step)
+    busy = {case: gpu_busy_seconds(SampledSteps(runner, scheduled, grammars, case_features(*case, batch), eos,
+                                                overlap).step)
             for case in cases}
     release_kv(allocator, scheduled)
     base = statistics.median(timings[cases[0]])

@@ -28,3 +28,11 @@ def copy_from_host(target: Tensor, source: Tensor) -> None:
     if target.device.type == "cuda" and source.device.type == "cpu":
         source = source.pin_memory()
     target.copy_(source, non_blocking=True)
+
+
+def select_rows(tensor: Tensor, rows: list[int]) -> Tensor:
+    """`tensor[rows]` without waiting for the GPU (a list index is copied from pageable memory): a slice when
+    the rows are the leading ones in order, the common case."""
+    if rows == list(range(len(rows))):
+        return tensor[:len(rows)]
+    return tensor.index_select(0, tensor_on(rows, torch.int64, tensor.device))

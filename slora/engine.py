@@ -18,7 +18,7 @@ from slora.adapters.errors import AdapterError
 from slora.builtin_models import resolve_model
 from slora.config import EngineConfig
 from slora.detokenizer import IncrementalDetokenizer
-from slora.device_copy import tensor_on
+from slora.device_copy import select_rows, tensor_on
 from slora.engine_grammars import EngineGrammars
 from slora.engine_sizing import EngineSizing
 from slora.in_flight import ArrivingSample, HostCopy, InFlight, ReadySample
@@ -217,7 +217,7 @@ class Engine:
                 self.num_prompt_tokens_computed += item.prompt_tokens
                 self.scheduler.on_computed(item.seq, item.num_tokens)
         rows, seqs = self._sampling_rows(completing)
-        token_ids, arriving = self._sample(logits[rows], seqs)
+        token_ids, arriving = self._sample(select_rows(logits, rows), seqs)
         for row, seq in enumerate(seqs):
             seq.pending_row = row
         return InFlight(seqs, token_ids, arriving, timer)

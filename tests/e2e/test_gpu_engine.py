@@ -64,10 +64,10 @@ def test_few_adapter_graphs_match_cpu(tiny_llama):
     replayed = []
     replay = graphs.replay
 
-    def recorded(size, host, batch_size):
+    def recorded(size, host, batch_size, feed=None):
         adapters = 0 if host.lora is None else host.lora.page_tables.shape[0]
         replayed.append((host.lora is not None, graphs.uses_few(size, adapters)))
-        return replay(size, host, batch_size)
+        return replay(size, host, batch_size, feed)
     graphs.replay = recorded
     prompts = random_prompts([5, 12, 30, 7, 22], seed=17)
     two = [None, "rs-pattern", "all-r16", None, "rs-pattern"]
@@ -166,3 +166,41 @@ def test_no_kernel_compiles_while_serving(tiny_llama):
     finally:
         triton.knobs.runtime.jit_post_compile_hook = None
     assert compiled == [], "\n".join(map(str, compiled))
+
+
+def test_overlapped_scheduling_matches_the_synchronous_engine_on_cuda(tiny_llama):
+    """Graphed decode steps fed their input ids on the device, mixed eager steps, forks and seeded samples."""
+    prompts = random_prompts([5, 12, 30, 7, 22, 9, 14, 3], seed=18)
+    params = [SamplingParams(max_tokens=12, temperature=t, seed=i, n=1 + i % 2, ignore_eos=True)
+              for i, t in enumerate([0, 0.8, 0, 1.0, 0, 0.7, 0, 1.2])]
+    outputs = []
+    for overlap in (False, True):
+        llm = make_llm(tiny_llama, device="cuda", dtype="float32", async_scheduling=overlap)
+        outputs.append([[s.token_ids for s in o.outputs] for o in llm.generate(prompts, params, adapters=NAMES)])
+        llm.engine.check()
+    assert outputs[1] == outputs[0]
+
+
+def test_an_overlapped_step_never_waits_for_the_gpu(tiny_llama):
+    """Past the first steps, a decode step (and a mixed one beside a new prompt) queues its forward and
+    sampling without a single synchronizing CUDA call: the host then runs a step ahead of the GPU. Only
+    the wait for the step before's ids (an event) is allowed."""
+    llm = make_llm(tiny_llama, device="cuda", dtype="float32")
+    engine = llm.engine
+    prompts = random_prompts([9, 14, 3, 20, 6], seed=19)
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=1, top_k=40, ignore_eos=True)
+    for i, prompt in enumerate(prompts[:4]):
+        engine.add_request(f"r{i}", prompt, params, NAMES[i])
+    for _ in range(3):
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(6):
+            if step == 2:
+                engine.add_request("late", prompts[4], params, "mlp-r8")     # a mixed step follows
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while engine.has_unfinished():
+        engine.step()
+    engine.check()
