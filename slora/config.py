@@ -55,7 +55,8 @@ class EngineConfig:
     pool_gib: float = _option(0.25, "pool size on the CPU")
     num_pages: int | None = _option(None, "pool size in pages (overrides the sizing rules)")
     max_num_seqs: int = _option(64, "sequences in one batch")
-    max_num_batched_tokens: int = _option(2048, "tokens in one step")
+    max_num_batched_tokens: int | None = _option(None, "tokens in one step (default: 8192 on CUDA, as vLLM's, "
+                                                       "for GEMMs near the compute limit; 2048 on the CPU)")
     max_lora_rank: int = _option(64, "largest adapter rank taken")
     max_loras: int | None = _option(None, "distinct adapters in one batch (default: as many as sequences)")
     max_model_len: int | None = _option(None, "context length (default: what the model supports)")
@@ -78,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} was asked for but CUDA is not available")
         if self.dtype is None:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.device == "cpu" else 8192
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.page_size < 8 or self.page_size > 128 or self.page_size & (self.page_size - 1):
@@ -99,7 +102,7 @@ class EngineConfig:
         self.scheduler_config()          # the scheduler's settings, checked by their owner now, not at start
 
     def scheduler_config(self, swap_pages: int = 0, max_model_len: int | None = None) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.page_size, self.watermark,
+        return SchedulerConfig(self.max_num_seqs, self.step_tokens, self.page_size, self.watermark,
                                self.enable_prefix_caching, self.preemption_mode, swap_pages,
                                max_loras=self.max_loras, max_model_len=max_model_len)
 
@@ -110,6 +113,12 @@ class EngineConfig:
         if self.adapter_host_cache_gib is not None:
             return int(self.adapter_host_cache_gib * 2 ** 30)
         return physical_memory_bytes() // 4
+
+    @property
+    def step_tokens(self) -> int:
+        """max_num_batched_tokens, resolved."""
+        assert self.max_num_batched_tokens is not None, "__post_init__ resolves the default"
+        return self.max_num_batched_tokens
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -52,7 +52,7 @@ class EngineSizing:
             return max(1, int(self.config.pool_gib * 2 ** 30) // self.page_bytes)
         # After the weights: a profiling prefill at the largest step measures the activations; the
         # rest of `gpu_memory_utilization` of the whole GPU becomes pages.
-        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        tokens = min(self.config.step_tokens, self.max_model_len)
         activations = profile_activation_bytes(self.model, template, tokens, self.config.torch_dtype,
                                                self.config.torch_device)
         free, total = torch.cuda.mem_get_info(self.config.torch_device)
