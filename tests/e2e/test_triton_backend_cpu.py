@@ -233,10 +233,10 @@ def test_serving_launches_no_kernel_variant_the_warm_up_did_not(tiny_llama, monk
     runner.warm_up(llm.engine.sizing.graph_limits(runner.shape))
     forward = runner.run
 
-    def checked_run(scheduled, adapters):
+    def checked_run(scheduled, adapters, sampled=None):
         recorder.checking = True
         recorder.skipping = all(item.num_tokens == 1 for item in scheduled)
-        return forward(scheduled, adapters)
+        return forward(scheduled, adapters, sampled)
 
     monkeypatch.setattr(runner, "run", checked_run)
     names = ["attn-r4", None, "mlp-r8", "all-r16", "rs-pattern", "all-r16"]
