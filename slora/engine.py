@@ -195,7 +195,10 @@ class Engine:
             if not self.config.async_scheduling:
                 self._take_sampled(touched)
         touched.update(self._take_failed())
-        return [self._finalize(state) for state in touched.values() if state.stream or state.finished]
+        outputs = [self._finalize(state) for state in touched.values() if state.stream or state.finished]
+        if not self.requests:
+            self._take_sampled(touched)      # rows of ended sequences only: its time is not left to the next
+        return outputs
 
     def _launch(self, scheduled: list[ScheduledSeq]) -> Launched:
         """The step's forward, queued on the device: its logits `[rows, vocab]` are not read yet."""

@@ -190,3 +190,22 @@ def test_the_token_feed_writes_pending_ids_into_their_rows():
     feed_tokens(batch, token_feed(scheduled, sampled))
     assert batch.input_ids.tolist() == [7, 42, 1, 2, 3, 4, 40]
     assert token_feed(scheduled[:1] + scheduled[2:3], None) is None   # nothing pending: no feed
+
+
+def test_a_step_left_in_flight_when_the_last_request_ends_is_counted_before_generate_returns(tiny_llama):
+    """The last request ends on a stop token while its next row is in flight: that step is taken at once,
+    not when the next request comes (its time would then include the idle time between)."""
+    llm = make_llm(tiny_llama, True)
+    prompt = random_prompts([8], seed=6)[0]
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    forwards, run = [], llm.engine.runner.run
+
+    def counted_run(*args):  # noqa: ANN002, ANN202 - ModelRunner.run's own signature
+        forwards.append(1)
+        return run(*args)
+    llm.engine.runner.run = counted_run
+    before = sum(llm.engine.step_stats.steps.values())
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[greedy[2]]))[0]
+    assert out.token_ids == greedy[:3] and out.finish_reason == "stop"
+    assert len(forwards) == 4                           # the prefill, two decodes, and one past the stop
+    assert sum(llm.engine.step_stats.steps.values()) - before == len(forwards)
