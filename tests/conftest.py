@@ -13,6 +13,54 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 
+def _patch_triton_language_once_per_launch() -> None:
+    """The Triton interpreter patches triton.language for each kernel launch (restoring it after), and then
+    again at every call of a @triton.jit device function inside the launch, although the launch's patch
+    already covers the same modules (tests/kernels took 393 s with the repeats, 341 s without). Here a device
+    call whose modules its launch patched skips that repeat, which patched nothing new (the interpreter's own
+    patch passes over members patched already, and sets the rest to the same replacements); any other call
+    patches as the interpreter does."""
+    import inspect
+    import threading
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if not all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+        return                                   # another Triton: its interpreter as it is
+    patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    local = threading.local()                    # per thread: the modules its running launch patched
+
+    def modules_of(fn) -> frozenset[int]:
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def launch_patching_once(self, *args, **kwargs):
+        stack = local.__dict__.setdefault("stack", [])
+        stack.append(None)                       # the launch's own patch is still to come
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            stack.pop()
+
+    def patch_once(fn):
+        stack = local.__dict__.get("stack")
+        if not stack:
+            return patch_lang(fn)
+        if stack[-1] is None:                    # the launch's own patch
+            scope = patch_lang(fn)
+            stack[-1] = modules_of(fn)
+            return scope
+        if modules_of(fn) <= stack[-1]:          # a device call inside the launch
+            return interpreter._LangPatchScope()
+        return patch_lang(fn)
+
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_once, launch_patching_once
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_language_once_per_launch()
+
+
 @dataclass
 class TinySetup:
     model_dir: Path
