@@ -22,12 +22,23 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs Triton kernels in the interpreter, on CPU-only machines")
 
 
+MATCH_PROMPTS, MATCH_NAMES = random_prompts([3, 18, 9], seed=40), ["all-r16", None, "rs-pattern"]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_llama) -> list[list[int]]:
+    """The reference backends' greedy tokens of test_triton_backends_match_the_reference_backends, the same for
+    each of its cases: the launch policy and the tile constants are the Triton kernels' alone."""
+    return _greedy_tokens(tiny_llama, None, MATCH_PROMPTS, MATCH_NAMES)
+
+
 @pytest.mark.parametrize("policy,narrow_tiles", [
     (LoraLaunchPolicy(), False),
     (LoraLaunchPolicy(accumulate_max_tokens=0, accumulate_max_slots=0), False),
     (LoraLaunchPolicy(accumulate_max_tokens=0, accumulate_max_slots=8, block_m_tokens_per_slot=1), False),
     (LoraLaunchPolicy(), True)])
-def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, policy, narrow_tiles):
+def test_triton_backends_match_the_reference_backends(tiny_llama, reference_tokens, monkeypatch, policy,
+                                                      narrow_tiles):
     """Shrink into one h or split partial sums (by tokens, or by the tables' slots), blocks of 16 or 64
     tokens; narrow_tiles: the kernels' private tile constants at 64 columns (pages chosen per row) and two
     output tiles per expand program."""
@@ -35,9 +46,7 @@ def test_triton_backends_match_the_reference_backends(tiny_llama, monkeypatch, p
         from slora.kernels import lora
         for name, value in (("_SHRINK_TILE", 64), ("_EXPAND_TILE", 64), ("_EXPAND_N_TILES", 2)):
             monkeypatch.setattr(lora, name, value)
-    reference, triton = _greedy_tokens_both_backends(tiny_llama, policy, random_prompts([3, 18, 9], seed=40),
-                                                     ["all-r16", None, "rs-pattern"])
-    assert reference == triton
+    assert _greedy_tokens(tiny_llama, policy, MATCH_PROMPTS, MATCH_NAMES) == reference_tokens
 
 
 def test_gemv_expand_matches_the_reference_backend(tiny_llama, monkeypatch):
@@ -78,16 +87,20 @@ def test_lora_deltas_through_the_triton_kernels_match_the_reference_backend(tiny
 def _greedy_tokens_both_backends(tiny_llama, policy: LoraLaunchPolicy, prompts: list[list[int]],
                                  names: list[str | None]) -> list[list[list[int]]]:
     """Greedy tokens of the prompts on their adapters with the reference backends, then the Triton ones."""
+    return [_greedy_tokens(tiny_llama, None, prompts, names), _greedy_tokens(tiny_llama, policy, prompts, names)]
+
+
+def _greedy_tokens(tiny_llama, policy: LoraLaunchPolicy | None, prompts: list[list[int]],
+                   names: list[str | None]) -> list[list[int]]:
+    """Greedy tokens of the prompts on their adapters, from a new engine: on the reference backends (policy
+    None) or the Triton ones with this LoRA launch policy."""
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    outputs = []
-    for triton in (False, True):
-        llm = LLM(str(tiny_llama.model_dir), num_pages=64)
-        for name in ("all-r16", "rs-pattern"):
-            llm.load_adapter(name, str(tiny_llama.adapters[name]))
-        if triton:
-            llm.engine.runner.attention, llm.engine.runner.lora = TritonAttention(), TritonLora(policy=policy)
-        outputs.append([o.token_ids for o in llm.generate(prompts, params, adapters=names)])
-    return outputs
+    llm = LLM(str(tiny_llama.model_dir), num_pages=64)
+    for name in ("all-r16", "rs-pattern"):
+        llm.load_adapter(name, str(tiny_llama.adapters[name]))
+    if policy is not None:
+        llm.engine.runner.attention, llm.engine.runner.lora = TritonAttention(), TritonLora(policy=policy)
+    return [o.token_ids for o in llm.generate(prompts, params, adapters=names)]
 
 
 def test_lora_launch_policy_rules_and_validation():
@@ -140,23 +153,74 @@ def test_warm_up_runs_the_one_token_expand(tiny_llama):
     assert runner._warm_up_steps(dataclasses.replace(limits, max_loras=2)) == WARM_UP_STEPS
 
 
-@pytest.mark.parametrize("triton", [False, True])
-def test_warm_up_writes_nothing_and_leaves_generation_unchanged(tiny_llama, triton):
-    """The CUDA engine's start-up warm-up (prefill and mixed-step kernel variants, adapters at rank 0)
-    must not touch the pool: a pool holding KV and adapter pages is the same after it, and greedy tokens
-    generated after it are those generated before."""
-    llm = LLM(str(tiny_llama.model_dir), num_pages=64)
-    llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
-    runner = llm.engine.runner
-    if triton:
-        runner.attention, runner.lora = TritonAttention(), TritonLora()
+@dataclasses.dataclass
+class WarmUpRun:
+    """An engine's greedy tokens before and after runner.warm_up, and its pool before and after it."""
+    llm: LLM
+    before: list[list[int]]
+    after: list[list[int]]
+    pool_before: torch.Tensor
+    pool_after: torch.Tensor
+
+
+def _warm_up_run(llm: LLM, limits: GraphLimits, recorder: "VariantRecorder | None" = None) -> WarmUpRun:
+    """Greedy tokens (a prefill and decode steps, one prompt on an adapter), the warm-up, the same tokens
+    again. A recorder skips the launches of those tokens: they are no variants the warm-up knows."""
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     prompts = random_prompts([7, 12], seed=41)
-    before = [o.token_ids for o in llm.generate(prompts, params, adapters=["all-r16", None])]
+
+    def generate() -> list[list[int]]:
+        if recorder is not None:
+            recorder.skipping = True
+        tokens = [o.token_ids for o in llm.generate(prompts, params, adapters=["all-r16", None])]
+        if recorder is not None:
+            recorder.skipping = False
+        return tokens
+
+    before = generate()
+    runner = llm.engine.runner
     pool = runner.pool.clone()
-    runner.warm_up(_limits_for(llm))
-    assert torch.equal(runner.pool, pool)
-    assert [o.token_ids for o in llm.generate(prompts, params, adapters=["all-r16", None])] == before
+    runner.warm_up(limits)
+    pool_after = runner.pool.clone()
+    return WarmUpRun(llm, before, generate(), pool, pool_after)
+
+
+@pytest.fixture(scope="module")
+def triton_warm_up(tiny_llama) -> tuple[WarmUpRun, "VariantRecorder"]:
+    """The start-up warm-up of an engine on the Triton backends (sized as a CUDA engine of max_num_seqs=16,
+    the four test adapters loaded), and the recorder of the kernel variants launched from the engine's
+    creation on, except those of the tokens around the warm-up. In the interpreter a warm-up takes most of
+    a minute, so the two tests that need one share it: the pool and tokens around it
+    (test_warm_up_writes_nothing_and_leaves_generation_unchanged) and the variants it launched
+    (test_serving_launches_no_kernel_variant_the_warm_up_did_not)."""
+    recorder = VariantRecorder()
+    run = InterpretedFunction.run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(InterpretedFunction, "run", lambda self, *args, grid, warmup, **kwargs: (
+            recorder.see(self, args, kwargs), run(self, *args, grid=grid, warmup=warmup, **kwargs))[1])
+        llm = LLM(str(tiny_llama.model_dir), num_pages=512, max_num_seqs=16)
+        for name, path in tiny_llama.adapters.items():
+            llm.load_adapter(name, str(path))
+        runner = llm.engine.runner
+        runner.attention, runner.lora = TritonAttention(), TritonLora()
+        warm_up = _warm_up_run(llm, llm.engine.sizing.graph_limits(runner.shape), recorder)
+    return warm_up, recorder
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_warm_up_writes_nothing_and_leaves_generation_unchanged(tiny_llama, triton, request):
+    """The CUDA engine's start-up warm-up (prefill and mixed-step kernel variants, adapters at rank 0)
+    must not touch the pool: a pool holding KV and adapter pages is the same after it, and greedy tokens
+    generated after it are those generated before. (Triton: the warm-up the variant test also uses.)"""
+    if triton:
+        run, _ = request.getfixturevalue("triton_warm_up")
+    else:
+        llm = LLM(str(tiny_llama.model_dir), num_pages=64)
+        llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
+        run = _warm_up_run(llm, _limits_for(llm))
+    assert torch.count_nonzero(run.pool_before) > 0       # the pool held KV and adapter pages
+    assert torch.equal(run.pool_after, run.pool_before)
+    assert run.after == run.before
 
 
 def _limits_for(llm: LLM) -> GraphLimits:
@@ -215,37 +279,38 @@ def variant_key(kernel: InterpretedFunction, args: tuple, kwargs: dict) -> tuple
     return tuple(key)
 
 
-def test_serving_launches_no_kernel_variant_the_warm_up_did_not(tiny_llama, monkeypatch):
+def test_serving_launches_no_kernel_variant_the_warm_up_did_not(triton_warm_up, monkeypatch):
     """On the GPU, a Triton kernel variant first needed by a prefill or mixed step compiles in the middle of
     serving and stalls that step for up to seconds (benchmarks/HISTORY.md). The start-up warm-up must launch
     every variant such steps need, whatever their sizes, adapter mixes, ranks and page-table widths. Here
     the variants are emulated on the CPU (VariantRecorder); decode steps are skipped (the GPU replays
-    graphs for them, captured at start), so their variants do not count as known."""
-    recorder = VariantRecorder()
+    graphs for them, captured at start), so their variants do not count as known. One token per request:
+    each request is its prefill step alone (a second token would be a decode step, skipped)."""
+    warm_up, recorder = triton_warm_up
+    assert recorder.seen and not recorder.checking
     run = InterpretedFunction.run
     monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, grid, warmup, **kwargs: (
         recorder.see(self, args, kwargs), run(self, *args, grid=grid, warmup=warmup, **kwargs))[1])
-    llm = LLM(str(tiny_llama.model_dir), num_pages=512, max_num_seqs=16)
-    for name, path in tiny_llama.adapters.items():
-        llm.load_adapter(name, str(path))
+    llm = warm_up.llm
     runner = llm.engine.runner
-    runner.attention, runner.lora = TritonAttention(), TritonLora()
-    runner.warm_up(llm.engine.sizing.graph_limits(runner.shape))
     forward = runner.run
+    steps = []
 
     def checked_run(scheduled, adapters, sampled=None):
         recorder.checking = True
         recorder.skipping = all(item.num_tokens == 1 for item in scheduled)
+        steps.append(recorder.skipping)
         return forward(scheduled, adapters, sampled)
 
     monkeypatch.setattr(runner, "run", checked_run)
     names = ["attn-r4", None, "mlp-r8", "all-r16", "rs-pattern", "all-r16"]
-    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     # Steps of more than accumulate_few_max_tokens tokens on few adapters: split partial sums, 64-token blocks.
     partials = (([300], ["mlp-r8"]), ([150, 150], ["attn-r4", "all-r16"]))
     for seed, (lengths, mix) in enumerate((([1, 9, 17, 40], names[:4]), ([33, 20, 5], names[3:]),
                                            ([12, 30], ["attn-r4", "attn-r4"]), ([70], ["mlp-r8"]), *partials)):
         llm.generate(random_prompts(lengths, seed=50 + seed), params, adapters=mix)
+    assert steps and not any(steps), steps      # every step was checked
     assert recorder.new == [], "\n".join(map(str, recorder.new))
 
 
