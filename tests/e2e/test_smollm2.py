@@ -41,15 +41,20 @@ def peft_model(source):
 
 
 @torch.inference_mode()
-def oracle(peft_model, prompt_ids: list[int], adapter: str | None, max_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    if adapter is None:                   # the base rows: transformers alone, with PEFT's layers off
-        with peft_model.disable_adapter():
-            out = peft_model.generate(input_ids=ids, max_new_tokens=max_tokens, do_sample=False)
-    else:
-        out = peft_model.generate(input_ids=ids, adapter_names=[adapter], max_new_tokens=max_tokens,
-                                  do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+def oracle(peft_model, prompt_ids: list[int], adapters: list[str | None], max_tokens: int) -> list[list[int]]:
+    """transformers + PEFT's greedy tokens of one prompt on each of the adapters, one row each in one batch
+    (the rows are the same prompt: none is padded). A base row (None) is transformers alone: PEFT's
+    "__base__" leaves its rows out of every adapter's layers. Each row ends after its first end-of-turn
+    token, where generate would stop it alone."""
+    ids = torch.tensor([prompt_ids] * len(adapters))
+    out = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                              adapter_names=[adapter or "__base__" for adapter in adapters], do_sample=False)
+    eos = peft_model.generation_config.eos_token_id
+    ends = {eos} if isinstance(eos, int) else set(eos)
+    rows = []
+    for row in out[:, ids.shape[1]:].tolist():      # generate pads a row that ended early
+        rows.append(row[:next((i + 1 for i, token in enumerate(row) if token in ends), len(row))])
+    return rows
 
 
 def test_the_conversion_is_an_hf_folder_that_both_load(source, smollm2, peft_model):
@@ -64,14 +69,16 @@ def test_the_conversion_is_an_hf_folder_that_both_load(source, smollm2, peft_mod
 
 
 def test_greedy_output_is_token_exact_with_the_adapters_mixed_in_one_batch(smollm2, peft_model):
-    rows = [(question, adapter) for question in QUESTIONS for adapter in [None, *DEMO_ADAPTERS]]
+    adapters = [None, *DEMO_ADAPTERS]
+    rows = [(question, adapter) for question in QUESTIONS for adapter in adapters]
     params = SamplingParams(max_tokens=ORACLE_TOKENS, temperature=0)
     outputs = smollm2.chat([user(q) for q, _ in rows], params, [a for _, a in rows])
+    expected = {(question, adapter): tokens for question in QUESTIONS for adapter, tokens in
+                zip(adapters, oracle(peft_model, smollm2.chat_prompt_ids(user(question)), adapters, ORACLE_TOKENS))}
     for (question, adapter), output in zip(rows, outputs):
-        expected = oracle(peft_model, smollm2.chat_prompt_ids(user(question)), adapter, ORACLE_TOKENS)
         # transformers stops after the end-of-turn token and includes it; slora stops on it too
-        assert output.token_ids == expected[:len(output.token_ids)], (question, adapter)
-        assert len(output.token_ids) == len(expected), (question, adapter)
+        assert output.token_ids == expected[question, adapter][:len(output.token_ids)], (question, adapter)
+        assert len(output.token_ids) == len(expected[question, adapter]), (question, adapter)
 
 
 def test_chat_ends_on_the_tokenizers_end_of_turn_token(smollm2):
