@@ -7,6 +7,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -82,3 +84,23 @@ def smollm2():
     """The default model, SmolLM2-135M-Instruct, as the offline API serves it (converted on first use)."""
     from slora import LLM
     return LLM()
+
+
+@pytest.fixture(scope="session")
+def quick_benchmark(tmp_path_factory):
+    """`quick_benchmark(script)`: `benchmarks/<script> --quick --out <folder>/out.json` run once in the session,
+    as (the finished process, with its output as text; the --out path). Test modules that check the same
+    script's quick run share it (benchmarks/sharing.py takes about 18 s)."""
+    from benchmark_modules import BENCHMARKS, SUBPROCESS_TIMEOUT_S
+
+    runs: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
+
+    def run(script: str) -> tuple[subprocess.CompletedProcess, Path]:
+        if script not in runs:
+            out = tmp_path_factory.mktemp("quick-" + Path(script).stem) / "out.json"
+            done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
+                                  capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+            runs[script] = (done, out)
+        return runs[script]
+
+    return run

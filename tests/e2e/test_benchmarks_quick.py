@@ -95,12 +95,10 @@ def test_ablation_unified_pool_batches_at_least_as_many(ablation_rows):
 
 
 @pytest.mark.parametrize("script", ["kernel_bench.py", "sharing.py", "offline.py"])
-def test_other_benchmarks_quick_modes_run_and_write_rows(script, tmp_path):
+def test_other_benchmarks_quick_modes_run_and_write_rows(script, quick_benchmark):
     # The README says every script's --quick runs in CI: these too, on the CPU (kernel_bench.py times the
-    # torch references there).
-    out = tmp_path / "out.json"
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    # torch references there). The session's one run of each (test_sharing_benchmark.py checks sharing.py's).
+    done, out = quick_benchmark(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(out.read_text())["rows"]
 

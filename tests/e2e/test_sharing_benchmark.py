@@ -1,18 +1,10 @@
-"""benchmarks/sharing.py --quick runs and shows what sharing saves."""
+"""benchmarks/sharing.py --quick runs and shows what sharing saves. (The session's one quick run of it, which
+test_benchmarks_quick.py checks too.)"""
 import json
-import subprocess
-import sys
-from pathlib import Path
-
-from benchmark_modules import SUBPROCESS_TIMEOUT_S
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sharing.py"
 
 
-def test_sharing_benchmark_quick(tmp_path):
-    out = tmp_path / "sharing.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], capture_output=True,
-                          text=True, timeout=SUBPROCESS_TIMEOUT_S)
+def test_sharing_benchmark_quick(quick_benchmark):
+    done, out = quick_benchmark("sharing.py")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {(r["workload"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
     cached, plain = rows[("system prompt", "prefix cache")], rows[("system prompt", "no sharing")]
