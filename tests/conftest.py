@@ -104,3 +104,23 @@ def quick_benchmark(tmp_path_factory):
         return runs[script]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory):
+    """`shared_server(start, *args, **kwargs)`: the session's one `start(log folder, *args, **kwargs)` (tests/api/
+    conftest.py's start_server) for these arguments, started at its first use, for the test modules that serve
+    with the same arguments and depend on no fresh server's state (counters, pool, adapters loaded): each start
+    loads the model again, about 10 s here. All are stopped at the end of the session, and must exit 0."""
+    servers: dict[tuple, object] = {}
+
+    def get(start, *args: str, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in servers:
+            servers[key] = start(tmp_path_factory.mktemp("shared-server"), *args, **kwargs)
+        return servers[key]
+
+    yield get
+    failed = [f"{key}: exit {code}\n{server.log()[-3000:]}" for key, server in servers.items()
+              if (code := server.stop()) != 0]
+    assert not failed, "\n".join(failed)

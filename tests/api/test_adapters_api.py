@@ -14,10 +14,10 @@ PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, adapter_root):
-    srv = start_server(tmp_path_factory.mktemp("logs"), "--adapter-root", str(adapter_root))
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+def server(shared_server, adapter_root):
+    """The session's server of these arguments, test_openai_compat.py's too: no test here depends on a fresh
+    one (pool pages and adapters are compared before and after, by name). It must exit 0 (shared_server)."""
+    return shared_server(start_server, "--adapter-root", str(adapter_root))
 
 
 def adapters_by_name(http) -> dict[str, dict]:

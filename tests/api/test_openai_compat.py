@@ -15,13 +15,14 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, adapter_root):
-    srv = start_server(tmp_path_factory.mktemp("logs"), "--adapter-root", str(adapter_root))
+def server(shared_server, adapter_root):
+    """The session's server of these arguments, test_adapters_api.py's too: no test here depends on a fresh
+    one (counters are compared before and after, the pool waited for idle). It must exit 0 (shared_server)."""
+    srv = shared_server(start_server, "--adapter-root", str(adapter_root))
     for name in ("attn-r4", "all-r16"):                  # the test adapters, loaded through the API
         with srv.http() as http:
             assert http.post("/v1/adapters", json={"name": name, "path": name}).status_code == 200
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+    return srv
 
 
 MODELS = [BASE_MODEL, "demo-r4-attn", "all-r16"]

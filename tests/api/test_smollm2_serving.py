@@ -16,10 +16,11 @@ PAGE_SIZE = 16          # the server's default: whole pages are shared
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("logs"), model=None)     # no --model: the default
-    yield srv
-    srv.stop()
+def server(shared_server):
+    """No --model: the default. The session's one such server, tests/clients' too (no test there depends on
+    this module's requests, nor any here on a fresh server: the prefix cache is asked about two questions that
+    none of them sends)."""
+    return shared_server(start_server, model=None)
 
 
 def ask(client, model: str, question: str = QUESTION, **kwargs):

@@ -22,12 +22,11 @@ from api_server_helpers import Server, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="package")
-def server(tmp_path_factory) -> Server:
-    """`slora serve` with no --model: the default model, as customers start it. One for the folder: each start
-    loads the model again (about 10 s here), and no client test depends on another's state."""
-    srv = start_server(tmp_path_factory.mktemp("logs"), model=None)
-    yield srv
-    srv.stop()
+def server(shared_server) -> Server:
+    """`slora serve` with no --model: the default model, as customers start it. The session's one such server,
+    tests/api/test_smollm2_serving.py's too: each start loads the model again (about 10 s here), and no client
+    test depends on another's state, or on a fresh server's."""
+    return shared_server(start_server, model=None)
 
 
 @pytest.fixture(scope="session")
