@@ -17,11 +17,12 @@ import pytest  # noqa: E402
 
 def _patch_triton_language_once_per_launch() -> None:
     """The Triton interpreter patches triton.language for each kernel launch (restoring it after), and then
-    again at every call of a @triton.jit device function inside the launch, although the launch's patch
-    already covers the same modules (tests/kernels took 393 s with the repeats, 341 s without). Here a device
-    call whose modules its launch patched skips that repeat, which patched nothing new (the interpreter's own
-    patch passes over members patched already, and sets the rest to the same replacements); any other call
-    patches as the interpreter does."""
+    again at every call of a @triton.jit device function inside the launch (tl.zeros is one too), although
+    the patches of the launch and of the device calls before already cover the same modules: nothing is
+    restored before the launch ends, the interpreter's own patch passes over members patched already and
+    sets the rest to the same replacements again. Here a device call whose modules were patched so far in its
+    launch skips that repeat (a good part of an interpreted kernel's time); any other call patches as the
+    interpreter does."""
     import inspect
     import threading
 
@@ -31,14 +32,18 @@ def _patch_triton_language_once_per_launch() -> None:
     if not all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
         return                                   # another Triton: its interpreter as it is
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
-    local = threading.local()                    # per thread: the modules its running launch patched
+    local = threading.local()                    # per thread: the modules patched so far in its running launch
+    modules: dict = {}                           # function -> the modules of triton.language it sees
 
     def modules_of(fn) -> frozenset[int]:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        if fn not in modules:
+            modules[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                    if inspect.ismodule(v) and v in (tl, tl.core))
+        return modules[fn]
 
     def launch_patching_once(self, *args, **kwargs):
         stack = local.__dict__.setdefault("stack", [])
-        stack.append(None)                       # the launch's own patch is still to come
+        stack.append(frozenset())                # nothing patched yet: the launch's own patch is to come
         try:
             return launch(self, *args, **kwargs)
         finally:
@@ -48,13 +53,11 @@ def _patch_triton_language_once_per_launch() -> None:
         stack = local.__dict__.get("stack")
         if not stack:
             return patch_lang(fn)
-        if stack[-1] is None:                    # the launch's own patch
-            scope = patch_lang(fn)
-            stack[-1] = modules_of(fn)
-            return scope
-        if modules_of(fn) <= stack[-1]:          # a device call inside the launch
+        if stack[-1] and modules_of(fn) <= stack[-1]:    # a device call: its modules are patched
             return interpreter._LangPatchScope()
-        return patch_lang(fn)
+        scope = patch_lang(fn)                   # the launch's own patch, or a device call's of new modules
+        stack[-1] |= modules_of(fn)
+        return scope
 
     interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_once, launch_patching_once
 
