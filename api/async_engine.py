@@ -3,7 +3,8 @@
 The engine is not thread-safe, so exactly one thread — the one started here — ever touches it. The event
 loop talks to it through a command queue (callables run between two steps, results returned through
 futures) and receives outputs through `loop.call_soon_threadsafe`. Outputs are cumulative, so each request
-stream keeps only the latest one: a slow client never makes a queue grow.
+stream keeps only its latest MAX_PENDING_OUTPUTS: each step's output is read as its own chunk, and a slow
+client gets older ones merged into the next, never a queue that grows.
 """
 import asyncio
 import concurrent.futures
@@ -13,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ from slora.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_PENDING_OUTPUTS = 16     # a request stream's outputs kept between two reads
 EngineSource = Engine | Callable[[], Engine]
 
 
@@ -51,18 +54,19 @@ class EngineInfo:
 
 
 class RequestStream:
-    """The outputs of one request, consumed on the event loop. Only the latest (cumulative) output is
-    kept between reads."""
+    """The outputs of one request, consumed on the event loop. The latest MAX_PENDING_OUTPUTS (cumulative)
+    outputs are kept between reads: two steps delivered in one turn of the loop (a step that only takes the
+    tokens of the one before is quick) still stream as two chunks."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.finished = False
-        self._latest: RequestOutput | None = None
+        self._pending: deque[RequestOutput] = deque(maxlen=MAX_PENDING_OUTPUTS)   # the oldest dropped first
         self._error: BaseException | None = None
         self._wake = asyncio.Event()
 
     def push(self, output: RequestOutput) -> None:
-        self._latest = output
+        self._pending.append(output)
         self._wake.set()
 
     def fail(self, error: BaseException) -> None:
@@ -70,12 +74,12 @@ class RequestStream:
         self._wake.set()
 
     async def next(self) -> RequestOutput:
-        while self._latest is None:
+        while not self._pending:
             if self._error is not None:
                 raise self._error
             await self._wake.wait()
             self._wake.clear()
-        output, self._latest = self._latest, None
+        output = self._pending.popleft()
         self.finished = output.finished
         return output
 
