@@ -5,7 +5,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from slora.sampler import DeviceSample, SampleResult, unpack
+from slora.sampler import DeviceSample, SampleResult, host_result
 from slora.sequence import Sequence
 from slora.step_stats import StepTimer
 
@@ -19,23 +19,22 @@ class HostCopy:
     the step's kernels: `result` waits for that copy alone, not for the forward queued after it."""
 
     def __init__(self, sample: DeviceSample) -> None:
-        self._counts = sample.logprob_counts
-        self._with_logprobs = sample.logprob_rows is not None
-        source = sample.logprob_rows if sample.logprob_rows is not None else sample.token_ids
         self._event: torch.cuda.Event | None = None
-        self._host = source
+        self._sample = sample
+        source = sample.logprob_rows if sample.logprob_rows is not None else sample.token_ids
         if source.is_cuda:
-            self._host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
-            self._host.copy_(source, non_blocking=True)
+            host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            host.copy_(source, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
+            # host_result reads the logprob rows where there are any, else the ids: the copied one.
+            self._sample = sample._replace(logprob_rows=host) if sample.logprob_rows is not None \
+                else sample._replace(token_ids=host)
 
     def result(self) -> SampleResult:
         if self._event is not None:
             self._event.synchronize()
-        if self._with_logprobs:
-            return unpack(self._host.tolist(), self._counts)
-        return SampleResult(self._host.tolist(), [None] * len(self._counts))
+        return host_result(self._sample)
 
 
 class ReadySample:
