@@ -172,7 +172,8 @@ class Settings:
     workloads: tuple[str, ...]
     alpha: float
     engine_args: dict[str, Any] = field(default_factory=dict)
-    profile: bool = False               # also profile each workload's steady-state step (profile_workload)
+    # Also profile each workload (profile_workload): (steps skipped, steps per window), None: no profile.
+    profile: tuple[int, int] | None = None
 
     @property
     def sizes(self) -> Sizes:
@@ -278,7 +279,8 @@ def profile_workload(llm: Any, load: Workload, settings: Settings, vocab_size: i
     functions by cumulative time per step). Busy time below the wall time is the GPU waiting for the host."""
     from slora import SamplingParams
 
-    engine, (skip, window) = llm.engine, QUICK_PROFILE_WINDOWS if settings.quick else PROFILE_WINDOWS
+    assert settings.profile is not None, "profile_workload runs with --profile"
+    engine, (skip, window) = llm.engine, settings.profile
     prompts = make_prompts(load.trace, vocab_size, prompt_seed(load.name, True) + 50)
     for i, (prompt, request, name) in enumerate(zip(prompts, load.trace, load.adapter_names())):
         params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
@@ -394,7 +396,7 @@ def run(settings: Settings, out: Path) -> dict[str, Any]:
         data: dict[str, Any] = {}
         for load in loads:
             rows.append(run_workload(llm, load, settings, setup.vocab_size))
-            if settings.profile:
+            if settings.profile is not None:
                 rows[-1]["profile"] = profile_workload(llm, load, settings, setup.vocab_size)
             logger.info("%s: %.1f gen tok/s", load.name, rows[-1]["gen_tok_s"])
             data = payload(settings, setup, engine, rows, {**extra, "wall_seconds": time.perf_counter() - start})
@@ -411,6 +413,14 @@ def parse_engine_arg(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def parse_windows(text: str) -> tuple[int, int]:
+    """SKIP,STEPS: steps skipped, then steps per profile window."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[1]) < 1:
+        raise argparse.ArgumentTypeError(f"--profile takes SKIP,STEPS (two integers, STEPS >= 1), got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def parse_workloads(text: str) -> tuple[str, ...]:
@@ -431,8 +441,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the trace's power-law exponent of adapter popularity (1: uniform)")
     parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
                         help="an extra LLM keyword (EngineConfig or CudaConfig field), e.g. enforce_eager=true")
-    parser.add_argument("--profile", action="store_true",
-                        help="after each workload, profile its steady-state step: wall, GPU busy and host time")
+    parser.add_argument("--profile", nargs="?", type=parse_windows, const=PROFILE_WINDOWS, default=None,
+                        metavar="SKIP,STEPS",
+                        help="after each workload, profile its steps: wall, GPU busy and host time; SKIP steps "
+                             f"skipped, then three windows of STEPS (default {PROFILE_WINDOWS[0]},"
+                             f"{PROFILE_WINDOWS[1]}: the steady state of the decode rows)")
     parser.add_argument("--out", default=None, help="JSON file (default: results/engine_throughput_<device>.json)")
     return parser.parse_args(argv)
 
@@ -442,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("slora").setLevel(logging.WARNING)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    settings = Settings(device, args.quick, args.workloads, args.alpha, dict(args.engine_arg), args.profile)
+    profile = QUICK_PROFILE_WINDOWS if args.quick and args.profile == PROFILE_WINDOWS else args.profile
+    settings = Settings(device, args.quick, args.workloads, args.alpha, dict(args.engine_arg), profile)
     out = Path(args.out or RESULTS / f"engine_throughput_{'cpu' if device == 'cpu' else 'gpu'}.json")
     data = run(settings, out)
     print_table(table_rows(data["rows"]))

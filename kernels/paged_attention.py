@@ -45,7 +45,9 @@ def _split_chunk(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.cdiv(per_split, BLOCK_N), 1) * BLOCK_N
 
 
-@triton.jit
+# The block-table width is not specialised (on == 1 or % 16 == 0): the decode graphs fix it, but the decode
+# rows of eager mixed steps bring any width, and each would compile a variant in the middle of serving.
+@triton.jit(do_not_specialize=["stride_btb"])
 def _paged_decode_kernel(
     q_ptr, kv_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2,

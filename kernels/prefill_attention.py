@@ -12,6 +12,8 @@ arguments. Design:
   (prefix + new tokens, read through the block table) and applies the causal mask only on the
   diagonal blocks.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -20,11 +22,22 @@ from torch import Tensor
 from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
 
 _LOG2E = 1.4426950408889634
-# Launch parameters on CUDA: query tokens and keys per block, warps, pipeline stages.
-_BLOCK_M = 64
-_BLOCK_N = 64
-_NUM_WARPS = 4
-_NUM_STAGES = 2
+
+
+class PrefillLaunch(NamedTuple):
+    """How the kernel is cut: query tokens and keys per block, warps, pipeline stages."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# On CUDA: blocks of 64 queries, or 32 when the sequences are short (fewer padded rows); with the new
+# tokens' K/V in rows of their own, three stages (8 x 1,024 tokens on the H200: 262 against 271 µs).
+_LAUNCH = PrefillLaunch(block_m=64, block_n=64, num_warps=4, num_stages=2)
+_SHORT_LAUNCH = _LAUNCH._replace(block_m=32)
+# The interpreter pays for every padded row.
+_INTERPRETER_LAUNCH = _LAUNCH._replace(block_m=16)
 
 
 @triton.jit
@@ -43,22 +56,13 @@ def _find_sequence(start_loc_ptr, num_seqs, block, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, q_pos, kv_head_ptr, bt_row, n0, kv_end, page_elems, scale_log2, m_i, l_i, acc,
-                  PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # Online-softmax update of (m_i, l_i, acc) with keys n0 .. n0 + BLOCK_N of one sequence and KV head.
-    # q: [BLOCK_M, HEAD_DIM]; q_pos: [BLOCK_M] positions; kv_head_ptr: pool base shifted to the head.
-    pos = n0 + tl.arange(0, BLOCK_N)
-    valid = pos < kv_end
-    dims = tl.arange(0, HEAD_DIM)
-    page = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    base = page * page_elems + (pos % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM)          # [BLOCK_N]
-    k = tl.load(kv_head_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(kv_head_ptr + base[:, None] + PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM + dims[None, :],
-                mask=valid[:, None], other=0.0)                                       # V follows K
+def _update(q, k, v, keep, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Online-softmax update of (m_i, l_i, acc) with one block of keys k and values v [BLOCK_N, HEAD_DIM].
+    # q: [BLOCK_M, HEAD_DIM]; keep: [BLOCK_M, BLOCK_N] the pairs that count (MASKED only). Every row keeps
+    # a key in the first block it sees, so m_i is finite from then on.
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-    if CAUSAL:
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -67,16 +71,68 @@ def _attend_block(q, q_pos, kv_head_ptr, bt_row, n0, kv_end, page_elems, scale_l
     return m_new, l_i, acc
 
 
-# Ints that change from step to step are not specialised (on == 1 or % 16 == 0): each new combination
-# would compile the kernel again in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "stride_btb"])
+@triton.jit
+def _paged_keys(kv_head_ptr, bt_row, pos, valid, page_elems, PAGE_SIZE: tl.constexpr,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # K and V [BLOCK_N, HEAD_DIM] of positions `pos` of one sequence and KV head, through its block table.
+    dims = tl.arange(0, HEAD_DIM)
+    page = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    base = page * page_elems + (pos % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM)          # [BLOCK_N]
+    k = tl.load(kv_head_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(kv_head_ptr + base[:, None] + PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM + dims[None, :],
+                mask=valid[:, None], other=0.0)                                       # V follows K
+    return k, v
+
+
+@triton.jit
+def _new_keys(k_head_ptr, v_head_ptr, stride_kt, stride_vt, tokens, valid, HEAD_DIM: tl.constexpr):
+    # K and V [BLOCK_N, HEAD_DIM] of the step's own rows `tokens`, from its key and value tensors.
+    dims = tl.arange(0, HEAD_DIM)
+    k = tl.load(k_head_ptr + tokens[:, None] * stride_kt + dims[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_head_ptr + tokens[:, None] * stride_vt + dims[None, :], mask=valid[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_paged(q, q_pos, kv_head_ptr, bt_row, start, end, kv_end, page_elems, scale_log2, m_i, l_i, acc,
+                  PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Keys start .. end (blocks of BLOCK_N, positions below kv_end) through the block table.
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < kv_end
+        k, v = _paged_keys(kv_head_ptr, bt_row, pos, valid, page_elems, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        keep = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+        m_i, l_i, acc = _update(q, k, v, keep, m_i, l_i, acc, scale_log2, CAUSAL, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_new(q, rows, k_head_ptr, v_head_ptr, stride_kt, stride_vt, q_start, q_len, start, end, scale_log2,
+                m_i, l_i, acc, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    # The sequence's new keys start .. end (blocks of BLOCK_N) from the step's key and value rows; rows:
+    # the queries' indices among the new tokens.
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = j < q_len
+        k, v = _new_keys(k_head_ptr, v_head_ptr, stride_kt, stride_vt, (q_start + j).to(tl.int64), valid, HEAD_DIM)
+        keep = (j[None, :] <= rows[:, None]) & valid[None, :]
+        m_i, l_i, acc = _update(q, k, v, keep, m_i, l_i, acc, scale_log2, CAUSAL, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+# Ints that change from step to step are not specialised (on == 1 or % 16 == 0), nor the tables' alignment
+# (a mixed step passes them from its first prefill row on): each new combination would compile the kernel
+# again in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_btb", "bt_ptr", "start_loc_ptr", "ctx_ptr"])
 def _prefill_kernel(
-    q_ptr, kv_ptr, bt_ptr, start_loc_ptr, ctx_ptr, out_ptr,
+    q_ptr, kv_ptr, bt_ptr, start_loc_ptr, ctx_ptr, out_ptr, k_ptr, v_ptr,
     scale_log2, num_seqs,
-    stride_qt, stride_qh, stride_btb, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_btb, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     page_elems,
     PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
     head = tl.program_id(1)
@@ -105,17 +161,29 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
     kv_head_ptr = kv_ptr + kv_head * HEAD_DIM
-    # Keys before the block's first query position need no causal mask; the rest (the diagonal) do.
-    unmasked_end = (prefix + m_first) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(prefix + m_first + BLOCK_M, ctx_len)   # one past the block's last query position
-    for n0 in range(0, unmasked_end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, q_pos, kv_head_ptr, bt_row, n0, kv_end, page_elems, scale_log2,
-                                      m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False,
-                                      DOT_PRECISION)
-    for n0 in range(unmasked_end, kv_end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, q_pos, kv_head_ptr, bt_row, n0, kv_end, page_elems, scale_log2,
+    if NEW_KV:
+        # The cached prefix through the block table (every query follows it: only its end is masked), then
+        # the step's own keys from its key and value rows, the causal mask on the diagonal only.
+        m_i, l_i, acc = _attend_paged(q, q_pos, kv_head_ptr, bt_row, 0, prefix, prefix, page_elems, scale_log2,
                                       m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
                                       DOT_PRECISION)
+        k_head_ptr, v_head_ptr = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
+        diagonal = m_first // BLOCK_N * BLOCK_N
+        m_i, l_i, acc = _attend_new(q, rows, k_head_ptr, v_head_ptr, stride_kt, stride_vt, q_start, q_len, 0,
+                                    diagonal, scale_log2, m_i, l_i, acc, HEAD_DIM, BLOCK_N, False, DOT_PRECISION)
+        m_i, l_i, acc = _attend_new(q, rows, k_head_ptr, v_head_ptr, stride_kt, stride_vt, q_start, q_len,
+                                    diagonal, tl.minimum(m_first + BLOCK_M, q_len), scale_log2, m_i, l_i, acc,
+                                    HEAD_DIM, BLOCK_N, True, DOT_PRECISION)
+    else:
+        # Keys before the block's first query position need no causal mask; the rest (the diagonal) do.
+        unmasked_end = (prefix + m_first) // BLOCK_N * BLOCK_N
+        m_i, l_i, acc = _attend_paged(q, q_pos, kv_head_ptr, bt_row, 0, unmasked_end, kv_end, page_elems,
+                                      scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+                                      False, DOT_PRECISION)
+        m_i, l_i, acc = _attend_paged(q, q_pos, kv_head_ptr, bt_row, unmasked_end, kv_end, kv_end, page_elems,
+                                      scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+                                      True, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -143,16 +211,56 @@ def _check_inputs(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_st
         raise ValueError("block_tables must be contiguous in its rows (stride 1)")
 
 
+def _check_launch(launch: PrefillLaunch) -> None:
+    for name in ("block_m", "block_n", "num_warps"):
+        value = getattr(launch, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"launch.{name} must be a power of two, got {value}")
+    if launch.num_stages < 1:
+        raise ValueError(f"launch.num_stages must be >= 1, got {launch.num_stages}")
+    if min(launch.block_m, launch.block_n) < 16:
+        raise ValueError(f"launch blocks must be >= 16 (tl.dot), got {launch.block_m} x {launch.block_n}")
+
+
+def default_launch(query: Tensor, num_seqs: int, new_kv: bool = False) -> PrefillLaunch:
+    """The launch for `query.shape[0]` new tokens over `num_seqs` sequences on query's device (new_kv: their
+    K/V read from tensors of their own)."""
+    if query.device.type != "cuda":
+        return _INTERPRETER_LAUNCH
+    launch = _LAUNCH if query.shape[0] >= _LAUNCH.block_m * num_seqs else _SHORT_LAUNCH
+    if new_kv:
+        launch = launch._replace(num_stages=3)
+    return launch if query.shape[2] <= 128 else launch._replace(block_n=32)
+
+
+def _check_new_kv(query: Tensor, kv_pool: Tensor, num_kv_heads: int, key: Tensor, value: Tensor) -> None:
+    want = (query.shape[0], num_kv_heads, query.shape[2])
+    for name, tensor in (("key", key), ("value", value)):
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{name} must be [total_new_tokens, num_kv_heads, head_dim] = {list(want)}, "
+                             f"got {list(tensor.shape)}")
+        if tensor.dtype != kv_pool.dtype or tensor.device != query.device or tensor.stride(2) != 1:
+            raise ValueError(f"{name} must have kv_pool's dtype, query's device and stride 1 in head_dim")
+
+
 def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_start_loc: Tensor,
                       context_lens: Tensor, page_size: int, num_kv_heads: int, scale: float, *,
-                      out: Tensor | None = None) -> Tensor:
+                      out: Tensor | None = None, launch: PrefillLaunch | None = None,
+                      new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Causal attention of the new tokens of many sequences over a paged cache that may hold a prefix.
 
     query: `[total_new_tokens, num_heads, head_dim]`, sequence `s` owning rows
     `query_start_loc[s]:query_start_loc[s+1]`, the last tokens of its `context_lens[s]` tokens, whose
-    K/V (prefix and new) are already in the cache. Returns `[total_new_tokens, num_heads, head_dim]`
-    (written into `out` when given)."""
+    K/V (prefix and new) are already in the cache. Rows before `query_start_loc[0]` or after its last
+    entry are not read or written. Returns `[total_new_tokens, num_heads, head_dim]` (written into `out`
+    when given). launch: how the kernel is cut (default_launch when None). new_kv: the new tokens' keys and
+    values `[total_new_tokens, num_kv_heads, head_dim]` each (the values stored in the cache), read from
+    there instead of through the block tables; only a cached prefix is then read from the pool."""
     _check_inputs(query, kv_pool, block_tables, query_start_loc, context_lens, page_size, num_kv_heads)
+    if launch is not None:
+        _check_launch(launch)
+    if new_kv is not None:
+        _check_new_kv(query, kv_pool, num_kv_heads, *new_kv)
     total, num_heads, head_dim = query.shape
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -161,20 +269,18 @@ def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, quer
     num_seqs = context_lens.shape[0]
     if total == 0 or num_seqs == 0:
         return out
-    if query.device.type != "cuda":
-        block_m = 16  # the interpreter pays for every padded row
-    else:
-        block_m = _BLOCK_M if total >= _BLOCK_M * num_seqs else 32
-    block_n = _BLOCK_N if head_dim <= 128 else 32
-    grid = (total // block_m + num_seqs, num_heads)
+    launch = launch or default_launch(query, num_seqs, new_kv is not None)
+    grid = (total // launch.block_m + num_seqs, num_heads)
+    key, value = new_kv if new_kv is not None else (query, query)     # unread without new_kv
     _prefill_kernel[grid](
-        query, kv_pool, block_tables, query_start_loc, context_lens, out,
+        query, kv_pool, block_tables, query_start_loc, context_lens, out, key, value,
         scale * _LOG2E, num_seqs,
         query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_pool.shape[1],
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, NEW_KV=new_kv is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out

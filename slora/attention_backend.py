@@ -18,8 +18,8 @@ class AttentionBackend(Protocol):
     def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
                  page_size: int) -> None: ...
 
-    def attend(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, num_kv_heads: int,
-               scale: float) -> Tensor: ...
+    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
+               num_kv_heads: int, scale: float) -> Tensor: ...
 
 
 class ReferenceAttention:
@@ -31,8 +31,9 @@ class ReferenceAttention:
                  page_size: int) -> None:
         reference.store_kv(key, value, kv_pool, slot_mapping, page_size)
 
-    def attend(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, num_kv_heads: int,
-               scale: float) -> Tensor:
+    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
+               num_kv_heads: int, scale: float) -> Tensor:
+        """Attention of the step's queries over the pool, where store_kv has put the step's new_kv too."""
         return reference.prefill_attention(query, kv_pool, batch.block_tables, batch.query_start_loc,
                                            batch.context_lens, batch.page_size, num_kv_heads, scale)
 
@@ -53,13 +54,25 @@ class TritonAttention:
                  page_size: int) -> None:
         self._store(key, value, kv_pool, slot_mapping, page_size, pdl=self.pdl)
 
-    def attend(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, num_kv_heads: int,
-               scale: float) -> Tensor:
+    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
+               num_kv_heads: int, scale: float) -> Tensor:
+        """The step's queries `[tokens, heads, head_dim]` over the pool, which holds new_kv (the step's keys
+        and values, `[tokens, kv_heads, head_dim]` each) too: the prefill kernel reads them from new_kv,
+        contiguous rows instead of pages spread over the pool, and only cached prefixes through pages."""
         if batch.max_query_len == 1:
             return self._paged(query, kv_pool, batch.block_tables, batch.context_lens, batch.page_size,
                                num_kv_heads, scale, max_context_len=batch.max_context_len, pdl=self.pdl)
-        return self._prefill(query, kv_pool, batch.block_tables, batch.query_start_loc, batch.context_lens,
-                             batch.page_size, num_kv_heads, scale)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)   # [tokens, heads, head_dim]
+        decodes = batch.num_decodes
+        if decodes:
+            # The prefill kernel gives a one-token row a block of its own per query head, reading its
+            # context once per head: the decode kernel reads it once per KV head. Unsplit: the prefill
+            # beside them fills the GPU, and one variant serves every such step.
+            self._paged(query[:decodes], kv_pool, batch.block_tables[:decodes], batch.context_lens[:decodes],
+                        batch.page_size, num_kv_heads, scale, num_splits=1, out=out[:decodes], pdl=self.pdl)
+        return self._prefill(query, kv_pool, batch.block_tables[decodes:], batch.query_start_loc[decodes:],
+                             batch.context_lens[decodes:], batch.page_size, num_kv_heads, scale, out=out,
+                             new_kv=new_kv)
 
 
 def backends_for(device: torch.device, pdl: bool = False, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()

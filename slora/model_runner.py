@@ -2,6 +2,7 @@
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,9 +22,25 @@ from slora.step_batch import RANK_ALIGN, LoraTables, StepAdapters, StepBatch, To
 # (sequences, tokens each, adapter slots): prefill row blocks of 64 (1 x 128) and 32 (4 x 8); under the
 # default LoraLaunchPolicy, the shrink into one h in LoRA token blocks of 64 (1 slot, 128 tokens) and 16
 # (4 x 8, 4 x 40), and split partial sums in blocks of 64 (1 slot, 320 tokens) and 16 (5 slots, 80
-# tokens). Run once at start so that the first real steps of these kinds do not stall to compile: on
-# the H200, compiling in the middle of an offline run cost it seconds (benchmarks/HISTORY.md).
-WARM_UP_STEPS = ((1, 128, 1), (4, 8, 4), (4, 40, 4), (1, 320, 1), (5, 16, 5))
+# tokens); and a mixed step, whose decode rows go through the decode kernel unsplit. Run once at start so
+# that the first real steps of these kinds do not stall to compile: on the H200, compiling in the middle
+# of an offline run cost it seconds (benchmarks/HISTORY.md).
+
+
+class WarmUpStep(NamedTuple):
+    """`decodes` one-token sequences, then `seqs` sequences of `tokens_each` tokens, over `slots` adapters."""
+    seqs: int
+    tokens_each: int
+    slots: int
+    decodes: int = 0
+
+    @property
+    def lengths(self) -> list[int]:
+        return [1] * self.decodes + [self.tokens_each] * self.seqs
+
+
+WARM_UP_STEPS = (WarmUpStep(1, 128, 1), WarmUpStep(4, 8, 4), WarmUpStep(4, 40, 4), WarmUpStep(1, 320, 1),
+                 WarmUpStep(5, 16, 5), WarmUpStep(1, 24, 1, decodes=2))
 
 
 @dataclass(frozen=True)
@@ -65,12 +82,12 @@ class ModelRunner:
         """Run the WARM_UP_STEPS with every adapter module active at rank 0: kernels compile, nothing is
         written to the pool (no token has a KV slot) and no adapter weight is read."""
         for max_rank in sorted({RANK_ALIGN, step_max_rank(limits.max_lora_rank)}):
-            for num_seqs, tokens_each, slots in self._warm_up_steps(limits):
-                self.forward(self._warm_up_inputs(num_seqs, tokens_each, slots, limits, max_rank))
+            for step in self._warm_up_steps(limits):
+                self.forward(self._warm_up_inputs(step, limits, max_rank))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _warm_up_steps(self, limits: GraphLimits) -> tuple[tuple[int, int, int], ...]:
+    def _warm_up_steps(self, limits: GraphLimits) -> tuple[WarmUpStep, ...]:
         """WARM_UP_STEPS, and if the LoRA policy expands with the one-token kernel (gemv_expand_min_tokens), a
         step of a slot per token of its first size and of the largest batch (CUDA graphs cover decode steps,
         but eager steps of one token per adapter launch the same kernels)."""
@@ -79,23 +96,26 @@ class ModelRunner:
         largest = min(limits.max_batch, limits.max_loras or limits.max_batch)
         if first is None or first > largest:
             return WARM_UP_STEPS
-        return WARM_UP_STEPS + tuple((n, 1, n) for n in sorted({first, largest}))
+        return WARM_UP_STEPS + tuple(WarmUpStep(n, 1, n) for n in sorted({first, largest}))
 
-    def _warm_up_inputs(self, num_seqs: int, tokens_each: int, slots: int, limits: GraphLimits,
-                        max_rank: int) -> StepBatch:
-        """A prefill of num_seqs sequences of tokens_each tokens over `slots` adapters of rank 0, K/V not
+    def _warm_up_inputs(self, step: WarmUpStep, limits: GraphLimits, max_rank: int) -> StepBatch:
+        """The step's sequences over `step.slots` adapters of rank 0 (sequence s on slot s % slots), K/V not
         stored (slot -1)."""
-        tokens = num_seqs * tokens_each
-        sizes = {**limits.sizes(num_seqs, slots), "tokens": tokens, "pages": cdiv(tokens_each, self.shape.page_size)}
+        lengths = step.lengths
+        tokens = sum(lengths)
+        sizes = {**limits.sizes(len(lengths), step.slots), "tokens": tokens,
+                 "pages": cdiv(max(lengths), self.shape.page_size)}
         batch = step_batch.empty(sizes, torch.device("cpu"), self.shape.page_size, max_rank)
         assert batch.lora is not None
-        starts = torch.arange(0, tokens + 1, tokens_each, dtype=torch.int32)
-        token_slots = torch.arange(tokens, dtype=torch.int32) // tokens_each % slots
-        return dataclasses.replace(batch, positions=torch.arange(tokens_each).repeat(num_seqs), query_start_loc=starts,
-                                   context_lens=torch.full((num_seqs,), tokens_each, dtype=torch.int32),
-                                   sample_indices=starts[1:].long() - 1, max_query_len=tokens_each,
-                                   max_context_len=tokens_each,
-                                   lora=dataclasses.replace(batch.lora, token_slots=token_slots))
+        counts = torch.tensor(lengths)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32)])
+        seq_of_token = torch.arange(len(lengths)).repeat_interleave(counts)
+        return dataclasses.replace(batch, positions=torch.cat([torch.arange(n) for n in lengths]),
+                                   query_start_loc=starts, context_lens=counts.to(torch.int32),
+                                   sample_indices=starts[1:].long() - 1, max_query_len=max(lengths),
+                                   max_context_len=max(lengths), num_decodes=step.decodes,
+                                   lora=dataclasses.replace(batch.lora,
+                                                            token_slots=(seq_of_token % step.slots).to(torch.int32)))
 
     def move_pages(self, out: SchedulerOutput, packed: dict[str, PackedAdapter]) -> None:
         """The step's page moves, before its forward: swap-outs first (their pages may be reused by

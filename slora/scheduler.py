@@ -144,6 +144,8 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         self._prefetch_adapters(out)
+        # One-token rows (decodes) first: a mixed step's attention runs them through the decode kernel.
+        out.scheduled.sort(key=lambda item: item.num_tokens > 1)
         out.adapters_freed = self.adapters.take_freed()
         # A load whose pages were taken back within this very step would copy into pages others own.
         assert all(v in self.adapters.resident and self.adapters.resident[v].pages == pages

@@ -68,6 +68,8 @@ class StepBatch:
     max_query_len: int = 1
     max_context_len: int = 0
     lora: StepLora | None = None
+    # The leading sequences with one new token each (all of them in a decode step).
+    num_decodes: int = 0
 
     def to(self, device: torch.device) -> "StepBatch":
         """The batch on `device` (copies that do not block the host)."""
@@ -113,7 +115,7 @@ def empty(sizes: Sizes, device: torch.device, page_size: int, max_rank: int, wit
         lora = StepLora(**{spec.name: make(spec) for spec in _LORA_SPECS}, max_rank=max_rank,
                         active=[[True] * sizes["modules"]] * sizes["layers"])
     return StepBatch(**{spec.name: make(spec) for spec in _BATCH_SPECS}, page_size=page_size,
-                     max_query_len=1, max_context_len=sizes["pages"] * page_size, lora=lora)
+                     max_query_len=1, max_context_len=sizes["pages"] * page_size, lora=lora, num_decodes=0)
 
 
 def view(static: StepBatch, sizes: Sizes, with_lora: bool) -> StepBatch:
@@ -194,7 +196,13 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
         int_tensor(input_ids, np.int64), int_tensor(positions, np.int64), int_tensor(slots, np.int64),
         padded_rows([i.seq.block_table for i in scheduled]), int_tensor(starts, np.int32),
         int_tensor(lens, np.int32), int_tensor(sample_rows, np.int64), page_size,
-        max(i.num_tokens for i in scheduled), max(lens), _step_lora(scheduled, adapters, tables or LoraTables()))
+        max(i.num_tokens for i in scheduled), max(lens), _step_lora(scheduled, adapters, tables or LoraTables()),
+        _leading_decodes(scheduled))
+
+
+def _leading_decodes(scheduled: list[ScheduledSeq]) -> int:
+    """How many sequences at the front of the step have one new token (the scheduler puts them first)."""
+    return next((i for i, item in enumerate(scheduled) if item.num_tokens != 1), len(scheduled))
 
 
 class TokenFeed(NamedTuple):

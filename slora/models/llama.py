@@ -143,7 +143,7 @@ class Attention(nn.Module):
         q, k, v = self.rotated_qkv(x, ctx)
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
         ctx.attention.store_kv(k, v, kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size)
-        attn = ctx.attention.attend(q, kv_pool, ctx.batch, self.num_kv_heads, self.scale)
+        attn = ctx.attention.attend(q, (k, v), kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         attn = attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
         return ctx.project(self.layer, LORA_GROUPS[1], attn, self.o_proj, [self.o_proj.out_features])
 

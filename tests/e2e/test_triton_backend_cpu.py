@@ -14,7 +14,7 @@ from slora import LLM, SamplingParams
 from slora.attention_backend import TritonAttention
 from slora.lora_backend import LoraLaunchPolicy, TritonLora
 from slora.cuda_graphs import GraphLimits
-from slora.model_runner import WARM_UP_STEPS
+from slora.model_runner import WARM_UP_STEPS, WarmUpStep
 from slora.step_batch import step_max_rank
 from tiny import force_lora_deltas, random_prompts
 
@@ -126,8 +126,8 @@ def test_warm_up_steps_cover_every_lora_launch_choice_of_the_default_policy():
     """Shrink into one h or split partials, in blocks of 16 or 64 tokens: each pair is its own kernel
     variant, and a step of five adapters (block-16 partials) is more than the tiny model's test set has."""
     policy = LoraLaunchPolicy()
-    choices = {(policy.accumulates(seqs * each, slots), policy.block_m(seqs * each, slots))
-               for seqs, each, slots in WARM_UP_STEPS}
+    choices = {(policy.accumulates(sum(step.lengths), step.slots), policy.block_m(sum(step.lengths), step.slots))
+               for step in WARM_UP_STEPS}
     assert choices == {(accumulate, block_m) for accumulate in (True, False) for block_m in (16, 64)}
 
 
@@ -140,15 +140,15 @@ def test_warm_up_runs_the_one_token_expand(tiny_llama):
     assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the CPU backends have no policy
     runner.lora = TritonLora()
     assert runner._warm_up_steps(limits) == WARM_UP_STEPS   # the default rule starts at 128 tokens
-    for first, extra in ((2, ((2, 1, 2), (4, 1, 4))), (4, ((4, 1, 4),)), (5, ())):
+    for first, extra in ((2, (WarmUpStep(2, 1, 2), WarmUpStep(4, 1, 4))), (4, (WarmUpStep(4, 1, 4),)), (5, ())):
         policy = LoraLaunchPolicy(gemv_expand_min_tokens=first)
         runner.lora = TritonLora(policy=policy)
         steps = runner._warm_up_steps(limits)
         assert steps == WARM_UP_STEPS + extra
-        assert all(policy.expands_by_gemv(n * each, slots) for n, each, slots in extra)
+        assert all(policy.expands_by_gemv(step.seqs * step.tokens_each, step.slots) for step in extra)
     # At most max_loras adapter slots per step: no step of 3 or more tokens has a slot per token.
     runner.lora = TritonLora(policy=LoraLaunchPolicy(gemv_expand_min_tokens=2))
-    assert runner._warm_up_steps(dataclasses.replace(limits, max_loras=2)) == WARM_UP_STEPS + ((2, 1, 2),)
+    assert runner._warm_up_steps(dataclasses.replace(limits, max_loras=2)) == WARM_UP_STEPS + (WarmUpStep(2, 1, 2),)
     runner.lora = TritonLora(policy=LoraLaunchPolicy(gemv_expand_min_tokens=3))
     assert runner._warm_up_steps(dataclasses.replace(limits, max_loras=2)) == WARM_UP_STEPS
 

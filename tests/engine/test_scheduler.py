@@ -44,6 +44,20 @@ def test_bounds_on_sequences_and_batched_tokens():
     assert not out.scheduled[1].completes
 
 
+def test_one_token_rows_come_first_in_the_step():
+    """A running sequence's next prompt chunk, then two newly admitted prompts, of one token and of three:
+    the one-token row is put first (a mixed step's attention runs its leading one-token rows through the
+    decode kernel), the others keep their order."""
+    scheduler = make_scheduler(256, max_num_batched_tokens=8)
+    scheduler.add(seq(0, 12))
+    assert [item.num_tokens for item in scheduler.schedule().scheduled] == [8]
+    scheduler.running[0].num_computed_tokens = 8             # as the engine records a computed step
+    scheduler.add(seq(1, 1))
+    scheduler.add(seq(2, 3))
+    out = scheduler.schedule()
+    assert [(item.seq.seq_id, item.num_tokens) for item in out.scheduled] == [(1, 1), (0, 4), (2, 3)]
+
+
 def test_admission_counts_adapter_pages_and_watermark():
     scheduler = make_scheduler(20, watermark=0.1)        # 2 watermark pages
     adapter = AdapterRef("v1", 10)

@@ -84,3 +84,5 @@ def test_build_lays_out_decode_rows_prompt_rows_and_a_chunk():
     assert batch.slot_mapping.tolist() == [7 * 4 + 1, 9 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3]
     assert batch.query_start_loc.tolist() == [0, 1, 2, 5] and batch.context_lens.tolist() == [6, 5, 4]
     assert batch.sample_indices.tolist() == [0, 1]                 # the middle chunk samples nothing
+    assert batch.num_decodes == 2                                  # the leading one-token rows
+    assert step_batch.build([ScheduledSeq(middle, 3), ScheduledSeq(decoding, 1)], {}, 4).num_decodes == 0

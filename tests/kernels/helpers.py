@@ -62,6 +62,24 @@ def make_paged_kv(context_lens: list[int], page_size: int, num_kv_heads: int, he
     return PagedKV(pool.to(device), tables.to(device), torch.tensor(context_lens, dtype=torch.int32, device=device))
 
 
+def take_new_kv(kv_pool: Tensor, block_tables: Tensor, cases: list[tuple[int, int]], page_size: int,
+                num_kv_heads: int, keep_first: int = 0) -> tuple[Tensor, Tensor]:
+    """The new tokens' K and V `[new tokens, kv_heads, head_dim]` of sequences of (cached prefix, new tokens)
+    out of the pool; their copies there are then overwritten with NaN (a kernel that reads them there
+    fails), except those of the first `keep_first` sequences."""
+    from slora.kernels import reference
+    pages = reference.kv_page_view(kv_pool, page_size, num_kv_heads)   # [pages, 2, page_size, kv_heads, hd]
+    keys, values = [], []
+    for seq, (prefix, new) in enumerate(cases):
+        pos = torch.arange(prefix, prefix + new, device=kv_pool.device)
+        page = block_tables[seq].long()[pos // page_size]
+        keys.append(pages[page, 0, pos % page_size].clone())
+        values.append(pages[page, 1, pos % page_size].clone())
+        if seq >= keep_first:
+            pages[page, :, pos % page_size] = float("nan")
+    return torch.cat(keys), torch.cat(values)
+
+
 @dataclass
 class LoraBatch:
     """Tables are `[slots]` for one module, `[modules, slots]` for fused modules (q/k/v side by side)."""

@@ -1,9 +1,9 @@
 """prefill_attention (Triton) against the torch reference."""
 import pytest
 import torch
-from kernel_helpers import assert_close, make_generator, make_paged_kv, randn
+from kernel_helpers import assert_close, make_generator, make_paged_kv, randn, take_new_kv
 from slora.kernels import reference
-from slora.kernels.prefill_attention import prefill_attention
+from slora.kernels.prefill_attention import PrefillLaunch, prefill_attention
 
 
 def _cases(page_size: int) -> list[tuple[int, int]]:
@@ -13,7 +13,10 @@ def _cases(page_size: int) -> list[tuple[int, int]]:
             (2 * page_size + 1, 20)]
 
 
-def _run(cases, page_size, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", out=None):
+def _run(cases, page_size, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", out=None, launch=None,
+         new_kv=False):
+    """(kernel, reference) over random sequences of (cached prefix, new tokens); new_kv: the kernel reads the
+    new tokens' K/V from tensors of their own, their pool copies NaN."""
     gen = make_generator(seed)
     lengths = [prefix + new for prefix, new in cases]
     kv = make_paged_kv(lengths, page_size, num_kv_heads, head_dim, dtype, gen, device)
@@ -21,18 +24,38 @@ def _run(cases, page_size, num_heads, num_kv_heads, head_dim, dtype, seed, devic
     start_loc = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(torch.int32).to(device)
     query = randn((int(new.sum()), num_heads, head_dim), dtype, gen, device)
     scale = head_dim ** -0.5
-    got = prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens, page_size,
-                            num_kv_heads, scale, out=out)
     want = reference.prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens,
                                        page_size, num_kv_heads, scale)
+    taken = take_new_kv(kv.kv_pool, kv.block_tables, cases, page_size, num_kv_heads) if new_kv else None
+    got = prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens, page_size,
+                            num_kv_heads, scale, out=out, launch=launch, new_kv=taken)
     return got, want
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("page_size", [8, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 1)])
-def test_prefill_attention_matches_reference(dtype, page_size, num_heads, num_kv_heads):
-    got, want = _run(_cases(page_size), page_size, num_heads, num_kv_heads, 32, dtype, seed=page_size)
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_prefill_attention_matches_reference(dtype, page_size, num_heads, num_kv_heads, new_kv):
+    got, want = _run(_cases(page_size), page_size, num_heads, num_kv_heads, 32, dtype, seed=page_size,
+                     new_kv=new_kv)
+    assert_close(got, want)
+
+
+def test_prefill_attention_new_kv_as_views_of_a_fused_projection():
+    """Keys and values as column slices of one `[tokens, q + k + v]` tensor (the model's fused q/k/v
+    output): row strides wider than the heads."""
+    cases = [(0, 21), (13, 6), (4, 1)]
+    gen = make_generator(9)
+    kv = make_paged_kv([p + n for p, n in cases], 8, 2, 16, torch.float32, gen)
+    start_loc = torch.tensor([0, 21, 27, 28], dtype=torch.int32)
+    query = randn((28, 4, 16), torch.float32, gen)
+    want = reference.prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens, 8, 2, 0.25)
+    key, value = take_new_kv(kv.kv_pool, kv.block_tables, cases, 8, 2)
+    fused = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], dim=1)       # [28, (4 + 2 + 2) * 16]
+    key_view, value_view = (fused[:, 64 + i * 32:96 + i * 32].view(28, 2, 16) for i in range(2))
+    got = prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens, 8, 2, 0.25,
+                            new_kv=(key_view, value_view))
     assert_close(got, want)
 
 
@@ -46,6 +69,40 @@ def test_prefill_attention_gqa_8_and_out_argument():
 def test_prefill_attention_single_long_sequence():
     got, want = _run([(10, 70)], 8, 2, 1, 16, torch.float16, seed=4)
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("launch", [PrefillLaunch(32, 16, 2, 1), PrefillLaunch(16, 32, 4, 3)])
+def test_prefill_attention_other_launches_match_reference(launch):
+    got, want = _run(_cases(8), 8, 4, 2, 16, torch.float32, seed=6, launch=launch)
+    assert_close(got, want)
+
+
+def test_prefill_attention_leaves_rows_outside_the_sequences_alone():
+    """Sequences given from the second on (their query_start_loc starting past row 0): the rows before
+    them keep what `out` held, the others match the reference of those sequences."""
+    cases = [(7, 1), (3, 1), (0, 12), (5, 9)]
+    gen = make_generator(7)
+    kv = make_paged_kv([p + n for p, n in cases], 8, 1, 16, torch.float32, gen)
+    start_loc = torch.tensor([0, 1, 2, 14, 23], dtype=torch.int32)
+    query = randn((23, 2, 16), torch.float32, gen)
+    out = torch.full_like(query, float("nan"))
+    prefill_attention(query, kv.kv_pool, kv.block_tables[2:], start_loc[2:], kv.context_lens[2:], 8, 1, 0.25,
+                      out=out)
+    want = reference.prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens, 8, 1, 0.25)
+    assert out[:2].isnan().all()
+    assert_close(out[2:], want[2:])
+
+
+@pytest.mark.parametrize("launch,match", [(PrefillLaunch(48, 16, 4, 2), "block_m must be a power of two"),
+                                          (PrefillLaunch(16, 8, 4, 2), "blocks must be >= 16"),
+                                          (PrefillLaunch(16, 16, 0, 2), "num_warps must be"),
+                                          (PrefillLaunch(16, 16, 4, 0), "num_stages must be >= 1")])
+def test_prefill_attention_rejects_bad_launches(launch, match):
+    gen = make_generator(8)
+    kv = make_paged_kv([4], 8, 1, 16, torch.float32, gen)
+    with pytest.raises(ValueError, match=match):
+        prefill_attention(randn((4, 1, 16), torch.float32, gen), kv.kv_pool, kv.block_tables,
+                          torch.tensor([0, 4], dtype=torch.int32), kv.context_lens, 8, 1, 0.25, launch=launch)
 
 
 def _bad_args(q, kv, start_loc, **changes):
@@ -63,6 +120,8 @@ def _bad_args(q, kv, start_loc, **changes):
     (lambda q, kv, sl: {"page_size": 4}, "page_elems"),
     (lambda q, kv, sl: {"query": q.to(torch.int32)}, "float16, bfloat16 or float32"),
     (lambda q, kv, sl: {"context_lens": kv.context_lens.float()}, "int32 or int64"),
+    (lambda q, kv, sl: {"new_kv": (q[:, :1], q[:, :1, :8])}, "value must be"),
+    (lambda q, kv, sl: {"new_kv": (q[:, :1].half(), q[:, :1])}, "key must have kv_pool's dtype"),
 ])
 def test_prefill_attention_rejects_bad_input(changes, match):
     gen = make_generator(5)
@@ -77,9 +136,10 @@ def test_prefill_attention_rejects_bad_input(changes, match):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page_size", [16, 128])
-def test_prefill_attention_gpu(dtype, page_size):
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_prefill_attention_gpu(dtype, page_size, new_kv):
     cases = [(0, 1), (0, page_size), (page_size, page_size + 1), (0, 2048), (1000, 777), (3000, 1096), (17, 300)]
-    got, want = _run(cases, page_size, 32, 8, 128, dtype, seed=page_size, device="cuda")
+    got, want = _run(cases, page_size, 32, 8, 128, dtype, seed=page_size, device="cuda", new_kv=new_kv)
     assert_close(got, want)
 
 

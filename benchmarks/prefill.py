@@ -1,0 +1,225 @@
+"""Where one prefill layer of the Llama-3-8B shape spends its GPU time (issue 22, item 3), kernel by kernel,
+with the engine's own kernels at the engine's step size.
+
+On a CUDA GPU, for `--tokens` new tokens (default 8,192: eight 1,024-token prompts, a step of the
+prefill workload of engine_throughput.py) in bf16:
+- the four GEMMs (torch's, as the model runs them): TFLOP/s against the measured 810 TFLOP/s peak;
+- the fused elementwise kernels (norm with residual, rotary, silu-and-mul, K/V store): TB/s against the
+  4.24 TB/s copy bandwidth;
+- prefill attention: K/V through the block tables and, as the engine runs it, the new tokens' K/V from the
+  step's own rows; other launches; and torch's SDPA (flash) on contiguous K/V;
+- a mixed step's attention (255 decodes at context 600 beside one prefill chunk): every row through the
+  prefill kernel, against the engine's way: the decode rows through the paged decode kernel, the rest
+  through the prefill kernel reading the step's keys and values from its own rows;
+- the layer's sum times 32 layers: the step's GPU time, its share in GEMMs, and the prompts per second
+  that it allows.
+
+--gemm-variants adds each GEMM with its weight stored transposed and through cuBLASLt.
+
+    python benchmarks/prefill.py [--tokens N] [--gemm-variants] [--out FILE]
+"""
+import argparse
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import COPY_BANDWIDTH, RESULTS, print_table, time_us, write_json
+from torch import Tensor
+
+logger = logging.getLogger("benchmarks.prefill")
+PEAK_FLOPS = 810e12                  # bf16 matmul 8192^3 on the H200 (ENVIRONMENT.md)
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, LAYERS = 4096, 32, 8, 128, 14336, 32
+PAGE_SIZE, PROMPT_LEN = 16, 1024
+DTYPE = torch.bfloat16
+GEMMS = {"qkv": (HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM),
+         "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE)}    # name -> (out, in)
+MIXED_DECODES, MIXED_CONTEXT = 255, 600
+# The attention row of the engine's path, which the layer's sum counts.
+ENGINE_ATTENTION = "prefill attention, new K/V from the step's rows, default launch (the engine's)"
+
+
+def randn(*shape: int) -> Tensor:
+    return torch.randn(*shape, device="cuda", dtype=DTYPE)
+
+
+def row(name: str, fn: Callable[[], object], flops: float = 0.0, bytes_moved: float = 0.0) -> dict[str, Any]:
+    """The kernel's median time, and its rate against the peak (flops) or the bandwidth (bytes_moved)."""
+    us = time_us(fn)
+    return {"kernel": name, "us": us,
+            "tflop_s": flops / us / 1e6 if flops else None,
+            "pct_peak": 100 * flops / (us * 1e-6) / PEAK_FLOPS if flops else None,
+            "tb_s": bytes_moved / us / 1e6 if bytes_moved else None,
+            "pct_bw": 100 * bytes_moved / (us * 1e-6) / COPY_BANDWIDTH if bytes_moved else None}
+
+
+def gemm_rows(tokens: int) -> list[dict[str, Any]]:
+    x = {k: randn(tokens, k) for k in {HIDDEN, INTERMEDIATE}}
+    rows = []
+    for name, (n, k) in GEMMS.items():
+        weight = randn(n, k) * 0.02
+        rows.append(row(f"gemm {name} [{tokens}x{k}]x[{k}x{n}]",
+                        lambda w=weight, a=x[k]: torch.nn.functional.linear(a, w), flops=2 * tokens * n * k))
+    return rows
+
+
+def gemm_variant_rows(tokens: int) -> list[dict[str, Any]]:
+    """Each GEMM in other forms than the model's `x @ Wᵀ` through torch's default BLAS: the weight stored
+    transposed (`x @ W`, another cuBLAS layout), and either form through cuBLASLt."""
+    rows = []
+    default = torch.backends.cuda.preferred_blas_library()
+    for name, (n, k) in GEMMS.items():
+        x, weight = randn(tokens, k), randn(n, k) * 0.02
+        transposed = weight.t().contiguous()                          # [k, n]
+        for library in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(library)
+            rows.append(row(f"gemm {name} x @ W.T, {library}", lambda: torch.nn.functional.linear(x, weight),
+                            flops=2 * tokens * n * k))
+            rows.append(row(f"gemm {name} x @ W (stored [k, n]), {library}", lambda: x @ transposed,
+                            flops=2 * tokens * n * k))
+    torch.backends.cuda.preferred_blas_library(default)
+    return rows
+
+
+def elementwise_rows(tokens: int) -> list[dict[str, Any]]:
+    from slora.kernels import fused_ops
+    from slora.kernels.store_kv import store_kv
+    two = DTYPE.itemsize
+    x, residual, weight = randn(tokens, HIDDEN), randn(tokens, HIDDEN), torch.ones(HIDDEN, device="cuda", dtype=DTYPE)
+    qkv = randn(tokens, GEMMS["qkv"][0])
+    angles = torch.randn(tokens, HEAD_DIM, device="cuda")
+    cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+    gate_up = randn(tokens, 2 * INTERMEDIATE)
+    pages = math.ceil(tokens / PAGE_SIZE) + 1
+    pool = torch.zeros(pages, 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM, device="cuda", dtype=DTYPE)
+    slots = torch.arange(tokens, device="cuda") + PAGE_SIZE
+    k, v = randn(tokens, KV_HEADS, HEAD_DIM), randn(tokens, KV_HEADS, HEAD_DIM)
+    q_and_k = (HEADS + KV_HEADS) * HEAD_DIM
+    return [row("add_rms_norm (x + residual)", lambda: fused_ops.add_rms_norm(x, weight, 1e-5, residual),
+                bytes_moved=4 * tokens * HIDDEN * two),
+            row("rotary_qk_", lambda: fused_ops.rotary_qk_(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM),
+                bytes_moved=2 * tokens * q_and_k * two),
+            row("silu_and_mul", lambda: fused_ops.silu_and_mul(gate_up), bytes_moved=3 * tokens * INTERMEDIATE * two),
+            row("store_kv", lambda: store_kv(k, v, pool, slots, PAGE_SIZE),
+                bytes_moved=4 * tokens * KV_HEADS * HEAD_DIM * two)]
+
+
+def paged_kv(lengths: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """A pool of random K/V for sequences of these lengths on shuffled pages: (pool, block tables, lengths)."""
+    blocks = [math.ceil(n / PAGE_SIZE) for n in lengths]
+    pool = randn(sum(blocks) + 1, 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM)
+    order = (torch.randperm(sum(blocks)) + 1).to(torch.int32)
+    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    start = 0
+    for i, count in enumerate(blocks):
+        tables[i, :count] = order[start:start + count]
+        start += count
+    return pool, tables.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+
+def start_locs(new_tokens: list[int]) -> Tensor:
+    return torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+def step_kv(tokens: int) -> tuple[Tensor, Tensor]:
+    """The step's keys and values as the model has them: column slices of the fused q/k/v output."""
+    qkv = randn(tokens, GEMMS["qkv"][0])
+    key = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
+    return key, qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(-1, KV_HEADS, HEAD_DIM)
+
+
+def causal_flops(new: int, context: int) -> float:
+    """Attention FLOPs of `new` queries ending a context of `context` tokens (QK and PV, causal)."""
+    keys = new * (context - new) + new * (new + 1) / 2
+    return 4 * HEADS * HEAD_DIM * keys
+
+
+def attention_rows(tokens: int) -> list[dict[str, Any]]:
+    from slora.kernels.prefill_attention import PrefillLaunch, default_launch, prefill_attention
+    seqs = max(tokens // PROMPT_LEN, 1)
+    length = tokens // seqs
+    pool, tables, lens = paged_kv([length] * seqs)
+    query, out = randn(seqs * length, HEADS, HEAD_DIM), randn(seqs * length, HEADS, HEAD_DIM)
+    loc = start_locs([length] * seqs)
+    flops = seqs * causal_flops(length, length)
+    scale = HEAD_DIM ** -0.5
+
+    key, value = step_kv(seqs * length)
+
+    def ours(launch: PrefillLaunch | None = None, new_kv: bool = False) -> Callable[[], object]:
+        return lambda: prefill_attention(query, pool, tables, loc, lens, PAGE_SIZE, KV_HEADS, scale, out=out,
+                                         launch=launch, new_kv=(key, value) if new_kv else None)
+    default = default_launch(query, seqs)
+    rows = [row(f"prefill attention {seqs} x {length}, default {tuple(default)}", ours(), flops=flops),
+            row(ENGINE_ATTENTION, ours(new_kv=True), flops=flops)]
+    for launch in (PrefillLaunch(128, 64, 8, 2), PrefillLaunch(128, 64, 8, 3), PrefillLaunch(128, 128, 8, 2),
+                   PrefillLaunch(64, 64, 4, 3), PrefillLaunch(128, 32, 4, 3)):
+        rows.append(row(f"prefill attention, launch {tuple(launch)}", ours(launch), flops=flops))
+        rows.append(row(f"prefill attention, new K/V, launch {tuple(launch)}", ours(launch, True), flops=flops))
+    q = query.view(seqs, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    kv = randn(2, seqs, HEADS, length, HEAD_DIM)
+    rows.append(row("torch SDPA (flash), contiguous K/V", lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, kv[0], kv[1], is_causal=True), flops=flops))
+    return rows
+
+
+def mixed_attention_rows(tokens: int) -> list[dict[str, Any]]:
+    """One mixed step's attention: MIXED_DECODES decode rows at MIXED_CONTEXT, then one prefill chunk."""
+    from slora.kernels.paged_attention import paged_attention
+    from slora.kernels.prefill_attention import prefill_attention
+    chunk = tokens - MIXED_DECODES
+    pool, tables, lens = paged_kv([MIXED_CONTEXT] * MIXED_DECODES + [chunk])
+    loc = start_locs([1] * MIXED_DECODES + [chunk])
+    query, out = randn(tokens, HEADS, HEAD_DIM), randn(tokens, HEADS, HEAD_DIM)
+    scale, d = HEAD_DIM ** -0.5, MIXED_DECODES
+    flops = d * causal_flops(1, MIXED_CONTEXT) + causal_flops(chunk, chunk)
+
+    def one_launch() -> None:
+        prefill_attention(query, pool, tables, loc, lens, PAGE_SIZE, KV_HEADS, scale, out=out)
+
+    def split() -> None:
+        paged_attention(query[:d], pool, tables[:d], lens[:d], PAGE_SIZE, KV_HEADS, scale,
+                        max_context_len=MIXED_CONTEXT, out=out[:d])
+        prefill_attention(query, pool, tables[d:], loc[d:], lens[d:], PAGE_SIZE, KV_HEADS, scale, out=out,
+                          new_kv=new_kv)
+    new_kv = step_kv(tokens)
+    return [row(f"mixed attention {d} decodes + {chunk}, all rows through prefill", one_launch, flops=flops),
+            row("mixed attention, decodes through paged decode, new K/V (the engine's)", split, flops=flops)]
+
+
+def layer_summary(rows: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    """The layer's kernels once each (norm twice), times the layers: the step's GPU time."""
+    by_name = {r["kernel"].split(" [")[0].split(",")[0]: r["us"] for r in rows}
+    gemm_us = sum(by_name[f"gemm {name}"] for name in GEMMS)
+    attention_us = next(r["us"] for r in rows if r["kernel"] == ENGINE_ATTENTION)
+    other_us = 2 * by_name["add_rms_norm (x + residual)"] + by_name["rotary_qk_"] + by_name["silu_and_mul"] + \
+        by_name["store_kv"] + attention_us
+    step_ms = LAYERS * (gemm_us + other_us) / 1e3
+    return {"tokens": tokens, "layer_gemm_us": gemm_us, "layer_other_us": other_us, "step_ms": step_ms,
+            "gemm_share": gemm_us / (gemm_us + other_us), "prompts_per_s": tokens / PROMPT_LEN / (step_ms / 1e3)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--out", type=Path, default=RESULTS / "prefill.json")
+    parser.add_argument("--gemm-variants", action="store_true",
+                        help="also time each GEMM with the weight stored transposed and through cuBLASLt")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    if not torch.cuda.is_available():
+        logger.info("benchmarks/prefill.py times the GPU kernels: CUDA is not available, nothing to do")
+        return
+    torch.manual_seed(0)
+    rows = gemm_rows(args.tokens) + elementwise_rows(args.tokens) + attention_rows(args.tokens) + \
+        mixed_attention_rows(args.tokens) + (gemm_variant_rows(args.tokens) if args.gemm_variants else [])
+    summary = layer_summary(rows, args.tokens)
+    print_table(rows)
+    print_table([summary])
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()

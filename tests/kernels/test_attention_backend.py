@@ -1,0 +1,43 @@
+"""The Triton attention backend of a mixed step (its leading one-token rows through the decode kernel, the
+rest through the prefill kernel) against the reference backend, which runs every row through the reference
+prefill attention."""
+import pytest
+import torch
+from kernel_helpers import assert_close, make_generator, make_paged_kv, randn, take_new_kv
+
+from slora.attention_backend import ReferenceAttention, TritonAttention
+from slora.step_batch import StepBatch
+
+
+def _batch(cases: list[tuple[int, int]], page_size: int, num_decodes: int, gen: torch.Generator,
+           num_kv_heads: int, head_dim: int) -> tuple[StepBatch, torch.Tensor]:
+    """A StepBatch of (cached prefix, new tokens) sequences over a random paged pool, and the pool."""
+    lengths = [prefix + new for prefix, new in cases]
+    kv = make_paged_kv(lengths, page_size, num_kv_heads, head_dim, torch.float32, gen)
+    new = torch.tensor([n for _, n in cases])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(torch.int32)
+    tokens = int(new.sum())
+    zeros = torch.zeros(tokens, dtype=torch.long)
+    batch = StepBatch(zeros, zeros, zeros, kv.block_tables, starts, kv.context_lens, starts[1:].long() - 1,
+                      page_size, int(new.max()), max(lengths), None, num_decodes)
+    return batch, kv.kv_pool
+
+
+@pytest.mark.parametrize("cases,num_decodes", [
+    ([(9, 1), (30, 1), (0, 12), (17, 5)], 2),     # two decodes, a prompt, a chunk after a prefix
+    ([(40, 1), (0, 7)], 1),
+    ([(5, 1), (0, 7)], 0),                        # leading decode not marked: all through the prefill kernel
+    ([(0, 20), (3, 9)], 0),
+])
+def test_mixed_step_attention_matches_the_reference_backend(cases, num_decodes):
+    gen = make_generator(len(cases) + num_decodes)
+    batch, pool = _batch(cases, 8, num_decodes, gen, num_kv_heads=2, head_dim=16)
+    tokens = batch.input_ids.shape[0]
+    query = randn((tokens, 4, 16), torch.float32, gen)
+    want = ReferenceAttention().attend(query, (query[:, :2], query[:, :2]), pool, batch, 2, 0.25)
+    # The step's own keys and values, taken out of the pool (NaN there now, but for the decode rows, whose
+    # kernel reads its own token from the pool): the Triton backend reads them from new_kv, and prefixes
+    # and the decode rows' contexts from the pool.
+    new_kv = take_new_kv(pool, batch.block_tables, cases, 8, 2, keep_first=num_decodes)
+    got = TritonAttention().attend(query, new_kv, pool, batch, 2, 0.25)
+    assert_close(got, want)
