@@ -6,7 +6,8 @@
 # LoRA kernels' registers, shared memory and occupancy; "full" is the decode step without the few-adapter
 # graphs, --graph-few-adapters 0; also "serial" (decode with each LoRA added after its GEMM instead of on a side
 # stream, --no-lora-side-stream), "mixed" (eager mixed steps by kernel, decode.py --mixed), "ncu" (Nsight
-# Compute on the distinct-adapter LoRA expands), "gemv" (kernel_bench.py --lora-gemv-sweep), "sharing",
+# Compute on the distinct-adapter LoRA expands), "gemv" (kernel_bench.py --lora-gemv-sweep), "prefill"
+# (prefill.py: one prefill layer's kernels at 8,192 tokens), "sharing",
 # "smollm2" (offline.py: the default model's shape with random bf16 weights and its demo adapters, decode at
 # batch 64 and 256, against transformers + PEFT), "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on, and "engine_throughput" (issue 22's six offline workloads against
@@ -53,6 +54,7 @@ has full && run decode_full python benchmarks/decode.py "${quick[@]}" --graph-fe
 has serial && run decode_serial python benchmarks/decode.py "${quick[@]}" --no-lora-side-stream \
   --out "$OUT/decode_serial.json"
 has mixed && run decode_mixed python benchmarks/decode.py "${quick[@]}" --mixed --out "$OUT/decode_mixed.json"
+has prefill && run prefill python benchmarks/prefill.py --out "$OUT/prefill.json"
 has profile && run decode_profile python benchmarks/decode.py "${quick[@]}" --profile --out "$OUT/decode_profile.json"
 has peft && [ "${PEFT:-1}" = 1 ] && run vs_peft python benchmarks/decode.py "${quick[@]}" --vs-peft --out "$OUT/decode_vs_peft.json"
 has smollm2 && run offline_smollm2 python benchmarks/offline.py --device cuda --batches 64,256 --prompt-len 16 \

@@ -33,7 +33,7 @@ class PrefillLaunch(NamedTuple):
 
 
 # On CUDA: blocks of 64 queries, or 32 when the sequences are short (fewer padded rows); with the new
-# tokens' K/V in rows of their own, three stages (8 x 1,024 tokens on the H200: 262 against 271 µs).
+# tokens' K/V in rows of their own, three stages (faster on the H200: benchmarks/HISTORY.md).
 _LAUNCH = PrefillLaunch(block_m=64, block_n=64, num_warps=4, num_stages=2)
 _SHORT_LAUNCH = _LAUNCH._replace(block_m=32)
 # The interpreter pays for every padded row.
