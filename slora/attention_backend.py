@@ -19,7 +19,8 @@ class AttentionBackend(Protocol):
                  page_size: int) -> None: ...
 
     def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
-               num_kv_heads: int, scale: float) -> Tensor: ...
+               num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
+        """Attention `[tokens, heads, head_dim]` of the step's queries, written into `out` when given."""
 
 
 class ReferenceAttention:
@@ -32,10 +33,11 @@ class ReferenceAttention:
         reference.store_kv(key, value, kv_pool, slot_mapping, page_size)
 
     def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
-               num_kv_heads: int, scale: float) -> Tensor:
+               num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         """Attention of the step's queries over the pool, where store_kv has put the step's new_kv too."""
-        return reference.prefill_attention(query, kv_pool, batch.block_tables, batch.query_start_loc,
-                                           batch.context_lens, batch.page_size, num_kv_heads, scale)
+        result = reference.prefill_attention(query, kv_pool, batch.block_tables, batch.query_start_loc,
+                                             batch.context_lens, batch.page_size, num_kv_heads, scale)
+        return result if out is None else out.copy_(result)
 
 
 class TritonAttention:
@@ -55,14 +57,15 @@ class TritonAttention:
         self._store(key, value, kv_pool, slot_mapping, page_size, pdl=self.pdl)
 
     def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
-               num_kv_heads: int, scale: float) -> Tensor:
+               num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         """The step's queries `[tokens, heads, head_dim]` over the pool, which holds new_kv (the step's keys
         and values, `[tokens, kv_heads, head_dim]` each) too: the prefill kernel reads them from new_kv,
         contiguous rows instead of pages spread over the pool, and only cached prefixes through pages."""
         if batch.max_query_len == 1:
             return self._paged(query, kv_pool, batch.block_tables, batch.context_lens, batch.page_size,
-                               num_kv_heads, scale, max_context_len=batch.max_context_len, pdl=self.pdl)
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)   # [tokens, heads, head_dim]
+                               num_kv_heads, scale, max_context_len=batch.max_context_len, out=out, pdl=self.pdl)
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)   # [tokens, heads, head_dim]
         decodes = batch.num_decodes
         if decodes:
             # The prefill kernel gives a one-token row a block of its own per query head, reading its

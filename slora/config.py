@@ -29,19 +29,23 @@ class CudaConfig:
     """Settings only a CUDA engine reads, passed whole to the parts that build the CUDA path."""
 
     gpu_memory_utilization: float = _option(0.9, "share of the GPU's memory slora may use in total")
-    enforce_eager: bool = _option(False, "no CUDA graphs for decode steps")
+    enforce_eager: bool = _option(False, "no CUDA graphs: decode and mixed steps run eagerly")
     pdl: bool = _option(True, "launch the Triton kernels with programmatic dependent launch (compute "
                               "capability 9.0+): each starts while the kernel before it ends")
     graph_few_adapters: int = _option(4, "decode steps with at most this many distinct adapters replay graphs "
                                          "sized for that many, with fewer LoRA programs (0: never)")
     lora_side_stream: bool = _option(True, "in decode graphs each LoRA runs on a second stream beside its base "
                                            "GEMM, its delta added by the next op")
+    mixed_graph_tokens: int = _option(512, "steps with prefill rows of at most this many tokens replay piecewise "
+                                           "CUDA graphs, attention run eagerly between the pieces (0: never)")
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.graph_few_adapters < 0:
             raise ValueError(f"graph_few_adapters must be >= 0, got {self.graph_few_adapters}")
+        if self.mixed_graph_tokens < 0:
+            raise ValueError(f"mixed_graph_tokens must be >= 0, got {self.mixed_graph_tokens}")
 
 
 @dataclass

@@ -78,7 +78,8 @@ class EngineSizing:
                            max_adapter_pages=self.max_adapter_pages(shape), max_lora_rank=self.config.max_lora_rank,
                            num_layers=self.shapes.num_layers, num_lora_modules=len(self.shapes.modules),
                            max_loras=self.config.max_loras, few_adapters=self.config.cuda.graph_few_adapters,
-                           lora_side_stream=self.config.cuda.lora_side_stream)
+                           lora_side_stream=self.config.cuda.lora_side_stream,
+                           mixed_tokens=min(self.config.cuda.mixed_graph_tokens, self.config.step_tokens))
 
     def decode_bytes(self, adapter_weight_bytes: Callable[[str], int]) -> DecodeBytes:
         """What a decode step reads. A decode step reads only the batch's rows of the input embedding table,

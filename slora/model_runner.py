@@ -15,6 +15,7 @@ from slora.device_copy import tensor_on, to_device
 from slora.kernels.layout import cdiv
 from slora.lora_backend import LoraLaunchPolicy, TritonLora
 from slora.models.registry import CausalLM
+from slora.piecewise_graphs import PiecewiseGraphs
 from slora.scheduler import ScheduledSeq, SchedulerOutput
 from slora.step_batch import RANK_ALIGN, LoraTables, StepAdapters, StepBatch, TokenFeed, step_max_rank
 
@@ -71,10 +72,15 @@ class ModelRunner:
                                 device=device)  # [layers, pages, page_elems]
         self.attention, self.lora = backends_for(device, pdl, lora_policy)
         self.graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
         if graph_limits is not None and device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, self.attention, self.lora, shape.page_size,
                                        graph_limits)
             self.graphs.capture()
+            if graph_limits.mixed_tokens > 0:
+                self.pieces = PiecewiseGraphs(model, self.pool, self.attention, self.lora, shape.page_size,
+                                              graph_limits, graph_limits.mixed_tokens)
+                self.pieces.capture()
             self.warm_up(graph_limits)
 
     @torch.inference_mode()
@@ -178,6 +184,10 @@ class ModelRunner:
         if bucket is not None:
             assert self.graphs is not None
             return self.graphs.replay(bucket, host, len(scheduled), feed)
+        pieces = None if self.pieces is None or host.max_query_len == 1 else self.pieces.fits(host, len(scheduled))
+        if pieces is not None:
+            assert self.pieces is not None
+            return self.pieces.replay(pieces, host, feed)
         return self.forward(host, feed)
 
     def inputs_for(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> StepBatch:
