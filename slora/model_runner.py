@@ -19,14 +19,6 @@ from slora.piecewise_graphs import PiecewiseGraphs
 from slora.scheduler import ScheduledSeq, SchedulerOutput
 from slora.step_batch import RANK_ALIGN, LoraTables, StepAdapters, StepBatch, TokenFeed, step_max_rank
 
-# Steps that take other compile-time choices in the Triton kernels than the captured decode steps, as
-# (sequences, tokens each, adapter slots): prefill row blocks of 64 (1 x 128) and 32 (4 x 8); under the
-# default LoraLaunchPolicy, the shrink into one h in LoRA token blocks of 64 (1 slot, 128 tokens) and 16
-# (4 x 8, 4 x 40), and split partial sums in blocks of 64 (1 slot, 320 tokens) and 16 (5 slots, 80
-# tokens); and a mixed step, whose decode rows go through the decode kernel unsplit. Run once at start so
-# that the first real steps of these kinds do not stall to compile: on the H200, compiling in the middle
-# of an offline run cost it seconds (benchmarks/HISTORY.md).
-
 
 class WarmUpStep(NamedTuple):
     """`decodes` one-token sequences, then `seqs` sequences of `tokens_each` tokens, over `slots` adapters."""
@@ -40,6 +32,12 @@ class WarmUpStep(NamedTuple):
         return [1] * self.decodes + [self.tokens_each] * self.seqs
 
 
+# Steps that take other compile-time choices in the Triton kernels than the captured decode steps: prefill
+# row blocks of 64 (1 x 128) and 32 (4 x 8); under the default LoraLaunchPolicy, the shrink into one h in
+# LoRA token blocks of 64 (1 slot, 128 tokens) and 16 (4 x 8, 4 x 40), and split partial sums in blocks of
+# 64 (1 slot, 320 tokens) and 16 (5 slots, 80 tokens); and a mixed step, whose decode rows go through the
+# decode kernel unsplit. Run once at start so that the first real steps of these kinds do not stall to
+# compile: on the H200, compiling in the middle of an offline run cost it seconds (benchmarks/HISTORY.md).
 WARM_UP_STEPS = (WarmUpStep(1, 128, 1), WarmUpStep(4, 8, 4), WarmUpStep(4, 40, 4), WarmUpStep(1, 320, 1),
                  WarmUpStep(5, 16, 5), WarmUpStep(1, 24, 1, decodes=2))
 
@@ -184,10 +182,10 @@ class ModelRunner:
         if bucket is not None:
             assert self.graphs is not None
             return self.graphs.replay(bucket, host, len(scheduled), feed)
-        pieces = None if self.pieces is None or host.max_query_len == 1 else self.pieces.fits(host, len(scheduled))
-        if pieces is not None:
-            assert self.pieces is not None
-            return self.pieces.replay(pieces, host, feed)
+        if self.pieces is not None and host.max_query_len > 1:
+            bucket = self.pieces.fits(host, len(scheduled))
+            if bucket is not None:
+                return self.pieces.replay(bucket, host, feed)
         return self.forward(host, feed)
 
     def inputs_for(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> StepBatch:
