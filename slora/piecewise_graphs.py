@@ -89,10 +89,12 @@ class _PieceRecorder:
 
 
 class PiecewiseGraphs:
+    """The pieces of every token bucket up to max_tokens, with and without LoRA, over one set of static
+    inputs sized for the largest bucket (its sequences and adapter slots as GraphLimits bounds them)."""
+
     def __init__(self, model: CausalLM, pool: Tensor, attention: AttentionBackend, lora: LoraBackend,
                  page_size: int, limits: GraphLimits, max_tokens: int) -> None:
-        self.model, self.pool, self.attention, self.lora = model, pool, attention, lora
-        self.limits, self.page_size = limits, page_size
+        self.model, self.pool, self.attention, self.lora, self.limits = model, pool, attention, lora, limits
         self.buckets = token_buckets(max_tokens)
         largest = self.buckets[-1]
         self.static = step_batch.empty(self._sizes(largest), pool.device, page_size, limits.max_lora_rank)
@@ -103,6 +105,7 @@ class PiecewiseGraphs:
         return min(tokens, self.limits.max_batch)
 
     def lora_slots(self, tokens: int) -> int:
+        """The adapter slots of a bucket's LoRA tables."""
         return self.limits.lora_slots(self.seqs(tokens))
 
     def _sizes(self, tokens: int) -> dict[str, int]:
