@@ -11,6 +11,9 @@ arguments. Design:
 - Each program keeps an online softmax over the keys of its sequence up to its last query position
   (prefix + new tokens, read through the block table) and applies the causal mask only on the
   diagonal blocks.
+- With `new_kv` (the caller's own keys and values of the new tokens, e.g. column slices of a fused q/k/v
+  output) the new tokens' keys are read from those rows, contiguous, and only the cached prefix through
+  the block table: the pages of one sequence lie anywhere in a pool of many gigabytes.
 """
 from typing import NamedTuple
 
