@@ -56,6 +56,16 @@ class GraphLimits:
         few = self.few_adapters > 0 and self.lora_slots(batch_size, True) < self.lora_slots(batch_size)
         return [(False, False), (True, False)] + ([(True, True)] if few else [])
 
+    def holds(self, host: StepBatch, slots: int) -> bool:
+        """Whether a step's block table and adapter tables fit static buffers of these limits with `slots`
+        adapter slots (more adapters than that cannot happen under max_loras, but a graph must never be
+        replayed for a step it does not fit)."""
+        if host.block_tables.shape[1] > self.max_blocks:
+            return False
+        lora = host.lora
+        return lora is None or (lora.page_tables.shape[0] <= slots
+                                and lora.page_tables.shape[1] <= self.max_adapter_pages)   # [slots, pages]
+
     def sizes(self, batch_size: int, slots: int) -> dict[str, int]:
         """The StepBatch sizes of a decode graph: one token per sequence."""
         return {"tokens": batch_size, "seqs": batch_size, "pages": self.max_blocks, "slots": slots,

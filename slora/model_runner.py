@@ -77,7 +77,7 @@ class ModelRunner:
             self.graphs.capture()
             if graph_limits.mixed_tokens > 0:
                 self.pieces = PiecewiseGraphs(model, self.pool, self.attention, self.lora, shape.page_size,
-                                              graph_limits, graph_limits.mixed_tokens)
+                                              graph_limits)
                 self.pieces.capture()
             self.warm_up(graph_limits)
 
@@ -204,17 +204,8 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is None or host.max_query_len != 1 or len(host.sample_indices) != len(scheduled):
             return None
-        if host.block_tables.shape[1] > graphs.limits.max_blocks:
-            return None
-        if host.lora is not None and host.lora.page_tables.shape[1] > graphs.limits.max_adapter_pages:
-            return None
         bucket = graphs.bucket_for(len(scheduled))
-        # More adapters than the graph has slots for cannot happen under the scheduler's max_loras; a
-        # graph must still never be replayed for a batch it does not fit.
-        if bucket is not None and host.lora is not None and \
-                host.lora.page_tables.shape[0] > graphs.limits.lora_slots(bucket):
-            return None
-        return bucket
+        return bucket if bucket is not None and graphs.limits.holds(host, graphs.limits.lora_slots(bucket)) else None
 
 
 @torch.inference_mode()

@@ -7,6 +7,7 @@ rest (GEMMs, LoRA, norms, rotary, the K/V store) depends only on the token count
 the pieces read live in static buffers as in the decode graphs (`slora.cuda_graphs`): padding tokens have
 slot -1 (their K/V are not stored) and no adapter, and their rows are never sampled.
 """
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -89,13 +90,14 @@ class _PieceRecorder:
 
 
 class PiecewiseGraphs:
-    """The pieces of every token bucket up to max_tokens, with and without LoRA, over one set of static
-    inputs sized for the largest bucket (its sequences and adapter slots as GraphLimits bounds them)."""
+    """The pieces of every token bucket up to limits.mixed_tokens, with and without LoRA, over one set of
+    static inputs sized for the largest bucket (its sequences and adapter slots as the limits bound them)."""
 
     def __init__(self, model: CausalLM, pool: Tensor, attention: AttentionBackend, lora: LoraBackend,
-                 page_size: int, limits: GraphLimits, max_tokens: int) -> None:
+                 page_size: int, limits: GraphLimits) -> None:
+        assert limits.mixed_tokens > 0, "no piecewise graphs without steps for them"
         self.model, self.pool, self.attention, self.lora, self.limits = model, pool, attention, lora, limits
-        self.buckets = token_buckets(max_tokens)
+        self.buckets = token_buckets(limits.mixed_tokens)
         largest = self.buckets[-1]
         self.static = step_batch.empty(self._sizes(largest), pool.device, page_size, limits.max_lora_rank)
         self.pieces: dict[tuple[int, bool], Pieces] = {}   # (bucket tokens, with LoRA) -> its pieces
@@ -147,30 +149,34 @@ class PiecewiseGraphs:
         """The bucket of a step with prefill rows that the pieces can run, or None: every sampled row is a
         sequence's last (no prompt-logprob rows), and its tables fit the static buffers."""
         bucket = self.bucket_for(host.input_ids.shape[0])
-        if bucket is None or len(host.sample_indices) > num_seqs or host.block_tables.shape[1] > self.limits.max_blocks:
+        if bucket is None or len(host.sample_indices) > num_seqs:
             return None
-        lora = host.lora
-        if lora is not None and (lora.page_tables.shape[1] > self.limits.max_adapter_pages
-                                 or lora.page_tables.shape[0] > self.lora_slots(bucket)):
-            return None
-        return bucket
+        return bucket if self.limits.holds(host, self.lora_slots(bucket)) else None
 
     @torch.inference_mode()
     def replay(self, bucket: int, host: StepBatch, feed: TokenFeed | None) -> Tensor:
         """Copy the step into the bucket's static inputs, then replay its pieces with the step's attention
         between them; logits `[sampled, vocab]`."""
         pieces = self.pieces[(bucket, host.lora is not None)]
-        static = pieces.batch
-        host.copy_into(static)
-        # The sampled rows are an arange in the static buffers (the decode graphs'); here they are the step's,
-        # and the rows past them read row 0, inside every bucket.
-        static.sample_indices.zero_()
-        copy_from_host(static.sample_indices[:len(host.sample_indices)], host.sample_indices)
-        step_batch.feed_tokens(static, feed)
-        batch = host.to(self.pool.device)                 # the attention's sequences, as the step has them
+        batch = self.stage(pieces.batch, host, feed)
         for graph, call in zip(pieces.graphs, pieces.calls):
             graph.replay()
             self.attention.attend(call.query, call.new_kv, call.kv_pool, batch, call.num_kv_heads, call.scale,
                                   out=call.out)
         pieces.graphs[-1].replay()
         return pieces.logits[:len(host.sample_indices)]
+
+    @staticmethod
+    def stage(static: StepBatch, host: StepBatch, feed: TokenFeed | None) -> StepBatch:
+        """Copy a step into a bucket's static inputs (its pending input ids fed on the device); the step's
+        sequences as its attention reads them, from those buffers."""
+        host.copy_into(static)
+        # The sampled rows and query_start_loc are aranges in static buffers (the decode graphs' use); here they
+        # are the step's. The sampled rows past the step's read row 0, inside every bucket.
+        static.sample_indices.zero_()
+        copy_from_host(static.sample_indices[:len(host.sample_indices)], host.sample_indices)
+        copy_from_host(static.query_start_loc[:len(host.query_start_loc)], host.query_start_loc)
+        step_batch.feed_tokens(static, feed)
+        seqs = step_batch.view(static, {"seqs": host.context_lens.shape[0]}, with_lora=False)
+        return dataclasses.replace(seqs, max_query_len=host.max_query_len, max_context_len=host.max_context_len,
+                                   num_decodes=host.num_decodes)

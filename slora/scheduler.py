@@ -142,10 +142,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget)
         self._prefetch_adapters(out)
-        # One-token rows (decodes) first: a mixed step's attention runs them through the decode kernel.
-        out.scheduled.sort(key=lambda item: item.num_tokens > 1)
+        # One-token rows (decodes) first: a mixed step's attention runs them through the decode kernel. A step
+        # of more tokens than rows has other rows; a decode step is left as it is, without a pass over it.
+        if self.config.max_num_batched_tokens - budget > len(out.scheduled):
+            out.scheduled.sort(key=lambda item: item.num_tokens > 1)
         out.adapters_freed = self.adapters.take_freed()
         # A load whose pages were taken back within this very step would copy into pages others own.
         assert all(v in self.adapters.resident and self.adapters.resident[v].pages == pages
@@ -204,7 +206,8 @@ class Scheduler:
         return True
 
     # ---- admission ----------------------------------------------------------------------------------
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests within `budget` tokens; the budget left."""
         skipped: list[Sequence] = []
         versions = self.running_versions() if self.config.max_loras is not None else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -232,6 +235,7 @@ class Scheduler:
             if seq.adapter is not None:
                 versions.add(seq.adapter.version)
         self.waiting.extendleft(reversed(skipped))
+        return budget
 
     def running_versions(self) -> set[str]:
         """The distinct adapter versions of the running sequences."""

@@ -172,7 +172,9 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
           tables: "LoraTables | None" = None) -> StepBatch:
     """The flat batch of a step, built on the host."""
     positions: list[int] = []
-    input_ids, slots, starts, lens, sample_rows = [], [], [0], [], []
+    lens: list[int] = []
+    input_ids, slots, starts, sample_rows = [], [], [0], []
+    longest, first_longer = 1, None              # the most new tokens of a row; the first row of more than one
     for item in scheduled:
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_tokens
@@ -183,6 +185,9 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
             slots.append(slot_of(seq.block_table, start, page_size))
         else:
             assert seq.pending_row is None, "a pending token is its sequence's only uncomputed one"
+            longest = max(longest, item.num_tokens)
+            if first_longer is None:
+                first_longer = len(lens)
             input_ids += seq.tokens_between(start, end)
             positions += range(start, end)
             slots += [slot_of(seq.block_table, i, page_size) for i in range(start, end)]
@@ -196,13 +201,8 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
         int_tensor(input_ids, np.int64), int_tensor(positions, np.int64), int_tensor(slots, np.int64),
         padded_rows([i.seq.block_table for i in scheduled]), int_tensor(starts, np.int32),
         int_tensor(lens, np.int32), int_tensor(sample_rows, np.int64), page_size,
-        max(i.num_tokens for i in scheduled), max(lens), _step_lora(scheduled, adapters, tables or LoraTables()),
-        _leading_decodes(scheduled))
-
-
-def _leading_decodes(scheduled: list[ScheduledSeq]) -> int:
-    """How many sequences at the front of the step have one new token (the scheduler puts them first)."""
-    return next((i for i, item in enumerate(scheduled) if item.num_tokens != 1), len(scheduled))
+        longest, max(lens), _step_lora(scheduled, adapters, tables or LoraTables()),
+        len(scheduled) if first_longer is None else first_longer)     # the scheduler puts one-token rows first
 
 
 class TokenFeed(NamedTuple):

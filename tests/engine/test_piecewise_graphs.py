@@ -32,7 +32,7 @@ def test_mixed_graph_tokens_is_validated():
 
 def _pieces() -> PiecewiseGraphs:
     """Pieces over a CPU pool, not captured: fits() reads only the step's host tables."""
-    return PiecewiseGraphs(torch.nn.Module(), torch.zeros(2, 10, 8), None, None, 16, LIMITS, LIMITS.mixed_tokens)
+    return PiecewiseGraphs(torch.nn.Module(), torch.zeros(2, 10, 8), None, None, 16, LIMITS)
 
 
 def _step(tokens: int, seqs: int, width: int = 2, samples: int | None = None, slots: int = 0,
@@ -56,3 +56,26 @@ def test_steps_the_pieces_take_and_those_they_leave_to_eager():
     assert pieces.fits(_step(30, 3, width=5), 3) is None            # a block table wider than the buffers'
     assert pieces.fits(_step(30, 3, slots=3), 3) is None            # more adapters than the graphs' slots
     assert pieces.fits(_step(30, 3, slots=1, adapter_pages=4), 3) is None   # an adapter wider than the buffers'
+
+
+def test_a_step_staged_into_a_bucket_is_what_its_attention_and_pieces_read():
+    """stage() copies a step into a bucket's static inputs (the rest of the bucket padded or stale) and
+    returns its sequences as attention reads them, from those buffers: the step's block tables, context
+    lengths, query starts and decode count; the pieces' sampled rows are the step's, then row 0."""
+    pieces = _pieces()
+    static = step_batch.view(pieces.static, pieces._sizes(32), with_lora=False)
+    static.query_start_loc.fill_(7)
+    static.sample_indices.fill_(9)                                    # a larger step's, before
+    int32 = torch.int32
+    host = dataclasses.replace(
+        _step(10, 3), input_ids=torch.arange(10) + 100, block_tables=torch.tensor([[3, 4], [5, 0], [6, 8]], dtype=int32),
+        query_start_loc=torch.tensor([0, 1, 2, 10], dtype=int32), context_lens=torch.tensor([20, 9, 8], dtype=int32),
+        sample_indices=torch.tensor([0, 1, 9]), max_query_len=8, max_context_len=20, num_decodes=2)
+    feed = step_batch.TokenFeed(torch.tensor([1]), torch.tensor([55]))
+    batch = pieces.stage(static, host, feed)
+    assert batch.block_tables.shape[0] == 3 and torch.equal(batch.block_tables[:, :2], host.block_tables)
+    assert batch.context_lens.tolist() == [20, 9, 8] and batch.query_start_loc.tolist() == [0, 1, 2, 10]
+    assert (batch.num_decodes, batch.max_query_len, batch.max_context_len) == (2, 8, 20)
+    assert static.sample_indices.tolist() == [0, 1, 9] + [0] * 5
+    assert static.input_ids[:10].tolist() == [100, 55, *range(102, 110)]      # row 1 fed on the device
+    assert static.slot_mapping[10:].eq(-1).all()                              # padding rows store no K/V
