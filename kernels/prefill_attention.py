@@ -12,8 +12,11 @@ arguments. Design:
   (prefix + new tokens, read through the block table) and applies the causal mask only on the
   diagonal blocks.
 - With `new_kv` (the caller's own keys and values of the new tokens, e.g. column slices of a fused q/k/v
-  output) the new tokens' keys are read from those rows, contiguous, and only the cached prefix through
-  the block table: the pages of one sequence lie anywhere in a pool of many gigabytes.
+  output) a kernel of its own reads the queries and the new tokens' keys and values through tensor
+  descriptors (TMA on Hopper: a block of rows of one head per copy, no per-element addresses), and only
+  the cached prefix through the block table: the pages of one sequence lie anywhere in a pool of many
+  gigabytes. Its programs run the query blocks last to first, so the blocks that see the most keys start
+  first and the short ones fill the tail.
 """
 from typing import NamedTuple
 
@@ -21,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
 
@@ -88,15 +92,6 @@ def _paged_keys(kv_head_ptr, bt_row, pos, valid, page_elems, PAGE_SIZE: tl.const
 
 
 @triton.jit
-def _new_keys(k_head_ptr, v_head_ptr, stride_kt, stride_vt, tokens, valid, HEAD_DIM: tl.constexpr):
-    # K and V [BLOCK_N, HEAD_DIM] of the step's own rows `tokens`, from its key and value tensors.
-    dims = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_head_ptr + tokens[:, None] * stride_kt + dims[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(v_head_ptr + tokens[:, None] * stride_vt + dims[None, :], mask=valid[:, None], other=0.0)
-    return k, v
-
-
-@triton.jit
 def _attend_paged(q, q_pos, kv_head_ptr, bt_row, start, end, kv_end, page_elems, scale_log2, m_i, l_i, acc,
                   PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -111,15 +106,26 @@ def _attend_paged(q, q_pos, kv_head_ptr, bt_row, start, end, kv_end, page_elems,
 
 
 @triton.jit
-def _attend_new(q, rows, k_head_ptr, v_head_ptr, stride_kt, stride_vt, q_start, q_len, start, end, scale_log2,
-                m_i, l_i, acc, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+def _rows(desc, row, head, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # Rows row .. row + BLOCK of one head [BLOCK, HEAD_DIM] of a [tokens, heads, head_dim] descriptor; rows
+    # past the tensor read as zeros.
+    return desc.load([row, head, 0]).reshape(BLOCK, HEAD_DIM)
+
+
+@triton.jit
+def _attend_new(q, rows, k_desc, v_desc, kv_head, q_start, q_len, start, end, scale_log2, m_i, l_i, acc,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # The sequence's new keys start .. end (blocks of BLOCK_N) from the step's key and value rows; rows:
     # the queries' indices among the new tokens.
     for j0 in range(start, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         valid = j < q_len
-        k, v = _new_keys(k_head_ptr, v_head_ptr, stride_kt, stride_vt, (q_start + j).to(tl.int64), valid, HEAD_DIM)
+        k = _rows(k_desc, q_start + j0, kv_head, BLOCK_N, HEAD_DIM)
+        v = _rows(v_desc, q_start + j0, kv_head, BLOCK_N, HEAD_DIM)
+        if CAUSAL:
+            # A diagonal block may run past the sequence into rows of anything (NaN too): p is 0 there,
+            # and 0 * NaN is not.
+            v = tl.where(valid[:, None], v, 0.0)
         keep = (j[None, :] <= rows[:, None]) & valid[None, :]
         m_i, l_i, acc = _update(q, k, v, keep, m_i, l_i, acc, scale_log2, CAUSAL, DOT_PRECISION)
     return m_i, l_i, acc
@@ -130,12 +136,10 @@ def _attend_new(q, rows, k_head_ptr, v_head_ptr, stride_kt, stride_vt, q_start, 
 # again in the middle of serving.
 @triton.jit(do_not_specialize=["num_seqs", "stride_btb", "bt_ptr", "start_loc_ptr", "ctx_ptr"])
 def _prefill_kernel(
-    q_ptr, kv_ptr, bt_ptr, start_loc_ptr, ctx_ptr, out_ptr, k_ptr, v_ptr,
-    scale_log2, num_seqs,
-    stride_qt, stride_qh, stride_btb, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
-    page_elems,
+    q_ptr, kv_ptr, bt_ptr, start_loc_ptr, ctx_ptr, out_ptr,
+    scale_log2, num_seqs, stride_qt, stride_qh, stride_btb, stride_ot, stride_oh, page_elems,
     PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     block = tl.program_id(0)
     head = tl.program_id(1)
@@ -158,39 +162,71 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
                 mask=row_mask[:, None], other=0.0)      # [BLOCK_M, HEAD_DIM]
 
-    kv_head = head // GROUP
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
-    kv_head_ptr = kv_ptr + kv_head * HEAD_DIM
+    kv_head_ptr = kv_ptr + (head // GROUP) * HEAD_DIM
     kv_end = tl.minimum(prefix + m_first + BLOCK_M, ctx_len)   # one past the block's last query position
-    if NEW_KV:
-        # The cached prefix through the block table (every query follows it: only its end is masked), then
-        # the step's own keys from its key and value rows, the causal mask on the diagonal only.
-        m_i, l_i, acc = _attend_paged(q, q_pos, kv_head_ptr, bt_row, 0, prefix, prefix, page_elems, scale_log2,
-                                      m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
-                                      DOT_PRECISION)
-        k_head_ptr, v_head_ptr = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
-        diagonal = m_first // BLOCK_N * BLOCK_N
-        m_i, l_i, acc = _attend_new(q, rows, k_head_ptr, v_head_ptr, stride_kt, stride_vt, q_start, q_len, 0,
-                                    diagonal, scale_log2, m_i, l_i, acc, HEAD_DIM, BLOCK_N, False, DOT_PRECISION)
-        m_i, l_i, acc = _attend_new(q, rows, k_head_ptr, v_head_ptr, stride_kt, stride_vt, q_start, q_len,
-                                    diagonal, tl.minimum(m_first + BLOCK_M, q_len), scale_log2, m_i, l_i, acc,
-                                    HEAD_DIM, BLOCK_N, True, DOT_PRECISION)
-    else:
-        # Keys before the block's first query position need no causal mask; the rest (the diagonal) do.
-        unmasked_end = (prefix + m_first) // BLOCK_N * BLOCK_N
-        m_i, l_i, acc = _attend_paged(q, q_pos, kv_head_ptr, bt_row, 0, unmasked_end, kv_end, page_elems,
-                                      scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
-                                      False, DOT_PRECISION)
-        m_i, l_i, acc = _attend_paged(q, q_pos, kv_head_ptr, bt_row, unmasked_end, kv_end, kv_end, page_elems,
-                                      scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
-                                      True, DOT_PRECISION)
+    # Keys before the block's first query position need no causal mask; the rest (the diagonal) do.
+    unmasked_end = (prefix + m_first) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _attend_paged(q, q_pos, kv_head_ptr, bt_row, 0, unmasked_end, kv_end, page_elems,
+                                  scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+                                  False, DOT_PRECISION)
+    m_i, l_i, acc = _attend_paged(q, q_pos, kv_head_ptr, bt_row, unmasked_end, kv_end, kv_end, page_elems,
+                                  scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+                                  True, DOT_PRECISION)
+    _store_rows(out_ptr, tokens, head, acc, l_i, row_mask, stride_ot, stride_oh, HEAD_DIM)
 
+
+@triton.jit
+def _store_rows(out_ptr, tokens, head, acc, l_i, row_mask, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+    # The block's rows of the sequence only: the rows past it belong to the next sequence or the caller.
+    dims = tl.arange(0, HEAD_DIM)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_btb", "bt_ptr", "start_loc_ptr", "ctx_ptr"])
+def _prefill_new_kv_kernel(
+    q_desc, k_desc, v_desc, kv_ptr, bt_ptr, start_loc_ptr, ctx_ptr, out_ptr,
+    scale_log2, num_seqs, stride_btb, stride_ot, stride_oh, page_elems,
+    PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    block = tl.num_programs(0) - 1 - tl.program_id(0)   # last blocks (most keys) first
+    head = tl.program_id(1)
+    seq = _find_sequence(start_loc_ptr, num_seqs, block, BLOCK_M)
+    if seq < 0:
+        return
+    q_start = tl.load(start_loc_ptr + seq)
+    q_len = tl.load(start_loc_ptr + seq + 1) - q_start
+    m_first = (block - (q_start // BLOCK_M + seq)) * BLOCK_M
+    if m_first >= q_len:
+        return
+    prefix = tl.load(ctx_ptr + seq) - q_len
+
+    rows = m_first + tl.arange(0, BLOCK_M)
+    q = _rows(q_desc, q_start + m_first, head, BLOCK_M, HEAD_DIM)   # rows past the sequence: never stored
+    kv_head = head // GROUP
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # The cached prefix through the block table (every query follows it: only its end is masked), then the
+    # step's own keys from its key and value rows, the causal mask on the diagonal only.
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+    m_i, l_i, acc = _attend_paged(q, prefix + rows, kv_ptr + kv_head * HEAD_DIM, bt_row, 0, prefix, prefix,
+                                  page_elems, scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                  BLOCK_N, True, DOT_PRECISION)
+    diagonal = m_first // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _attend_new(q, rows, k_desc, v_desc, kv_head, q_start, q_len, 0, diagonal, scale_log2,
+                                m_i, l_i, acc, HEAD_DIM, BLOCK_N, False, DOT_PRECISION)
+    m_i, l_i, acc = _attend_new(q, rows, k_desc, v_desc, kv_head, q_start, q_len, diagonal,
+                                tl.minimum(m_first + BLOCK_M, q_len), scale_log2, m_i, l_i, acc, HEAD_DIM,
+                                BLOCK_N, True, DOT_PRECISION)
+    _store_rows(out_ptr, (q_start + rows).to(tl.int64), head, acc, l_i, rows < q_len, stride_ot, stride_oh,
+                HEAD_DIM)
 
 
 def _check_inputs(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_start_loc: Tensor,
@@ -244,6 +280,21 @@ def _check_new_kv(query: Tensor, kv_pool: Tensor, num_kv_heads: int, key: Tensor
                              f"got {list(tensor.shape)}")
         if tensor.dtype != kv_pool.dtype or tensor.device != query.device or tensor.stride(2) != 1:
             raise ValueError(f"{name} must have kv_pool's dtype, query's device and stride 1 in head_dim")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        _check_descriptor_layout(name, tensor)
+
+
+def _check_descriptor_layout(name: str, tensor: Tensor) -> None:
+    # A tensor descriptor (TMA) needs a 16-byte aligned start and strides of whole 16-byte units.
+    size = tensor.element_size()
+    if tensor.data_ptr() % 16 or any(stride * size % 16 for stride in tensor.stride()[:2]):
+        raise ValueError(f"with new_kv, {name} must start 16-byte aligned and have token and head strides of "
+                         f"multiples of 16 bytes, got strides {tuple(tensor.stride())} of {size}-byte elements")
+
+
+def _rows_descriptor(tensor: Tensor, block: int) -> TensorDescriptor:
+    """`[tokens, heads, head_dim]` read `block` rows of one head at a time."""
+    return TensorDescriptor.from_tensor(tensor, [block, 1, tensor.shape[2]])
 
 
 def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_start_loc: Tensor,
@@ -258,7 +309,8 @@ def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, quer
     entry are not read or written. Returns `[total_new_tokens, num_heads, head_dim]` (written into `out`
     when given). launch: how the kernel is cut (default_launch when None). new_kv: the new tokens' keys and
     values `[total_new_tokens, num_kv_heads, head_dim]` each (the values stored in the cache), read from
-    there instead of through the block tables; only a cached prefix is then read from the pool."""
+    there instead of through the block tables; only a cached prefix is then read from the pool. With it,
+    query, key and value start 16-byte aligned, with token and head strides of whole 16-byte units."""
     _check_inputs(query, kv_pool, block_tables, query_start_loc, context_lens, page_size, num_kv_heads)
     if launch is not None:
         _check_launch(launch)
@@ -274,16 +326,20 @@ def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, quer
         return out
     launch = launch or default_launch(query, num_seqs, new_kv is not None)
     grid = (total // launch.block_m + num_seqs, num_heads)
-    key, value = new_kv if new_kv is not None else (query, query)     # unread without new_kv
-    _prefill_kernel[grid](
-        query, kv_pool, block_tables, query_start_loc, context_lens, out, key, value,
-        scale * _LOG2E, num_seqs,
-        query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_pool.shape[1],
-        PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads,
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, NEW_KV=new_kv is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
+    common = dict(PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                  GROUP=num_heads // num_kv_heads, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+                  DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+                  num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if new_kv is None:
+        _prefill_kernel[grid](
+            query, kv_pool, block_tables, query_start_loc, context_lens, out, scale * _LOG2E, num_seqs,
+            query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+            kv_pool.shape[1], **common)
+    else:
+        key, value = new_kv
+        _prefill_new_kv_kernel[grid](
+            _rows_descriptor(query, launch.block_m), _rows_descriptor(key, launch.block_n),
+            _rows_descriptor(value, launch.block_n), kv_pool, block_tables, query_start_loc, context_lens, out,
+            scale * _LOG2E, num_seqs, block_tables.stride(0), out.stride(0), out.stride(1), kv_pool.shape[1],
+            **common)
     return out

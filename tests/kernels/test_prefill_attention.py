@@ -93,6 +93,25 @@ def test_prefill_attention_leaves_rows_outside_the_sequences_alone():
     assert_close(out[2:], want[2:])
 
 
+@pytest.mark.parametrize("launch", [None, PrefillLaunch(16, 32, 4, 2)])
+def test_prefill_attention_new_kv_ignores_rows_past_the_sequences(launch):
+    """The step's q/k/v buffers longer than its sequences (a bucket of a CUDA graph), the rows past them NaN:
+    the last sequence's diagonal block reads some of those rows, and none of them may reach the output."""
+    cases = [(0, 19), (5, 11)]
+    gen = make_generator(10)
+    kv = make_paged_kv([p + n for p, n in cases], 8, 2, 16, torch.float32, gen)
+    start_loc = torch.tensor([0, 19, 30], dtype=torch.int32)
+    query = randn((30, 4, 16), torch.float32, gen)
+    want = reference.prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens, 8, 2, 0.25)
+    key, value = take_new_kv(kv.kv_pool, kv.block_tables, cases, 8, 2)
+    padded = [torch.cat([t, torch.full((34, *t.shape[1:]), float("nan"))]) for t in (query, key, value)]
+    out = torch.full_like(padded[0], float("nan"))
+    prefill_attention(padded[0], kv.kv_pool, kv.block_tables, start_loc, kv.context_lens, 8, 2, 0.25, out=out,
+                      launch=launch, new_kv=(padded[1], padded[2]))
+    assert_close(out[:30], want)
+    assert out[30:].isnan().all()
+
+
 @pytest.mark.parametrize("launch,match", [(PrefillLaunch(48, 16, 4, 2), "block_m must be a power of two"),
                                           (PrefillLaunch(16, 8, 4, 2), "blocks must be >= 16"),
                                           (PrefillLaunch(16, 16, 0, 2), "num_warps must be"),
@@ -122,6 +141,10 @@ def _bad_args(q, kv, start_loc, **changes):
     (lambda q, kv, sl: {"context_lens": kv.context_lens.float()}, "int32 or int64"),
     (lambda q, kv, sl: {"new_kv": (q[:, :1], q[:, :1, :8])}, "value must be"),
     (lambda q, kv, sl: {"new_kv": (q[:, :1].half(), q[:, :1])}, "key must have kv_pool's dtype"),
+    (lambda q, kv, sl: {"new_kv": (q.flatten(1)[:, 1:17].view(6, 1, 16), q[:, :1])}, "key must start 16-byte"),
+    (lambda q, kv, sl: {"new_kv": (q[:, :1], q[:, :1]),
+                        "query": torch.cat([q.flatten(1), q[:, 0, :1]], 1)[:, :32].view(6, 2, 16)},
+     "query must start 16-byte aligned and have token and head strides"),
 ])
 def test_prefill_attention_rejects_bad_input(changes, match):
     gen = make_generator(5)
