@@ -40,17 +40,27 @@ class ReferenceAttention:
         return result if out is None else out.copy_(result)
 
 
+# Prefill tokens from which a step's attention reads their K/V from the step's own rows (tensor descriptors):
+# its launch costs the host about 45 us more than reading them back from the pages (H200, triton 3.6), which
+# a small step, whose host work runs beside its GPU time, cannot spare; from here on the GPU time it saves
+# outweighs it (benchmarks/HISTORY.md, session 18).
+NEW_KV_MIN_TOKENS = 2048
+
+
 class TritonAttention:
     """Decode-only steps through the paged decode kernel (GQA, split context); any step with a prefill
     through the prefill kernel, which handles one-token rows as well. Triton is imported only here, when
     a CUDA engine is built."""
 
-    def __init__(self, pdl: bool = False) -> None:
+    def __init__(self, pdl: bool = False, new_kv_min_tokens: int = NEW_KV_MIN_TOKENS) -> None:
         from slora.kernels.paged_attention import paged_attention
         from slora.kernels.prefill_attention import prefill_attention
         from slora.kernels.store_kv import store_kv
+        if new_kv_min_tokens < 0:
+            raise ValueError(f"new_kv_min_tokens must be >= 0, got {new_kv_min_tokens}")
         self._paged, self._prefill, self._store = paged_attention, prefill_attention, store_kv
         self.pdl = pdl   # the model's kernels use programmatic dependent launch (slora.kernels.pdl)
+        self.new_kv_min_tokens = new_kv_min_tokens
 
     def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
                  page_size: int) -> None:
@@ -59,8 +69,9 @@ class TritonAttention:
     def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         """The step's queries `[tokens, heads, head_dim]` over the pool, which holds new_kv (the step's keys
-        and values, `[tokens, kv_heads, head_dim]` each) too: the prefill kernel reads them from new_kv,
-        contiguous rows instead of pages spread over the pool, and only cached prefixes through pages."""
+        and values, `[tokens, kv_heads, head_dim]` each) too. With at least new_kv_min_tokens prefill tokens
+        the prefill kernel reads them from new_kv, contiguous rows instead of pages spread over the pool,
+        and only cached prefixes through pages; a smaller step reads them back from the pages."""
         if batch.max_query_len == 1:
             return self._paged(query, kv_pool, batch.block_tables, batch.context_lens, batch.page_size,
                                num_kv_heads, scale, max_context_len=batch.max_context_len, out=out, pdl=self.pdl)
@@ -73,9 +84,10 @@ class TritonAttention:
             # beside them fills the GPU, and one variant serves every such step.
             self._paged(query[:decodes], kv_pool, batch.block_tables[:decodes], batch.context_lens[:decodes],
                         batch.page_size, num_kv_heads, scale, num_splits=1, out=out[:decodes], pdl=self.pdl)
+        own_rows = new_kv if query.shape[0] - decodes >= self.new_kv_min_tokens else None
         return self._prefill(query, kv_pool, batch.block_tables[decodes:], batch.query_start_loc[decodes:],
                              batch.context_lens[decodes:], batch.page_size, num_kv_heads, scale, out=out,
-                             new_kv=new_kv)
+                             new_kv=own_rows)
 
 
 def backends_for(device: torch.device, pdl: bool = False, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()

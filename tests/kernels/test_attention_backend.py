@@ -39,5 +39,26 @@ def test_mixed_step_attention_matches_the_reference_backend(cases, num_decodes):
     # kernel reads its own token from the pool): the Triton backend reads them from new_kv, and prefixes
     # and the decode rows' contexts from the pool.
     new_kv = take_new_kv(pool, batch.block_tables, cases, 8, 2, keep_first=num_decodes)
-    got = TritonAttention().attend(query, new_kv, pool, batch, 2, 0.25)
+    got = TritonAttention(new_kv_min_tokens=1).attend(query, new_kv, pool, batch, 2, 0.25)
     assert_close(got, want)
+
+
+def test_a_step_below_new_kv_min_tokens_reads_its_keys_back_from_the_pages():
+    """Fewer prefill tokens than new_kv_min_tokens: the step's keys and values come from the pool (new_kv
+    NaN here), and at the threshold from new_kv (the pool's copies NaN)."""
+    cases = [(9, 1), (0, 12), (17, 5)]
+    gen = make_generator(11)
+    batch, pool = _batch(cases, 8, 1, gen, num_kv_heads=2, head_dim=16)
+    query = randn((18, 4, 16), torch.float32, gen)
+    want = ReferenceAttention().attend(query, (query[:, :2], query[:, :2]), pool, batch, 2, 0.25)
+    nan_rows = torch.full((18, 2, 16), float("nan"))
+    below = TritonAttention(new_kv_min_tokens=18).attend(query, (nan_rows, nan_rows), pool, batch, 2, 0.25)
+    assert_close(below, want)
+    new_kv = take_new_kv(pool, batch.block_tables, cases, 8, 2, keep_first=1)
+    at = TritonAttention(new_kv_min_tokens=17).attend(query, new_kv, pool, batch, 2, 0.25)
+    assert_close(at, want)
+
+
+def test_new_kv_min_tokens_must_not_be_negative():
+    with pytest.raises(ValueError, match="new_kv_min_tokens must be >= 0"):
+        TritonAttention(new_kv_min_tokens=-1)
