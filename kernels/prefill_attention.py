@@ -63,6 +63,19 @@ def _find_sequence(start_loc_ptr, num_seqs, block, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _locate(start_loc_ptr, num_seqs, block, BLOCK_M: tl.constexpr):
+    # Query block `block`'s sequence, its first new row, its number of new tokens, and the block's first
+    # new token; a block before the first sequence (only when query_start_loc[0] > 0) gets q_len and
+    # m_first 0, which the caller's `m_first >= q_len` ends.
+    seq = _find_sequence(start_loc_ptr, num_seqs, block, BLOCK_M)
+    first = tl.maximum(seq, 0)
+    q_start = tl.load(start_loc_ptr + first)
+    q_len = tl.where(seq < 0, 0, tl.load(start_loc_ptr + first + 1) - q_start)
+    m_first = tl.where(seq < 0, 0, (block - (q_start // BLOCK_M + first)) * BLOCK_M)
+    return first, q_start, q_len, m_first
+
+
+@triton.jit
 def _update(q, k, v, keep, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Online-softmax update of (m_i, l_i, acc) with one block of keys k and values v [BLOCK_N, HEAD_DIM].
     # q: [BLOCK_M, HEAD_DIM]; keep: [BLOCK_M, BLOCK_N] the pairs that count (MASKED only). Every row keeps
@@ -141,16 +154,10 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    block = tl.program_id(0)
     head = tl.program_id(1)
-    seq = _find_sequence(start_loc_ptr, num_seqs, block, BLOCK_M)
-    if seq < 0:
-        return   # only when query_start_loc[0] > 0: blocks before the first sequence
-    q_start = tl.load(start_loc_ptr + seq)
-    q_len = tl.load(start_loc_ptr + seq + 1) - q_start
-    m_first = (block - (q_start // BLOCK_M + seq)) * BLOCK_M   # first new token of this block
+    seq, q_start, q_len, m_first = _locate(start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_M)
     if m_first >= q_len:
-        return
+        return   # an empty block, or one before the first sequence
     ctx_len = tl.load(ctx_ptr + seq)
     prefix = ctx_len - q_len
 
@@ -197,12 +204,7 @@ def _prefill_new_kv_kernel(
 ):
     block = tl.num_programs(0) - 1 - tl.program_id(0)   # last blocks (most keys) first
     head = tl.program_id(1)
-    seq = _find_sequence(start_loc_ptr, num_seqs, block, BLOCK_M)
-    if seq < 0:
-        return
-    q_start = tl.load(start_loc_ptr + seq)
-    q_len = tl.load(start_loc_ptr + seq + 1) - q_start
-    m_first = (block - (q_start // BLOCK_M + seq)) * BLOCK_M
+    seq, q_start, q_len, m_first = _locate(start_loc_ptr, num_seqs, block, BLOCK_M)
     if m_first >= q_len:
         return
     prefix = tl.load(ctx_ptr + seq) - q_len

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from slora import step_batch
 from slora.adapters.packing import PackedAdapter
-from slora.attention_backend import backends_for
+from slora.attention_backend import TritonAttention, backends_for
 from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.device_copy import tensor_on, to_device
 from slora.kernels.layout import cdiv
@@ -92,15 +92,30 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _warm_up_steps(self, limits: GraphLimits) -> tuple[WarmUpStep, ...]:
-        """WARM_UP_STEPS, and if the LoRA policy expands with the one-token kernel (gemv_expand_min_tokens), a
-        step of a slot per token of its first size and of the largest batch (CUDA graphs cover decode steps,
-        but eager steps of one token per adapter launch the same kernels)."""
+        """WARM_UP_STEPS, the new_kv prefill steps (_new_kv_warm_up_steps), and if the LoRA policy expands
+        with the one-token kernel (gemv_expand_min_tokens), a step of a slot per token of its first size and
+        of the largest batch (CUDA graphs cover decode steps, but eager steps of one token per adapter launch
+        the same kernels)."""
+        steps = WARM_UP_STEPS + self._new_kv_warm_up_steps(limits)
         first = self.lora.policy.gemv_expand_min_tokens if isinstance(self.lora, TritonLora) else None
         # A step has at most max_batch sequences and, with max_loras, at most that many adapter slots.
         largest = min(limits.max_batch, limits.max_loras or limits.max_batch)
         if first is None or first > largest:
-            return WARM_UP_STEPS
-        return WARM_UP_STEPS + tuple(WarmUpStep(n, 1, n) for n in sorted({first, largest}))
+            return steps
+        return steps + tuple(WarmUpStep(n, 1, n) for n in sorted({first, largest}))
+
+    def _new_kv_warm_up_steps(self, limits: GraphLimits) -> tuple[WarmUpStep, ...]:
+        """Steps of the Triton backend's new_kv_min_tokens prefill tokens, which read their K/V through the
+        prefill kernel of their own (smaller steps do not launch it): one sequence (row blocks of 64) and,
+        where the batch allows, more than one sequence per 64 tokens (row blocks of 32)."""
+        if not isinstance(self.attention, TritonAttention):
+            return ()
+        tokens = max(self.attention.new_kv_min_tokens, 1)
+        if cdiv(tokens, self.shape.page_size) > limits.max_blocks:
+            return ()      # no sequence is that long
+        seqs = tokens // 64 + 1
+        short = (WarmUpStep(seqs, cdiv(tokens, seqs), 1),) if 1 < seqs <= limits.max_batch else ()
+        return (WarmUpStep(1, tokens, 1),) + short
 
     def _warm_up_inputs(self, step: WarmUpStep, limits: GraphLimits, max_rank: int) -> StepBatch:
         """The step's sequences over `step.slots` adapters of rank 0 (sequence s on slot s % slots), K/V not

@@ -14,6 +14,7 @@ from slora import LLM, SamplingParams
 from slora.attention_backend import TritonAttention
 from slora.lora_backend import LoraLaunchPolicy, TritonLora
 from slora.cuda_graphs import GraphLimits
+from slora.kernels.layout import cdiv
 from slora.model_runner import WARM_UP_STEPS, WarmUpStep
 from slora.step_batch import step_max_rank
 from tiny import force_lora_deltas, random_prompts
@@ -153,6 +154,23 @@ def test_warm_up_runs_the_one_token_expand(tiny_llama):
     assert runner._warm_up_steps(dataclasses.replace(limits, max_loras=2)) == WARM_UP_STEPS
 
 
+def test_warm_up_launches_the_new_kv_kernel_in_both_row_blocks(tiny_llama):
+    """Steps below new_kv_min_tokens never launch the new_kv prefill kernel, so the warm-up adds steps of
+    that many tokens: one sequence (row blocks of 64) and more than one sequence per 64 tokens (blocks of
+    32), none longer than a sequence may be."""
+    llm = LLM(str(tiny_llama.model_dir), num_pages=64)
+    runner, limits = llm.engine.runner, _limits_for(llm)   # max_batch 4, max_blocks 8
+    runner.attention = TritonAttention(new_kv_min_tokens=100)
+    limits = dataclasses.replace(limits, max_blocks=cdiv(100, runner.shape.page_size))
+    extra = runner._warm_up_steps(limits)[len(WARM_UP_STEPS):]
+    assert extra == (WarmUpStep(1, 100, 1), WarmUpStep(2, 50, 1))
+    assert all(sum(step.lengths) >= 100 for step in extra)
+    # default_launch's rule on CUDA: row blocks of 64 when the step has 64 tokens per sequence, else 32.
+    assert [sum(step.lengths) >= 64 * step.seqs for step in extra] == [True, False]
+    assert runner._warm_up_steps(dataclasses.replace(limits, max_batch=1))[len(WARM_UP_STEPS):] == extra[:1]
+    assert runner._warm_up_steps(dataclasses.replace(limits, max_blocks=limits.max_blocks - 1)) == WARM_UP_STEPS
+
+
 @dataclasses.dataclass
 class WarmUpRun:
     """An engine's greedy tokens before and after runner.warm_up, and its pool before and after it."""
@@ -202,7 +220,8 @@ def triton_warm_up(tiny_llama) -> tuple[WarmUpRun, "VariantRecorder"]:
         for name, path in tiny_llama.adapters.items():
             llm.load_adapter(name, str(path))
         runner = llm.engine.runner
-        runner.attention, runner.lora = TritonAttention(), TritonLora()
+        # A threshold of 100 tokens keeps the new_kv warm-up steps small enough for the interpreter.
+        runner.attention, runner.lora = TritonAttention(new_kv_min_tokens=100), TritonLora()
         warm_up = _warm_up_run(llm, llm.engine.sizing.graph_limits(runner.shape), recorder)
     return warm_up, recorder
 

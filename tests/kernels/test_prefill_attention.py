@@ -93,6 +93,26 @@ def test_prefill_attention_leaves_rows_outside_the_sequences_alone():
     assert_close(out[2:], want[2:])
 
 
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_prefill_attention_leaves_whole_blocks_before_the_first_sequence_alone(new_kv):
+    """query_start_loc[0] = 37, past two whole row blocks of 16 (the interpreter's launch): those blocks
+    belong to no sequence, and write nothing."""
+    cases = [(0, 5), (4, 11)]
+    gen = make_generator(12)
+    kv = make_paged_kv([p + n for p, n in cases], 8, 1, 16, torch.float32, gen)
+    start_loc = torch.tensor([37, 42, 53], dtype=torch.int32)
+    query = randn((53, 2, 16), torch.float32, gen)
+    want = reference.prefill_attention(query[37:], kv.kv_pool, kv.block_tables, start_loc - 37, kv.context_lens,
+                                       8, 1, 0.25)
+    taken = take_new_kv(kv.kv_pool, kv.block_tables, cases, 8, 1) if new_kv else None
+    rows = None if taken is None else tuple(torch.cat([torch.zeros(37, *t.shape[1:]), t]) for t in taken)
+    out = torch.full_like(query, float("nan"))
+    prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens, 8, 1, 0.25, out=out,
+                      new_kv=rows)
+    assert out[:37].isnan().all()
+    assert_close(out[37:], want)
+
+
 @pytest.mark.parametrize("launch", [None, PrefillLaunch(16, 32, 4, 2)])
 def test_prefill_attention_new_kv_ignores_rows_past_the_sequences(launch):
     """The step's q/k/v buffers longer than its sequences (a bucket of a CUDA graph), the rows past them NaN:
