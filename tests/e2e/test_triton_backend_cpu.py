@@ -156,19 +156,28 @@ def test_warm_up_runs_the_one_token_expand(tiny_llama):
 
 def test_warm_up_launches_the_new_kv_kernel_in_both_row_blocks(tiny_llama):
     """Steps below new_kv_min_tokens never launch the new_kv prefill kernel, so the warm-up adds steps of
-    that many tokens: one sequence (row blocks of 64) and more than one sequence per 64 tokens (blocks of
-    32), none longer than a sequence may be."""
+    at least that many tokens: at least 64 tokens per sequence (row blocks of 64) and fewer (blocks of 32),
+    none longer than a sequence may be. A model shorter than new_kv_min_tokens still gets both: its longer
+    steps hold several sequences (the benchmarks' 1,025-token engine on 2,048-token steps)."""
     llm = LLM(str(tiny_llama.model_dir), num_pages=64)
     runner, limits = llm.engine.runner, _limits_for(llm)   # max_batch 4, max_blocks 8
     runner.attention = TritonAttention(new_kv_min_tokens=100)
-    limits = dataclasses.replace(limits, max_blocks=cdiv(100, runner.shape.page_size))
-    extra = runner._warm_up_steps(limits)[len(WARM_UP_STEPS):]
-    assert extra == (WarmUpStep(1, 100, 1), WarmUpStep(2, 50, 1))
-    assert all(sum(step.lengths) >= 100 for step in extra)
+    page = runner.shape.page_size
+    limits = dataclasses.replace(limits, max_blocks=cdiv(100, page))
+
+    def extra(**changes: int) -> tuple[WarmUpStep, ...]:
+        return runner._warm_up_steps(dataclasses.replace(limits, **changes))[len(WARM_UP_STEPS):]
+
+    assert extra() == (WarmUpStep(1, 100, 1), WarmUpStep(2, 63, 1))
+    assert all(sum(step.lengths) >= 100 for step in extra())
     # default_launch's rule on CUDA: row blocks of 64 when the step has 64 tokens per sequence, else 32.
-    assert [sum(step.lengths) >= 64 * step.seqs for step in extra] == [True, False]
-    assert runner._warm_up_steps(dataclasses.replace(limits, max_batch=1))[len(WARM_UP_STEPS):] == extra[:1]
-    assert runner._warm_up_steps(dataclasses.replace(limits, max_blocks=limits.max_blocks - 1)) == WARM_UP_STEPS
+    assert [sum(step.lengths) >= 64 * step.seqs for step in extra()] == [True, False]
+    assert extra(max_batch=1) == extra()[:1]
+    # Sequences of at most 80 tokens: two of 64 (128 >= 100 tokens) and two of 63.
+    assert extra(max_blocks=80 // page) == (WarmUpStep(2, 64, 1), WarmUpStep(2, 63, 1))
+    # Sequences of at most 48 tokens: no step has 64 tokens per sequence.
+    assert extra(max_blocks=48 // page) == (WarmUpStep(3, 48, 1),)
+    assert extra(max_blocks=48 // page, max_batch=2) == ()
 
 
 @dataclasses.dataclass

@@ -193,3 +193,26 @@ def test_prefill_attention_gpu_shapes(num_heads, num_kv_heads, head_dim):
     got, want = _run([(0, 100), (64, 64), (5, 1)], 16, num_heads, num_kv_heads, head_dim, torch.bfloat16,
                      seed=head_dim, device="cuda")
     assert_close(got, want)
+
+
+def _compiled_variants(kernel) -> int:
+    """How many variants a Triton kernel has compiled (its device caches' kernel caches, Triton 3.x)."""
+    caches = [entry[0] if isinstance(entry, tuple) else entry for entry in kernel.device_caches.values()]
+    return sum(len(cache) for cache in caches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_attention_new_kv_compiles_one_variant_for_any_token_count():
+    """The engine compiles the new_kv kernel in its warm-up, at one token count. A step of another count (odd,
+    or of another divisibility by 16) or of more sequences must launch that same variant: a new one would
+    compile in the middle of serving (seconds). The count reaches the kernel in its tensor descriptors'
+    shapes, so this holds only if Triton does not specialise those."""
+    from slora.kernels.prefill_attention import _prefill_new_kv_kernel
+
+    counts = []
+    for seed, cases in enumerate([[(0, 2048)], [(0, 2049)], [(0, 1000), (0, 1056)], [(0, 7), (0, 2050), (0, 3)]]):
+        got, want = _run(cases, 16, 32, 8, 128, torch.bfloat16, seed=seed, device="cuda", new_kv=True)
+        assert_close(got, want)
+        counts.append(_compiled_variants(_prefill_new_kv_kernel))
+    assert counts[0] >= 1 and counts == [counts[0]] * len(counts), counts
