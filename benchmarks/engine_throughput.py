@@ -25,16 +25,19 @@ CPU (or the 8B shape on CUDA), a few short requests per workload and 4 / 8 adapt
                                            [--alpha A] [--engine-arg KEY=VALUE ...] [--out FILE]
 """
 import argparse
+import cProfile
 import json
 import logging
+import pstats
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from common import (
@@ -53,6 +56,7 @@ from common import (
 from workloads import Request, slora_trace
 
 logger = logging.getLogger("benchmarks.engine_throughput")
+T = TypeVar("T")
 SEED = 42
 # S-LoRA's power-law exponent of its H100 breakdown suite (benchmarks/exp_suite.py); np.random.power(1) is
 # uniform, smaller values put more requests on the low adapter indices.
@@ -325,40 +329,77 @@ def gpu_kernels_per_step(step: Any, steps: int) -> list[dict[str, Any]]:
 
 def host_profile(step: Any, steps: int, top: int = 30) -> list[dict[str, Any]]:
     """The `top` functions by cumulative host time, per step."""
-    import cProfile
-    import pstats
-
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
         step()
     profiler.disable()
-    stats = pstats.Stats(profiler).stats                    # (file, line, name) -> (cc, nc, tottime, cumtime, _)
+    return function_rows(pstats.Stats(profiler), steps, "cumtime_ms_per_step", top)
+
+
+def function_rows(stats: pstats.Stats, steps: int, key: str, top: int) -> list[dict[str, Any]]:
+    """The `top` functions of `stats` by `key` (cumtime_ms_per_step or tottime_ms_per_step), per step."""
+    table = stats.stats                   # type: ignore[attr-defined]  # (file, line, name) -> (cc, nc, tt, ct, _)
     rows = [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": nc / steps,
              "tottime_ms_per_step": tt * 1e3 / steps, "cumtime_ms_per_step": ct * 1e3 / steps}
-            for (file, line, name), (_, nc, tt, ct, _) in stats.items()]
-    return sorted(rows, key=lambda r: -r["cumtime_ms_per_step"])[:top]
+            for (file, line, name), (_, nc, tt, ct, _) in table.items()]
+    return sorted(rows, key=lambda r: -r[key])[:top]
 
 
-def host_ms_by_kind(engine: Any, steps: int, device: str) -> dict[str, dict[str, float]]:
+def host_ms_by_kind(engine: Any, steps: int, device: str) -> dict[str, dict[str, Any]]:
     """The host's own work per step by the kind of step it launches (issue 22: a mixed step's no more
-    than a decode step's), without a profiler: each `engine.step()` starts on an idle GPU, so it never
-    waits. Under overlapped scheduling call i launches step i and takes step i-1's tokens, which is when
-    step i-1's kind is recorded; call i's time goes to step i's kind (it holds step i-1's output work)."""
-    times: dict[str, list[float]] = {}
-    previous: float | None = None
-    for _ in range(steps):
-        before = dict(engine.step_stats.steps)
-        synchronize(device)
-        start = time.perf_counter()
-        engine.step()
-        elapsed = time.perf_counter() - start
-        recorded = [kind for kind, n in engine.step_stats.steps.items() if n > before[kind]]
-        if previous is not None and len(recorded) == 1:
-            times.setdefault(recorded[0], []).append(previous)
-        previous = elapsed
+    than a decode step's), each `engine.step()` started on an idle GPU: `steps` calls timed plainly, then
+    `steps` more under cProfile, whose functions by own time say where it goes (a call that blocks on the
+    GPU, such as a full launch queue, shows there)."""
+    times = calls_by_kind(engine, steps, device, lambda: timed_call(engine.step))
+    profiles = calls_by_kind(engine, steps, device, lambda: profiled_call(engine.step))
     return {kind: {"steps": len(values), "median_ms": 1e3 * statistics.median(values),
-                   "mean_ms": 1e3 * statistics.fmean(values)} for kind, values in times.items()}
+                   "mean_ms": 1e3 * statistics.fmean(values),
+                   "top_own_time": function_rows(pstats.Stats(*profiles[kind]), len(profiles[kind]),
+                                                 "tottime_ms_per_step", 15) if profiles.get(kind) else []}
+            for kind, values in times.items()}
+
+
+def timed_call(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def profiled_call(call: Callable[[], object]) -> cProfile.Profile:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    call()
+    profiler.disable()
+    return profiler
+
+
+def calls_by_kind(engine: Any, steps: int, device: str, call: Callable[[], T]) -> dict[str, list[T]]:
+    """`steps` results of `call` (one `engine.step()` each, on an idle GPU) by the kind of step each
+    launched. Under overlapped scheduling call i launches step i and takes step i-1's tokens, which is when
+    step i-1's kind is recorded; call i's result goes to step i's kind (it holds step i-1's output work).
+    Steps with prefill rows are split by size: up to mixed_graph_tokens (graphed), and past them (eager)."""
+    results: dict[str, list[T]] = {}
+    previous: T | None = None
+    graph_tokens = engine.config.cuda.mixed_graph_tokens if device != "cpu" else 0
+    for _ in range(steps):
+        before_steps, before_tokens = dict(engine.step_stats.steps), dict(engine.step_stats.tokens)
+        synchronize(device)
+        result = call()
+        recorded = [kind for kind, n in engine.step_stats.steps.items() if n > before_steps[kind]]
+        if previous is not None and len(recorded) == 1:
+            tokens = engine.step_stats.tokens[recorded[0]] - before_tokens[recorded[0]]
+            results.setdefault(step_label(recorded[0], tokens, graph_tokens), []).append(previous)
+        previous = result
+    return results
+
+
+def step_label(kind: str, tokens: int, graph_tokens: int) -> str:
+    if kind == "decode":
+        return kind
+    if tokens <= graph_tokens:
+        return f"{kind}, graphed (<= {graph_tokens} tokens)"
+    return f"{kind}, eager (> {graph_tokens} tokens)"
 
 
 def result_row(load: Workload, settings: Settings, wall: float, warm_s: float,

@@ -9,7 +9,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 def load_benchmark(script: str, name: str) -> ModuleType:
     """benchmarks/<script> (a path under benchmarks/, such as "experiments/kernel_resources.py") loaded as
-    module `name`, registered in sys.modules (dataclasses look their module up by name)."""
+    module `name`, registered in sys.modules (dataclasses look their module up by name). benchmarks/ goes on
+    the path's end, as the scripts import their siblings (common, workloads) when run from there."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

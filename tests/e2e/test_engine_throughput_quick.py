@@ -64,3 +64,23 @@ def test_trace_row_matches_its_generator(result):
     assert row["prompt_tokens"] == sum(r.prompt_len for r in requests)
     assert row["adapters"] == len({r.adapter for r in requests})
     assert row["adapter_set"]["rank"] == 8 and row["adapter_set"]["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def test_host_time_by_kind_charges_each_call_to_the_step_it_launched():
+    """Call i launches step i and takes step i-1's tokens (which is when step i-1's kind is recorded): the
+    first call, which launched the prefill, is charged to the prefill, the next ones to decodes; the second
+    pass (under cProfile) names the functions of its decode calls."""
+    from slora import LLM, SamplingParams
+    from slora.builtin_models import TINY_MODEL
+
+    bench = load_benchmark("engine_throughput.py", "bench_engine_throughput")
+    engine = LLM(TINY_MODEL).engine
+    for i in range(2):
+        engine.add_request(f"r{i}", list(range(3, 23)), SamplingParams(max_tokens=8, temperature=0,
+                                                                         ignore_eos=True), stream=False)
+    by_kind = bench.host_ms_by_kind(engine, 3, "cpu")
+    assert {kind: row["steps"] for kind, row in by_kind.items()} == {"prefill, eager (> 0 tokens)": 1, "decode": 1}
+    assert by_kind["prefill, eager (> 0 tokens)"]["top_own_time"] == []      # the profiled pass had none
+    functions = [row["function"] for row in by_kind["decode"]["top_own_time"]]
+    assert functions and all(row["tottime_ms_per_step"] >= 0 for row in by_kind["decode"]["top_own_time"])
+    assert by_kind["decode"]["median_ms"] > 0
