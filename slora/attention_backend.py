@@ -1,5 +1,5 @@
 """Attention behind the model (DESIGN §4): torch references on the CPU, Triton kernels on CUDA."""
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -7,6 +7,9 @@ from torch import Tensor
 from slora.kernels import reference
 from slora.lora_backend import LoraBackend, LoraLaunchPolicy, ReferenceLora, TritonLora
 from slora.step_batch import StepBatch
+
+if TYPE_CHECKING:
+    from slora.mixed_graphs import AttentionInputs
 
 
 class AttentionBackend(Protocol):
@@ -88,6 +91,19 @@ class TritonAttention:
         return self._prefill(query, kv_pool, batch.block_tables[decodes:], batch.query_start_loc[decodes:],
                              batch.context_lens[decodes:], batch.page_size, num_kv_heads, scale, out=out,
                              new_kv=own_rows)
+
+
+    def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, inputs: "AttentionInputs",
+                        num_kv_heads: int, scale: float, out: Tensor) -> Tensor:
+        """A step with prefill rows inside a bucket's CUDA graph (slora.mixed_graphs), every grid the
+        bucket's: the decode kernel over its first `seqs` rows, with context only on the step's decode rows
+        (zeros on the others, which the prefill kernel then overwrites where they are the step's), then the
+        prefill kernel over its `seqs` sequences, of which the decode ones and those past the step are empty."""
+        seqs = batch.context_lens.shape[0]
+        self._paged(query[:seqs], kv_pool, batch.block_tables, inputs.decode_context_lens, batch.page_size,
+                    num_kv_heads, scale, num_splits=1, out=out[:seqs], pdl=self.pdl)
+        return self._prefill(query, kv_pool, batch.block_tables, inputs.prefill_start_loc, batch.context_lens,
+                             batch.page_size, num_kv_heads, scale, out=out)
 
 
 def backends_for(device: torch.device, pdl: bool = False, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()

@@ -36,8 +36,8 @@ class CudaConfig:
                                          "sized for that many, with fewer LoRA programs (0: never)")
     lora_side_stream: bool = _option(True, "in decode graphs each LoRA runs on a second stream beside its base "
                                            "GEMM, its delta added by the next op")
-    mixed_graph_tokens: int = _option(512, "steps with prefill rows of at most this many tokens replay piecewise "
-                                           "CUDA graphs, attention run eagerly between the pieces (0: never)")
+    mixed_graph_tokens: int = _option(512, "steps with prefill rows of at most this many tokens replay a CUDA "
+                                           "graph of their token bucket, attention included (0: never)")
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -41,8 +41,8 @@ class GraphLimits:
     # Each group's LoRA runs on a second stream while its base GEMM runs, as a delta that the op reading the
     # projection adds (LoraStep.deltas).
     lora_side_stream: bool = True
-    # Steps with prefill rows of at most this many tokens replay piecewise graphs (slora.piecewise_graphs; 0:
-    # none).
+    # Steps with prefill rows of at most this many tokens replay graphs of their token bucket
+    # (slora.mixed_graphs; 0: none).
     mixed_tokens: int = 0
 
     def lora_slots(self, batch_size: int, few: bool = False) -> int:

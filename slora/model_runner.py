@@ -14,8 +14,8 @@ from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.device_copy import tensor_on, to_device
 from slora.kernels.layout import cdiv
 from slora.lora_backend import LoraLaunchPolicy, TritonLora
+from slora.mixed_graphs import MixedGraphs
 from slora.models.registry import CausalLM
-from slora.piecewise_graphs import PiecewiseGraphs
 from slora.scheduler import ScheduledSeq, SchedulerOutput
 from slora.step_batch import RANK_ALIGN, LoraTables, StepAdapters, StepBatch, TokenFeed, step_max_rank
 
@@ -70,15 +70,16 @@ class ModelRunner:
                                 device=device)  # [layers, pages, page_elems]
         self.attention, self.lora = backends_for(device, pdl, lora_policy)
         self.graphs: DecodeGraphs | None = None
-        self.pieces: PiecewiseGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         if graph_limits is not None and device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.pool, self.attention, self.lora, shape.page_size,
                                        graph_limits)
             self.graphs.capture()
             if graph_limits.mixed_tokens > 0:
-                self.pieces = PiecewiseGraphs(model, self.pool, self.attention, self.lora, shape.page_size,
-                                              graph_limits)
-                self.pieces.capture()
+                assert isinstance(self.attention, TritonAttention), "CUDA runs the Triton attention"
+                self.mixed_graphs = MixedGraphs(model, self.pool, self.attention, self.lora, shape.page_size,
+                                                graph_limits)
+                self.mixed_graphs.capture()
             self.warm_up(graph_limits)
 
     @torch.inference_mode()
@@ -200,10 +201,10 @@ class ModelRunner:
         if bucket is not None:
             assert self.graphs is not None
             return self.graphs.replay(bucket, host, len(scheduled), feed)
-        if self.pieces is not None and host.max_query_len > 1:
-            bucket = self.pieces.fits(host, len(scheduled))
+        if self.mixed_graphs is not None and host.max_query_len > 1:
+            bucket = self.mixed_graphs.fits(host, len(scheduled))
             if bucket is not None:
-                return self.pieces.replay(bucket, host, feed)
+                return self.mixed_graphs.replay(bucket, host, feed)
         return self.forward(host, feed)
 
     def inputs_for(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> StepBatch:

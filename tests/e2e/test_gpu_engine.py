@@ -221,29 +221,29 @@ def staggered_tokens(llm: LLM, prompts, names, params=GREEDY) -> list[list[int]]
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_piecewise_graphs_match_eager_steps(tiny_llama, monkeypatch):
-    """Mixed and prefill steps of up to mixed_graph_tokens tokens replay the piecewise graphs: the same
+def test_mixed_step_graphs_match_eager_steps(tiny_llama, monkeypatch):
+    """Mixed and prefill steps of up to mixed_graph_tokens tokens replay their bucket's graph: the same
     greedy tokens as eager steps (float32), with adapters of every rank and base rows beside them, decodes
     beside new prompts, and a 700-token prompt whose chunks go past the largest bucket (eager)."""
-    from slora.piecewise_graphs import PiecewiseGraphs
+    from slora.mixed_graphs import MixedGraphs
     buckets = []
-    replay = PiecewiseGraphs.replay
-    monkeypatch.setattr(PiecewiseGraphs, "replay",
+    replay = MixedGraphs.replay
+    monkeypatch.setattr(MixedGraphs, "replay",
                         lambda self, bucket, host, feed: (buckets.append(bucket), replay(self, bucket, host, feed))[1])
     prompts = random_prompts([1, 9, 16, 17, 40, 100, 3, 64, 300, 700, 5, 250], seed=23)
     names = (NAMES * 2)[:len(prompts)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     eager = make_llm(tiny_llama, device="cuda", dtype="float32", cuda=CudaConfig(enforce_eager=True))
     want = staggered_tokens(eager, prompts, names, params)
-    assert not buckets and eager.engine.runner.pieces is None
+    assert not buckets and eager.engine.runner.mixed_graphs is None
     llm = make_llm(tiny_llama, device="cuda", dtype="float32", max_num_batched_tokens=640)
-    assert llm.engine.runner.pieces is not None and llm.engine.runner.pieces.buckets[-1] == 512
+    assert llm.engine.runner.mixed_graphs is not None and llm.engine.runner.mixed_graphs.buckets[-1] == 512
     assert staggered_tokens(llm, prompts, names, params) == want
     assert len(set(buckets)) >= 3, buckets                 # several buckets, with and without adapters
 
 
-def test_piecewise_graphs_switch_off(tiny_llama):
+def test_mixed_step_graphs_switch_off(tiny_llama):
     llm = make_llm(tiny_llama, device="cuda", dtype="float32", cuda=CudaConfig(mixed_graph_tokens=0))
-    assert llm.engine.runner.pieces is None and llm.engine.runner.graphs is not None
+    assert llm.engine.runner.mixed_graphs is None and llm.engine.runner.graphs is not None
     prompts = random_prompts([9, 40, 3], seed=24)
     assert tokens(llm, prompts, NAMES[:3]) == tokens(make_llm(tiny_llama), prompts, NAMES[:3])

@@ -1,6 +1,8 @@
 """The Triton attention backend of a mixed step (its leading one-token rows through the decode kernel, the
 rest through the prefill kernel) against the reference backend, which runs every row through the reference
 prefill attention."""
+import dataclasses
+
 import pytest
 import torch
 from kernel_helpers import assert_close, make_generator, make_paged_kv, randn, take_new_kv
@@ -62,3 +64,34 @@ def test_a_step_below_new_kv_min_tokens_reads_its_keys_back_from_the_pages():
 def test_new_kv_min_tokens_must_not_be_negative():
     with pytest.raises(ValueError, match="new_kv_min_tokens must be >= 0"):
         TritonAttention(new_kv_min_tokens=-1)
+
+
+@pytest.mark.parametrize("cases,num_decodes", [
+    ([(9, 1), (30, 1), (0, 12), (17, 5)], 2),
+    ([(0, 20), (3, 9)], 0),                       # no decode rows: the decode kernel's rows all empty
+    ([(5, 1), (0, 7), (11, 1)], 1),               # a one-token row after the first prefill row
+])
+def test_attention_in_a_bucket_graph_reads_only_the_steps_rows(cases, num_decodes):
+    """A bucket's graph (slora.mixed_graphs) launches attention over the bucket's tokens and sequences, not
+    the step's: the rows and sequences past the step hold stale tables and NaN queries. The step's rows
+    match the reference; the bucket's first `seqs` rows past them get zeros, the rest keep `out`'s zeros."""
+    from slora.mixed_graphs import attention_inputs
+
+    gen = make_generator(20 + len(cases))
+    batch, pool = _batch(cases, 8, num_decodes, gen, num_kv_heads=2, head_dim=16)
+    tokens, count = batch.input_ids.shape[0], len(cases)
+    query = randn((tokens, 4, 16), torch.float32, gen)
+    want = ReferenceAttention().attend(query, (query[:, :2], query[:, :2]), pool, batch, 2, 0.25)
+    bucket_tokens, seqs = tokens + 13, count + 3
+    padded_query = torch.cat([query, torch.full((bucket_tokens - tokens, 4, 16), float("nan"))])
+    stale = torch.randint(1, pool.shape[0], (seqs - count, batch.block_tables.shape[1]), generator=gen,
+                          dtype=torch.int32)
+    bucket = dataclasses.replace(batch, block_tables=torch.cat([batch.block_tables, stale]),
+                                 context_lens=torch.cat([batch.context_lens, torch.full((seqs - count,), 40,
+                                                                                        dtype=torch.int32)]))
+    inputs = attention_inputs(batch, seqs)
+    out = torch.zeros_like(padded_query)
+    got = TritonAttention().attend_in_graph(padded_query, pool, bucket, inputs, 2, 0.25, out)
+    assert got is out
+    assert_close(got[:tokens], want)
+    assert got[tokens:].eq(0).all()

@@ -1,0 +1,179 @@
+"""Steps with prefill rows, of up to `max_tokens` tokens, replayed from one CUDA graph per token-count bucket,
+attention included.
+
+A bucket's graph holds the whole forward, from the embedding to the logits. Its inputs live in static
+buffers as in the decode graphs (`slora.cuda_graphs`): padding tokens have slot -1 (their K/V are not
+stored) and no adapter, and their rows are never sampled. Attention launches with grids that follow the
+bucket, not the step (AttentionInputs): the decode kernel over the bucket's first `seqs` rows, with a
+context length only on the step's decode rows (the others cost it nothing), then the prefill kernel over
+`seqs` sequences, of which the decode ones and those past the step are empty.
+"""
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from slora import step_batch
+from slora.cuda_graphs import GraphLimits
+from slora.device_copy import copy_from_host
+from slora.lora_backend import LoraBackend
+from slora.models.registry import CausalLM
+from slora.step_batch import StepBatch, TokenFeed
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE as MemPool  # what torch.cuda.graph_pool_handle() returns
+
+logger = logging.getLogger(__name__)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, then multiples of 64, and max_tokens itself: every step up to max_tokens has a bucket."""
+    candidates = [16, 32, *range(64, max_tokens, 64), max_tokens]
+    return sorted({b for b in candidates if b <= max_tokens})
+
+
+class AttentionInputs(NamedTuple):
+    """What a bucket's attention reads besides the step's batch, in static buffers."""
+    decode_context_lens: Tensor        # [seqs] int32: a decode row's context length, 0 on every other row
+    prefill_start_loc: Tensor          # [seqs + 1] int32: query_start_loc with the decode sequences empty
+
+
+def attention_inputs(host: StepBatch, seqs: int) -> AttentionInputs:
+    """A step's AttentionInputs for a bucket of `seqs` sequences, on the host: the decode sequences start
+    where the first prefill row does, and the sequences past the step where it ends, so both are empty."""
+    decodes, count = host.num_decodes, host.context_lens.shape[0]
+    context_lens = torch.zeros(seqs, dtype=torch.int32)
+    context_lens[:decodes] = host.context_lens[:decodes]
+    starts = torch.full((seqs + 1,), int(host.query_start_loc[count]), dtype=torch.int32)
+    starts[:decodes + 1] = host.query_start_loc[decodes]
+    starts[decodes + 1:count + 1] = host.query_start_loc[decodes + 1:]
+    return AttentionInputs(context_lens, starts)
+
+
+class BucketAttention(Protocol):
+    """The attention a bucket's graph is captured with (slora.attention_backend.TritonAttention)."""
+
+    pdl: bool
+
+    def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
+                 page_size: int) -> None: ...
+
+    def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, inputs: AttentionInputs,
+                        num_kv_heads: int, scale: float, out: Tensor) -> Tensor: ...
+
+
+@dataclass
+class BucketGraph:
+    """A bucket's captured forward, its static inputs and its logits."""
+    graph: torch.cuda.CUDAGraph
+    batch: StepBatch                   # the bucket's static inputs
+    inputs: AttentionInputs
+    logits: Tensor                     # [bucket sequences, vocab]
+
+
+class _BucketModelAttention:
+    """The attention backend a bucket's forward runs the model with: every call reads the bucket's
+    AttentionInputs, so that its grids follow the bucket."""
+
+    def __init__(self, attention: BucketAttention, inputs: AttentionInputs) -> None:
+        self.attention, self.inputs, self.pdl = attention, inputs, attention.pdl
+
+    def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, page_size: int) -> None:
+        self.attention.store_kv(key, value, kv_pool, slot_mapping, page_size)
+
+    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
+               num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
+        assert out is None, "the model passes no attention output buffer"
+        # Zeros: attention writes only the step's rows, and the padding rows' stay finite.
+        out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)   # [tokens, heads, head_dim]
+        return self.attention.attend_in_graph(query, kv_pool, batch, self.inputs, num_kv_heads, scale, out)
+
+
+class MixedGraphs:
+    """The graphs of every token bucket up to limits.mixed_tokens, with and without LoRA, over one set of
+    static inputs sized for the largest bucket (its sequences and adapter slots as the limits bound them)."""
+
+    def __init__(self, model: CausalLM, pool: Tensor, attention: BucketAttention, lora: LoraBackend,
+                 page_size: int, limits: GraphLimits) -> None:
+        assert limits.mixed_tokens > 0, "no mixed-step graphs without steps for them"
+        self.model, self.pool, self.attention, self.lora, self.limits = model, pool, attention, lora, limits
+        self.buckets = token_buckets(limits.mixed_tokens)
+        largest = self.buckets[-1]
+        self.static = step_batch.empty(self._sizes(largest), pool.device, page_size, limits.max_lora_rank)
+        seqs = self.seqs(largest)
+        self.static_inputs = AttentionInputs(torch.zeros(seqs, dtype=torch.int32, device=pool.device),
+                                             torch.zeros(seqs + 1, dtype=torch.int32, device=pool.device))
+        self.graphs: dict[tuple[int, bool], BucketGraph] = {}   # (bucket tokens, with LoRA) -> its graph
+
+    def seqs(self, tokens: int) -> int:
+        """The most sequences a step of this many tokens has."""
+        return min(tokens, self.limits.max_batch)
+
+    def lora_slots(self, tokens: int) -> int:
+        """The adapter slots of a bucket's LoRA tables."""
+        return self.limits.lora_slots(self.seqs(tokens))
+
+    def _sizes(self, tokens: int) -> dict[str, int]:
+        return {**self.limits.sizes(self.seqs(tokens), self.lora_slots(tokens)), "tokens": tokens}
+
+    def capture(self) -> None:
+        """Capture every bucket, with and without LoRA, largest first, sharing one memory pool."""
+        mempool = torch.cuda.graph_pool_handle()
+        for tokens in reversed(self.buckets):
+            for with_lora in (False, True):
+                self.graphs[(tokens, with_lora)] = self._capture(tokens, with_lora, mempool)
+        torch.cuda.synchronize(self.pool.device)
+        logger.info("captured %d mixed-step graphs for steps of up to %s tokens", len(self.graphs),
+                    self.buckets[-1])
+
+    def _capture(self, tokens: int, with_lora: bool, mempool: "MemPool") -> BucketGraph:
+        batch = step_batch.view(self.static, self._sizes(tokens), with_lora)
+        seqs = self.seqs(tokens)
+        inputs = AttentionInputs(self.static_inputs.decode_context_lens[:seqs],
+                                 self.static_inputs.prefill_start_loc[:seqs + 1])
+        self._record(batch, inputs)                 # compiles the kernels outside the capture
+        torch.cuda.synchronize(self.pool.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool):
+            logits = self._record(batch, inputs)
+        return BucketGraph(graph, batch, inputs, logits)
+
+    def _record(self, batch: StepBatch, inputs: AttentionInputs) -> Tensor:
+        lora = None if batch.lora is None else self.lora.step(batch.lora)
+        return self.model(batch, self.pool, _BucketModelAttention(self.attention, inputs), lora)
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def fits(self, host: StepBatch, num_seqs: int) -> int | None:
+        """The bucket of a step with prefill rows that a bucket's graph can run, or None: every sampled row is a
+        sequence's last (no prompt-logprob rows), and its tables fit the static buffers."""
+        bucket = self.bucket_for(host.input_ids.shape[0])
+        if bucket is None or len(host.sample_indices) > num_seqs:
+            return None
+        return bucket if self.limits.holds(host, self.lora_slots(bucket)) else None
+
+    @torch.inference_mode()
+    def replay(self, bucket: int, host: StepBatch, feed: TokenFeed | None) -> Tensor:
+        """Copy the step into the bucket's static inputs, then replay its graph; logits `[sampled, vocab]`."""
+        captured = self.graphs[(bucket, host.lora is not None)]
+        self.stage(captured, host, feed)
+        captured.graph.replay()
+        return captured.logits[:len(host.sample_indices)]
+
+    @staticmethod
+    def stage(captured: BucketGraph, host: StepBatch, feed: TokenFeed | None) -> None:
+        """Copy a step into a bucket's static inputs (its pending input ids fed on the device)."""
+        static = captured.batch
+        host.copy_into(static)
+        # The sampled rows and query_start_loc are aranges in static buffers (the decode graphs' use); here they
+        # are the step's. The sampled rows past the step's read row 0, inside every bucket.
+        static.sample_indices.zero_()
+        copy_from_host(static.sample_indices[:len(host.sample_indices)], host.sample_indices)
+        copy_from_host(static.query_start_loc[:len(host.query_start_loc)], host.query_start_loc)
+        seqs = captured.inputs.decode_context_lens.shape[0]
+        for target, source in zip(captured.inputs, attention_inputs(host, seqs)):
+            copy_from_host(target, source)
+        step_batch.feed_tokens(static, feed)

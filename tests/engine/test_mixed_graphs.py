@@ -1,0 +1,100 @@
+"""The parts of the mixed-step graphs (slora.mixed_graphs) that need no GPU: the token buckets, which
+steps the graphs take, what a step is staged as, and the switch. Capture and replay against eager steps: tests/e2e/test_gpu_engine.py."""
+import dataclasses
+
+import pytest
+import torch
+
+from slora import step_batch
+from slora.config import CudaConfig
+from slora.cuda_graphs import GraphLimits
+from slora.mixed_graphs import AttentionInputs, BucketGraph, MixedGraphs, attention_inputs, token_buckets
+
+LIMITS = GraphLimits(max_batch=8, max_blocks=4, max_adapter_pages=3, max_lora_rank=16, num_layers=2,
+                     num_lora_modules=7, max_loras=2, mixed_tokens=200)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 16, 50, 64, 200, 512])
+def test_every_step_up_to_max_tokens_has_a_bucket(max_tokens):
+    buckets = token_buckets(max_tokens)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
+    assert all(any(b >= size for b in buckets) for size in range(1, max_tokens + 1))
+    # ...padded to at most twice its size, and past 64 tokens by fewer than 64.
+    assert all(min(b for b in buckets if b >= n) <= max(min(2 * n, n + 63), 16) for n in range(1, max_tokens + 1))
+
+
+def test_mixed_graph_tokens_is_validated():
+    assert CudaConfig().mixed_graph_tokens > 0                       # on by default
+    assert CudaConfig(mixed_graph_tokens=0).mixed_graph_tokens == 0  # the switch
+    with pytest.raises(ValueError, match="mixed_graph_tokens must be >= 0"):
+        CudaConfig(mixed_graph_tokens=-1)
+
+
+def _graphs() -> MixedGraphs:
+    """Graphs over a CPU pool, not captured: fits() reads only the step's host tables."""
+    return MixedGraphs(torch.nn.Module(), torch.zeros(2, 10, 8), None, None, 16, LIMITS)
+
+
+def _step(tokens: int, seqs: int, width: int = 2, samples: int | None = None, slots: int = 0,
+          adapter_pages: int = 1) -> step_batch.StepBatch:
+    sizes = {"tokens": tokens, "seqs": seqs, "pages": width, "slots": slots, "adapter_pages": adapter_pages,
+             "layers": 2, "modules": 7}
+    batch = step_batch.empty(sizes, torch.device("cpu"), 16, 16, with_lora=slots > 0)
+    return dataclasses.replace(batch, sample_indices=torch.zeros(seqs if samples is None else samples,
+                                                                 dtype=torch.long))
+
+
+def test_steps_the_graphs_take_and_those_they_leave_to_eager():
+    graphs = _graphs()
+    assert graphs.buckets == [16, 32, 64, 128, 192, 200]
+    assert graphs.seqs(16) == 8 and graphs.lora_slots(16) == 2 and graphs.seqs(200) == 8
+    assert graphs.fits(_step(10, 3), 3) == 16
+    assert graphs.fits(_step(65, 3), 3) == 128
+    assert graphs.fits(_step(200, 8, slots=2), 8) == 200
+    assert graphs.fits(_step(201, 3), 3) is None                    # more tokens than the largest bucket
+    assert graphs.fits(_step(30, 3, samples=5), 3) is None          # prompt-logprob rows
+    assert graphs.fits(_step(30, 3, width=5), 3) is None            # a block table wider than the buffers'
+    assert graphs.fits(_step(30, 3, slots=3), 3) is None            # more adapters than the graphs' slots
+    assert graphs.fits(_step(30, 3, slots=1, adapter_pages=4), 3) is None   # an adapter wider than the buffers'
+
+
+def _host_step() -> step_batch.StepBatch:
+    """Two decode rows, then a 8-token prompt."""
+    int32 = torch.int32
+    return dataclasses.replace(
+        _step(10, 3), input_ids=torch.arange(10) + 100, block_tables=torch.tensor([[3, 4], [5, 0], [6, 8]], dtype=int32),
+        query_start_loc=torch.tensor([0, 1, 2, 10], dtype=int32), context_lens=torch.tensor([20, 9, 8], dtype=int32),
+        sample_indices=torch.tensor([0, 1, 9]), max_query_len=8, max_context_len=20, num_decodes=2)
+
+
+def test_attention_inputs_leave_the_decode_sequences_and_those_past_the_step_empty():
+    """The decode kernel sees context only on the decode rows; the prefill kernel's sequences start as the
+    step's do but for the decode ones, which start (and end) at the first prefill row, and those past the
+    step, which start at its end."""
+    inputs = attention_inputs(_host_step(), 6)
+    assert inputs.decode_context_lens.tolist() == [20, 9, 0, 0, 0, 0]
+    assert inputs.prefill_start_loc.tolist() == [2, 2, 2, 10, 10, 10, 10]
+    none = attention_inputs(dataclasses.replace(_host_step(), num_decodes=0), 3)
+    assert none.decode_context_lens.tolist() == [0, 0, 0] and none.prefill_start_loc.tolist() == [0, 1, 2, 10]
+
+
+def test_a_step_staged_into_a_bucket_is_what_its_graph_reads():
+    """stage() copies a step into a bucket's static inputs (the rest of the bucket padded or stale): the
+    step's rows, its query starts, its sampled rows and then row 0, and its attention inputs."""
+    graphs = _graphs()
+    static = step_batch.view(graphs.static, graphs._sizes(32), with_lora=False)
+    static.query_start_loc.fill_(7)
+    static.sample_indices.fill_(9)                                    # a larger step's, before
+    seqs = graphs.seqs(32)
+    inputs = AttentionInputs(graphs.static_inputs.decode_context_lens[:seqs].fill_(5),
+                             graphs.static_inputs.prefill_start_loc[:seqs + 1].fill_(5))
+    host = _host_step()
+    feed = step_batch.TokenFeed(torch.tensor([1]), torch.tensor([55]))
+    graphs.stage(BucketGraph(None, static, inputs, torch.zeros(0)), host, feed)
+    assert torch.equal(static.block_tables[:3, :2], host.block_tables)
+    assert static.context_lens[:3].tolist() == [20, 9, 8] and static.query_start_loc[:4].tolist() == [0, 1, 2, 10]
+    assert static.sample_indices.tolist() == [0, 1, 9] + [0] * 5
+    assert static.input_ids[:10].tolist() == [100, 55, *range(102, 110)]      # row 1 fed on the device
+    assert static.slot_mapping[10:].eq(-1).all()                              # padding rows store no K/V
+    for got, want in zip(inputs, attention_inputs(host, seqs)):
+        assert torch.equal(got, want)
