@@ -381,7 +381,8 @@ def calls_by_kind(engine: Any, steps: int, device: str, call: Callable[[], T]) -
     Steps with prefill rows are split by size: up to mixed_graph_tokens (graphed), and past them (eager)."""
     results: dict[str, list[T]] = {}
     previous: T | None = None
-    graph_tokens = engine.config.cuda.mixed_graph_tokens if device != "cpu" else 0
+    cuda = engine.config.cuda
+    graph_tokens = 0 if device == "cpu" or cuda.enforce_eager else cuda.mixed_graph_tokens
     for _ in range(steps):
         before_steps, before_tokens = dict(engine.step_stats.steps), dict(engine.step_stats.tokens)
         synchronize(device)

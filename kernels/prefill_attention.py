@@ -41,7 +41,9 @@ class PrefillLaunch(NamedTuple):
 
 # On CUDA: blocks of 64 queries, or 32 when the sequences are short (fewer padded rows); with the new
 # tokens' K/V in rows of their own, three stages (faster on the H200: benchmarks/HISTORY.md).
-_LAUNCH = PrefillLaunch(block_m=64, block_n=64, num_warps=4, num_stages=2)
+# default_launch takes row blocks of LONG_BLOCK_M when a step has that many new tokens per sequence.
+LONG_BLOCK_M = 64
+_LAUNCH = PrefillLaunch(block_m=LONG_BLOCK_M, block_n=64, num_warps=4, num_stages=2)
 _SHORT_LAUNCH = _LAUNCH._replace(block_m=32)
 # The interpreter pays for every padded row.
 _INTERPRETER_LAUNCH = _LAUNCH._replace(block_m=16)

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from slora.kernels import reference
+from slora.kernels.layout import cdiv
 from slora.lora_backend import LoraBackend, LoraLaunchPolicy, ReferenceLora, TritonLora
 from slora.step_batch import StepBatch
 
@@ -57,13 +58,14 @@ class TritonAttention:
 
     def __init__(self, pdl: bool = False, new_kv_min_tokens: int = NEW_KV_MIN_TOKENS) -> None:
         from slora.kernels.paged_attention import paged_attention
-        from slora.kernels.prefill_attention import prefill_attention
+        from slora.kernels.prefill_attention import LONG_BLOCK_M, prefill_attention
         from slora.kernels.store_kv import store_kv
         if new_kv_min_tokens < 0:
             raise ValueError(f"new_kv_min_tokens must be >= 0, got {new_kv_min_tokens}")
         self._paged, self._prefill, self._store = paged_attention, prefill_attention, store_kv
         self.pdl = pdl   # the model's kernels use programmatic dependent launch (slora.kernels.pdl)
         self.new_kv_min_tokens = new_kv_min_tokens
+        self._long_block_m = LONG_BLOCK_M
 
     def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
                  page_size: int) -> None:
@@ -92,6 +94,16 @@ class TritonAttention:
                              batch.context_lens[decodes:], batch.page_size, num_kv_heads, scale, out=out,
                              new_kv=own_rows)
 
+    def new_kv_step_shapes(self, longest: int, max_batch: int) -> tuple[tuple[int, int], ...]:
+        """(sequences, tokens each) of prefill steps that launch the new_kv kernel in both of its row
+        blocks, for the engine's warm-up: at least LONG_BLOCK_M tokens per sequence over as few sequences
+        as the longest allowed one needs, and fewer per sequence; each where `max_batch` sequences of at
+        most `longest` tokens allow it."""
+        tokens, rows = max(self.new_kv_min_tokens, 1), self._long_block_m
+        seqs = cdiv(tokens, longest)
+        short_each = min(rows - 1, longest)
+        shapes = ((seqs, max(rows, cdiv(tokens, seqs))), (cdiv(tokens, short_each), short_each))
+        return tuple((n, each) for n, each in shapes if n <= max_batch and each <= longest)
 
     def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, inputs: "AttentionInputs",
                         num_kv_heads: int, scale: float, out: Tensor) -> Tensor:

@@ -107,19 +107,13 @@ class ModelRunner:
 
     def _new_kv_warm_up_steps(self, limits: GraphLimits) -> tuple[WarmUpStep, ...]:
         """Steps of at least the Triton backend's new_kv_min_tokens prefill tokens, which read their K/V
-        through the prefill kernel of their own (smaller steps do not launch it), in both of its row blocks:
-        64 (at least 64 tokens per sequence, as few sequences as the longest allows) and 32 (fewer), each
-        where the batch and the longest sequence allow it."""
+        through the prefill kernel of their own (smaller steps do not launch it), in both of its row blocks
+        (TritonAttention.new_kv_step_shapes)."""
         if not isinstance(self.attention, TritonAttention):
             return ()
-        tokens = max(self.attention.new_kv_min_tokens, 1)
         longest = limits.max_blocks * self.shape.page_size
-        seqs = cdiv(tokens, longest)
-        blocks_of_64 = WarmUpStep(seqs, max(64, cdiv(tokens, seqs)), 1)
-        short_each = min(63, longest)
-        blocks_of_32 = WarmUpStep(cdiv(tokens, short_each), short_each, 1)
-        return tuple(step for step in (blocks_of_64, blocks_of_32)
-                     if step.seqs <= limits.max_batch and step.tokens_each <= longest)
+        return tuple(WarmUpStep(seqs, each, 1)
+                     for seqs, each in self.attention.new_kv_step_shapes(longest, limits.max_batch))
 
     def _warm_up_inputs(self, step: WarmUpStep, limits: GraphLimits, max_rank: int) -> StepBatch:
         """The step's sequences over `step.slots` adapters of rank 0 (sequence s on slot s % slots), K/V not

@@ -82,7 +82,9 @@ def test_attention_in_a_bucket_graph_reads_only_the_steps_rows(cases, num_decode
     tokens, count = batch.input_ids.shape[0], len(cases)
     query = randn((tokens, 4, 16), torch.float32, gen)
     want = ReferenceAttention().attend(query, (query[:, :2], query[:, :2]), pool, batch, 2, 0.25)
-    bucket_tokens, seqs = tokens + 13, count + 3
+    # More sequence slots than the step has tokens (as a 16-token bucket for a 10-token step): rows past the
+    # step reach the decode kernel, whose stale context lengths (40 here) it must not read.
+    bucket_tokens, seqs = tokens + 13, tokens + 2
     padded_query = torch.cat([query, torch.full((bucket_tokens - tokens, 4, 16), float("nan"))])
     stale = torch.randint(1, pool.shape[0], (seqs - count, batch.block_tables.shape[1]), generator=gen,
                           dtype=torch.int32)
