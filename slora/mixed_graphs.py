@@ -40,16 +40,29 @@ class AttentionInputs(NamedTuple):
     prefill_start_loc: Tensor          # [seqs + 1] int32: query_start_loc with the decode sequences empty
 
 
-def attention_inputs(host: StepBatch, seqs: int) -> AttentionInputs:
-    """A step's AttentionInputs for a bucket of `seqs` sequences, on the host: the decode sequences start
-    where the first prefill row does, and the sequences past the step where it ends, so both are empty."""
+def packed_attention_inputs(host: StepBatch, seqs: int) -> Tensor:
+    """A step's AttentionInputs for a bucket of `seqs` sequences, on the host, in one `[2 * seqs + 1]` int32
+    tensor (one copy to the device): the decode sequences start where the first prefill row does, and the
+    sequences past the step where it ends, so both are empty."""
     decodes, count = host.num_decodes, host.context_lens.shape[0]
-    context_lens = torch.zeros(seqs, dtype=torch.int32)
+    packed = torch.zeros(2 * seqs + 1, dtype=torch.int32)
+    context_lens, starts = split_attention_inputs(packed)
     context_lens[:decodes] = host.context_lens[:decodes]
-    starts = torch.full((seqs + 1,), int(host.query_start_loc[count]), dtype=torch.int32)
+    starts.fill_(int(host.query_start_loc[count]))
     starts[:decodes + 1] = host.query_start_loc[decodes]
     starts[decodes + 1:count + 1] = host.query_start_loc[decodes + 1:]
-    return AttentionInputs(context_lens, starts)
+    return packed
+
+
+def split_attention_inputs(packed: Tensor) -> AttentionInputs:
+    """The AttentionInputs that a packed `[2 * seqs + 1]` tensor holds, as views of it."""
+    seqs = (packed.shape[0] - 1) // 2
+    return AttentionInputs(packed[:seqs], packed[seqs:])
+
+
+def attention_inputs(host: StepBatch, seqs: int) -> AttentionInputs:
+    """packed_attention_inputs, as its two views."""
+    return split_attention_inputs(packed_attention_inputs(host, seqs))
 
 
 class BucketAttention(Protocol):
@@ -69,7 +82,7 @@ class BucketGraph:
     """A bucket's captured forward, its static inputs and its logits."""
     graph: torch.cuda.CUDAGraph
     batch: StepBatch                   # the bucket's static inputs
-    inputs: AttentionInputs
+    packed_inputs: Tensor              # [2 * bucket sequences + 1] int32: its AttentionInputs (packed_attention_inputs)
     logits: Tensor                     # [bucket sequences, vocab]
 
 
@@ -102,9 +115,6 @@ class MixedGraphs:
         self.buckets = token_buckets(limits.mixed_tokens)
         largest = self.buckets[-1]
         self.static = step_batch.empty(self._sizes(largest), pool.device, page_size, limits.max_lora_rank)
-        seqs = self.seqs(largest)
-        self.static_inputs = AttentionInputs(torch.zeros(seqs, dtype=torch.int32, device=pool.device),
-                                             torch.zeros(seqs + 1, dtype=torch.int32, device=pool.device))
         self.graphs: dict[tuple[int, bool], BucketGraph] = {}   # (bucket tokens, with LoRA) -> its graph
 
     def seqs(self, tokens: int) -> int:
@@ -130,15 +140,14 @@ class MixedGraphs:
 
     def _capture(self, tokens: int, with_lora: bool, mempool: "MemPool") -> BucketGraph:
         batch = step_batch.view(self.static, self._sizes(tokens), with_lora)
-        seqs = self.seqs(tokens)
-        inputs = AttentionInputs(self.static_inputs.decode_context_lens[:seqs],
-                                 self.static_inputs.prefill_start_loc[:seqs + 1])
+        packed = torch.zeros(2 * self.seqs(tokens) + 1, dtype=torch.int32, device=self.pool.device)
+        inputs = split_attention_inputs(packed)
         self._record(batch, inputs)                 # compiles the kernels outside the capture
         torch.cuda.synchronize(self.pool.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=mempool):
             logits = self._record(batch, inputs)
-        return BucketGraph(graph, batch, inputs, logits)
+        return BucketGraph(graph, batch, packed, logits)
 
     def _record(self, batch: StepBatch, inputs: AttentionInputs) -> Tensor:
         lora = None if batch.lora is None else self.lora.step(batch.lora)
@@ -173,7 +182,6 @@ class MixedGraphs:
         static.sample_indices.zero_()
         copy_from_host(static.sample_indices[:len(host.sample_indices)], host.sample_indices)
         copy_from_host(static.query_start_loc[:len(host.query_start_loc)], host.query_start_loc)
-        seqs = captured.inputs.decode_context_lens.shape[0]
-        for target, source in zip(captured.inputs, attention_inputs(host, seqs)):
-            copy_from_host(target, source)
+        seqs = (captured.packed_inputs.shape[0] - 1) // 2
+        copy_from_host(captured.packed_inputs, packed_attention_inputs(host, seqs))
         step_batch.feed_tokens(static, feed)

@@ -14,12 +14,9 @@ def _field(data: bytes) -> bytes:
 
 def page_hash(parent: bytes | None, token_ids: list[int], adapter_version: str | None, salt: bytes) -> bytes:
     """The hash of one full page of tokens that follows the page hashed `parent` (None: the first)."""
-    digest = hashlib.sha256()
-    digest.update(_field(parent or b""))
-    digest.update(_field(struct.pack(f"<{len(token_ids)}q", *token_ids)))
-    digest.update(_field((adapter_version or "").encode()))
-    digest.update(_field(salt))
-    return digest.digest()
+    tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    fields = (parent or b"", tokens, (adapter_version or "").encode(), salt)
+    return hashlib.sha256(b"".join(map(_field, fields))).digest()       # one call: a prompt hashes many pages
 
 
 def prefix_hashes(token_ids: list[int], page_size: int, adapter_version: str | None, salt: bytes,

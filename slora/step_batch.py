@@ -159,13 +159,15 @@ def int_tensor(values: list[int], dtype: type[np.integer]) -> Tensor:
 
 
 def padded_rows(rows: list[list[int]]) -> Tensor:
-    """A list of int lists as one zero-padded int32 matrix (one tensor construction, not one per row)."""
-    width = max(len(r) for r in rows)
+    """A list of int lists as one zero-padded int32 matrix. Only the rows' own ints are converted: a step
+    that chunks a long prompt beside short decodes pads most of its block-table rows."""
+    lengths = np.array([len(r) for r in rows])
     flat: list[int] = []
     for row in rows:
         flat += row
-        flat += [0] * (width - len(row))
-    return torch.from_numpy(np.array(flat, dtype=np.int32).reshape(len(rows), width))
+    matrix = np.zeros((len(rows), int(lengths.max())), dtype=np.int32)
+    matrix[np.arange(matrix.shape[1]) < lengths[:, None]] = flat           # row-major, as flat is
+    return torch.from_numpy(matrix)
 
 
 def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
@@ -190,7 +192,7 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
                 first_longer = len(lens)
             input_ids += seq.tokens_between(start, end)
             positions += range(start, end)
-            slots += [slot_of(seq.block_table, i, page_size) for i in range(start, end)]
+            slots += slots_between(seq.block_table, start, end, page_size)
         starts.append(starts[-1] + item.num_tokens)
         lens.append(end)
         if item.completes:
@@ -239,6 +241,19 @@ def feed_tokens(batch: StepBatch, feed: TokenFeed | None) -> None:
 def slot_of(block_table: list[int], position: int, page_size: int) -> int:
     """The KV slot of a sequence's token `position`: its page's slot 0 plus its offset in the page."""
     return block_table[position // page_size] * page_size + position % page_size
+
+
+def slots_between(block_table: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """The KV slots of positions start..end-1: a run of consecutive slots in each page they touch."""
+    slots: list[int] = []
+    position = start
+    while position < end:
+        page, offset = divmod(position, page_size)
+        run = min(page_size - offset, end - position)
+        first = block_table[page] * page_size + offset
+        slots += range(first, first + run)
+        position += run
+    return slots
 
 
 def prompt_logit_positions(item: ScheduledSeq) -> range:
@@ -327,7 +342,8 @@ def _step_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters, tables: Lo
     if not versions:
         return None
     slot_of = {v: i for i, v in enumerate(versions)}
-    token_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1
-                   for item in scheduled for _ in range(item.num_tokens)]
-    return StepLora(int_tensor(token_slots, np.int32), padded_rows([adapters[v][1] for v in versions]),
+    seq_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1 for item in scheduled]
+    counts = [item.num_tokens for item in scheduled]
+    token_slots = np.repeat(np.array(seq_slots, dtype=np.int32), counts)     # [tokens]
+    return StepLora(torch.from_numpy(token_slots), padded_rows([adapters[v][1] for v in versions]),
                     *tables.get(versions, adapters))

@@ -8,7 +8,7 @@ import torch
 from slora import step_batch
 from slora.config import CudaConfig
 from slora.cuda_graphs import GraphLimits
-from slora.mixed_graphs import AttentionInputs, BucketGraph, MixedGraphs, attention_inputs, token_buckets
+from slora.mixed_graphs import BucketGraph, MixedGraphs, attention_inputs, split_attention_inputs, token_buckets
 
 LIMITS = GraphLimits(max_batch=8, max_blocks=4, max_adapter_pages=3, max_lora_rank=16, num_layers=2,
                      num_lora_modules=7, max_loras=2, mixed_tokens=200)
@@ -86,11 +86,11 @@ def test_a_step_staged_into_a_bucket_is_what_its_graph_reads():
     static.query_start_loc.fill_(7)
     static.sample_indices.fill_(9)                                    # a larger step's, before
     seqs = graphs.seqs(32)
-    inputs = AttentionInputs(graphs.static_inputs.decode_context_lens[:seqs].fill_(5),
-                             graphs.static_inputs.prefill_start_loc[:seqs + 1].fill_(5))
+    packed = torch.full((2 * seqs + 1,), 5, dtype=torch.int32)        # a larger step's, before
+    inputs = split_attention_inputs(packed)
     host = _host_step()
     feed = step_batch.TokenFeed(torch.tensor([1]), torch.tensor([55]))
-    graphs.stage(BucketGraph(None, static, inputs, torch.zeros(0)), host, feed)
+    graphs.stage(BucketGraph(None, static, packed, torch.zeros(0)), host, feed)
     assert torch.equal(static.block_tables[:3, :2], host.block_tables)
     assert static.context_lens[:3].tolist() == [20, 9, 8] and static.query_start_loc[:4].tolist() == [0, 1, 2, 10]
     assert static.sample_indices.tolist() == [0, 1, 9] + [0] * 5

@@ -86,3 +86,26 @@ def test_build_lays_out_decode_rows_prompt_rows_and_a_chunk():
     assert batch.sample_indices.tolist() == [0, 1]                 # the middle chunk samples nothing
     assert batch.num_decodes == 2                                  # the leading one-token rows
     assert step_batch.build([ScheduledSeq(middle, 3), ScheduledSeq(decoding, 1)], {}, 4).num_decodes == 0
+
+
+def test_build_gives_a_chunk_across_pages_each_pages_slots_and_pads_ragged_tables():
+    """A nine-token chunk over three pages takes each page's run of slots; block tables of unequal widths
+    are zero-padded to the widest; every token of a sequence takes its adapter's slot, -1 without one."""
+    from slora.adapters.packing import AdapterDescriptor
+    from slora.sampling_params import SamplingParams
+    from slora.scheduler import ScheduledSeq
+    from slora.sequence import AdapterRef, Sequence
+
+    decoding = Sequence(1, "d", [1, 2, 3], SamplingParams(max_tokens=8), output_token_ids=[7], block_table=[8])
+    decoding.num_computed_tokens = 3                                          # position 3: page 8, offset 3
+    chunked = Sequence(2, "c", list(range(100, 112)), SamplingParams(max_tokens=8), block_table=[5, 9, 4],
+                       adapter=AdapterRef("v1", 2))
+    chunked.num_computed_tokens = 2                                           # positions 2-10
+    tables = torch.ones(2, 7, dtype=torch.int32)
+    descriptor = AdapterDescriptor(tables * 8, tables.long(), tables.long(), tables.float())
+    batch = step_batch.build([ScheduledSeq(decoding, 1), ScheduledSeq(chunked, 9)], {"v1": (descriptor, [11, 12])}, 4)
+    assert batch.input_ids.tolist() == [7, *range(102, 111)]
+    assert batch.slot_mapping.tolist() == [8 * 4 + 3, 5 * 4 + 2, 5 * 4 + 3, *range(9 * 4, 9 * 4 + 4), *range(4 * 4, 4 * 4 + 3)]
+    assert batch.block_tables.tolist() == [[8, 0, 0], [5, 9, 4]]
+    assert batch.lora is not None and batch.lora.token_slots.tolist() == [-1] + [0] * 9
+    assert batch.lora.page_tables.tolist() == [[11, 12]] and batch.lora.token_slots.dtype == torch.int32

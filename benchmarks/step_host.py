@@ -1,0 +1,207 @@
+"""The host's own work per engine step: decode steps, and chunked-prefill steps beside the same decodes
+(issue 22: a chunked-prefill step with decodes beside it must cost the host no more than a decode step).
+
+One engine (the Llama-3-8B shape with random bf16 weights on CUDA, slora-tiny-llama on the CPU), CUDA graphs
+as by default, and a step budget of --step-tokens (512: every chunk step fits a mixed-step graph). --batch
+requests decode (16-token prompts, long outputs, greedy, ignore_eos), on --adapters rank-16 adapters round
+robin (0: the base model). Then --prompts requests of --prompt-len tokens and one output token each arrive,
+on the decoders' first adapter, and the steps that chunk them hold every decode beside their chunk; once
+they are done the steps are decode steps again. Each `engine.step()` starts on an idle GPU and is charged to
+the kind of step it launched (engine_throughput.calls_by_kind); a second pass of new prompts runs under
+cProfile, whose functions by own time say where each kind's time goes.
+
+    python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8]
+                                   [--engine-arg KEY=VALUE ...] [--out FILE]
+"""
+import argparse
+import gc
+import logging
+import pstats
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from common import PROJECTIONS, RESULTS, ModelSetup, make_prompts, prepare_model, write_adapters, write_json
+from engine_throughput import calls_by_kind, function_rows, parse_engine_arg, profiled_call, timed_call
+from workloads import Request
+
+logger = logging.getLogger("benchmarks.step_host")
+DECODE_PROMPT = 16
+
+
+class Scenario(NamedTuple):
+    batch: int              # decoding requests
+    adapters: int           # their adapters, round robin (0: none)
+    prompts: int            # chunked prompts per pass
+    prompt_len: int
+    step_tokens: int        # the engine's max_num_batched_tokens
+    decode_steps: int       # decode steps timed after each pass's prompts are done
+
+    def chunk_steps(self) -> int:
+        """Steps that chunk one pass's prompts: each holds step_tokens - batch of their tokens."""
+        return -(-self.prompts * self.prompt_len // (self.step_tokens - self.batch))
+
+    def steps_per_pass(self) -> int:
+        return self.chunk_steps() + self.decode_steps
+
+    def decode_len(self) -> int:
+        """Output tokens of a decoder: enough for the warm-up, both passes and their slack."""
+        return 4 * self.steps_per_pass() + 64
+
+
+FULL = Scenario(batch=64, adapters=8, prompts=8, prompt_len=2048, step_tokens=512, decode_steps=48)
+QUICK = Scenario(batch=4, adapters=2, prompts=2, prompt_len=96, step_tokens=32, decode_steps=6)
+
+
+def engine_kwargs(setup: ModelSetup, scenario: Scenario, extra: dict[str, Any]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "device": setup.device, "max_num_seqs": scenario.batch + scenario.prompts, "max_loras": 32,
+        "max_lora_rank": 16, "max_num_batched_tokens": scenario.step_tokens, "seed": 42,
+        "max_model_len": max(DECODE_PROMPT + scenario.decode_len(), scenario.prompt_len + 1)}
+    if setup.dummy:
+        kwargs["load_format"] = "dummy"
+    return {**kwargs, **extra}
+
+
+def build_llm(setup: ModelSetup, scenario: Scenario, extra: dict[str, Any], root: Path) -> tuple[Any, list]:
+    """The engine, its adapters registered; and the decoders' adapter names (None: the base model)."""
+    from slora import LLM
+    from slora.builtin_models import TINY_MODEL
+
+    llm = LLM(str(setup.folder) if setup.dummy else TINY_MODEL, **engine_kwargs(setup, scenario, extra))
+    paths = write_adapters(root / "adapters", setup, [16] * scenario.adapters, PROJECTIONS)
+    names = [f"a{i}" for i in range(len(paths))]
+    for name, path in zip(names, paths):
+        llm.engine.adapters.register(name, llm.engine.adapters.prepare(path))
+    return llm, names or [None]
+
+
+def add_requests(engine: Any, prefix: str, prompts: list[list[int]], max_tokens: int, adapters: list) -> None:
+    from slora import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{prefix}-{i}", prompt, params, adapter=adapters[i % len(adapters)], stream=False)
+
+
+def start_decoders(engine: Any, scenario: Scenario, adapters: list, vocab: int) -> None:
+    """The decoding requests, stepped until every one has its prompt done (the next steps decode)."""
+    prompts = make_prompts([Request(DECODE_PROMPT, 1, None, 0, 0.0)] * scenario.batch, vocab, seed=1)
+    add_requests(engine, "decode", prompts, scenario.decode_len(), adapters)
+    for _ in range(-(-scenario.batch * DECODE_PROMPT // scenario.step_tokens) + 2):
+        engine.step()
+
+
+def one_pass(engine: Any, scenario: Scenario, adapters: list, vocab: int, seed: int, device: str,
+             call: Callable[[Callable[[], object]], Any]) -> dict[str, list]:
+    """New prompts chunked beside the decodes, then decode steps: `call(engine.step)` by step kind."""
+    prompts = make_prompts([Request(scenario.prompt_len, 1, None, 0, 0.0)] * scenario.prompts, vocab, seed)
+    add_requests(engine, f"chunk-{seed}", prompts, 1, adapters[:1])
+    return calls_by_kind(engine, scenario.steps_per_pass(), device, lambda: call(engine.step))
+
+
+class GcClock:
+    """Seconds the garbage collector ran since the clock was made (gc.callbacks), while it is installed."""
+
+    def __init__(self) -> None:
+        self.seconds, self._started = 0.0, 0.0
+
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+
+def timed_with_gc(call: Callable[[], object]) -> tuple[float, float]:
+    """(seconds of the call, seconds of garbage collection inside it)."""
+    with GcClock() as clock:
+        seconds = timed_call(call)
+    return seconds, clock.seconds
+
+
+def summary(times: dict[str, list[tuple[float, float]]], profiles: dict[str, list]) -> dict[str, dict[str, Any]]:
+    def top(kind: str, key: str, count: int) -> list[dict[str, Any]]:
+        runs = profiles.get(kind)
+        return function_rows(pstats.Stats(*runs), len(runs), key, count) if runs else []
+    return {kind: {"steps": len(values), "median_ms": 1e3 * statistics.median(t for t, _ in values),
+                   "mean_ms": 1e3 * statistics.fmean(t for t, _ in values),
+                   "gc_ms_per_step": 1e3 * statistics.fmean(g for _, g in values),
+                   "top_own_time": top(kind, "tottime_ms_per_step", 30),
+                   "top_cumulative": top(kind, "cumtime_ms_per_step", 30)}
+            for kind, values in times.items()}
+
+
+def run(scenario: Scenario, device: str, extra: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="slora-step-host-") as tmp:
+        setup = prepare_model(device, Path(tmp))
+        llm, adapters = build_llm(setup, scenario, extra, Path(tmp))
+        engine, vocab = llm.engine, setup.vocab_size
+        start_decoders(engine, scenario, adapters, vocab)
+        one_pass(engine, scenario, adapters, vocab, 2, device, timed_call)       # warm-up: shapes, mixes
+        times = one_pass(engine, scenario, adapters, vocab, 3, device, timed_with_gc)
+        profiles = one_pass(engine, scenario, adapters, vocab, 4, device, profiled_call)
+        by_kind = summary(times, profiles)
+        ratio = _mixed_over_decode(by_kind)
+    return {"benchmark": "step_host", "device": device, "model": setup.description,
+            "scenario": scenario._asdict(), "engine": engine_kwargs(setup, scenario, extra),
+            "method": "each engine.step() timed from an idle GPU and charged to the kind of step it launched; "
+                      "a second pass under cProfile for top_own_time",
+            "host_ms_by_kind": by_kind, "graphed_mixed_over_decode_median": ratio}
+
+
+def _mixed_over_decode(by_kind: dict[str, dict[str, Any]]) -> float | None:
+    graphed = [v["median_ms"] for k, v in by_kind.items() if "graphed" in k]
+    if not graphed or "decode" not in by_kind:
+        return None
+    return graphed[0] / by_kind["decode"]["median_ms"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--batch", type=int, default=None, help="decoding requests (default 64; quick 4)")
+    parser.add_argument("--adapters", type=int, default=None, help="their adapters (default 8; quick 2; 0: none)")
+    parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra LLM keyword, e.g. async_scheduling=false")
+    parser.add_argument("--out", default=None, help="JSON file (default: results/step_host_<device>.json)")
+    return parser.parse_args(argv)
+
+
+def scenario_of(args: argparse.Namespace) -> Scenario:
+    base = QUICK if args.quick else FULL
+    changes = {k: v for k, v in (("batch", args.batch), ("adapters", args.adapters)) if v is not None}
+    scenario = base._replace(**changes)
+    if not 0 < scenario.batch < scenario.step_tokens or scenario.adapters < 0:
+        raise SystemExit(f"--batch must be in 1..{scenario.step_tokens - 1} and --adapters >= 0")
+    return scenario
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("slora").setLevel(logging.WARNING)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    data = run(scenario_of(args), device, dict(args.engine_arg))
+    out = Path(args.out or RESULTS / f"step_host_{'cpu' if device == 'cpu' else 'gpu'}.json")
+    write_json(out, data)
+    for kind, row in data["host_ms_by_kind"].items():
+        logger.info("%-32s %4d steps, median %.3f ms, mean %.3f ms, gc %.3f ms", kind, row["steps"],
+                    row["median_ms"], row["mean_ms"], row["gc_ms_per_step"])
+    logger.info("graphed mixed / decode (median): %s", data["graphed_mixed_over_decode_median"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""benchmarks/step_host.py (the host's work per step by kind, issue 22) runs end to end in --quick mode on the
+CPU and charges each pass's steps to the kinds its scenario makes. Speed is never asserted."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmark_modules import SUBPROCESS_TIMEOUT_S
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_quick_run_charges_the_chunk_steps_and_the_decode_steps_to_their_kinds(tmp_path):
+    out = tmp_path / "step_host.json"
+    command = [sys.executable, str(BENCHMARKS / "step_host.py"), "--quick", "--device", "cpu", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    scenario = result["scenario"]
+    assert scenario["batch"] == 4 and scenario["step_tokens"] == 32 and result["engine"]["max_num_batched_tokens"] == 32
+    kinds = result["host_ms_by_kind"]
+    # 2 prompts of 96 tokens, 28 a step beside 4 decodes: 7 chunk steps, then 6 decode calls of which the last
+    # launches a step whose kind the pass never sees. The CPU has no graphs: every mixed step is eager.
+    assert {kind: row["steps"] for kind, row in kinds.items()} == {"mixed, eager (> 0 tokens)": 7, "decode": 5}
+    for row in kinds.values():
+        assert 0 < row["median_ms"] and row["gc_ms_per_step"] >= 0
+        assert any("step" in r["function"] for r in row["top_cumulative"])       # engine.step, under cProfile
+    assert result["graphed_mixed_over_decode_median"] is None
