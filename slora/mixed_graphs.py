@@ -9,6 +9,7 @@ context length only on the step's decode rows (the others cost it nothing), then
 `seqs` sequences, of which the decode ones and those past the step are empty.
 """
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -88,10 +89,11 @@ class BucketGraph:
 
 class _BucketModelAttention:
     """The attention backend a bucket's forward runs the model with: every call reads the bucket's
-    AttentionInputs, so that its grids follow the bucket."""
+    AttentionInputs, so that its grids follow the bucket, and writes into `out_for(query)`."""
 
-    def __init__(self, attention: BucketAttention, inputs: AttentionInputs) -> None:
-        self.attention, self.inputs, self.pdl = attention, inputs, attention.pdl
+    def __init__(self, attention: BucketAttention, inputs: AttentionInputs,
+                 out_for: Callable[[Tensor], Tensor]) -> None:
+        self.attention, self.inputs, self.pdl, self.out_for = attention, inputs, attention.pdl, out_for
 
     def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, page_size: int) -> None:
         self.attention.store_kv(key, value, kv_pool, slot_mapping, page_size)
@@ -99,9 +101,8 @@ class _BucketModelAttention:
     def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         assert out is None, "the model passes no attention output buffer"
-        # Zeros: attention writes only the step's rows, and the padding rows' stay finite.
-        out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)   # [tokens, heads, head_dim]
-        return self.attention.attend_in_graph(query, kv_pool, batch, self.inputs, num_kv_heads, scale, out)
+        return self.attention.attend_in_graph(query, kv_pool, batch, self.inputs, num_kv_heads, scale,
+                                              self.out_for(query))
 
 
 class MixedGraphs:
@@ -116,6 +117,7 @@ class MixedGraphs:
         largest = self.buckets[-1]
         self.static = step_batch.empty(self._sizes(largest), pool.device, page_size, limits.max_lora_rank)
         self.graphs: dict[tuple[int, bool], BucketGraph] = {}   # (bucket tokens, with LoRA) -> its graph
+        self._attention_out: Tensor | None = None               # [largest bucket, heads, head_dim]
 
     def seqs(self, tokens: int) -> int:
         """The most sequences a step of this many tokens has."""
@@ -151,7 +153,16 @@ class MixedGraphs:
 
     def _record(self, batch: StepBatch, inputs: AttentionInputs) -> Tensor:
         lora = None if batch.lora is None else self.lora.step(batch.lora)
-        return self.model(batch, self.pool, _BucketModelAttention(self.attention, inputs), lora)
+        return self.model(batch, self.pool, _BucketModelAttention(self.attention, inputs, self._out_for), lora)
+
+    def _out_for(self, query: Tensor) -> Tensor:
+        """The attention output of every layer of every bucket: leading rows of one buffer, zeroed once when
+        the largest bucket first runs (outside its capture), so the graphs hold no memset. Attention writes
+        only the step's rows; the padding rows keep zeros or an earlier step's values, finite either way."""
+        if self._attention_out is None:
+            self._attention_out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+        assert self._attention_out.shape[0] >= query.shape[0], "the largest bucket is recorded first"
+        return self._attention_out[:query.shape[0]]                         # [tokens, heads, head_dim]
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= num_tokens), None)
