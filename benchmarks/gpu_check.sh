@@ -11,7 +11,8 @@
 # "smollm2" (offline.py: the default model's shape with random bf16 weights and its demo adapters, decode at
 # batch 64 and 256, against transformers + PEFT), "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on, and "engine_throughput" (issue 22's six offline workloads against
-# vLLM's figures; $ENGINE_THROUGHPUT_ARGS, e.g. "--workloads decode_base,prefill"). At most 8 files come back
+# vLLM's figures; $ENGINE_THROUGHPUT_ARGS, e.g. "--workloads decode_base,prefill"), "step_host" (step_host.py:
+# the host's work per decode step and per chunked-prefill step beside the same decodes). At most 8 files come back
 # from the device tool: pick steps to fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +67,7 @@ has throughput && run throughput python benchmarks/throughput.py --device cuda $
 # shellcheck disable=SC2086
 has engine_throughput && run engine_throughput python benchmarks/engine_throughput.py "${quick[@]}" --device cuda \
   ${ENGINE_THROUGHPUT_ARGS:-} --out "$OUT/engine_throughput.json"
+has step_host && run step_host python benchmarks/step_host.py "${quick[@]}" --device cuda --out "$OUT/step_host.json"
 # shellcheck disable=SC2086
 has serving && run serving python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} --out "$OUT/serving_cuda.json"
 exit $status
