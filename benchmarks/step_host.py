@@ -41,16 +41,16 @@ class Scenario(NamedTuple):
     step_tokens: int        # the engine's max_num_batched_tokens
     decode_steps: int       # decode steps timed after each pass's prompts are done
 
-    def chunk_steps(self) -> int:
-        """Steps that chunk one pass's prompts: each holds step_tokens - batch of their tokens."""
-        return -(-self.prompts * self.prompt_len // (self.step_tokens - self.batch))
 
-    def steps_per_pass(self) -> int:
-        return self.chunk_steps() + self.decode_steps
+def steps_per_pass(scenario: Scenario) -> int:
+    """The steps that chunk one pass's prompts (step_tokens - batch of their tokens each), then its decodes."""
+    chunk_steps = -(-scenario.prompts * scenario.prompt_len // (scenario.step_tokens - scenario.batch))
+    return chunk_steps + scenario.decode_steps
 
-    def decode_len(self) -> int:
-        """Output tokens of a decoder: enough for the warm-up, both passes and their slack."""
-        return 4 * self.steps_per_pass() + 64
+
+def decode_len(scenario: Scenario) -> int:
+    """Output tokens of a decoder: enough for the warm-up, both passes and their slack."""
+    return 4 * steps_per_pass(scenario) + 64
 
 
 FULL = Scenario(batch=64, adapters=8, prompts=8, prompt_len=2048, step_tokens=512, decode_steps=48)
@@ -61,7 +61,7 @@ def engine_kwargs(setup: ModelSetup, scenario: Scenario, extra: dict[str, Any]) 
     kwargs: dict[str, Any] = {
         "device": setup.device, "max_num_seqs": scenario.batch + scenario.prompts, "max_loras": 32,
         "max_lora_rank": 16, "max_num_batched_tokens": scenario.step_tokens, "seed": 42,
-        "max_model_len": max(DECODE_PROMPT + scenario.decode_len(), scenario.prompt_len + 1)}
+        "max_model_len": max(DECODE_PROMPT + decode_len(scenario), scenario.prompt_len + 1)}
     if setup.dummy:
         kwargs["load_format"] = "dummy"
     return {**kwargs, **extra}
@@ -91,7 +91,7 @@ def add_requests(engine: Any, prefix: str, prompts: list[list[int]], max_tokens:
 def start_decoders(engine: Any, scenario: Scenario, adapters: list, vocab: int) -> None:
     """The decoding requests, stepped until every one has its prompt done (the next steps decode)."""
     prompts = make_prompts([Request(DECODE_PROMPT, 1, None, 0, 0.0)] * scenario.batch, vocab, seed=1)
-    add_requests(engine, "decode", prompts, scenario.decode_len(), adapters)
+    add_requests(engine, "decode", prompts, decode_len(scenario), adapters)
     for _ in range(-(-scenario.batch * DECODE_PROMPT // scenario.step_tokens) + 2):
         engine.step()
 
@@ -101,7 +101,7 @@ def one_pass(engine: Any, scenario: Scenario, adapters: list, vocab: int, seed: 
     """New prompts chunked beside the decodes, then decode steps: `call(engine.step)` by step kind."""
     prompts = make_prompts([Request(scenario.prompt_len, 1, None, 0, 0.0)] * scenario.prompts, vocab, seed)
     add_requests(engine, f"chunk-{seed}", prompts, 1, adapters[:1])
-    return calls_by_kind(engine, scenario.steps_per_pass(), device, lambda: call(engine.step))
+    return calls_by_kind(engine, steps_per_pass(scenario), device, lambda: call(engine.step))
 
 
 class GcClock:
