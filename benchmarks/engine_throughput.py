@@ -189,19 +189,26 @@ class Settings:
         return self.device != "cpu" and not self.quick
 
 
+def model_kwargs(setup: ModelSetup) -> dict[str, Any]:
+    """The LLM keywords that serve `setup`'s model: its device, and random weights for the 8B shape."""
+    return {"device": setup.device, **({"load_format": "dummy"} if setup.dummy else {})}
+
+
 def engine_kwargs(setup: ModelSetup, settings: Settings) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"device": setup.device, **ENGINE_SETTINGS,
-                              "max_model_len": max_model_len(settings.sizes), "seed": SEED}
-    if setup.dummy:
-        kwargs["load_format"] = "dummy"
-    return {**kwargs, **settings.engine_args}
+    return {**model_kwargs(setup), **ENGINE_SETTINGS, "max_model_len": max_model_len(settings.sizes),
+            "seed": SEED, **settings.engine_args}
 
 
-def build_engine(setup: ModelSetup, settings: Settings) -> Any:
+def new_llm(setup: ModelSetup, kwargs: dict[str, Any]) -> Any:
+    """An LLM over `setup`'s model (its folder for the 8B shape, slora-tiny-llama on the CPU)."""
     from slora import LLM
     from slora.builtin_models import TINY_MODEL
 
-    return LLM(str(setup.folder) if setup.dummy else TINY_MODEL, **engine_kwargs(setup, settings))
+    return LLM(str(setup.folder) if setup.dummy else TINY_MODEL, **kwargs)
+
+
+def build_engine(setup: ModelSetup, settings: Settings) -> Any:
+    return new_llm(setup, engine_kwargs(setup, settings))
 
 
 def load_adapters(llm: Any, named_paths: list[tuple[str, Path]]) -> float:
@@ -353,10 +360,20 @@ def host_ms_by_kind(engine: Any, steps: int, device: str) -> dict[str, dict[str,
     GPU, such as a full launch queue, shows there)."""
     times = calls_by_kind(engine, steps, device, lambda: timed_call(engine.step))
     profiles = calls_by_kind(engine, steps, device, lambda: profiled_call(engine.step))
+    return kind_rows(times, profiles, 15)
+
+
+def kind_rows(times: dict[str, list[float]], profiles: dict[str, list[cProfile.Profile]],
+              top: int) -> dict[str, dict[str, Any]]:
+    """Per step kind: its calls' median and mean seconds (in ms), and the `top` functions of its profiled
+    calls by own and by cumulative time (none where no profiled call was of that kind)."""
+    def functions(kind: str, key: str) -> list[dict[str, Any]]:
+        runs = profiles.get(kind)
+        return function_rows(pstats.Stats(*runs), len(runs), key, top) if runs else []
     return {kind: {"steps": len(values), "median_ms": 1e3 * statistics.median(values),
                    "mean_ms": 1e3 * statistics.fmean(values),
-                   "top_own_time": function_rows(pstats.Stats(*profiles[kind]), len(profiles[kind]),
-                                                 "tottime_ms_per_step", 15) if profiles.get(kind) else []}
+                   "top_own_time": functions(kind, "tottime_ms_per_step"),
+                   "top_cumulative": functions(kind, "cumtime_ms_per_step")}
             for kind, values in times.items()}
 
 

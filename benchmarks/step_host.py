@@ -16,7 +16,6 @@ cProfile, whose functions by own time say where each kind's time goes.
 import argparse
 import gc
 import logging
-import pstats
 import statistics
 import tempfile
 import time
@@ -26,7 +25,16 @@ from typing import Any, NamedTuple
 
 import torch
 from common import PROJECTIONS, RESULTS, ModelSetup, make_prompts, prepare_model, write_adapters, write_json
-from engine_throughput import calls_by_kind, function_rows, parse_engine_arg, profiled_call, timed_call
+from engine_throughput import (
+    calls_by_kind,
+    kind_rows,
+    load_adapters,
+    model_kwargs,
+    new_llm,
+    parse_engine_arg,
+    profiled_call,
+    timed_call,
+)
 from workloads import Request
 
 logger = logging.getLogger("benchmarks.step_host")
@@ -58,25 +66,17 @@ QUICK = Scenario(batch=4, adapters=2, prompts=2, prompt_len=96, step_tokens=32, 
 
 
 def engine_kwargs(setup: ModelSetup, scenario: Scenario, extra: dict[str, Any]) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "device": setup.device, "max_num_seqs": scenario.batch + scenario.prompts, "max_loras": 32,
-        "max_lora_rank": 16, "max_num_batched_tokens": scenario.step_tokens, "seed": 42,
-        "max_model_len": max(DECODE_PROMPT + decode_len(scenario), scenario.prompt_len + 1)}
-    if setup.dummy:
-        kwargs["load_format"] = "dummy"
-    return {**kwargs, **extra}
+    return {**model_kwargs(setup), "max_num_seqs": scenario.batch + scenario.prompts, "max_loras": 32,
+            "max_lora_rank": 16, "max_num_batched_tokens": scenario.step_tokens, "seed": 42,
+            "max_model_len": max(DECODE_PROMPT + decode_len(scenario), scenario.prompt_len + 1), **extra}
 
 
 def build_llm(setup: ModelSetup, scenario: Scenario, extra: dict[str, Any], root: Path) -> tuple[Any, list]:
     """The engine, its adapters registered; and the decoders' adapter names (None: the base model)."""
-    from slora import LLM
-    from slora.builtin_models import TINY_MODEL
-
-    llm = LLM(str(setup.folder) if setup.dummy else TINY_MODEL, **engine_kwargs(setup, scenario, extra))
+    llm = new_llm(setup, engine_kwargs(setup, scenario, extra))
     paths = write_adapters(root / "adapters", setup, [16] * scenario.adapters, PROJECTIONS)
     names = [f"a{i}" for i in range(len(paths))]
-    for name, path in zip(names, paths):
-        llm.engine.adapters.register(name, llm.engine.adapters.prepare(path))
+    load_adapters(llm, list(zip(names, paths)))
     return llm, names or [None]
 
 
@@ -132,14 +132,9 @@ def timed_with_gc(call: Callable[[], object]) -> tuple[float, float]:
 
 
 def summary(times: dict[str, list[tuple[float, float]]], profiles: dict[str, list]) -> dict[str, dict[str, Any]]:
-    def top(kind: str, key: str, count: int) -> list[dict[str, Any]]:
-        runs = profiles.get(kind)
-        return function_rows(pstats.Stats(*runs), len(runs), key, count) if runs else []
-    return {kind: {"steps": len(values), "median_ms": 1e3 * statistics.median(t for t, _ in values),
-                   "mean_ms": 1e3 * statistics.fmean(t for t, _ in values),
-                   "gc_ms_per_step": 1e3 * statistics.fmean(g for _, g in values),
-                   "top_own_time": top(kind, "tottime_ms_per_step", 30),
-                   "top_cumulative": top(kind, "cumtime_ms_per_step", 30)}
+    """kind_rows of the calls' seconds, with the garbage collector's ms per step beside them."""
+    rows = kind_rows({kind: [t for t, _ in values] for kind, values in times.items()}, profiles, 30)
+    return {kind: {**rows[kind], "gc_ms_per_step": 1e3 * statistics.fmean(g for _, g in values)}
             for kind, values in times.items()}
 
 

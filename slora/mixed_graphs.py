@@ -193,6 +193,5 @@ class MixedGraphs:
         static.sample_indices.zero_()
         copy_from_host(static.sample_indices[:len(host.sample_indices)], host.sample_indices)
         copy_from_host(static.query_start_loc[:len(host.query_start_loc)], host.query_start_loc)
-        seqs = (captured.packed_inputs.shape[0] - 1) // 2
-        copy_from_host(captured.packed_inputs, packed_attention_inputs(host, seqs))
+        copy_from_host(captured.packed_inputs, packed_attention_inputs(host, static.context_lens.shape[0]))
         step_batch.feed_tokens(static, feed)
