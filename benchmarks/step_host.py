@@ -7,19 +7,24 @@ requests decode (16-token prompts, long outputs, greedy, ignore_eos), on --adapt
 robin (0: the base model). Then --prompts requests of --prompt-len tokens and one output token each arrive,
 on the decoders' first adapter, and the steps that chunk them hold every decode beside their chunk; once
 they are done the steps are decode steps again. Each `engine.step()` starts on an idle GPU and is charged to
-the kind of step it launched (engine_throughput.calls_by_kind); a second pass of new prompts runs under
-cProfile, whose functions by own time say where each kind's time goes.
+the kind of step it launched (engine_throughput.calls_by_kind). A second pass of new prompts runs with a
+timer around each of the engine's phases (PHASES: each timed without the phases it calls), whose means add
+up to the step's; a third runs under cProfile, whose functions by own time say where each phase's time goes.
 
-    python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8]
+    python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8] [--prompt-len N]
                                    [--engine-arg KEY=VALUE ...] [--out FILE]
 """
 import argparse
 import gc
+import importlib
+import inspect
 import logging
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -57,8 +62,8 @@ def steps_per_pass(scenario: Scenario) -> int:
 
 
 def decode_len(scenario: Scenario) -> int:
-    """Output tokens of a decoder: enough for the warm-up, both passes and their slack."""
-    return 4 * steps_per_pass(scenario) + 64
+    """Output tokens of a decoder: enough for the warm-up, the three measured passes and their slack."""
+    return 5 * steps_per_pass(scenario) + 64
 
 
 FULL = Scenario(batch=64, adapters=8, prompts=8, prompt_len=2048, step_tokens=512, decode_steps=48)
@@ -131,10 +136,85 @@ def timed_with_gc(call: Callable[[], object]) -> tuple[float, float]:
     return seconds, clock.seconds
 
 
-def summary(times: dict[str, list[tuple[float, float]]], profiles: dict[str, list]) -> dict[str, dict[str, Any]]:
-    """kind_rows of the calls' seconds, with the garbage collector's ms per step beside them."""
+# phase -> (module, class, function) of the engine step's parts that a phase timer wraps.
+PHASES = {
+    "schedule": ("slora.scheduler", "Scheduler", "schedule"),
+    "move_pages": ("slora.model_runner", "ModelRunner", "move_pages"),
+    "build_inputs": ("slora.model_runner", "ModelRunner", "inputs_for"),
+    "stage_batch": ("slora.step_batch", "StepBatch", "copy_into"),
+    "stage_mixed_extras": ("slora.mixed_graphs", "MixedGraphs", "stage"),
+    "graph_replay": ("torch.cuda", "CUDAGraph", "replay"),
+    "eager_forward": ("slora.model_runner", "ModelRunner", "forward"),
+    "sample": ("slora.engine", "Engine", "_sample_step"),
+    "take_sampled": ("slora.engine", "Engine", "_take_sampled"),
+}
+
+
+class PhaseClock:
+    """Seconds per phase of the calls made while it is installed, each phase's own: the time of the phases
+    it calls is theirs (stage_mixed_extras is MixedGraphs.stage less its StepBatch.copy_into)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._nested: list[float] = []        # per open phase call: seconds of the phase calls inside it
+
+    def wrap(self, phase: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            self._nested.append(0.0)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.seconds[phase] += elapsed - self._nested.pop()
+                if self._nested:
+                    self._nested[-1] += elapsed
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The seconds per phase since the last take."""
+        seconds, self.seconds = dict(self.seconds), defaultdict(float)
+        return seconds
+
+
+@contextmanager
+def phase_timers(clock: PhaseClock) -> Iterator[None]:
+    """Every PHASES function wrapped by the clock's timer while the context is open."""
+    originals = []
+    for phase, (module, owner, name) in PHASES.items():
+        cls = getattr(importlib.import_module(module), owner)
+        original = inspect.getattr_static(cls, name)
+        wrapped = clock.wrap(phase, getattr(cls, name))
+        setattr(cls, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+        originals.append((cls, name, original))
+    try:
+        yield
+    finally:
+        for cls, name, original in originals:
+            setattr(cls, name, original)
+
+
+def phased_call(clock: PhaseClock, call: Callable[[], object]) -> dict[str, float]:
+    """The seconds of each phase of the call, and of the rest of it ("other")."""
+    seconds = timed_call(call)
+    phases = clock.take()
+    return {**phases, "other": seconds - sum(phases.values())}
+
+
+def phase_rows(phases: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per step kind, the mean ms of each phase over its steps (means, so that they add up to the step's)."""
+    names = [*PHASES, "other"]
+    return {kind: {name: 1e3 * statistics.fmean(step.get(name, 0.0) for step in steps) for name in names}
+            for kind, steps in phases.items()}
+
+
+def summary(times: dict[str, list[tuple[float, float]]], phases: dict[str, list[dict[str, float]]],
+            profiles: dict[str, list]) -> dict[str, dict[str, Any]]:
+    """kind_rows of the calls' seconds, with the garbage collector's ms per step and the phases beside them."""
     rows = kind_rows({kind: [t for t, _ in values] for kind, values in times.items()}, profiles, 30)
-    return {kind: {**rows[kind], "gc_ms_per_step": 1e3 * statistics.fmean(g for _, g in values)}
+    by_phase = phase_rows(phases)
+    return {kind: {**rows[kind], "gc_ms_per_step": 1e3 * statistics.fmean(g for _, g in values),
+                   "phase_mean_ms": by_phase.get(kind, {})}
             for kind, values in times.items()}
 
 
@@ -146,13 +226,16 @@ def run(scenario: Scenario, device: str, extra: dict[str, Any]) -> dict[str, Any
         start_decoders(engine, scenario, adapters, vocab)
         one_pass(engine, scenario, adapters, vocab, 2, device, timed_call)       # warm-up: shapes, mixes
         times = one_pass(engine, scenario, adapters, vocab, 3, device, timed_with_gc)
-        profiles = one_pass(engine, scenario, adapters, vocab, 4, device, profiled_call)
-        by_kind = summary(times, profiles)
+        clock = PhaseClock()
+        with phase_timers(clock):
+            phases = one_pass(engine, scenario, adapters, vocab, 4, device, lambda call: phased_call(clock, call))
+        profiles = one_pass(engine, scenario, adapters, vocab, 5, device, profiled_call)
+        by_kind = summary(times, phases, profiles)
         ratio = _mixed_over_decode(by_kind)
     return {"benchmark": "step_host", "device": device, "model": setup.description,
             "scenario": scenario._asdict(), "engine": engine_kwargs(setup, scenario, extra),
             "method": "each engine.step() timed from an idle GPU and charged to the kind of step it launched; "
-                      "a second pass under cProfile for top_own_time",
+                      "a second pass with PHASES timed (phase_mean_ms), a third under cProfile (top_own_time)",
             "host_ms_by_kind": by_kind, "graphed_mixed_over_decode_median": ratio}
 
 
@@ -169,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--batch", type=int, default=None, help="decoding requests (default 64; quick 4)")
     parser.add_argument("--adapters", type=int, default=None, help="their adapters (default 8; quick 2; 0: none)")
+    parser.add_argument("--prompt-len", type=int, default=None,
+                        help="tokens of a chunked prompt (default 2048; quick 96; under the model's context)")
     parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
                         help="an extra LLM keyword, e.g. async_scheduling=false")
     parser.add_argument("--out", default=None, help="JSON file (default: results/step_host_<device>.json)")
@@ -177,10 +262,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def scenario_of(args: argparse.Namespace) -> Scenario:
     base = QUICK if args.quick else FULL
-    changes = {k: v for k, v in (("batch", args.batch), ("adapters", args.adapters)) if v is not None}
+    given = (("batch", args.batch), ("adapters", args.adapters), ("prompt_len", args.prompt_len))
+    changes = {k: v for k, v in given if v is not None}
     scenario = base._replace(**changes)
-    if not 0 < scenario.batch < scenario.step_tokens or scenario.adapters < 0:
-        raise SystemExit(f"--batch must be in 1..{scenario.step_tokens - 1} and --adapters >= 0")
+    if not 0 < scenario.batch < scenario.step_tokens or scenario.adapters < 0 or scenario.prompt_len < 1:
+        raise SystemExit(f"--batch must be in 1..{scenario.step_tokens - 1}, --adapters >= 0, --prompt-len >= 1")
     return scenario
 
 
@@ -195,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     for kind, row in data["host_ms_by_kind"].items():
         logger.info("%-32s %4d steps, median %.3f ms, mean %.3f ms, gc %.3f ms", kind, row["steps"],
                     row["median_ms"], row["mean_ms"], row["gc_ms_per_step"])
+        logger.info("    phases (mean ms): %s", ", ".join(f"{k} {v:.3f}" for k, v in row["phase_mean_ms"].items()))
     logger.info("graphed mixed / decode (median): %s", data["graphed_mixed_over_decode_median"])
 
 
