@@ -142,7 +142,8 @@ PHASES = {
     "move_pages": ("slora.model_runner", "ModelRunner", "move_pages"),
     "build_inputs": ("slora.model_runner", "ModelRunner", "inputs_for"),
     "stage_batch": ("slora.step_batch", "StepBatch", "copy_into"),
-    "stage_mixed_extras": ("slora.mixed_graphs", "MixedGraphs", "stage"),
+    "stage_mixed_extras": ("slora.mixed_graphs", "MixedGraphs", "_stage_extras"),
+    "stage_send": ("slora.staging", "StagedBatch", "send"),
     "graph_replay": ("torch.cuda", "CUDAGraph", "replay"),
     "eager_forward": ("slora.model_runner", "ModelRunner", "forward"),
     "sample": ("slora.engine", "Engine", "_sample_step"),
@@ -152,7 +153,7 @@ PHASES = {
 
 class PhaseClock:
     """Seconds per phase of the calls made while it is installed, each phase's own: the time of the phases
-    it calls is theirs (stage_mixed_extras is MixedGraphs.stage less its StepBatch.copy_into)."""
+    it calls is theirs."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)

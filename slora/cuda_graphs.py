@@ -2,7 +2,8 @@
 
 Every per-step input lives in a preallocated device buffer that the graphs read (a `StepBatch` of the
 largest size), so a replay with other sequences, other block tables and another adapter mix is correct:
-a step's `StepBatch` is copied in before the replay. Padding rows have slot -1 (their K/V are not
+a step's `StepBatch` is written into a host twin of the buffers and sent in one copy before the replay
+(slora.staging). Padding rows have slot -1 (their K/V are not
 stored) and context length 0 (attention gives 0); adapter slots past the step's have rank 0.
 """
 import logging
@@ -15,6 +16,7 @@ from slora import step_batch
 from slora.attention_backend import AttentionBackend
 from slora.lora_backend import LoraBackend, LoraStep
 from slora.models.registry import CausalLM
+from slora.staging import BatchViews, StagedBatch
 from slora.step_batch import StepBatch, TokenFeed
 
 logger = logging.getLogger(__name__)
@@ -78,17 +80,18 @@ class DecodeGraphs:
                  page_size: int, limits: GraphLimits) -> None:
         self.model, self.pool, self.attention, self.lora = model, pool, attention, lora
         self.limits = limits
-        self.static = step_batch.empty(limits.sizes(limits.max_batch, limits.lora_slots(limits.max_batch)),
-                                       pool.device, page_size, limits.max_lora_rank)
+        largest = limits.sizes(limits.max_batch, limits.lora_slots(limits.max_batch))
+        self.staged = StagedBatch(step_batch.empty(largest, torch.device("cpu"), page_size, limits.max_lora_rank),
+                                  pool.device)
         self.buckets = batch_buckets(limits.max_batch)
         # (batch size, with LoRA, few adapters) -> (graph, its inputs, its logits)
-        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, StepBatch, Tensor]] = {}
+        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, BatchViews, Tensor]] = {}
         self.side_stream = torch.cuda.Stream(pool.device) if limits.lora_side_stream else None
 
-    def batch(self, size: int, with_lora: bool, few: bool = False) -> StepBatch:
-        """The StepBatch of a bucket, as views of the static buffers."""
+    def batch(self, size: int, with_lora: bool, few: bool = False) -> BatchViews:
+        """The StepBatch of a bucket, as views of the static buffers and of their host twins."""
         sizes = self.limits.sizes(size, self.limits.lora_slots(size, few))
-        return step_batch.view(self.static, sizes, with_lora)
+        return self.staged.views(sizes, with_lora)
 
     def _lora_step(self, batch: StepBatch) -> LoraStep | None:
         if batch.lora is None:
@@ -100,12 +103,12 @@ class DecodeGraphs:
         mempool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             for with_lora, few in self.limits.graph_kinds(size):
-                batch = self.batch(size, with_lora, few)
-                self._forward(batch)                     # warm-up: compiles kernels outside the capture
+                views = self.batch(size, with_lora, few)
+                self._forward(views.device)              # warm-up: compiles kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool):
-                    logits = self._forward(batch)
-                self.graphs[(size, with_lora, few)] = (graph, batch, logits)
+                    logits = self._forward(views.device)
+                self.graphs[(size, with_lora, few)] = (graph, views, logits)
         torch.cuda.synchronize()
         logger.info("captured %d decode graphs for batch sizes %s", len(self.graphs), self.buckets)
 
@@ -123,8 +126,9 @@ class DecodeGraphs:
         """Copy a decode step of `batch_size` sequences (and its input ids still on the device) into the
         bucket's graph and replay it."""
         num_adapters = 0 if host.lora is None else host.lora.page_tables.shape[0]
-        graph, static, logits = self.graphs[(size, host.lora is not None, self.uses_few(size, num_adapters))]
-        host.copy_into(static)
-        step_batch.feed_tokens(static, feed)
+        graph, views, logits = self.graphs[(size, host.lora is not None, self.uses_few(size, num_adapters))]
+        host.copy_into(self.staged.begin(views))
+        self.staged.send()
+        step_batch.feed_tokens(views.device, feed)
         graph.replay()
         return logits[:batch_size]

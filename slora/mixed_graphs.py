@@ -18,15 +18,18 @@ from torch import Tensor
 
 from slora import step_batch
 from slora.cuda_graphs import GraphLimits
-from slora.device_copy import copy_from_host
 from slora.lora_backend import LoraBackend
 from slora.models.registry import CausalLM
+from slora.staging import BatchViews, StagedBatch
 from slora.step_batch import StepBatch, TokenFeed
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as MemPool  # what torch.cuda.graph_pool_handle() returns
 
 logger = logging.getLogger(__name__)
+
+# The staged extra tensor of the buckets' packed AttentionInputs.
+ATTENTION_INPUTS = "attention_inputs"
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -41,17 +44,23 @@ class AttentionInputs(NamedTuple):
     prefill_start_loc: Tensor          # [seqs + 1] int32: query_start_loc with the decode sequences empty
 
 
-def packed_attention_inputs(host: StepBatch, seqs: int) -> Tensor:
-    """A step's AttentionInputs for a bucket of `seqs` sequences, on the host, in one `[2 * seqs + 1]` int32
-    tensor (one copy to the device): the decode sequences start where the first prefill row does, and the
-    sequences past the step where it ends, so both are empty."""
+def write_attention_inputs(host: StepBatch, packed: Tensor) -> None:
+    """Write a step's AttentionInputs for a bucket into its packed `[2 * bucket sequences + 1]` int32 host
+    tensor: the decode sequences start where the first prefill row does, and the sequences past the step
+    where it ends, so both are empty."""
     decodes, count = host.num_decodes, host.context_lens.shape[0]
-    packed = torch.zeros(2 * seqs + 1, dtype=torch.int32)
     context_lens, starts = split_attention_inputs(packed)
+    context_lens.zero_()
     context_lens[:decodes] = host.context_lens[:decodes]
     starts.fill_(int(host.query_start_loc[count]))
     starts[:decodes + 1] = host.query_start_loc[decodes]
     starts[decodes + 1:count + 1] = host.query_start_loc[decodes + 1:]
+
+
+def packed_attention_inputs(host: StepBatch, seqs: int) -> Tensor:
+    """A step's AttentionInputs for a bucket of `seqs` sequences, packed (write_attention_inputs)."""
+    packed = torch.empty(2 * seqs + 1, dtype=torch.int32)
+    write_attention_inputs(host, packed)
     return packed
 
 
@@ -82,9 +91,12 @@ class BucketAttention(Protocol):
 class BucketGraph:
     """A bucket's captured forward, its static inputs and its logits."""
     graph: torch.cuda.CUDAGraph
-    batch: StepBatch                   # the bucket's static inputs
-    packed_inputs: Tensor              # [2 * bucket sequences + 1] int32: its AttentionInputs (packed_attention_inputs)
+    views: BatchViews                  # the bucket's static inputs, and their host twins
     logits: Tensor                     # [bucket sequences, vocab]
+
+    @property
+    def seqs(self) -> int:
+        return self.views.device.context_lens.shape[0]
 
 
 class _BucketModelAttention:
@@ -115,7 +127,10 @@ class MixedGraphs:
         self.model, self.pool, self.attention, self.lora, self.limits = model, pool, attention, lora, limits
         self.buckets = token_buckets(limits.mixed_tokens)
         largest = self.buckets[-1]
-        self.static = step_batch.empty(self._sizes(largest), pool.device, page_size, limits.max_lora_rank)
+        template = step_batch.empty(self._sizes(largest), torch.device("cpu"), page_size, limits.max_lora_rank)
+        # One AttentionInputs region for every bucket: a bucket's are its leading [2 * seqs + 1].
+        packed = torch.zeros(2 * self.seqs(largest) + 1, dtype=torch.int32)
+        self.staged = StagedBatch(template, pool.device, {ATTENTION_INPUTS: packed})
         self.graphs: dict[tuple[int, bool], BucketGraph] = {}   # (bucket tokens, with LoRA) -> its graph
         self._attention_out: Tensor | None = None               # [largest bucket, heads, head_dim]
 
@@ -141,15 +156,18 @@ class MixedGraphs:
                     self.buckets[-1])
 
     def _capture(self, tokens: int, with_lora: bool, mempool: "MemPool") -> BucketGraph:
-        batch = step_batch.view(self.static, self._sizes(tokens), with_lora)
-        packed = torch.zeros(2 * self.seqs(tokens) + 1, dtype=torch.int32, device=self.pool.device)
-        inputs = split_attention_inputs(packed)
-        self._record(batch, inputs)                 # compiles the kernels outside the capture
+        views = self.staged.views(self._sizes(tokens), with_lora)
+        inputs = split_attention_inputs(self._packed_inputs(self.staged.device_extra(ATTENTION_INPUTS), tokens))
+        self._record(views.device, inputs)          # compiles the kernels outside the capture
         torch.cuda.synchronize(self.pool.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=mempool):
-            logits = self._record(batch, inputs)
-        return BucketGraph(graph, batch, packed, logits)
+            logits = self._record(views.device, inputs)
+        return BucketGraph(graph, views, logits)
+
+    def _packed_inputs(self, region: Tensor, tokens: int) -> Tensor:
+        """A bucket's packed AttentionInputs: the leading `[2 * seqs + 1]` of the shared region."""
+        return region[:2 * self.seqs(tokens) + 1]
 
     def _record(self, batch: StepBatch, inputs: AttentionInputs) -> Tensor:
         lora = None if batch.lora is None else self.lora.step(batch.lora)
@@ -183,15 +201,21 @@ class MixedGraphs:
         captured.graph.replay()
         return captured.logits[:len(host.sample_indices)]
 
+    def stage(self, captured: BucketGraph, host: StepBatch, feed: TokenFeed | None) -> None:
+        """Copy a step into a bucket's static inputs, in one copy from a host twin (its pending input ids fed
+        on the device after it)."""
+        twin = self.staged.begin(captured.views)
+        host.copy_into(twin)
+        self._stage_extras(twin, host, self.staged.twin_extra(ATTENTION_INPUTS)[:2 * captured.seqs + 1])
+        self.staged.send()
+        step_batch.feed_tokens(captured.views.device, feed)
+
     @staticmethod
-    def stage(captured: BucketGraph, host: StepBatch, feed: TokenFeed | None) -> None:
-        """Copy a step into a bucket's static inputs (its pending input ids fed on the device)."""
-        static = captured.batch
-        host.copy_into(static)
-        # The sampled rows and query_start_loc are aranges in static buffers (the decode graphs' use); here they
-        # are the step's. The sampled rows past the step's read row 0, inside every bucket.
-        static.sample_indices.zero_()
-        copy_from_host(static.sample_indices[:len(host.sample_indices)], host.sample_indices)
-        copy_from_host(static.query_start_loc[:len(host.query_start_loc)], host.query_start_loc)
-        copy_from_host(captured.packed_inputs, packed_attention_inputs(host, static.context_lens.shape[0]))
-        step_batch.feed_tokens(static, feed)
+    def _stage_extras(twin: StepBatch, host: StepBatch, packed: Tensor) -> None:
+        """What a mixed step stages beyond copy_into: the sampled rows and query_start_loc are aranges in
+        static buffers (the decode graphs' use); here they are the step's. The sampled rows past the step's
+        read row 0, inside every bucket. Then the step's AttentionInputs."""
+        twin.sample_indices.zero_()
+        twin.sample_indices[:len(host.sample_indices)] = host.sample_indices
+        twin.query_start_loc[:len(host.query_start_loc)] = host.query_start_loc
+        write_attention_inputs(host, packed)

@@ -1,10 +1,10 @@
 """One engine step's flat inputs, as the model reads them (DESIGN §3).
 
-A `StepBatch` is built on the host, moved with `to(device)`, and copied into the CUDA graphs' static
-buffers with `copy_into`. The static buffers are a `StepBatch` too, made by `empty` at the largest size
-and cut per graph by `view`. All four are derived from the fields' metadata: a tensor field names its
-dimensions, its dtype and, where the kernels would misread leftovers, the value that pads it. A new
-per-step field is one field here.
+A `StepBatch` is built on the host, moved with `to(device)` for an eager step, or copied with `copy_into`
+into a host twin of the CUDA graphs' static buffers (slora.staging), which one copy then sends. The static
+buffers are a `StepBatch` too, made by `empty` at the largest size and cut per graph by `view`. All four
+are derived from the fields' metadata: a tensor field names its dimensions, its dtype and, where the
+kernels would misread leftovers, the value that pads it. A new per-step field is one field here.
 """
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from slora.adapters.packing import AdapterDescriptor
-from slora.device_copy import copy_from_host, tensor_on, to_device
+from slora.device_copy import tensor_on, to_device
 from slora.kernels.layout import align_up
 from slora.scheduler import ScheduledSeq
 
@@ -76,15 +76,15 @@ class StepBatch:
         return _map_tensors(self, lambda t, _: to_device(t, device))
 
     def copy_into(self, static: "StepBatch") -> None:
-        """Copy a step into a graph's static views (each at least as large): every tensor into its leading
-        corner, padded fields filled first; arange fields keep their values. Runs every graph replay, so
-        it walks the fields' metadata read once at import."""
+        """Copy a host step into a host twin of a graph's static views (each at least as large): every tensor
+        into its leading corner, padded fields filled first; arange fields keep their values. Runs every graph
+        replay, so it walks the fields' metadata read once at import."""
         for spec, src, dst in _tensor_pairs(self, static):
             if spec.arange:
                 continue
             if spec.pad is not None:
                 dst.fill_(spec.pad)
-            copy_from_host(dst[tuple(slice(0, n) for n in src.shape)], src)
+            dst[tuple(slice(0, n) for n in src.shape)].copy_(src)
 
 
 class _FieldSpec(NamedTuple):
@@ -101,6 +101,7 @@ def _specs(cls: type) -> tuple[_FieldSpec, ...]:
 
 
 _BATCH_SPECS, _LORA_SPECS = _specs(StepBatch), _specs(StepLora)
+assert not {s.name for s in _BATCH_SPECS} & {s.name for s in _LORA_SPECS}, "tensors_of keys both by name"
 
 
 def empty(sizes: Sizes, device: torch.device, page_size: int, max_rank: int, with_lora: bool = True) -> StepBatch:
@@ -124,6 +125,19 @@ def view(static: StepBatch, sizes: Sizes, with_lora: bool) -> StepBatch:
         return tensor[tuple(slice(0, _size(sizes, d)) if _named(sizes, d) else slice(None) for d in spec.dims)]
     cut_batch = _map_tensors(static, cut)
     return cut_batch if with_lora else dataclasses.replace(cut_batch, lora=None)
+
+
+def tensors_of(batch: StepBatch) -> dict[str, Tensor]:
+    """Every tensor field of a batch and of its adapter tables, by field name (the two share none)."""
+    tensors = {spec.name: getattr(batch, spec.name) for spec in _BATCH_SPECS}
+    if batch.lora is not None:
+        tensors.update({spec.name: getattr(batch.lora, spec.name) for spec in _LORA_SPECS})
+    return tensors
+
+
+def with_tensors(template: StepBatch, tensors: Mapping[str, Tensor]) -> StepBatch:
+    """The template with each tensor field replaced by the tensor of its name (the inverse of tensors_of)."""
+    return _map_tensors(template, lambda _, spec: tensors[spec.name])
 
 
 def _size(sizes: Sizes, dim: str) -> int:

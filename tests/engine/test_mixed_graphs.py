@@ -8,7 +8,8 @@ import torch
 from slora import step_batch
 from slora.config import CudaConfig
 from slora.cuda_graphs import GraphLimits
-from slora.mixed_graphs import BucketGraph, MixedGraphs, attention_inputs, split_attention_inputs, token_buckets
+from slora.mixed_graphs import (ATTENTION_INPUTS, BucketGraph, MixedGraphs, attention_inputs, split_attention_inputs,
+                                token_buckets)
 
 LIMITS = GraphLimits(max_batch=8, max_blocks=4, max_adapter_pages=3, max_lora_rank=16, num_layers=2,
                      num_lora_modules=7, max_loras=2, mixed_tokens=200)
@@ -79,22 +80,28 @@ def test_attention_inputs_leave_the_decode_sequences_and_those_past_the_step_emp
 
 
 def test_a_step_staged_into_a_bucket_is_what_its_graph_reads():
-    """stage() copies a step into a bucket's static inputs (the rest of the bucket padded or stale): the
-    step's rows, its query starts, its sampled rows and then row 0, and its attention inputs."""
+    """stage() writes a step into a host twin of a bucket's static inputs and sends it, whichever twin is
+    current and whatever a larger step left in it: the step's rows, its query starts, its sampled rows and
+    then row 0, and its attention inputs."""
     graphs = _graphs()
-    static = step_batch.view(graphs.static, graphs._sizes(32), with_lora=False)
-    static.query_start_loc.fill_(7)
-    static.sample_indices.fill_(9)                                    # a larger step's, before
     seqs = graphs.seqs(32)
-    packed = torch.full((2 * seqs + 1,), 5, dtype=torch.int32)        # a larger step's, before
-    inputs = split_attention_inputs(packed)
+    captured = BucketGraph(None, graphs.staged.views(graphs._sizes(32), with_lora=False), torch.zeros(0))
+    int32 = torch.int32
+    larger = dataclasses.replace(_step(30, seqs), query_start_loc=torch.full((seqs + 1,), 7, dtype=int32),
+                                 sample_indices=torch.full((seqs,), 9), context_lens=torch.full((seqs,), 5, dtype=int32),
+                                 num_decodes=seqs)
     host = _host_step()
     feed = step_batch.TokenFeed(torch.tensor([1]), torch.tensor([55]))
-    graphs.stage(BucketGraph(None, static, packed, torch.zeros(0)), host, feed)
-    assert torch.equal(static.block_tables[:3, :2], host.block_tables)
-    assert static.context_lens[:3].tolist() == [20, 9, 8] and static.query_start_loc[:4].tolist() == [0, 1, 2, 10]
-    assert static.sample_indices.tolist() == [0, 1, 9] + [0] * 5
-    assert static.input_ids[:10].tolist() == [100, 55, *range(102, 110)]      # row 1 fed on the device
-    assert static.slot_mapping[10:].eq(-1).all()                              # padding rows store no K/V
-    for got, want in zip(inputs, attention_inputs(host, seqs)):
-        assert torch.equal(got, want)
+    for earlier in range(3):                  # after one, two and three larger steps: each twin in turn
+        for _ in range(earlier + 1):
+            graphs.stage(captured, larger, None)
+        graphs.stage(captured, host, feed)
+        static = captured.views.device
+        assert torch.equal(static.block_tables[:3, :2], host.block_tables)
+        assert static.context_lens[:3].tolist() == [20, 9, 8] and static.query_start_loc[:4].tolist() == [0, 1, 2, 10]
+        assert static.sample_indices.tolist() == [0, 1, 9] + [0] * 5
+        assert static.input_ids[:10].tolist() == [100, 55, *range(102, 110)]      # row 1 fed on the device
+        assert static.slot_mapping[10:].eq(-1).all()                              # padding rows store no K/V
+        packed = graphs.staged.device_extra(ATTENTION_INPUTS)[:2 * seqs + 1]
+        for got, want in zip(split_attention_inputs(packed), attention_inputs(host, seqs)):
+            assert torch.equal(got, want)

@@ -1,0 +1,119 @@
+"""The CUDA graphs' static inputs, filled by one host-to-device copy per step.
+
+A graph replay reads a dozen small tensors. Copying each from the host costs a pin and a copy launch apiece,
+more host time than the rest of staging a step. Here every static tensor is a view of one device byte
+buffer, and a step is written into a pinned host twin of that buffer with the same layout, then sent whole.
+
+There are two twins, used in turn: under overlapped scheduling the host writes step N+1 while step N's copy
+may still be queued behind the GPU's work, so the twin it reads must not be written over. Before a twin is
+written again, the host waits for the copy that last read it (in practice long done: the host waits for a
+step's sampled ids before it stages the step after next).
+"""
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from slora import step_batch
+from slora.kernels.layout import align_up
+from slora.step_batch import Sizes, StepBatch
+
+# Every region starts on this many bytes, so that a view of any dtype is aligned.
+REGION_ALIGN = 16
+TWINS = 2
+
+
+class _Region(NamedTuple):
+    offset: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _layout(tensors: Mapping[str, Tensor]) -> tuple[dict[str, _Region], int]:
+    """Each tensor's region of the buffer, and the buffer's size in bytes."""
+    regions, end = {}, 0
+    for name, tensor in tensors.items():
+        regions[name] = _Region(end, tensor.shape, tensor.dtype)
+        end = align_up(end + tensor.numel() * tensor.element_size(), REGION_ALIGN)
+    return regions, end
+
+
+def _views(buffer: Tensor, regions: Mapping[str, _Region]) -> dict[str, Tensor]:
+    """The named tensors of a byte buffer."""
+    def view(region: _Region) -> Tensor:
+        size = region.shape.numel() * torch.empty(0, dtype=region.dtype).element_size()
+        return buffer[region.offset:region.offset + size].view(region.dtype).view(region.shape)
+    return {name: view(region) for name, region in regions.items()}
+
+
+class StagedBuffers:
+    """Named device tensors and the pinned host twins that fill them, one copy per `send`."""
+
+    def __init__(self, initial: Mapping[str, Tensor], device: torch.device) -> None:
+        regions, nbytes = _layout(initial)
+        pin = device.type == "cuda"
+        self._device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        twins = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(TWINS)]
+        self._twin_bytes = twins
+        self.device_tensors = _views(self._device_bytes, regions)
+        self.twin_tensors = [_views(twin, regions) for twin in twins]
+        for tensors in self.twin_tensors:
+            for name, tensor in tensors.items():
+                tensor.copy_(initial[name])
+        self._device_bytes.copy_(twins[0])
+        self._sent: list[torch.cuda.Event | None] = [None] * TWINS   # the copy that last read each twin
+        self.current = 0
+
+    def begin(self) -> int:
+        """The twin the next step is written into, once the copy that last read it has run."""
+        sent = self._sent[self.current]
+        if sent is not None:
+            sent.synchronize()
+        return self.current
+
+    def send(self) -> None:
+        """Copy the current twin to the device (queued on the current stream), and turn to the other."""
+        self._device_bytes.copy_(self._twin_bytes[self.current], non_blocking=True)
+        if self._device_bytes.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._sent[self.current] = event
+        self.current = (self.current + 1) % TWINS
+
+
+class BatchViews(NamedTuple):
+    """A graph's StepBatch on the device and in each host twin, as views of the staged buffers."""
+    device: StepBatch
+    twins: tuple[StepBatch, ...]
+
+
+class StagedBatch:
+    """A graph set's static StepBatch (and extra tensors beside it), staged through StagedBuffers."""
+
+    def __init__(self, template: StepBatch, device: torch.device, extras: Mapping[str, Tensor] | None = None) -> None:
+        """template: the static buffers' sizes and initial values, on the host (step_batch.empty)."""
+        tensors = step_batch.tensors_of(template)
+        assert not set(tensors) & set(extras or {}), "an extra named as a StepBatch field"
+        self.buffers = StagedBuffers({**tensors, **(extras or {})}, device)
+        self.device = step_batch.with_tensors(template, self.buffers.device_tensors)
+        self._twins = tuple(step_batch.with_tensors(template, t) for t in self.buffers.twin_tensors)
+
+    def views(self, sizes: Sizes, with_lora: bool) -> BatchViews:
+        """The leading `sizes` of the static batch, on the device and in every twin (step_batch.view)."""
+        return BatchViews(step_batch.view(self.device, sizes, with_lora),
+                          tuple(step_batch.view(twin, sizes, with_lora) for twin in self._twins))
+
+    def device_extra(self, name: str) -> Tensor:
+        return self.buffers.device_tensors[name]
+
+    def begin(self, views: BatchViews) -> StepBatch:
+        """The host twin of `views` that the next step is written into (then `send`)."""
+        return views.twins[self.buffers.begin()]
+
+    def twin_extra(self, name: str) -> Tensor:
+        """An extra tensor of the twin being written (between `begin` and `send`)."""
+        return self.buffers.twin_tensors[self.buffers.current][name]
+
+    def send(self) -> None:
+        self.buffers.send()
