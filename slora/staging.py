@@ -62,23 +62,21 @@ class StagedBuffers:
             for name, tensor in tensors.items():
                 tensor.copy_(initial[name])
         self._device_bytes.copy_(twins[0])
-        self._sent: list[torch.cuda.Event | None] = [None] * TWINS   # the copy that last read each twin
+        # Per twin, the end of the copy that last read it (an event never recorded is complete).
+        self._sent = [torch.cuda.Event() for _ in range(TWINS)] if pin else None
         self.current = 0
 
     def begin(self) -> int:
         """The twin the next step is written into, once the copy that last read it has run."""
-        sent = self._sent[self.current]
-        if sent is not None:
-            sent.synchronize()
+        if self._sent is not None:
+            self._sent[self.current].synchronize()
         return self.current
 
     def send(self) -> None:
         """Copy the current twin to the device (queued on the current stream), and turn to the other."""
         self._device_bytes.copy_(self._twin_bytes[self.current], non_blocking=True)
-        if self._device_bytes.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._sent[self.current] = event
+        if self._sent is not None:
+            self._sent[self.current].record()
         self.current = (self.current + 1) % TWINS
 
 
