@@ -7,6 +7,8 @@ version and the same tenant. SHA-256 with every field length-prefixed, never Pyt
 import hashlib
 import struct
 
+import numpy as np
+
 
 def _field(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
@@ -19,11 +21,16 @@ def page_hash(parent: bytes | None, token_ids: list[int], adapter_version: str |
     return hashlib.sha256(b"".join(map(_field, fields))).digest()       # one call: a prompt hashes many pages
 
 
-def prefix_hashes(token_ids: list[int], page_size: int, adapter_version: str | None, salt: bytes,
-                  start: list[bytes] | None = None) -> list[bytes]:
-    """Hashes of every full page of `token_ids`, continuing the chain `start` (hashes already known)."""
-    hashes = list(start or [])
-    for first in range(len(hashes) * page_size, len(token_ids) - page_size + 1, page_size):
-        parent = hashes[-1] if hashes else None
-        hashes.append(page_hash(parent, token_ids[first:first + page_size], adapter_version, salt))
-    return hashes
+def extend_hashes(hashes: list[bytes], token_ids: list[int], page_size: int, adapter_version: str | None,
+                  salt: bytes) -> list[bytes]:
+    """The chain `hashes` continued by every full page of `token_ids`, the tokens that follow its pages: the
+    page_hash of each. The tokens are packed once, and the fields every page shares are packed once."""
+    full = len(token_ids) // page_size
+    packed = np.asarray(token_ids[:full * page_size], dtype="<i8").tobytes()     # [full * page_size] int64
+    page_bytes = page_size * 8
+    tokens_length, shared = struct.pack("<Q", page_bytes), _field((adapter_version or "").encode()) + _field(salt)
+    chain = list(hashes)
+    for first in range(0, len(packed), page_bytes):
+        parent = _field(chain[-1] if chain else b"")
+        chain.append(hashlib.sha256(parent + tokens_length + packed[first:first + page_bytes] + shared).digest())
+    return chain

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from slora.adapter_residency import AdapterResidency
 from slora.page_pool import PageAllocator
-from slora.prefix_cache import prefix_hashes
+from slora.prefix_cache import extend_hashes
 from slora.sequence import AdapterRef, Sequence, SequenceStatus
 from slora.swap_space import SwapSpace
 
@@ -267,10 +267,11 @@ class Scheduler:
         return matched
 
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
-        if len(seq.page_hashes) < num_tokens // self.config.page_size:
+        page_size, known = self.config.page_size, len(seq.page_hashes)
+        if known < num_tokens // page_size:
             version = seq.adapter.version if seq.adapter else None
-            seq.page_hashes = prefix_hashes(seq.token_ids[:num_tokens], self.config.page_size, version,
-                                            seq.cache_salt, seq.page_hashes)
+            new_tokens = seq.tokens_between(known * page_size, num_tokens)
+            seq.page_hashes = extend_hashes(seq.page_hashes, new_tokens, page_size, version, seq.cache_salt)
 
     def pages_to_admit(self, seq: Sequence, matched: list[int] | None = None) -> int:
         """Pages a waiting sequence needs to be admitted: its tokens not served by the cache, plus its

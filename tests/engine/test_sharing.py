@@ -169,3 +169,20 @@ def test_random_stress_keeps_outputs_and_invariants(tiny_llama, tmp_path):
     assert stats["kv_pages"] == stats["adapter_pages"] == 0
     assert stats["free_pages"] + stats["cached_pages"] == stats["total_pages"]
     engine.check()
+
+
+def test_extend_hashes_is_page_hash_chained_over_every_full_page():
+    """The chain hashes the tokens packed once; each link is still page_hash of its page (the digest kept),
+    continued from a chain already known, and distinct for another adapter version or tenant salt."""
+    from slora.prefix_cache import extend_hashes, page_hash
+
+    tokens = [random.Random(7).randrange(200_000) for _ in range(70)]       # 4 full pages and 6 tokens
+    want, parent = [], None
+    for first in range(0, 64, 16):
+        parent = page_hash(parent, tokens[first:first + 16], "v1", b"tenant-a")
+        want.append(parent)
+    assert extend_hashes([], tokens, 16, "v1", b"tenant-a") == want
+    known = extend_hashes([], tokens[:40], 16, "v1", b"tenant-a")
+    assert known == want[:2] and extend_hashes(known, tokens[32:], 16, "v1", b"tenant-a") == want
+    assert extend_hashes([], tokens, 16, None, b"tenant-a")[0] != want[0]
+    assert extend_hashes([], tokens, 16, "v1", b"tenant-b")[0] != want[0]
