@@ -93,6 +93,21 @@ class PageAllocator:
         self._refcount[page] = 1
         return page
 
+    def allocate_kv_pages(self, count: int) -> list[int]:
+        """`count` pages for the KV of a live sequence, each with refcount 1; all or nothing. Bulk, as a
+        prefill chunk takes dozens in one step."""
+        if count > self.num_available:
+            raise OutOfPages(f"{count} KV pages asked for, {self.num_available} are available")
+        while len(self._free) < count:
+            self._evict_cached()
+        pages = [self._free.popleft() for _ in range(count)]
+        for page in pages:
+            self._owner[page] = PageOwner.KV
+            self._refcount[page] = 1
+        self._counts[PageOwner.FREE] -= count
+        self._counts[PageOwner.KV] += count
+        return pages
+
     def share_kv(self, page: int) -> None:
         """One more block table references `page` (a fork or a prefix hit)."""
         assert self._owner[page] is PageOwner.KV and self._refcount[page] >= 0, f"page {page} is not live KV"

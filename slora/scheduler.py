@@ -169,9 +169,9 @@ class Scheduler:
             index += 1
         return budget
 
-    def _reclaim(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Make one page available for `seq`; False if `seq` itself had to be preempted."""
-        while self.allocator.num_available == 0:
+    def _reclaim(self, seq: Sequence, out: SchedulerOutput, count: int = 1) -> bool:
+        """Make `count` pages available for `seq`; False if `seq` itself had to be preempted."""
+        while self.allocator.num_available < count:
             if self.adapters.evict_one_idle():
                 continue
             victim = self.running[-1]          # newest first
@@ -184,10 +184,10 @@ class Scheduler:
         """Give `seq` private slots for `num_tokens` tokens; False if `seq` itself had to be preempted."""
         if not self._copy_shared_tail(seq, out):
             return False
-        for _ in range(seq.pages_needed(num_tokens, self.config.page_size)):
-            if not self._reclaim(seq, out):
-                return False
-            seq.block_table.append(self.allocator.allocate_kv())
+        needed = seq.pages_needed(num_tokens, self.config.page_size)
+        if not self._reclaim(seq, out, needed):
+            return False
+        seq.block_table += self.allocator.allocate_kv_pages(needed)      # a chunk takes many at once
         return True
 
     def _copy_shared_tail(self, seq: Sequence, out: SchedulerOutput) -> bool:
@@ -377,10 +377,9 @@ class Scheduler:
     def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
         slots, seq.swap_slots = seq.swap_slots, None
         assert slots is not None, "only a swapped-out sequence is swapped in"
-        for _ in slots:
-            reclaimed = self._reclaim(seq, out)
-            assert reclaimed, "admission checked that the pages were available"
-            seq.block_table.append(self.allocator.allocate_kv())
+        reclaimed = self._reclaim(seq, out, len(slots))
+        assert reclaimed, "admission checked that the pages were available"
+        seq.block_table += self.allocator.allocate_kv_pages(len(slots))
         out.swap_in.append((slots, list(seq.block_table)))
         self.swap.release(slots)
 

@@ -1,7 +1,7 @@
 """The scheduler and page pool on their own, driven by a step-cost function (no model)."""
 import pytest
 
-from slora.page_pool import PageAllocator, PageOwner
+from slora.page_pool import OutOfPages, PageAllocator, PageOwner
 from slora.scheduler import Scheduler, SchedulerConfig
 from slora.sequence import AdapterRef, Sequence
 from slora.sampling_params import SamplingParams
@@ -130,6 +130,23 @@ def test_allocator_owner_kinds():
     allocator.release_adapter(pages)
     allocator.release_kv(kv)
     assert allocator.stats().free_pages == 4
+
+
+def test_kv_pages_in_bulk_take_free_pages_then_evict_cached_ones_all_or_nothing():
+    allocator = PageAllocator(6, 16)
+    cached = allocator.allocate_kv_pages(2)
+    for page, digest in zip(cached, (b"a", b"b")):
+        allocator.register_hash(page, digest)
+        allocator.release_kv(page)                           # refcount 0, hashed: kept as cached KV
+    assert allocator.stats().cached_pages == 2 and allocator.num_free == 4
+    with pytest.raises(OutOfPages, match="7 KV pages asked for, 6 are available"):
+        allocator.allocate_kv_pages(7)
+    assert allocator.stats().free_pages == 4 and allocator.lookup(b"a") == cached[0]   # nothing taken
+    pages = allocator.allocate_kv_pages(5)                   # 4 free, then the oldest cached one
+    assert len(set(pages)) == 5 and cached[0] in pages and allocator.lookup(b"a") is None
+    assert all(allocator.owner(p) is PageOwner.KV and allocator.refcount(p) == 1 for p in pages)
+    stats = allocator.stats()
+    assert (stats.free_pages, stats.kv_pages, stats.cached_pages) == (0, 5, 1)
 
 
 def test_a_request_of_n_samples_takes_n_running_slots():
