@@ -193,7 +193,6 @@ class MixedGraphs:
             return None
         return bucket if self.limits.holds(host, self.lora_slots(bucket)) else None
 
-    @torch.inference_mode()
     def replay(self, bucket: int, host: StepBatch, feed: TokenFeed | None) -> Tensor:
         """Copy the step into the bucket's static inputs, then replay its graph; logits `[sampled, vocab]`."""
         captured = self.graphs[(bucket, host.lora is not None)]

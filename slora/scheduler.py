@@ -185,6 +185,8 @@ class Scheduler:
         if not self._copy_shared_tail(seq, out):
             return False
         needed = seq.pages_needed(num_tokens, self.config.page_size)
+        if needed == 0:                   # most decode steps of most sequences
+            return True
         if not self._reclaim(seq, out, needed):
             return False
         seq.block_table += self.allocator.allocate_kv_pages(needed)      # a chunk takes many at once

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from slora.adapters.packing import AdapterDescriptor
-from slora.device_copy import tensor_on, to_device
+from slora.device_copy import select_rows, tensor_on, to_device
 from slora.kernels.layout import align_up
 from slora.scheduler import ScheduledSeq
 
@@ -222,11 +222,12 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
 
 
 class TokenFeed(NamedTuple):
-    """Input ids still on the device (overlapped scheduling): rows of a step's input_ids, and the ids the
-    step before sampled for them."""
+    """Input ids still on the device (overlapped scheduling): rows of a step's input_ids, and the rows of
+    the ids the step before sampled that go into them."""
 
-    rows: Tensor          # [fed] int64, on the device
-    token_ids: Tensor     # [fed] int64, on the device
+    rows: list[int]       # rows of the step's input_ids
+    sources: list[int]    # rows of `sampled`
+    sampled: Tensor       # [rows of the step before] int64, on the device
 
 
 def token_feed(scheduled: list[ScheduledSeq], sampled: Tensor | None) -> TokenFeed | None:
@@ -241,15 +242,20 @@ def token_feed(scheduled: list[ScheduledSeq], sampled: Tensor | None) -> TokenFe
     if not rows:
         return None
     assert sampled is not None, "a pending token without the sampled ids it is in"
-    device = sampled.device
-    return TokenFeed(tensor_on(rows, torch.int64, device),
-                     sampled.index_select(0, tensor_on(sources, torch.int64, device)))
+    return TokenFeed(rows, sources, sampled)
 
 
 def feed_tokens(batch: StepBatch, feed: TokenFeed | None) -> None:
-    """Write the feed's ids into the batch's input_ids on the device (after the host's were copied there)."""
-    if feed is not None:
-        batch.input_ids.index_copy_(0, feed.rows, feed.token_ids)
+    """Write the feed's ids into the batch's input_ids on the device (after the host's were copied there).
+    In most steps the decode rows come first and sample in the same order as in the step before, so the
+    rows and their sources are leading slices and nothing is copied from the host."""
+    if feed is None:
+        return
+    token_ids = select_rows(feed.sampled, feed.sources)                 # [fed]
+    if feed.rows == list(range(len(feed.rows))):
+        batch.input_ids[:len(feed.rows)].copy_(token_ids)
+    else:
+        batch.input_ids.index_copy_(0, tensor_on(feed.rows, torch.int64, token_ids.device), token_ids)
 
 
 def slot_of(block_table: list[int], position: int, page_size: int) -> int:

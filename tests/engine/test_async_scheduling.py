@@ -190,6 +190,14 @@ def test_the_token_feed_writes_pending_ids_into_their_rows():
     feed_tokens(batch, token_feed(scheduled, sampled))
     assert batch.input_ids.tolist() == [7, 42, 1, 2, 3, 4, 40]
     assert token_feed(scheduled[:1] + scheduled[2:3], None) is None   # nothing pending: no feed
+    # The common step: the decode rows first, sampled in the same order before (leading rows, no index).
+    first, second = seq(4, [1, 1], 0), seq(5, [2, 2], 1)
+    leading = [ScheduledSeq(first, 1), ScheduledSeq(second, 1), scheduled[2]]
+    batch = build(leading, {}, page_size=16)
+    feed = token_feed(leading, sampled)
+    assert feed is not None and feed.rows == [0, 1] and feed.sources == [0, 1]
+    feed_tokens(batch, feed)
+    assert batch.input_ids.tolist() == [40, 41, 1, 2, 3, 4]
 
 
 def test_a_step_left_in_flight_when_the_last_request_ends_is_counted_before_generate_returns(tiny_llama):

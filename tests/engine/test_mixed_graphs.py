@@ -91,7 +91,7 @@ def test_a_step_staged_into_a_bucket_is_what_its_graph_reads():
                                  sample_indices=torch.full((seqs,), 9), context_lens=torch.full((seqs,), 5, dtype=int32),
                                  num_decodes=seqs)
     host = _host_step()
-    feed = step_batch.TokenFeed(torch.tensor([1]), torch.tensor([55]))
+    feed = step_batch.TokenFeed([1], [0], torch.tensor([55]))
     for earlier in range(3):                  # after one, two and three larger steps: each twin in turn
         for _ in range(earlier + 1):
             graphs.stage(captured, larger, None)
