@@ -88,8 +88,8 @@ def test_a_step_staged_into_a_bucket_is_what_its_graph_reads():
     captured = BucketGraph(None, graphs.staged.views(graphs._sizes(32), with_lora=False), torch.zeros(0))
     int32 = torch.int32
     larger = dataclasses.replace(_step(30, seqs), query_start_loc=torch.full((seqs + 1,), 7, dtype=int32),
-                                 sample_indices=torch.full((seqs,), 9), context_lens=torch.full((seqs,), 5, dtype=int32),
-                                 num_decodes=seqs)
+                                 sample_indices=torch.full((seqs,), 9),
+                                 context_lens=torch.full((seqs,), 5, dtype=int32), num_decodes=seqs)
     host = _host_step()
     feed = step_batch.TokenFeed([1], [0], torch.tensor([55]))
     for earlier in range(3):                  # after one, two and three larger steps: each twin in turn
