@@ -53,6 +53,7 @@ class Scenario(NamedTuple):
     prompt_len: int
     step_tokens: int        # the engine's max_num_batched_tokens
     decode_steps: int       # decode steps timed after each pass's prompts are done
+    rounds: int             # timed passes: each gives its own chunk / decode ratio
 
 
 def steps_per_pass(scenario: Scenario) -> int:
@@ -62,12 +63,13 @@ def steps_per_pass(scenario: Scenario) -> int:
 
 
 def decode_len(scenario: Scenario) -> int:
-    """Output tokens of a decoder: enough for the warm-up, the three measured passes and their slack."""
-    return 5 * steps_per_pass(scenario) + 64
+    """Output tokens of a decoder: enough for the warm-up, the timed rounds, the phase-timed and profiled
+    passes, and their slack."""
+    return (scenario.rounds + 4) * steps_per_pass(scenario) + 64
 
 
-FULL = Scenario(batch=64, adapters=8, prompts=8, prompt_len=2048, step_tokens=512, decode_steps=48)
-QUICK = Scenario(batch=4, adapters=2, prompts=2, prompt_len=96, step_tokens=32, decode_steps=6)
+FULL = Scenario(batch=64, adapters=8, prompts=8, prompt_len=2048, step_tokens=512, decode_steps=48, rounds=3)
+QUICK = Scenario(batch=4, adapters=2, prompts=2, prompt_len=96, step_tokens=32, decode_steps=6, rounds=2)
 
 
 def engine_kwargs(setup: ModelSetup, scenario: Scenario, extra: dict[str, Any]) -> dict[str, Any]:
@@ -226,22 +228,40 @@ def run(scenario: Scenario, device: str, extra: dict[str, Any]) -> dict[str, Any
         engine, vocab = llm.engine, setup.vocab_size
         start_decoders(engine, scenario, adapters, vocab)
         one_pass(engine, scenario, adapters, vocab, 2, device, timed_call)       # warm-up: shapes, mixes
-        times = one_pass(engine, scenario, adapters, vocab, 3, device, timed_with_gc)
+        rounds = [one_pass(engine, scenario, adapters, vocab, 3 + i, device, timed_with_gc)
+                  for i in range(scenario.rounds)]
+        seed = 3 + scenario.rounds
         clock = PhaseClock()
         with phase_timers(clock):
-            phases = one_pass(engine, scenario, adapters, vocab, 4, device, lambda call: phased_call(clock, call))
-        profiles = one_pass(engine, scenario, adapters, vocab, 5, device, profiled_call)
-        by_kind = summary(times, phases, profiles)
+            phases = one_pass(engine, scenario, adapters, vocab, seed, device, lambda call: phased_call(clock, call))
+        profiles = one_pass(engine, scenario, adapters, vocab, seed + 1, device, profiled_call)
+        by_kind = summary(pooled(rounds), phases, profiles)
         medians = {kind: row["median_ms"] for kind, row in by_kind.items()}
         phase_means = {kind: sum(row["phase_mean_ms"].values()) for kind, row in by_kind.items()}
     return {"benchmark": "step_host", "device": device, "model": setup.description,
             "scenario": scenario._asdict(), "engine": engine_kwargs(setup, scenario, extra),
-            "method": "each engine.step() timed from an idle GPU and charged to the kind of step it launched; "
-                      "a second pass with PHASES timed (phase_mean_ms), a third under cProfile (top_own_time)",
+            "method": "each engine.step() timed from an idle GPU and charged to the kind of step it launched, "
+                      "over `rounds` passes (medians pooled, and per round); then a pass with PHASES timed "
+                      "(phase_mean_ms), and one under cProfile (top_own_time)",
             "host_ms_by_kind": by_kind, "graphed_mixed_over_decode_median": _mixed_over_decode(medians),
+            "graphed_mixed_over_decode_median_by_round": [_mixed_over_decode(round_medians(r)) for r in rounds],
             # The same ratio from the phase-timed pass (mean ms, its phases summed): the host's speed drifts
             # between passes, and each pass's ratio compares steps run next to each other.
             "graphed_mixed_over_decode_phase_pass_mean": _mixed_over_decode(phase_means)}
+
+
+def pooled(rounds: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
+    """The timed rounds' results by step kind, in one list per kind."""
+    kinds: dict[str, list[Any]] = defaultdict(list)
+    for results in rounds:
+        for kind, values in results.items():
+            kinds[kind] += values
+    return dict(kinds)
+
+
+def round_medians(results: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """Median ms of each step kind in one timed round."""
+    return {kind: 1e3 * statistics.median(t for t, _ in values) for kind, values in results.items()}
 
 
 def _mixed_over_decode(ms_by_kind: dict[str, float]) -> float | None:
@@ -288,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("%-32s %4d steps, median %.3f ms, mean %.3f ms, gc %.3f ms", kind, row["steps"],
                     row["median_ms"], row["mean_ms"], row["gc_ms_per_step"])
         logger.info("    phases (mean ms): %s", ", ".join(f"{k} {v:.3f}" for k, v in row["phase_mean_ms"].items()))
-    logger.info("graphed mixed / decode: median %s, phase pass mean %s", data["graphed_mixed_over_decode_median"],
+    logger.info("graphed mixed / decode: median %s (by round %s), phase pass mean %s",
+                data["graphed_mixed_over_decode_median"], data["graphed_mixed_over_decode_median_by_round"],
                 data["graphed_mixed_over_decode_phase_pass_mean"])
 
 
