@@ -64,20 +64,20 @@ class StagedBuffers:
         self._device_bytes.copy_(twins[0])
         # Per twin, the end of the copy that last read it (an event never recorded is complete).
         self._sent = [torch.cuda.Event() for _ in range(TWINS)] if pin else None
-        self.current = 0
+        self._current = 0
 
     def begin(self) -> int:
         """The twin the next step is written into, once the copy that last read it has run."""
         if self._sent is not None:
-            self._sent[self.current].synchronize()
-        return self.current
+            self._sent[self._current].synchronize()
+        return self._current
 
     def send(self) -> None:
         """Copy the current twin to the device (queued on the current stream), and turn to the other."""
-        self._device_bytes.copy_(self._twin_bytes[self.current], non_blocking=True)
+        self._device_bytes.copy_(self._twin_bytes[self._current], non_blocking=True)
         if self._sent is not None:
-            self._sent[self.current].record()
-        self.current = (self.current + 1) % TWINS
+            self._sent[self._current].record()
+        self._current = (self._current + 1) % TWINS
 
 
 class BatchViews(NamedTuple):
@@ -93,9 +93,10 @@ class StagedBatch:
         """template: the static buffers' sizes and initial values, on the host (step_batch.empty)."""
         tensors = step_batch.tensors_of(template)
         assert not set(tensors) & set(extras or {}), "an extra named as a StepBatch field"
-        self.buffers = StagedBuffers({**tensors, **(extras or {})}, device)
-        self.device = step_batch.with_tensors(template, self.buffers.device_tensors)
-        self._twins = tuple(step_batch.with_tensors(template, t) for t in self.buffers.twin_tensors)
+        self._buffers = StagedBuffers({**tensors, **(extras or {})}, device)
+        self.device = step_batch.with_tensors(template, self._buffers.device_tensors)
+        self._twins = tuple(step_batch.with_tensors(template, t) for t in self._buffers.twin_tensors)
+        self._twin = 0                   # the twin being written, from `begin` to `send`
 
     def views(self, sizes: Sizes, with_lora: bool) -> BatchViews:
         """The leading `sizes` of the static batch, on the device and in every twin (step_batch.view)."""
@@ -103,15 +104,16 @@ class StagedBatch:
                           tuple(step_batch.view(twin, sizes, with_lora) for twin in self._twins))
 
     def device_extra(self, name: str) -> Tensor:
-        return self.buffers.device_tensors[name]
+        return self._buffers.device_tensors[name]
 
     def begin(self, views: BatchViews) -> StepBatch:
         """The host twin of `views` that the next step is written into (then `send`)."""
-        return views.twins[self.buffers.begin()]
+        self._twin = self._buffers.begin()
+        return views.twins[self._twin]
 
     def twin_extra(self, name: str) -> Tensor:
         """An extra tensor of the twin being written (between `begin` and `send`)."""
-        return self.buffers.twin_tensors[self.buffers.current][name]
+        return self._buffers.twin_tensors[self._twin][name]
 
     def send(self) -> None:
-        self.buffers.send()
+        self._buffers.send()
