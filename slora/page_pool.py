@@ -72,14 +72,19 @@ class PageAllocator:
     def refcount(self, page: int) -> int:
         return self._refcount[page]
 
-    def _take_free(self, owner: PageOwner) -> int:
-        if not self._free and self._cached:
+    def _take_free(self, owner: PageOwner, count: int, what: str) -> list[int]:
+        """`count` free pages for `owner`, evicting the oldest cached KV where the free ones fall short; all
+        or nothing. In bulk: a prefill chunk takes dozens of pages in one step."""
+        if count > self.num_available:
+            raise OutOfPages(f"{count} {what} pages asked for, {self.num_available} are available")
+        while len(self._free) < count:
             self._evict_cached()
-        if not self._free:
-            raise OutOfPages("no free page in the pool")
-        page = self._free.popleft()
-        self._set_owner(page, owner)
-        return page
+        pages = [self._free.popleft() for _ in range(count)]
+        for page in pages:
+            self._owner[page] = owner
+        self._counts[PageOwner.FREE] -= count
+        self._counts[owner] += count
+        return pages
 
     def _give_back(self, page: int) -> None:
         assert page not in self._hash_of_page or self._owner[page] is PageOwner.CACHED, "hashed page freed"
@@ -89,23 +94,13 @@ class PageAllocator:
 
     def allocate_kv(self) -> int:
         """One page for the KV of a live sequence, with refcount 1."""
-        page = self._take_free(PageOwner.KV)
-        self._refcount[page] = 1
-        return page
+        return self.allocate_kv_pages(1)[0]
 
     def allocate_kv_pages(self, count: int) -> list[int]:
-        """`count` pages for the KV of a live sequence, each with refcount 1; all or nothing. Bulk, as a
-        prefill chunk takes dozens in one step."""
-        if count > self.num_available:
-            raise OutOfPages(f"{count} KV pages asked for, {self.num_available} are available")
-        while len(self._free) < count:
-            self._evict_cached()
-        pages = [self._free.popleft() for _ in range(count)]
+        """`count` pages for the KV of a live sequence, each with refcount 1; all or nothing."""
+        pages = self._take_free(PageOwner.KV, count, "KV")
         for page in pages:
-            self._owner[page] = PageOwner.KV
             self._refcount[page] = 1
-        self._counts[PageOwner.FREE] -= count
-        self._counts[PageOwner.KV] += count
         return pages
 
     def share_kv(self, page: int) -> None:
@@ -154,9 +149,7 @@ class PageAllocator:
 
     def allocate_adapter(self, version: str, count: int) -> list[int]:
         """`count` pages for the weights of adapter `version`; all or nothing."""
-        if count > self.num_available:
-            raise OutOfPages(f"adapter needs {count} pages, {self.num_available} are available")
-        pages = [self._take_free(PageOwner.ADAPTER) for _ in range(count)]
+        pages = self._take_free(PageOwner.ADAPTER, count, "adapter")
         for page in pages:
             self._adapter_of_page[page] = version
         return pages
