@@ -30,9 +30,22 @@ def copy_from_host(target: Tensor, source: Tensor) -> None:
     target.copy_(source, non_blocking=True)
 
 
+def _leading(rows: list[int]) -> bool:
+    """Whether the rows are 0, 1, 2, ... in order: then a slice stands for them, with no index to copy."""
+    return rows == list(range(len(rows)))
+
+
 def select_rows(tensor: Tensor, rows: list[int]) -> Tensor:
     """`tensor[rows]` without waiting for the GPU (a list index is copied from pageable memory): a slice when
     the rows are the leading ones in order, the common case."""
-    if rows == list(range(len(rows))):
+    if _leading(rows):
         return tensor[:len(rows)]
     return tensor.index_select(0, tensor_on(rows, torch.int64, tensor.device))
+
+
+def write_rows(tensor: Tensor, rows: list[int], values: Tensor) -> None:
+    """`tensor[rows] = values` without waiting for the GPU, a slice copy when the rows lead (select_rows)."""
+    if _leading(rows):
+        tensor[:len(rows)].copy_(values)
+    else:
+        tensor.index_copy_(0, tensor_on(rows, torch.int64, tensor.device), values)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from slora.adapters.packing import AdapterDescriptor
-from slora.device_copy import select_rows, tensor_on, to_device
+from slora.device_copy import select_rows, to_device, write_rows
 from slora.kernels.layout import align_up
 from slora.scheduler import ScheduledSeq
 
@@ -251,13 +251,8 @@ def feed_tokens(batch: StepBatch, feed: TokenFeed | None) -> None:
     """Write the feed's ids into the batch's input_ids on the device (after the host's were copied there).
     In most steps the decode rows come first and sample in the same order as in the step before, so the
     rows and their sources are leading slices and nothing is copied from the host."""
-    if feed is None:
-        return
-    token_ids = select_rows(feed.sampled, feed.sources)                 # [fed]
-    if feed.rows == list(range(len(feed.rows))):
-        batch.input_ids[:len(feed.rows)].copy_(token_ids)
-    else:
-        batch.input_ids.index_copy_(0, tensor_on(feed.rows, torch.int64, token_ids.device), token_ids)
+    if feed is not None:
+        write_rows(batch.input_ids, feed.rows, select_rows(feed.sampled, feed.sources))
 
 
 def slot_of(block_table: list[int], position: int, page_size: int) -> int:
