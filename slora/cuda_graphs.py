@@ -127,7 +127,7 @@ class DecodeGraphs:
         bucket's graph and replay it."""
         num_adapters = 0 if host.lora is None else host.lora.page_tables.shape[0]
         graph, views, logits = self.graphs[(size, host.lora is not None, self.uses_few(size, num_adapters))]
-        host.copy_into(self.staged.begin(views))
+        host.copy_into(self.staged.begin(views).batch)
         self.staged.send()
         step_batch.feed_tokens(views.device, feed)
         graph.replay()

@@ -57,9 +57,14 @@ def write_attention_inputs(host: StepBatch, packed: Tensor) -> None:
     starts[decodes + 1:count + 1] = host.query_start_loc[decodes + 1:]
 
 
+def packed_length(seqs: int) -> int:
+    """The length of a bucket's packed AttentionInputs: `seqs` context lengths and `seqs + 1` starts."""
+    return 2 * seqs + 1
+
+
 def packed_attention_inputs(host: StepBatch, seqs: int) -> Tensor:
     """A step's AttentionInputs for a bucket of `seqs` sequences, packed (write_attention_inputs)."""
-    packed = torch.empty(2 * seqs + 1, dtype=torch.int32)
+    packed = torch.empty(packed_length(seqs), dtype=torch.int32)
     write_attention_inputs(host, packed)
     return packed
 
@@ -129,7 +134,7 @@ class MixedGraphs:
         largest = self.buckets[-1]
         template = step_batch.empty(self._sizes(largest), torch.device("cpu"), page_size, limits.max_lora_rank)
         # One AttentionInputs region for every bucket: a bucket's are its leading [2 * seqs + 1].
-        packed = torch.zeros(2 * self.seqs(largest) + 1, dtype=torch.int32)
+        packed = torch.zeros(packed_length(self.seqs(largest)), dtype=torch.int32)
         self.staged = StagedBatch(template, pool.device, {ATTENTION_INPUTS: packed})
         self.graphs: dict[tuple[int, bool], BucketGraph] = {}   # (bucket tokens, with LoRA) -> its graph
         self._attention_out: Tensor | None = None               # [largest bucket, heads, head_dim]
@@ -157,17 +162,14 @@ class MixedGraphs:
 
     def _capture(self, tokens: int, with_lora: bool, mempool: "MemPool") -> BucketGraph:
         views = self.staged.views(self._sizes(tokens), with_lora)
-        inputs = split_attention_inputs(self._packed_inputs(self.staged.device_extra(ATTENTION_INPUTS), tokens))
+        packed = self.staged.device_extra(ATTENTION_INPUTS)[:packed_length(self.seqs(tokens))]
+        inputs = split_attention_inputs(packed)
         self._record(views.device, inputs)          # compiles the kernels outside the capture
         torch.cuda.synchronize(self.pool.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=mempool):
             logits = self._record(views.device, inputs)
         return BucketGraph(graph, views, logits)
-
-    def _packed_inputs(self, region: Tensor, tokens: int) -> Tensor:
-        """A bucket's packed AttentionInputs: the leading `[2 * seqs + 1]` of the shared region."""
-        return region[:2 * self.seqs(tokens) + 1]
 
     def _record(self, batch: StepBatch, inputs: AttentionInputs) -> Tensor:
         lora = None if batch.lora is None else self.lora.step(batch.lora)
@@ -204,8 +206,8 @@ class MixedGraphs:
         """Copy a step into a bucket's static inputs, in one copy from a host twin (its pending input ids fed
         on the device after it)."""
         twin = self.staged.begin(captured.views)
-        host.copy_into(twin)
-        self._stage_extras(twin, host, self.staged.twin_extra(ATTENTION_INPUTS)[:2 * captured.seqs + 1])
+        host.copy_into(twin.batch)
+        self._stage_extras(twin.batch, host, twin.extras[ATTENTION_INPUTS][:packed_length(captured.seqs)])
         self.staged.send()
         step_batch.feed_tokens(captured.views.device, feed)
 

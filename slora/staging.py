@@ -26,6 +26,7 @@ TWINS = 2
 
 class _Region(NamedTuple):
     offset: int
+    nbytes: int
     shape: torch.Size
     dtype: torch.dtype
 
@@ -34,17 +35,14 @@ def _layout(tensors: Mapping[str, Tensor]) -> tuple[dict[str, _Region], int]:
     """Each tensor's region of the buffer, and the buffer's size in bytes."""
     regions, end = {}, 0
     for name, tensor in tensors.items():
-        regions[name] = _Region(end, tensor.shape, tensor.dtype)
-        end = align_up(end + tensor.numel() * tensor.element_size(), REGION_ALIGN)
+        regions[name] = _Region(end, tensor.nbytes, tensor.shape, tensor.dtype)
+        end = align_up(end + tensor.nbytes, REGION_ALIGN)
     return regions, end
 
 
 def _views(buffer: Tensor, regions: Mapping[str, _Region]) -> dict[str, Tensor]:
     """The named tensors of a byte buffer."""
-    def view(region: _Region) -> Tensor:
-        size = region.shape.numel() * torch.empty(0, dtype=region.dtype).element_size()
-        return buffer[region.offset:region.offset + size].view(region.dtype).view(region.shape)
-    return {name: view(region) for name, region in regions.items()}
+    return {name: buffer[r.offset:r.offset + r.nbytes].view(r.dtype).view(r.shape) for name, r in regions.items()}
 
 
 class StagedBuffers:
@@ -86,6 +84,12 @@ class BatchViews(NamedTuple):
     twins: tuple[StepBatch, ...]
 
 
+class Twin(NamedTuple):
+    """The host twin a step is written into, between `StagedBatch.begin` and `send`."""
+    batch: StepBatch                   # the graph's views of it
+    extras: Mapping[str, Tensor]       # its extra tensors, whole
+
+
 class StagedBatch:
     """A graph set's static StepBatch (and extra tensors beside it), staged through StagedBuffers."""
 
@@ -96,7 +100,6 @@ class StagedBatch:
         self._buffers = StagedBuffers({**tensors, **(extras or {})}, device)
         self.device = step_batch.with_tensors(template, self._buffers.device_tensors)
         self._twins = tuple(step_batch.with_tensors(template, t) for t in self._buffers.twin_tensors)
-        self._twin = 0                   # the twin being written, from `begin` to `send`
 
     def views(self, sizes: Sizes, with_lora: bool) -> BatchViews:
         """The leading `sizes` of the static batch, on the device and in every twin (step_batch.view)."""
@@ -106,14 +109,10 @@ class StagedBatch:
     def device_extra(self, name: str) -> Tensor:
         return self._buffers.device_tensors[name]
 
-    def begin(self, views: BatchViews) -> StepBatch:
-        """The host twin of `views` that the next step is written into (then `send`)."""
-        self._twin = self._buffers.begin()
-        return views.twins[self._twin]
-
-    def twin_extra(self, name: str) -> Tensor:
-        """An extra tensor of the twin being written (between `begin` and `send`)."""
-        return self._buffers.twin_tensors[self._twin][name]
+    def begin(self, views: BatchViews) -> Twin:
+        """The host twin that the next step is written into (then `send`), with `views`' cut of its batch."""
+        twin = self._buffers.begin()
+        return Twin(views.twins[twin], self._buffers.twin_tensors[twin])
 
     def send(self) -> None:
         self._buffers.send()

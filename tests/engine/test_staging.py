@@ -52,9 +52,9 @@ def test_a_staged_batch_views_the_same_fields_on_the_device_and_in_each_twin():
     assert views.device.input_ids.shape == (2,) and views.device.block_tables.shape == (2, 3)
     assert views.device.lora is not None and (views.device.lora.token_slots == -1).all()
     assert views.device.query_start_loc.tolist() == [0, 1, 2]                  # the aranges, sent at start
-    twin = staged.begin(views)
+    twin = staged.begin(views).batch
     assert twin is views.twins[0] and twin.input_ids.data_ptr() != views.device.input_ids.data_ptr()
     twin.positions[:] = torch.tensor([5, 6])
     staged.send()
     assert views.device.positions.tolist() == [5, 6]
-    assert staged.begin(views) is views.twins[1]
+    assert staged.begin(views).batch is views.twins[1]
