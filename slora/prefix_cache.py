@@ -14,17 +14,12 @@ def _field(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-def page_hash(parent: bytes | None, token_ids: list[int], adapter_version: str | None, salt: bytes) -> bytes:
-    """The hash of one full page of tokens that follows the page hashed `parent` (None: the first)."""
-    tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
-    fields = (parent or b"", tokens, (adapter_version or "").encode(), salt)
-    return hashlib.sha256(b"".join(map(_field, fields))).digest()       # one call: a prompt hashes many pages
-
-
 def extend_hashes(hashes: list[bytes], token_ids: list[int], page_size: int, adapter_version: str | None,
                   salt: bytes) -> list[bytes]:
-    """The chain `hashes` continued by every full page of `token_ids`, the tokens that follow its pages: the
-    page_hash of each. The tokens are packed once, and the fields every page shares are packed once."""
+    """The chain `hashes` continued by every full page of `token_ids`, the tokens that follow its pages. A
+    page's hash is the SHA-256 of its fields, each length-prefixed (`_field`): the parent page's hash (empty
+    for the first), its token ids as little-endian int64, the adapter version (empty: none) and the salt.
+    The tokens are packed once, and the fields every page shares are packed once."""
     full = len(token_ids) // page_size
     packed = np.asarray(token_ids[:full * page_size], dtype="<i8").tobytes()     # [full * page_size] int64
     page_bytes = page_size * 8

@@ -171,15 +171,25 @@ def test_random_stress_keeps_outputs_and_invariants(tiny_llama, tmp_path):
     engine.check()
 
 
-def test_extend_hashes_is_page_hash_chained_over_every_full_page():
-    """The chain hashes the tokens packed once; each link is still page_hash of its page (the digest kept),
-    continued from a chain already known, and distinct for another adapter version or tenant salt."""
-    from slora.prefix_cache import extend_hashes, page_hash
+def _page_hash(parent: bytes | None, token_ids: list[int], adapter_version: str | None, salt: bytes) -> bytes:
+    """One page's hash as prefix_cache's docstring defines it, field by field."""
+    import hashlib
+    import struct
 
-    tokens = [random.Random(7).randrange(200_000) for _ in range(70)]       # 4 full pages and 6 tokens
+    fields = (parent or b"", struct.pack(f"<{len(token_ids)}q", *token_ids), (adapter_version or "").encode(), salt)
+    return hashlib.sha256(b"".join(struct.pack("<Q", len(f)) + f for f in fields)).digest()
+
+
+def test_extend_hashes_is_page_hash_chained_over_every_full_page():
+    """The chain hashes the tokens packed once; each link is still the documented hash of its page (the digest
+    kept), continued from a chain already known, and distinct for another adapter version or tenant salt."""
+    from slora.prefix_cache import extend_hashes
+
+    rng = random.Random(7)
+    tokens = [rng.randrange(200_000) for _ in range(70)]                   # 4 full pages and 6 tokens
     want, parent = [], None
     for first in range(0, 64, 16):
-        parent = page_hash(parent, tokens[first:first + 16], "v1", b"tenant-a")
+        parent = _page_hash(parent, tokens[first:first + 16], "v1", b"tenant-a")
         want.append(parent)
     assert extend_hashes([], tokens, 16, "v1", b"tenant-a") == want
     known = extend_hashes([], tokens[:40], 16, "v1", b"tenant-a")
