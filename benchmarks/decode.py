@@ -56,7 +56,7 @@ from slora.in_flight import HostCopy
 from slora.sampler import Sampler
 from slora.sampling_params import SamplingParams
 from slora.scheduler import ScheduledSeq
-from slora.sequence import AdapterRef, Sequence
+from slora.sequence import AdapterRef, BlockTable, Sequence
 from slora.structured_output import StructuredOutput
 from slora.tokenizer import eos_token_ids, load_tokenizer
 
@@ -154,7 +154,7 @@ def build_step(runner: ModelRunner, allocator: PageAllocator, batch: int, adapte
         seq = Sequence(i, f"r{i}", [1] * (CONTEXT - 1), SamplingParams(max_tokens=2), ref)
         seq.output_token_ids.append(1)
         seq.num_computed_tokens = CONTEXT - 1
-        seq.block_table = [allocator.allocate_kv() for _ in range(CONTEXT // runner.shape.page_size)]
+        seq.block_table = BlockTable(allocator.allocate_kv() for _ in range(CONTEXT // runner.shape.page_size))
         seqs.append(ScheduledSeq(seq, 1))
     return seqs, step_adapters
 
@@ -267,7 +267,7 @@ def mixed_step(runner: ModelRunner, allocator: PageAllocator, adapters: list[tup
     for j, length in enumerate(MIXED_PREFILLS):
         version, pages = adapters[(batch + j) % num_adapters]
         seq = Sequence(batch + j, f"p{j}", [2] * length, SamplingParams(max_tokens=2), AdapterRef(version, len(pages)))
-        seq.block_table = [allocator.allocate_kv() for _ in range(cdiv(length, runner.shape.page_size))]
+        seq.block_table = BlockTable(allocator.allocate_kv() for _ in range(cdiv(length, runner.shape.page_size)))
         scheduled.append(ScheduledSeq(seq, length))
     used = {item.seq.adapter.version for item in scheduled}
     return scheduled, {v: (descriptor, pages) for v, pages in adapters if v in used}

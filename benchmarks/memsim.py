@@ -204,7 +204,7 @@ class PartitionedScheduler(Scheduler):
                 self.preempt(victim, out)
                 if victim is seq:
                     return False
-            seq.block_table.append(self.allocator.allocate_kv())
+            seq.block_table.extend([self.allocator.allocate_kv()])
         return True
 
     def check(self) -> None:

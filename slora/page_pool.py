@@ -6,6 +6,7 @@ prefix reuse, evictable); adapter weights (owned by one resident adapter version
 """
 import enum
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -166,7 +167,7 @@ class PageAllocator:
         return PoolStats(self.num_pages, counts[PageOwner.FREE], counts[PageOwner.KV],
                          counts[PageOwner.CACHED], counts[PageOwner.ADAPTER], self.page_size)
 
-    def check(self, block_tables: list[list[int]], adapter_page_tables: dict[str, list[int]]) -> None:
+    def check(self, block_tables: Iterable[Iterable[int]], adapter_page_tables: dict[str, list[int]]) -> None:
         """Verify every invariant of the pool against the holders' view; raises AssertionError."""
         expected_refs = [0] * self.num_pages
         for table in block_tables:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from slora.adapter_residency import AdapterResidency
 from slora.page_pool import PageAllocator
 from slora.prefix_cache import extend_hashes
-from slora.sequence import AdapterRef, Sequence, SequenceStatus
+from slora.sequence import AdapterRef, BlockTable, Sequence, SequenceStatus
 from slora.swap_space import SwapSpace
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -189,7 +189,7 @@ class Scheduler:
             return True
         if not self._reclaim(seq, out, needed):
             return False
-        seq.block_table += self.allocator.allocate_kv_pages(needed)      # a chunk takes many at once
+        seq.block_table.extend(self.allocator.allocate_kv_pages(needed))      # a chunk takes many at once
         return True
 
     def _copy_shared_tail(self, seq: Sequence, out: SchedulerOutput) -> bool:
@@ -312,7 +312,7 @@ class Scheduler:
     def _reuse_prefix(self, seq: Sequence, matched: list[int]) -> None:
         for page in matched:
             self.allocator.reuse(page)
-        seq.block_table = list(matched)
+        seq.block_table = BlockTable(matched)
         seq.num_hashed_pages = len(matched)
         seq.num_computed_tokens = len(matched) * self.config.page_size
         if seq.num_preemptions == 0:
@@ -347,7 +347,7 @@ class Scheduler:
         """`child` starts as a copy of running `parent`, sharing all its pages (copy-on-write)."""
         for page in parent.block_table:
             self.allocator.share_kv(page)
-        child.block_table = list(parent.block_table)
+        child.block_table = BlockTable(parent.block_table.pages)
         child.num_computed_tokens, child.num_hashed_pages = parent.num_computed_tokens, parent.num_hashed_pages
         child.page_hashes = list(parent.page_hashes)
         child.status = SequenceStatus.RUNNING
@@ -363,7 +363,7 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             slots = self.swap.allocate(len(seq.block_table))
         if slots is not None:
-            out.swap_out.append((list(seq.block_table), slots))
+            out.swap_out.append((seq.block_table.tolist(), slots))
             self.num_swaps += 1
         self._release(seq)
         seq.swap_slots = slots
@@ -381,8 +381,8 @@ class Scheduler:
         assert slots is not None, "only a swapped-out sequence is swapped in"
         reclaimed = self._reclaim(seq, out, len(slots))
         assert reclaimed, "admission checked that the pages were available"
-        seq.block_table += self.allocator.allocate_kv_pages(len(slots))
-        out.swap_in.append((slots, list(seq.block_table)))
+        seq.block_table.extend(self.allocator.allocate_kv_pages(len(slots)))
+        out.swap_in.append((slots, seq.block_table.tolist()))
         self.swap.release(slots)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -400,7 +400,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         for page in seq.block_table:
             self.allocator.release_kv(page)
-        seq.block_table = []
+        seq.block_table = BlockTable()
         self.running.remove(seq)
         if seq.adapter is not None:
             self.adapters.unpin(seq.adapter.version, self.step_count)

@@ -1,6 +1,9 @@
 """A sequence: one sample of one request, as the scheduler and the model runner see it."""
 import enum
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from slora.sampling_params import SamplingParams
 
@@ -19,6 +22,54 @@ class AdapterRef:
     num_pages: int
 
 
+class BlockTable:
+    """A sequence's KV pages in order, in a growable int32 array: a step copies its sequences' tables into
+    one matrix row by row, where a list of ints would be converted int by int."""
+
+    __slots__ = ("_array", "_len")
+
+    def __init__(self, pages: Iterable[int] = ()) -> None:
+        self._array = np.fromiter(pages, dtype=np.int32)
+        self._len = len(self._array)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> int:
+        return int(self._array[self._checked(index)])
+
+    def __setitem__(self, index: int, page: int) -> None:
+        self._array[self._checked(index)] = page
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __repr__(self) -> str:
+        return f"BlockTable({self.tolist()})"
+
+    def _checked(self, index: int) -> int:
+        if not 0 <= index < self._len:
+            raise IndexError(f"page {index} of a block table of {self._len}")
+        return index
+
+    def extend(self, pages: list[int]) -> None:
+        end = self._len + len(pages)
+        if end > len(self._array):
+            grown = np.empty(max(end, 2 * len(self._array)), dtype=np.int32)
+            grown[:self._len] = self.pages
+            self._array = grown
+        self._array[self._len:end] = pages
+        self._len = end
+
+    @property
+    def pages(self) -> np.ndarray:
+        """The pages `[len]` int32, a view: valid until the table next grows."""
+        return self._array[:self._len]
+
+    def tolist(self) -> list[int]:
+        return self.pages.tolist()
+
+
 @dataclass(eq=False)
 class Sequence:
     seq_id: int
@@ -29,7 +80,7 @@ class Sequence:
     sample_index: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     num_preemptions: int = 0
     finish_reason: str | None = None

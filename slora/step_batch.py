@@ -19,6 +19,7 @@ from slora.adapters.packing import AdapterDescriptor
 from slora.device_copy import select_rows, to_device, write_rows
 from slora.kernels.layout import align_up
 from slora.scheduler import ScheduledSeq
+from slora.sequence import BlockTable
 
 # Sizes a tensor dimension may name: "tokens", "seqs", "seqs+1", "pages" (block-table width), "slots"
 # (adapter slots of the step), "adapter_pages" (page-table width), "layers", "modules".
@@ -186,41 +187,64 @@ def padded_rows(rows: list[list[int]]) -> Tensor:
     return torch.from_numpy(matrix)
 
 
-def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
-          tables: "LoraTables | None" = None) -> StepBatch:
-    """The flat batch of a step, built on the host."""
-    positions: list[int] = []
-    lens: list[int] = []
-    input_ids, slots, starts, sample_rows = [], [], [0], []
-    longest, first_longer = 1, None              # the most new tokens of a row; the first row of more than one
-    for item in scheduled:
-        seq, start = item.seq, item.seq.num_computed_tokens
-        end = start + item.num_tokens
-        if item.num_tokens == 1:           # a decode row, most of a step's: no lists built for it
+def block_table_rows(tables: list[BlockTable]) -> np.ndarray:
+    """Block tables as one zero-padded `[seqs, pages]` int32 matrix, copied row by row."""
+    matrix = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for row, table in zip(matrix, tables):
+        row[:len(table)] = table.pages
+    return matrix
+
+
+class _Rows(NamedTuple):
+    """What a step's rows say on the host, before the per-token arrays are derived from it."""
+    input_ids: list[int]
+    computed: list[int]       # per row: its tokens already in the cache
+    counts: list[int]         # per row: its new tokens
+    sample_rows: list[int]
+    first_longer: int | None  # the first row of more than one token
+
+
+def _walk_rows(scheduled: list[ScheduledSeq]) -> _Rows:
+    rows = _Rows([], [], [], [], None)
+    end, first_longer = 0, None
+    for index, item in enumerate(scheduled):
+        seq, start, count = item.seq, item.seq.num_computed_tokens, item.num_tokens
+        if count == 1:               # a decode row, most of a step's: no list built for it
             # A pending token is on the device: token_feed writes it there, over this 0.
-            input_ids.append(0 if seq.pending_row is not None else seq.token_at(start))
-            positions.append(start)
-            slots.append(slot_of(seq.block_table, start, page_size))
+            rows.input_ids.append(0 if seq.pending_row is not None else seq.token_at(start))
         else:
             assert seq.pending_row is None, "a pending token is its sequence's only uncomputed one"
-            longest = max(longest, item.num_tokens)
-            if first_longer is None:
-                first_longer = len(lens)
-            input_ids += seq.tokens_between(start, end)
-            positions += range(start, end)
-            slots += slots_between(seq.block_table, start, end, page_size)
-        starts.append(starts[-1] + item.num_tokens)
-        lens.append(end)
+            first_longer = index if first_longer is None else first_longer
+            rows.input_ids.extend(seq.tokens_between(start, start + count))
+        rows.computed.append(start)
+        rows.counts.append(count)
+        end += count
         if item.completes:
-            sample_rows.append(starts[-1] - 1)
+            rows.sample_rows.append(end - 1)
+    return rows._replace(first_longer=first_longer)
+
+
+def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
+          tables: "LoraTables | None" = None) -> StepBatch:
+    """The flat batch of a step, built on the host: a walk over its rows, then numpy over its tokens."""
+    rows = _walk_rows(scheduled)
+    counts, computed = np.array(rows.counts), np.array(rows.computed)
+    starts = np.zeros(len(scheduled) + 1, dtype=np.int32)
+    np.cumsum(counts, out=starts[1:])
+    token_rows = np.repeat(np.arange(len(scheduled)), counts)                          # [tokens]
+    positions = computed[token_rows] + np.arange(len(token_rows)) - starts[token_rows]  # [tokens]
+    block_tables = block_table_rows([item.seq.block_table for item in scheduled])       # [seqs, pages]
+    slots = block_tables[token_rows, positions // page_size].astype(np.int64) * page_size + positions % page_size
+    sample_rows = rows.sample_rows
     if any_prompt_logprobs(scheduled):
-        sample_rows += _prompt_logit_rows(scheduled, starts)
+        sample_rows += _prompt_logit_rows(scheduled, starts.tolist())
+    lens = computed + counts
     return StepBatch(
-        int_tensor(input_ids, np.int64), int_tensor(positions, np.int64), int_tensor(slots, np.int64),
-        padded_rows([i.seq.block_table for i in scheduled]), int_tensor(starts, np.int32),
-        int_tensor(lens, np.int32), int_tensor(sample_rows, np.int64), page_size,
-        longest, max(lens), _step_lora(scheduled, adapters, tables or LoraTables()),
-        len(scheduled) if first_longer is None else first_longer)     # the scheduler puts one-token rows first
+        int_tensor(rows.input_ids, np.int64), torch.from_numpy(positions), torch.from_numpy(slots),
+        torch.from_numpy(block_tables), torch.from_numpy(starts), torch.from_numpy(lens.astype(np.int32)),
+        int_tensor(sample_rows, np.int64), page_size, int(counts.max()), int(lens.max()),
+        _step_lora(scheduled, counts, adapters, tables or LoraTables()),
+        len(scheduled) if rows.first_longer is None else rows.first_longer)  # the scheduler puts one-token rows first
 
 
 class TokenFeed(NamedTuple):
@@ -253,24 +277,6 @@ def feed_tokens(batch: StepBatch, feed: TokenFeed | None) -> None:
     rows and their sources are leading slices and nothing is copied from the host."""
     if feed is not None:
         write_rows(batch.input_ids, feed.rows, select_rows(feed.sampled, feed.sources))
-
-
-def slot_of(block_table: list[int], position: int, page_size: int) -> int:
-    """The KV slot of a sequence's token `position`: its page's slot 0 plus its offset in the page."""
-    return block_table[position // page_size] * page_size + position % page_size
-
-
-def slots_between(block_table: list[int], start: int, end: int, page_size: int) -> list[int]:
-    """The KV slots of positions start..end-1: a run of consecutive slots in each page they touch."""
-    slots: list[int] = []
-    position = start
-    while position < end:
-        page, offset = divmod(position, page_size)
-        run = min(page_size - offset, end - position)
-        first = block_table[page] * page_size + offset
-        slots += range(first, first + run)
-        position += run
-    return slots
 
 
 def prompt_logit_positions(item: ScheduledSeq) -> range:
@@ -354,13 +360,13 @@ def step_max_rank(highest_rank: int) -> int:
     return align_up(highest_rank, RANK_ALIGN)
 
 
-def _step_lora(scheduled: list[ScheduledSeq], adapters: StepAdapters, tables: LoraTables) -> StepLora | None:
+def _step_lora(scheduled: list[ScheduledSeq], counts: np.ndarray, adapters: StepAdapters,
+               tables: LoraTables) -> StepLora | None:
     versions = tuple(sorted(adapters))         # the step's adapter versions, one slot each
     if not versions:
         return None
     slot_of = {v: i for i, v in enumerate(versions)}
     seq_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1 for item in scheduled]
-    counts = [item.num_tokens for item in scheduled]
     token_slots = np.repeat(np.array(seq_slots, dtype=np.int32), counts)     # [tokens]
     return StepLora(torch.from_numpy(token_slots), padded_rows([adapters[v][1] for v in versions]),
                     *tables.get(versions, adapters))

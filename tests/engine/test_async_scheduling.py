@@ -10,7 +10,7 @@ from tiny import random_prompts
 from slora import LLM, SamplingParams
 from slora.engine import Engine
 from slora.scheduler import ScheduledSeq
-from slora.sequence import Sequence
+from slora.sequence import BlockTable, Sequence
 from slora.step_batch import build, feed_tokens, token_feed
 from slora.structured_output import StructuredOutput
 
@@ -177,7 +177,7 @@ def test_a_sequence_whose_pending_token_ends_it_is_not_scheduled_again(tiny_llam
 def test_the_token_feed_writes_pending_ids_into_their_rows():
     """Decode rows whose token is pending take it from the sampled ids on the device; others keep the host's."""
     def seq(seq_id: int, prompt: list[int], pending_row: int | None) -> Sequence:
-        s = Sequence(seq_id, f"r{seq_id}", prompt, SamplingParams(max_tokens=4), block_table=[seq_id])
+        s = Sequence(seq_id, f"r{seq_id}", prompt, SamplingParams(max_tokens=4), block_table=BlockTable([seq_id]))
         s.num_computed_tokens = len(prompt) - (pending_row is None)
         s.pending_row = pending_row
         return s

@@ -1,4 +1,6 @@
 """StepBatch's derived copies: the graphs' static buffers, their views and the copy of a step into them."""
+import numpy as np
+import pytest
 import torch
 
 from slora import step_batch
@@ -69,10 +71,11 @@ def test_build_lays_out_decode_rows_prompt_rows_and_a_chunk():
     three-token chunk in the middle of a prompt: ids, positions, slots through the block tables, sampled rows."""
     from slora.sampling_params import SamplingParams
     from slora.scheduler import ScheduledSeq
-    from slora.sequence import Sequence
+    from slora.sequence import BlockTable, Sequence
 
     def seq(prompt: list[int], output: list[int], computed: int, table: list[int]) -> Sequence:
-        s = Sequence(1, "r", prompt, SamplingParams(max_tokens=8), output_token_ids=output, block_table=table)
+        s = Sequence(1, "r", prompt, SamplingParams(max_tokens=8), output_token_ids=output,
+                     block_table=BlockTable(table))
         s.num_computed_tokens = computed
         return s
     decoding = seq([11, 12, 13, 14], [21, 22], computed=5, table=[3, 7])      # position 5: page 7, offset 1
@@ -94,12 +97,13 @@ def test_build_gives_a_chunk_across_pages_each_pages_slots_and_pads_ragged_table
     from slora.adapters.packing import AdapterDescriptor
     from slora.sampling_params import SamplingParams
     from slora.scheduler import ScheduledSeq
-    from slora.sequence import AdapterRef, Sequence
+    from slora.sequence import AdapterRef, BlockTable, Sequence
 
-    decoding = Sequence(1, "d", [1, 2, 3], SamplingParams(max_tokens=8), output_token_ids=[7], block_table=[8])
+    decoding = Sequence(1, "d", [1, 2, 3], SamplingParams(max_tokens=8), output_token_ids=[7],
+                        block_table=BlockTable([8]))
     decoding.num_computed_tokens = 3                                          # position 3: page 8, offset 3
-    chunked = Sequence(2, "c", list(range(100, 112)), SamplingParams(max_tokens=8), block_table=[5, 9, 4],
-                       adapter=AdapterRef("v1", 2))
+    chunked = Sequence(2, "c", list(range(100, 112)), SamplingParams(max_tokens=8),
+                       block_table=BlockTable([5, 9, 4]), adapter=AdapterRef("v1", 2))
     chunked.num_computed_tokens = 2                                           # positions 2-10
     tables = torch.ones(2, 7, dtype=torch.int32)
     descriptor = AdapterDescriptor(tables * 8, tables.long(), tables.long(), tables.float())
@@ -109,3 +113,25 @@ def test_build_gives_a_chunk_across_pages_each_pages_slots_and_pads_ragged_table
     assert batch.block_tables.tolist() == [[8, 0, 0], [5, 9, 4]]
     assert batch.lora is not None and batch.lora.token_slots.tolist() == [-1] + [0] * 9
     assert batch.lora.page_tables.tolist() == [[11, 12]] and batch.lora.token_slots.dtype == torch.int32
+
+
+def test_a_block_table_grows_reads_and_writes_pages_like_a_list():
+    """Pages appended past the array's capacity keep the earlier ones; an index past the table raises, even
+    where the array has room, and so does a negative one (nothing reads a table from its end); `pages` is
+    the table's length."""
+    from slora.sequence import BlockTable
+
+    table = BlockTable([4, 9])
+    for chunk in ([1], [2, 3, 5], list(range(10, 30)), [7]):       # the last leaves room in the array
+        table.extend(chunk)
+    want = [4, 9, 1, 2, 3, 5, *range(10, 30), 7]
+    assert len(table) == len(want) and table.tolist() == want and list(table) == want
+    assert table.pages.dtype == np.int32 and table.pages.tolist() == want
+    table[1] = 77
+    assert table[1] == 77 and isinstance(table[1], int)
+    for index in (len(want), -1):
+        with pytest.raises(IndexError):
+            table[index]
+        with pytest.raises(IndexError):
+            table[index] = 3
+    assert len(BlockTable()) == 0 and BlockTable().tolist() == []
