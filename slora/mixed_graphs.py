@@ -46,15 +46,16 @@ class AttentionInputs(NamedTuple):
 
 def write_attention_inputs(host: StepBatch, packed: Tensor) -> None:
     """Write a step's AttentionInputs for a bucket into its packed `[2 * bucket sequences + 1]` int32 host
-    tensor: the decode sequences start where the first prefill row does, and the sequences past the step
-    where it ends, so both are empty."""
+    tensor (both on the CPU): the decode sequences start where the first prefill row does, and the
+    sequences past the step where it ends, so both are empty."""
     decodes, count = host.num_decodes, host.context_lens.shape[0]
-    context_lens, starts = split_attention_inputs(packed)
-    context_lens.zero_()
-    context_lens[:decodes] = host.context_lens[:decodes]
-    starts.fill_(int(host.query_start_loc[count]))
-    starts[:decodes + 1] = host.query_start_loc[decodes]
-    starts[decodes + 1:count + 1] = host.query_start_loc[decodes + 1:]
+    context_lens, starts = (t.numpy() for t in split_attention_inputs(packed))
+    step_starts = host.query_start_loc.numpy()
+    context_lens.fill(0)
+    context_lens[:decodes] = host.context_lens.numpy()[:decodes]
+    starts.fill(step_starts[count])
+    starts[:decodes + 1] = step_starts[decodes]
+    starts[decodes + 1:count + 1] = step_starts[decodes + 1:]
 
 
 def packed_length(seqs: int) -> int:
@@ -215,8 +216,9 @@ class MixedGraphs:
     def _stage_extras(twin: StepBatch, host: StepBatch, packed: Tensor) -> None:
         """What a mixed step stages beyond copy_into: the sampled rows and query_start_loc are aranges in
         static buffers (the decode graphs' use); here they are the step's. The sampled rows past the step's
-        read row 0, inside every bucket. Then the step's AttentionInputs."""
-        twin.sample_indices.zero_()
-        twin.sample_indices[:len(host.sample_indices)] = host.sample_indices
-        twin.query_start_loc[:len(host.query_start_loc)] = host.query_start_loc
+        read row 0, inside every bucket. Then the step's AttentionInputs. Through numpy, as copy_into."""
+        sample_indices, query_start_loc = twin.sample_indices.numpy(), host.query_start_loc.numpy()
+        sample_indices.fill(0)
+        sample_indices[:len(host.sample_indices)] = host.sample_indices.numpy()
+        twin.query_start_loc.numpy()[:len(query_start_loc)] = query_start_loc
         write_attention_inputs(host, packed)
