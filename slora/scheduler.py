@@ -133,6 +133,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Its prompt's full pages are hashed now, on arrival, and not in the step that
+        admits it: a long prompt's hundred hashes would cost that step more host time than its decode rows."""
+        if self.config.enable_prefix_caching:
+            self._extend_hashes(seq, len(seq.prompt_token_ids))
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

@@ -227,3 +227,26 @@ def test_idle_adapter_pages_are_counted_through_pins_and_frees():
     assert "b" not in adapters.resident and adapters.idle_pages() == 3
     assert adapters.evict_one_idle() and adapters.idle_pages() == 0
     adapters.check()
+
+
+def test_a_prompt_is_hashed_when_added_and_its_admission_hashes_nothing(monkeypatch):
+    """The prompt's full pages are hashed on arrival (10 tokens: two pages of 4); the step that admits it
+    and matches them against the cache hashes no page, nor does registering the computed pages."""
+    import slora.scheduler as scheduler_module
+
+    scheduler = make_scheduler(64)
+    first, second = seq(0, 10), seq(1, 10)
+    scheduler.add(first)
+    assert len(first.page_hashes) == 2
+    scheduler.on_computed(scheduler.schedule().scheduled[0].seq, 10)
+    hashed = []
+    real = scheduler_module.extend_hashes
+    monkeypatch.setattr(scheduler_module, "extend_hashes", lambda *a: hashed.append(len(a[1])) or real(*a))
+    scheduler.add(second)
+    assert hashed == [10] and second.page_hashes == first.page_hashes
+    out = scheduler.schedule()
+    assert hashed == [10]                                    # admission matched the pages hashed on arrival
+    item = next(item for item in out.scheduled if item.seq is second)
+    assert second.num_computed_tokens == 8 and item.num_tokens == 2              # both pages from the cache
+    scheduler.on_computed(second, item.num_tokens)
+    assert hashed == [10]
