@@ -23,51 +23,49 @@ class AdapterRef:
 
 
 class BlockTable:
-    """A sequence's KV pages in order, in a growable int32 array: a step copies its sequences' tables into
-    one matrix row by row, where a list of ints would be converted int by int."""
+    """A sequence's KV pages in order, read and written like a list. The pages are also kept in a growable
+    int32 array: a step copies its sequences' tables into one matrix row by row, where a list of ints
+    would be converted int by int. The list serves single reads (every step reads each sequence's
+    current page), at a list's speed."""
 
-    __slots__ = ("_array", "_len")
+    __slots__ = ("_list", "_array")
 
     def __init__(self, pages: Iterable[int] = ()) -> None:
-        self._array = np.fromiter(pages, dtype=np.int32)
-        self._len = len(self._array)
+        self._list = list(pages)
+        self._array = np.array(self._list, dtype=np.int32)
 
     def __len__(self) -> int:
-        return self._len
+        return len(self._list)
 
     def __getitem__(self, index: int) -> int:
-        return int(self._array[self._checked(index)])
+        return self._list[index]
 
     def __setitem__(self, index: int, page: int) -> None:
-        self._array[self._checked(index)] = page
+        self._list[index] = page                      # raises IndexError as a list does, before the array
+        self._array[index % len(self._list)] = page
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.tolist())
+        return iter(self._list)
 
     def __repr__(self) -> str:
-        return f"BlockTable({self.tolist()})"
-
-    def _checked(self, index: int) -> int:
-        if not 0 <= index < self._len:
-            raise IndexError(f"page {index} of a block table of {self._len}")
-        return index
+        return f"BlockTable({self._list})"
 
     def extend(self, pages: list[int]) -> None:
-        end = self._len + len(pages)
+        start, end = len(self._list), len(self._list) + len(pages)
         if end > len(self._array):
             grown = np.empty(max(end, 2 * len(self._array)), dtype=np.int32)
-            grown[:self._len] = self.pages
+            grown[:start] = self._array[:start]
             self._array = grown
-        self._array[self._len:end] = pages
-        self._len = end
+        self._array[start:end] = pages
+        self._list += pages
 
     @property
     def pages(self) -> np.ndarray:
         """The pages `[len]` int32, a view: valid until the table next grows."""
-        return self._array[:self._len]
+        return self._array[:len(self._list)]
 
     def tolist(self) -> list[int]:
-        return self.pages.tolist()
+        return list(self._list)
 
 
 @dataclass(eq=False)

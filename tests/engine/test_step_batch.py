@@ -116,9 +116,9 @@ def test_build_gives_a_chunk_across_pages_each_pages_slots_and_pads_ragged_table
 
 
 def test_a_block_table_grows_reads_and_writes_pages_like_a_list():
-    """Pages appended past the array's capacity keep the earlier ones; an index past the table raises, even
-    where the array has room, and so does a negative one (nothing reads a table from its end); `pages` is
-    the table's length."""
+    """Pages appended past the array's capacity keep the earlier ones; reads and writes, negative indices
+    too, act on the list and the array alike; an index past the table raises, even where the array has
+    room; `pages` is the table's length."""
     from slora.sequence import BlockTable
 
     table = BlockTable([4, 9])
@@ -128,10 +128,12 @@ def test_a_block_table_grows_reads_and_writes_pages_like_a_list():
     assert len(table) == len(want) and table.tolist() == want and list(table) == want
     assert table.pages.dtype == np.int32 and table.pages.tolist() == want
     table[1] = 77
-    assert table[1] == 77 and isinstance(table[1], int)
-    for index in (len(want), -1):
-        with pytest.raises(IndexError):
-            table[index]
-        with pytest.raises(IndexError):
-            table[index] = 3
-    assert len(BlockTable()) == 0 and BlockTable().tolist() == []
+    table[-1] = 78
+    want[1], want[-1] = 77, 78
+    assert table[1] == 77 and table[-1] == 78 and table.pages.tolist() == want and table.tolist() == want
+    with pytest.raises(IndexError):
+        table[len(want)]
+    with pytest.raises(IndexError):
+        table[len(want)] = 3
+    assert table.pages.tolist() == want
+    assert len(BlockTable()) == 0 and BlockTable().tolist() == [] and BlockTable().pages.shape == (0,)
