@@ -176,8 +176,8 @@ def int_tensor(values: list[int], dtype: type[np.integer]) -> Tensor:
 
 
 def padded_rows(rows: list[list[int]]) -> Tensor:
-    """A list of int lists as one zero-padded int32 matrix. Only the rows' own ints are converted: a step
-    that chunks a long prompt beside short decodes pads most of its block-table rows."""
+    """A list of int lists (the step's adapter page tables) as one zero-padded int32 matrix. Only the
+    rows' own ints are converted: the tables' lengths follow the adapters' ranks."""
     lengths = np.array([len(r) for r in rows])
     flat: list[int] = []
     for row in rows:
@@ -205,23 +205,41 @@ class _Rows(NamedTuple):
 
 
 def _walk_rows(scheduled: list[ScheduledSeq]) -> _Rows:
-    rows = _Rows([], [], [], [], None)
+    input_ids: list[int] = []
+    computed, counts, sample_rows = [], [], []
     end, first_longer = 0, None
     for index, item in enumerate(scheduled):
         seq, start, count = item.seq, item.seq.num_computed_tokens, item.num_tokens
         if count == 1:               # a decode row, most of a step's: no list built for it
             # A pending token is on the device: token_feed writes it there, over this 0.
-            rows.input_ids.append(0 if seq.pending_row is not None else seq.token_at(start))
+            input_ids.append(0 if seq.pending_row is not None else seq.token_at(start))
         else:
             assert seq.pending_row is None, "a pending token is its sequence's only uncomputed one"
             first_longer = index if first_longer is None else first_longer
-            rows.input_ids.extend(seq.tokens_between(start, start + count))
-        rows.computed.append(start)
-        rows.counts.append(count)
+            input_ids += seq.tokens_between(start, start + count)
+        computed.append(start)
+        counts.append(count)
         end += count
         if item.completes:
-            rows.sample_rows.append(end - 1)
-    return rows._replace(first_longer=first_longer)
+            sample_rows.append(end - 1)
+    return _Rows(input_ids, computed, counts, sample_rows, first_longer)
+
+
+class _TokenArrays(NamedTuple):
+    starts: np.ndarray        # [seqs + 1] int32: query_start_loc
+    positions: np.ndarray     # [tokens] int64
+    slots: np.ndarray         # [tokens] int64: slot_mapping
+
+
+def _token_arrays(counts: np.ndarray, computed: np.ndarray, block_tables: np.ndarray,
+                  page_size: int) -> _TokenArrays:
+    """Each token's position and KV slot from its row's counts, over all the step's tokens at once."""
+    starts = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=starts[1:])
+    token_rows = np.repeat(np.arange(len(counts)), counts)                              # [tokens]
+    positions = computed[token_rows] + np.arange(len(token_rows)) - starts[token_rows]  # [tokens]
+    pages = block_tables[token_rows, positions // page_size].astype(np.int64)           # [tokens]
+    return _TokenArrays(starts, positions, pages * page_size + positions % page_size)
 
 
 def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
@@ -229,19 +247,15 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
     """The flat batch of a step, built on the host: a walk over its rows, then numpy over its tokens."""
     rows = _walk_rows(scheduled)
     counts, computed = np.array(rows.counts), np.array(rows.computed)
-    starts = np.zeros(len(scheduled) + 1, dtype=np.int32)
-    np.cumsum(counts, out=starts[1:])
-    token_rows = np.repeat(np.arange(len(scheduled)), counts)                          # [tokens]
-    positions = computed[token_rows] + np.arange(len(token_rows)) - starts[token_rows]  # [tokens]
     block_tables = block_table_rows([item.seq.block_table for item in scheduled])       # [seqs, pages]
-    slots = block_tables[token_rows, positions // page_size].astype(np.int64) * page_size + positions % page_size
+    tokens = _token_arrays(counts, computed, block_tables, page_size)
     sample_rows = rows.sample_rows
     if any_prompt_logprobs(scheduled):
-        sample_rows += _prompt_logit_rows(scheduled, starts.tolist())
-    lens = computed + counts
+        sample_rows += _prompt_logit_rows(scheduled, tokens.starts.tolist())
+    lens = (computed + counts).astype(np.int32)
     return StepBatch(
-        int_tensor(rows.input_ids, np.int64), torch.from_numpy(positions), torch.from_numpy(slots),
-        torch.from_numpy(block_tables), torch.from_numpy(starts), torch.from_numpy(lens.astype(np.int32)),
+        int_tensor(rows.input_ids, np.int64), torch.from_numpy(tokens.positions), torch.from_numpy(tokens.slots),
+        torch.from_numpy(block_tables), torch.from_numpy(tokens.starts), torch.from_numpy(lens),
         int_tensor(sample_rows, np.int64), page_size, int(counts.max()), int(lens.max()),
         _step_lora(scheduled, counts, adapters, tables or LoraTables()),
         len(scheduled) if rows.first_longer is None else rows.first_longer)  # the scheduler puts one-token rows first
