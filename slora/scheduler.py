@@ -351,7 +351,7 @@ class Scheduler:
         """`child` starts as a copy of running `parent`, sharing all its pages (copy-on-write)."""
         for page in parent.block_table:
             self.allocator.share_kv(page)
-        child.block_table = BlockTable(parent.block_table.pages)
+        child.block_table = BlockTable(parent.block_table)
         child.num_computed_tokens, child.num_hashed_pages = parent.num_computed_tokens, parent.num_hashed_pages
         child.page_hashes = list(parent.page_hashes)
         child.status = SequenceStatus.RUNNING
