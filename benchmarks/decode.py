@@ -172,8 +172,7 @@ def place_adapters(runner: ModelRunner, allocator: PageAllocator, count: int,
 
 def release_kv(allocator: PageAllocator, scheduled: list[ScheduledSeq]) -> None:
     for item in scheduled:
-        for page in item.seq.block_table:
-            allocator.release_kv(page)
+        allocator.release_kv_pages(item.seq.block_table)
 
 
 def time_steps(runner: ModelRunner, scheduled, adapters, iters: int) -> float:

@@ -110,16 +110,31 @@ class PageAllocator:
         self._refcount[page] += 1
 
     def release_kv(self, page: int) -> None:
-        """A block table drops `page`; the last reference frees it, or keeps it as cached KV if hashed."""
-        assert self._owner[page] is PageOwner.KV and self._refcount[page] > 0, f"page {page} is not live KV"
-        self._refcount[page] -= 1
-        if self._refcount[page] > 0:
-            return
-        if page in self._hash_of_page:
-            self._set_owner(page, PageOwner.CACHED)
-            self._cached[page] = None
-        else:
-            self._give_back(page)
+        """A block table drops `page` (release_kv_pages)."""
+        self.release_kv_pages((page,))
+
+    def release_kv_pages(self, pages: Iterable[int]) -> None:
+        """A block table drops each of `pages`; the last reference frees a page, or keeps it as cached KV if
+        hashed. In bulk: a sequence that ends gives back its whole table, a page per 16 tokens."""
+        owner, refcount = self._owner, self._refcount
+        unreferenced = []
+        for page in pages:
+            assert owner[page] is PageOwner.KV and refcount[page] > 0, f"page {page} is not live KV"
+            refcount[page] -= 1
+            if refcount[page] == 0:
+                unreferenced.append(page)
+        cached = 0
+        for page in unreferenced:
+            if page in self._hash_of_page:
+                owner[page] = PageOwner.CACHED
+                self._cached[page] = None
+                cached += 1
+            else:
+                owner[page] = PageOwner.FREE
+                self._free.append(page)
+        self._counts[PageOwner.KV] -= len(unreferenced)
+        self._counts[PageOwner.CACHED] += cached
+        self._counts[PageOwner.FREE] += len(unreferenced) - cached
 
     # ---- prefix cache -------------------------------------------------------------------------------
     def register_hash(self, page: int, page_hash: bytes) -> None:

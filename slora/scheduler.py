@@ -404,8 +404,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _release(self, seq: Sequence) -> None:
-        for page in seq.block_table:
-            self.allocator.release_kv(page)
+        self.allocator.release_kv_pages(seq.block_table)
         seq.block_table = BlockTable()
         self.running.remove(seq)
         if seq.adapter is not None:

@@ -132,6 +132,24 @@ def test_allocator_owner_kinds():
     assert allocator.stats().free_pages == 4
 
 
+def test_kv_pages_released_in_bulk_free_cache_or_keep_each_page_by_its_references():
+    """One release of a table: a page still shared stays live KV with one reference less, a hashed page
+    becomes cached KV, the rest go back to the free list; the counts and invariants follow."""
+    allocator = PageAllocator(8, 16)
+    shared, hashed, plain, plain2 = allocator.allocate_kv_pages(4)
+    allocator.share_kv(shared)
+    allocator.register_hash(hashed, b"h")
+    allocator.release_kv_pages([shared, hashed, plain, plain2])
+    assert allocator.owner(shared) is PageOwner.KV and allocator.refcount(shared) == 1
+    assert allocator.is_cached(hashed) and allocator.lookup(b"h") == hashed
+    assert allocator.owner(plain) is PageOwner.FREE and allocator.owner(plain2) is PageOwner.FREE
+    stats = allocator.stats()
+    assert (stats.free_pages, stats.kv_pages, stats.cached_pages) == (6, 1, 1)
+    allocator.check([[shared]], {})
+    with pytest.raises(AssertionError, match="not live KV"):
+        allocator.release_kv_pages([plain])
+
+
 def test_kv_pages_in_bulk_take_free_pages_then_evict_cached_ones_all_or_nothing():
     allocator = PageAllocator(6, 16)
     cached = allocator.allocate_kv_pages(2)
