@@ -91,6 +91,11 @@ class Sequence:
     # Overlapped scheduling: its newest token is sampled but still on the device, in this row of the step's
     # sampled ids; the next step takes it from there as input, and it is appended when it reaches the host.
     pending_row: int | None = None
+    # prompt_token_ids as an array (the prompt never changes): a step copies a chunk of it in one slice.
+    prompt_array: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_array = np.array(self.prompt_token_ids, dtype=np.int32)
 
     @property
     def num_tokens(self) -> int:
@@ -122,6 +127,12 @@ class Sequence:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len:end - prompt_len]
         return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - prompt_len)]
+
+    def token_array(self, start: int, end: int) -> np.ndarray:
+        """tokens_between as an int array: a slice of the prompt's array where the tokens are all prompt."""
+        if end <= len(self.prompt_array):
+            return self.prompt_array[start:end]
+        return np.array(self.tokens_between(start, end), dtype=np.int64)
 
     @property
     def num_uncomputed(self) -> int:

@@ -197,7 +197,7 @@ def block_table_rows(tables: list[BlockTable]) -> np.ndarray:
 
 class _Rows(NamedTuple):
     """What a step's rows say on the host, before the per-token arrays are derived from it."""
-    input_ids: list[int]
+    input_ids: np.ndarray     # [tokens] int64
     computed: list[int]       # per row: its tokens already in the cache
     counts: list[int]         # per row: its new tokens
     sample_rows: list[int]
@@ -205,23 +205,27 @@ class _Rows(NamedTuple):
 
 
 def _walk_rows(scheduled: list[ScheduledSeq]) -> _Rows:
-    input_ids: list[int] = []
+    pieces: list[np.ndarray] = []            # input ids: each run of one-token rows, then each longer row's
+    run: list[int] = []
     computed, counts, sample_rows = [], [], []
     end, first_longer = 0, None
     for index, item in enumerate(scheduled):
         seq, start, count = item.seq, item.seq.num_computed_tokens, item.num_tokens
-        if count == 1:               # a decode row, most of a step's: no list built for it
+        if count == 1:               # a decode row, most of a step's: no array built for it
             # A pending token is on the device: token_feed writes it there, over this 0.
-            input_ids.append(0 if seq.pending_row is not None else seq.token_at(start))
+            run.append(0 if seq.pending_row is not None else seq.token_at(start))
         else:
             assert seq.pending_row is None, "a pending token is its sequence's only uncomputed one"
             first_longer = index if first_longer is None else first_longer
-            input_ids += seq.tokens_between(start, start + count)
+            pieces += [np.array(run, dtype=np.int64), seq.token_array(start, start + count)]
+            run = []
         computed.append(start)
         counts.append(count)
         end += count
         if item.completes:
             sample_rows.append(end - 1)
+    last_run = np.array(run, dtype=np.int64)
+    input_ids = np.concatenate([*pieces, last_run]) if pieces else last_run     # int64 either way
     return _Rows(input_ids, computed, counts, sample_rows, first_longer)
 
 
@@ -254,7 +258,7 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
         sample_rows += _prompt_logit_rows(scheduled, tokens.starts.tolist())
     lens = (computed + counts).astype(np.int32)
     return StepBatch(
-        int_tensor(rows.input_ids, np.int64), torch.from_numpy(tokens.positions), torch.from_numpy(tokens.slots),
+        torch.from_numpy(rows.input_ids), torch.from_numpy(tokens.positions), torch.from_numpy(tokens.slots),
         torch.from_numpy(block_tables), torch.from_numpy(tokens.starts), torch.from_numpy(lens),
         int_tensor(sample_rows, np.int64), page_size, int(counts.max()), int(lens.max()),
         _step_lora(scheduled, counts, adapters, tables or LoraTables()),

@@ -137,3 +137,23 @@ def test_a_block_table_grows_reads_and_writes_pages_like_a_list():
         table[len(want)] = 3
     assert table.pages.tolist() == want
     assert len(BlockTable()) == 0 and BlockTable().tolist() == [] and BlockTable().pages.shape == (0,)
+
+
+def test_a_recomputed_chunk_reads_its_prompt_and_output_tokens_in_order():
+    """After a preemption a sequence's chunk may run past its prompt into its output: its ids are the
+    prompt's then the output's, between the decode rows' and the next run's."""
+    from slora.sampling_params import SamplingParams
+    from slora.scheduler import ScheduledSeq
+    from slora.sequence import BlockTable, Sequence
+
+    recomputed = Sequence(1, "p", [1, 2, 3], SamplingParams(max_tokens=8), output_token_ids=[7, 8],
+                          block_table=BlockTable([4, 5]))
+    decoding = Sequence(2, "d", [11, 12], SamplingParams(max_tokens=8), output_token_ids=[13],
+                        block_table=BlockTable([6]))
+    decoding.num_computed_tokens = 2
+    assert recomputed.token_array(1, 3).tolist() == [2, 3] and recomputed.token_array(2, 5).tolist() == [3, 7, 8]
+    batch = step_batch.build([ScheduledSeq(decoding, 1), ScheduledSeq(recomputed, 4), ScheduledSeq(decoding, 1)],
+                             {}, 4)
+    assert batch.input_ids.tolist() == [13, 1, 2, 3, 7, 13] and batch.input_ids.dtype == torch.int64
+    assert batch.positions.tolist() == [2, 0, 1, 2, 3, 2]
+    assert batch.slot_mapping.tolist() == [6 * 4 + 2, 4 * 4, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 2]
