@@ -215,7 +215,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests within `budget` tokens; the budget left."""
         if budget <= 0 or not self.waiting:
-            return budget                     # a chunk took the step: nothing to count the adapters for
+            return budget                     # nothing to admit: no pass over the running sequences' adapters
         skipped: list[Sequence] = []
         versions = self.running_versions() if self.config.max_loras is not None else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

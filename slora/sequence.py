@@ -1,5 +1,6 @@
 """A sequence: one sample of one request, as the scheduler and the model runner see it."""
 import enum
+import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -41,8 +42,15 @@ class BlockTable:
         return self._list[index]
 
     def __setitem__(self, index: int, page: int) -> None:
+        index = operator.index(index)                 # one page: a slice would reach the list alone
         self._list[index] = page                      # raises IndexError as a list does, before the array
         self._array[index % len(self._list)] = page
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a table or list of the same pages, as a list is."""
+        return self._list == (other._list if isinstance(other, BlockTable) else other)
+
+    __hash__ = None                                   # type: ignore[assignment]  # mutable, as a list
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._list)
@@ -50,7 +58,9 @@ class BlockTable:
     def __repr__(self) -> str:
         return f"BlockTable({self._list})"
 
-    def extend(self, pages: list[int]) -> None:
+    def extend(self, pages: Iterable[int]) -> None:
+        """Append pages, growing the array to twice its size when it is full."""
+        pages = [int(page) for page in pages]
         start, end = len(self._list), len(self._list) + len(pages)
         if end > len(self._array):
             grown = np.empty(max(end, 2 * len(self._array)), dtype=np.int32)
@@ -61,10 +71,11 @@ class BlockTable:
 
     @property
     def pages(self) -> np.ndarray:
-        """The pages `[len]` int32, a view: valid until the table next grows."""
+        """The pages `[len]` int32, a view: it sees later writes to the table, until the table next grows."""
         return self._array[:len(self._list)]
 
     def tolist(self) -> list[int]:
+        """A copy of the pages as a list."""
         return list(self._list)
 
 
@@ -96,6 +107,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.prompt_array = np.array(self.prompt_token_ids, dtype=np.int32)
+        self.prompt_array.flags.writeable = False     # token_array hands out views of it
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +141,8 @@ class Sequence:
         return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - prompt_len)]
 
     def token_array(self, start: int, end: int) -> np.ndarray:
-        """tokens_between as an int array: a slice of the prompt's array where the tokens are all prompt."""
+        """tokens_between as an int array: a read-only int32 view of the prompt's array where the tokens are all
+        prompt, an int64 copy otherwise."""
         if end <= len(self.prompt_array):
             return self.prompt_array[start:end]
         return np.array(self.tokens_between(start, end), dtype=np.int64)

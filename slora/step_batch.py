@@ -187,12 +187,13 @@ def padded_rows(rows: list[list[int]]) -> Tensor:
     return torch.from_numpy(matrix)
 
 
-def block_table_rows(tables: list[BlockTable]) -> np.ndarray:
-    """Block tables as one zero-padded `[seqs, pages]` int32 matrix, copied row by row."""
-    matrix = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+def block_table_rows(tables: list[BlockTable]) -> tuple[np.ndarray, np.ndarray]:
+    """Block tables as one zero-padded `[seqs, pages]` int32 matrix, copied row by row, and their lengths."""
+    lengths = np.array([len(table) for table in tables])
+    matrix = np.zeros((len(tables), int(lengths.max())), dtype=np.int32)
     for row, table in zip(matrix, tables):
         row[:len(table)] = table.pages
-    return matrix
+    return matrix, lengths
 
 
 class _Rows(NamedTuple):
@@ -205,6 +206,7 @@ class _Rows(NamedTuple):
 
 
 def _walk_rows(scheduled: list[ScheduledSeq]) -> _Rows:
+    """The step's rows in order: their input ids, counts and sampled rows (the Python part of the build)."""
     pieces: list[np.ndarray] = []            # input ids: each run of one-token rows, then each longer row's
     run: list[int] = []
     computed, counts, sample_rows = [], [], []
@@ -251,7 +253,9 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
     """The flat batch of a step, built on the host: a walk over its rows, then numpy over its tokens."""
     rows = _walk_rows(scheduled)
     counts, computed = np.array(rows.counts), np.array(rows.computed)
-    block_tables = block_table_rows([item.seq.block_table for item in scheduled])       # [seqs, pages]
+    block_tables, table_lengths = block_table_rows([item.seq.block_table for item in scheduled])
+    # A position past its table would read the padding, page 0: another sequence's page.
+    assert ((computed + counts - 1) // page_size < table_lengths).all(), "a token without its page"
     tokens = _token_arrays(counts, computed, block_tables, page_size)
     sample_rows = rows.sample_rows
     if any_prompt_logprobs(scheduled):

@@ -135,7 +135,9 @@ def test_a_block_table_grows_reads_and_writes_pages_like_a_list():
         table[len(want)]
     with pytest.raises(IndexError):
         table[len(want)] = 3
-    assert table.pages.tolist() == want
+    with pytest.raises(TypeError):
+        table[0:2] = [1, 2]                                   # a slice would reach the list alone
+    assert table.pages.tolist() == want and table == want and table == BlockTable(want) and table != want[:-1]
     assert len(BlockTable()) == 0 and BlockTable().tolist() == [] and BlockTable().pages.shape == (0,)
 
 
@@ -157,3 +159,19 @@ def test_a_recomputed_chunk_reads_its_prompt_and_output_tokens_in_order():
     assert batch.input_ids.tolist() == [13, 1, 2, 3, 7, 13] and batch.input_ids.dtype == torch.int64
     assert batch.positions.tolist() == [2, 0, 1, 2, 3, 2]
     assert batch.slot_mapping.tolist() == [6 * 4 + 2, 4 * 4, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 2]
+
+
+def test_a_build_refuses_a_token_past_its_block_table():
+    """A row whose table lacks the page of one of its positions would read the padding, page 0, which
+    belongs to another sequence: the build stops there. The prompt's array is read-only."""
+    from slora.sampling_params import SamplingParams
+    from slora.scheduler import ScheduledSeq
+    from slora.sequence import BlockTable, Sequence
+
+    short = Sequence(1, "s", list(range(10)), SamplingParams(max_tokens=8), block_table=BlockTable([3]))
+    longer = Sequence(2, "l", list(range(10)), SamplingParams(max_tokens=8), block_table=BlockTable([4, 5, 6]))
+    with pytest.raises(AssertionError, match="without its page"):
+        step_batch.build([ScheduledSeq(longer, 10), ScheduledSeq(short, 6)], {}, 4)   # positions 4-5: page 1
+    assert step_batch.build([ScheduledSeq(longer, 10), ScheduledSeq(short, 4)], {}, 4).slot_mapping[-1] == 3 * 4 + 3
+    with pytest.raises(ValueError):
+        short.prompt_array[0] = 9
