@@ -65,10 +65,12 @@ class PageAllocator:
     def owner(self, page: int) -> PageOwner:
         return self._owner[page]
 
-    def _set_owner(self, page: int, owner: PageOwner) -> None:
-        self._counts[self._owner[page]] -= 1
-        self._counts[owner] += 1
-        self._owner[page] = owner
+    def _move(self, pages: list[int], source: PageOwner, target: PageOwner) -> None:
+        """Pages that `source` owns go to `target`, and the counts with them."""
+        for page in pages:
+            self._owner[page] = target
+        self._counts[source] -= len(pages)
+        self._counts[target] += len(pages)
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -81,17 +83,14 @@ class PageAllocator:
         while len(self._free) < count:
             self._evict_cached()
         pages = [self._free.popleft() for _ in range(count)]
-        for page in pages:
-            self._owner[page] = owner
-        self._counts[PageOwner.FREE] -= count
-        self._counts[owner] += count
+        self._move(pages, PageOwner.FREE, owner)
         return pages
 
-    def _give_back(self, page: int) -> None:
-        assert page not in self._hash_of_page or self._owner[page] is PageOwner.CACHED, "hashed page freed"
-        self._set_owner(page, PageOwner.FREE)
-        self._refcount[page] = 0
-        self._free.append(page)
+    def _give_back(self, pages: list[int], source: PageOwner) -> None:
+        """Unreferenced pages that `source` owns go back to the free list."""
+        assert not any(page in self._hash_of_page for page in pages), "hashed page freed"
+        self._move(pages, source, PageOwner.FREE)
+        self._free.extend(pages)
 
     def allocate_kv(self) -> int:
         """One page for the KV of a live sequence, with refcount 1."""
@@ -123,18 +122,10 @@ class PageAllocator:
             refcount[page] -= 1
             if refcount[page] == 0:
                 unreferenced.append(page)
-        cached = 0
-        for page in unreferenced:
-            if page in self._hash_of_page:
-                owner[page] = PageOwner.CACHED
-                self._cached[page] = None
-                cached += 1
-            else:
-                owner[page] = PageOwner.FREE
-                self._free.append(page)
-        self._counts[PageOwner.KV] -= len(unreferenced)
-        self._counts[PageOwner.CACHED] += cached
-        self._counts[PageOwner.FREE] += len(unreferenced) - cached
+        hashed = [page for page in unreferenced if page in self._hash_of_page]
+        self._move(hashed, PageOwner.KV, PageOwner.CACHED)
+        self._cached.update(dict.fromkeys(hashed))
+        self._give_back([page for page in unreferenced if page not in self._hash_of_page], PageOwner.KV)
 
     # ---- prefix cache -------------------------------------------------------------------------------
     def register_hash(self, page: int, page_hash: bytes) -> None:
@@ -151,7 +142,7 @@ class PageAllocator:
         """Take a hashed page into one more block table: cached pages come back to live KV."""
         if self._owner[page] is PageOwner.CACHED:
             del self._cached[page]
-            self._set_owner(page, PageOwner.KV)
+            self._move([page], PageOwner.CACHED, PageOwner.KV)
         self.share_kv(page)
 
     def is_cached(self, page: int) -> bool:
@@ -161,7 +152,7 @@ class PageAllocator:
         page, _ = self._cached.popitem(last=False)
         del self._page_of_hash[self._hash_of_page.pop(page)]
         self.num_cache_evictions += 1
-        self._give_back(page)
+        self._give_back([page], PageOwner.CACHED)
 
     def allocate_adapter(self, version: str, count: int) -> list[int]:
         """`count` pages for the weights of adapter `version`; all or nothing."""
@@ -174,7 +165,7 @@ class PageAllocator:
         for page in pages:
             assert self._owner[page] is PageOwner.ADAPTER, f"page {page} holds no adapter"
             del self._adapter_of_page[page]
-            self._give_back(page)
+        self._give_back(pages, PageOwner.ADAPTER)
 
     def stats(self) -> PoolStats:
         """Pages per owner kind, O(1)."""
