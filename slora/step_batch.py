@@ -7,7 +7,7 @@ are derived from the fields' metadata: a tensor field names its dimensions, its 
 kernels would misread leftovers, the value that pads it. A new per-step field is one field here.
 """
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -19,7 +19,6 @@ from slora.adapters.packing import AdapterDescriptor
 from slora.device_copy import select_rows, to_device, write_rows
 from slora.kernels.layout import align_up
 from slora.scheduler import ScheduledSeq
-from slora.sequence import BlockTable
 
 # Sizes a tensor dimension may name: "tokens", "seqs", "seqs+1", "pages" (block-table width), "slots"
 # (adapter slots of the step), "adapter_pages" (page-table width), "layers", "modules".
@@ -175,24 +174,13 @@ def int_tensor(values: list[int], dtype: type[np.integer]) -> Tensor:
     return torch.from_numpy(np.array(values, dtype=dtype))
 
 
-def padded_rows(rows: list[list[int]]) -> Tensor:
-    """A list of int lists (the step's adapter page tables) as one zero-padded int32 matrix. Only the
-    rows' own ints are converted: the tables' lengths follow the adapters' ranks."""
-    lengths = np.array([len(r) for r in rows])
-    flat: list[int] = []
-    for row in rows:
-        flat += row
+def padded_rows(rows: Sequence[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ints (block tables' page arrays, adapter page tables) as one zero-padded `[rows, longest]`
+    int32 matrix, copied row by row, and the rows' lengths."""
+    lengths = np.array([len(row) for row in rows])
     matrix = np.zeros((len(rows), int(lengths.max())), dtype=np.int32)
-    matrix[np.arange(matrix.shape[1]) < lengths[:, None]] = flat           # row-major, as flat is
-    return torch.from_numpy(matrix)
-
-
-def block_table_rows(tables: list[BlockTable]) -> tuple[np.ndarray, np.ndarray]:
-    """Block tables as one zero-padded `[seqs, pages]` int32 matrix, copied row by row, and their lengths."""
-    lengths = np.array([len(table) for table in tables])
-    matrix = np.zeros((len(tables), int(lengths.max())), dtype=np.int32)
-    for row, table in zip(matrix, tables):
-        row[:len(table)] = table.pages
+    for target, row, length in zip(matrix, rows, lengths):
+        target[:length] = row
     return matrix, lengths
 
 
@@ -253,14 +241,14 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
     """The flat batch of a step, built on the host: a walk over its rows, then numpy over its tokens."""
     rows = _walk_rows(scheduled)
     counts, computed = np.array(rows.counts), np.array(rows.computed)
-    block_tables, table_lengths = block_table_rows([item.seq.block_table for item in scheduled])
+    lens = (computed + counts).astype(np.int32)
+    block_tables, table_lengths = padded_rows([item.seq.block_table.pages for item in scheduled])
     # A position past its table would read the padding, page 0: another sequence's page.
-    assert ((computed + counts - 1) // page_size < table_lengths).all(), "a token without its page"
+    assert ((lens - 1) // page_size < table_lengths).all(), "a token without its page"
     tokens = _token_arrays(counts, computed, block_tables, page_size)
     sample_rows = rows.sample_rows
     if any_prompt_logprobs(scheduled):
         sample_rows += _prompt_logit_rows(scheduled, tokens.starts.tolist())
-    lens = (computed + counts).astype(np.int32)
     return StepBatch(
         torch.from_numpy(rows.input_ids), torch.from_numpy(tokens.positions), torch.from_numpy(tokens.slots),
         torch.from_numpy(block_tables), torch.from_numpy(tokens.starts), torch.from_numpy(lens),
@@ -390,5 +378,6 @@ def _step_lora(scheduled: list[ScheduledSeq], counts: np.ndarray, adapters: Step
     slot_of = {v: i for i, v in enumerate(versions)}
     seq_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1 for item in scheduled]
     token_slots = np.repeat(np.array(seq_slots, dtype=np.int32), counts)     # [tokens]
-    return StepLora(torch.from_numpy(token_slots), padded_rows([adapters[v][1] for v in versions]),
+    page_tables, _ = padded_rows([adapters[v][1] for v in versions])
+    return StepLora(torch.from_numpy(token_slots), torch.from_numpy(page_tables),
                     *tables.get(versions, adapters))
