@@ -58,9 +58,8 @@ class BlockTable:
     def __repr__(self) -> str:
         return f"BlockTable({self._list})"
 
-    def extend(self, pages: Iterable[int]) -> None:
-        """Append pages, growing the array to twice its size when it is full."""
-        pages = [int(page) for page in pages]
+    def extend(self, pages: list[int]) -> None:
+        """Append pages (ints, as the allocator gives them), growing the array to twice its size when full."""
         start, end = len(self._list), len(self._list) + len(pages)
         if end > len(self._array):
             grown = np.empty(max(end, 2 * len(self._array)), dtype=np.int32)
