@@ -214,7 +214,7 @@ def phase_rows(phases: dict[str, list[dict[str, float]]]) -> dict[str, dict[str,
 def summary(times: dict[str, list[tuple[float, float]]], phases: dict[str, list[dict[str, float]]],
             profiles: dict[str, list]) -> dict[str, dict[str, Any]]:
     """kind_rows of the calls' seconds, with the garbage collector's ms per step and the phases beside them."""
-    rows = kind_rows({kind: [t for t, _ in values] for kind, values in times.items()}, profiles, 30)
+    rows = kind_rows(_call_seconds(times), profiles, 30)
     by_phase = phase_rows(phases)
     return {kind: {**rows[kind], "gc_ms_per_step": 1e3 * statistics.fmean(g for _, g in values),
                    "phase_mean_ms": by_phase.get(kind, {})}
@@ -259,9 +259,14 @@ def pooled(rounds: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
     return dict(kinds)
 
 
+def _call_seconds(times: dict[str, list[tuple[float, float]]]) -> dict[str, list[float]]:
+    """The calls' seconds by step kind, without their garbage collector's."""
+    return {kind: [t for t, _ in values] for kind, values in times.items()}
+
+
 def round_medians(results: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
-    """Median ms of each step kind in one timed round."""
-    return {kind: 1e3 * statistics.median(t for t, _ in values) for kind, values in results.items()}
+    """Median ms of each step kind in one timed round (kind_rows', without profiles)."""
+    return {kind: row["median_ms"] for kind, row in kind_rows(_call_seconds(results), {}, 0).items()}
 
 
 def _mixed_over_decode(ms_by_kind: dict[str, float]) -> float | None:
