@@ -12,7 +12,7 @@ timer around each of the engine's phases (PHASES: each timed without the phases 
 up to the step's; a third runs under cProfile, whose functions by own time say where each phase's time goes.
 
     python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8] [--prompt-len N]
-                                   [--engine-arg KEY=VALUE ...] [--out FILE]
+                                   [--idle-ms MS] [--engine-arg KEY=VALUE ...] [--out FILE]
 """
 import argparse
 import gc
@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from common import PROJECTIONS, RESULTS, ModelSetup, make_prompts, prepare_model, write_adapters, write_json
@@ -43,6 +43,7 @@ from engine_throughput import (
 from workloads import Request
 
 logger = logging.getLogger("benchmarks.step_host")
+T = TypeVar("T")
 DECODE_PROMPT = 16
 
 
@@ -54,6 +55,9 @@ class Scenario(NamedTuple):
     step_tokens: int        # the engine's max_num_batched_tokens
     decode_steps: int       # decode steps timed after each pass's prompts are done
     rounds: int             # timed passes: each gives its own chunk / decode ratio
+    # ms the host sleeps after the GPU is idle and before each step: both kinds then start from a like idle
+    # host, not from a wait as long as the step before's GPU time (0: none).
+    idle_ms: float = 0.0
 
 
 def steps_per_pass(scenario: Scenario) -> int:
@@ -108,7 +112,19 @@ def one_pass(engine: Any, scenario: Scenario, adapters: list, vocab: int, seed: 
     """New prompts chunked beside the decodes, then decode steps: `call(engine.step)` by step kind."""
     prompts = make_prompts([Request(scenario.prompt_len, 1, None, 0, 0.0)] * scenario.prompts, vocab, seed)
     add_requests(engine, f"chunk-{seed}", prompts, 1, adapters[:1])
-    return calls_by_kind(engine, steps_per_pass(scenario), device, lambda: call(engine.step))
+    step = after_idle(scenario.idle_ms, lambda: call(engine.step))
+    return calls_by_kind(engine, steps_per_pass(scenario), device, step)
+
+
+def after_idle(idle_ms: float, call: Callable[[], T]) -> Callable[[], T]:
+    """`call`, run after the host sleeps `idle_ms` (not timed: `call` times itself)."""
+    if idle_ms <= 0:
+        return call
+
+    def idle_then_call() -> T:
+        time.sleep(idle_ms / 1e3)
+        return call()
+    return idle_then_call
 
 
 class GcClock:
@@ -285,6 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adapters", type=int, default=None, help="their adapters (default 8; quick 2; 0: none)")
     parser.add_argument("--prompt-len", type=int, default=None,
                         help="tokens of a chunked prompt (default 2048; quick 96; under the model's context)")
+    parser.add_argument("--idle-ms", type=float, default=None,
+                        help="ms the host sleeps before each step, the GPU idle (default 0)")
     parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
                         help="an extra LLM keyword, e.g. async_scheduling=false")
     parser.add_argument("--out", default=None, help="JSON file (default: results/step_host_<device>.json)")
@@ -293,11 +311,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def scenario_of(args: argparse.Namespace) -> Scenario:
     base = QUICK if args.quick else FULL
-    given = (("batch", args.batch), ("adapters", args.adapters), ("prompt_len", args.prompt_len))
+    given = (("batch", args.batch), ("adapters", args.adapters), ("prompt_len", args.prompt_len),
+             ("idle_ms", args.idle_ms))
     changes = {k: v for k, v in given if v is not None}
     scenario = base._replace(**changes)
-    if not 0 < scenario.batch < scenario.step_tokens or scenario.adapters < 0 or scenario.prompt_len < 1:
-        raise SystemExit(f"--batch must be in 1..{scenario.step_tokens - 1}, --adapters >= 0, --prompt-len >= 1")
+    if not 0 < scenario.batch < scenario.step_tokens or scenario.adapters < 0 or scenario.prompt_len < 1 \
+            or scenario.idle_ms < 0:
+        raise SystemExit(f"--batch must be in 1..{scenario.step_tokens - 1}, --adapters >= 0, --prompt-len >= 1, "
+                         "--idle-ms >= 0")
     return scenario
 
 

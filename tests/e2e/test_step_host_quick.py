@@ -5,7 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmark_modules import SUBPROCESS_TIMEOUT_S
+import pytest
+from benchmark_modules import SUBPROCESS_TIMEOUT_S, load_benchmark
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -36,3 +37,24 @@ def test_quick_run_charges_the_chunk_steps_and_the_decode_steps_to_their_kinds(t
     assert result["graphed_mixed_over_decode_median"] is None
     assert result["graphed_mixed_over_decode_median_by_round"] == [None, None]
     assert result["graphed_mixed_over_decode_phase_pass_mean"] is None
+
+
+def test_after_idle_sleeps_before_the_call_and_passes_its_result_on(monkeypatch):
+    step_host = load_benchmark("step_host.py", "step_host_idle")
+    events = []
+    monkeypatch.setattr(step_host.time, "sleep", lambda seconds: events.append(("sleep", seconds)))
+
+    def call():
+        events.append(("call",))
+        return 7
+    assert step_host.after_idle(20.0, call)() == 7
+    assert events == [("sleep", 0.02), ("call",)]
+    assert step_host.after_idle(0.0, call) is call                # no idle: the call itself, nothing wrapped
+
+
+def test_idle_ms_reaches_the_scenario_and_a_negative_one_is_refused():
+    step_host = load_benchmark("step_host.py", "step_host_idle_args")
+    assert step_host.scenario_of(step_host.parse_args(["--quick", "--idle-ms", "5"])).idle_ms == 5
+    assert step_host.scenario_of(step_host.parse_args(["--quick"])).idle_ms == 0
+    with pytest.raises(SystemExit, match="--idle-ms >= 0"):
+        step_host.scenario_of(step_host.parse_args(["--idle-ms", "-1"]))

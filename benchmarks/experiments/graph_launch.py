@@ -1,0 +1,175 @@
+"""Host time of `CUDAGraph.replay()`: why a 512-token mixed-step graph costs the host more to launch than a
+decode graph (step_host.py's graph_replay phase).
+
+Three sets of graphs, each replayed `--replays` times, every replay 1 ms after a synchronize (so the GPU is
+idle and the host has left the wait), the median host time of the call reported, beside the graph's
+device activities by kind (one replay under torch.profiler):
+- synthetic: 640 small elementwise kernels, alone and with memsets, device copies or a side stream among
+  them (node kinds that might slow a launch);
+- gemms: the 128 GEMMs of 32 Llama-3-8B layers (qkv, o, gate_up, down, torch.mm) at 64, 448 and 512 rows,
+  under cuBLAS and under cuBLASLt (torch.backends.cuda.preferred_blas_library);
+- engine: step_host.py's engine (Llama-3-8B shape, 8 rank-16 adapters), after one pass of its chunked
+  prompts: its 64-sequence decode graphs and its 64- and 512-token mixed-step graphs.
+
+    python benchmarks/experiments/graph_launch.py [--replays 40] [--out FILE]
+"""
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py and step_host.py
+from common import LLAMA3_8B, RESULTS, write_json  # noqa: E402
+
+log = logging.getLogger("benchmarks.graph_launch")
+SYNTHETIC_NODES = 640
+GEMM_ROWS = (64, 448, 512)
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Median host µs of `graph.replay()`, each call 1 ms after a synchronize (spun, not slept)."""
+    seconds = []
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        until = time.perf_counter() + 1e-3
+        while time.perf_counter() < until:
+            pass
+        start = time.perf_counter()
+        graph.replay()
+        seconds.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(seconds)
+
+
+def activity_kinds(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
+    """The device activities of one replay, counted as kernel, memset or memcpy."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kinds: Counter[str] = Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name.lower()
+            kinds["memset" if "memset" in name else "memcpy" if "memcpy" in name else "kernel"] += 1
+    return dict(kinds)
+
+
+def captured(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """A graph of `body`, run once before the capture (kernels chosen and compiled) and once after it."""
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def synthetic_body(kind: str) -> Callable[[], None]:
+    """SYNTHETIC_NODES small adds, every 20th a memset or a side-stream add, or every 200th a device copy."""
+    x, y, z = (torch.zeros(n, device="cuda") for n in (4096, 16, 4096))
+    side = torch.cuda.Stream()
+
+    def on_side() -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y.add_(1)
+        torch.cuda.current_stream().wait_stream(side)
+    special = {"memset": (20, y.zero_), "memcpy": (200, lambda: z.copy_(x)), "side_stream": (20, on_side)}
+
+    def body() -> None:
+        every, op = special.get(kind, (0, None))
+        for i in range(SYNTHETIC_NODES):
+            if op is not None and i % every == 0:
+                op()
+            else:
+                x.add_(1)
+    return body
+
+
+def gemm_body(rows: int) -> Callable[[], None]:
+    """The 128 bf16 GEMMs of 32 Llama-3-8B layers at `rows` tokens, into preallocated outputs."""
+    cfg = LLAMA3_8B
+    kv = cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"]
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    shapes = [(hidden, hidden + 2 * kv), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    weights = [torch.randn(k, n, **bf16) for k, n in shapes]
+    inputs = [torch.randn(rows, k, **bf16) for k, _ in shapes]
+    outputs = [torch.empty(rows, n, **bf16) for _, n in shapes]
+
+    def body() -> None:
+        for _ in range(cfg["num_hidden_layers"]):
+            for x, w, out in zip(inputs, weights, outputs):
+                torch.mm(x, w, out=out)
+    return body
+
+
+def measured(graph: torch.cuda.CUDAGraph, replays: int) -> dict[str, object]:
+    return {"replay_host_us": round(replay_us(graph, replays), 1), "activities": activity_kinds(graph)}
+
+
+def synthetic_rows(replays: int) -> dict[str, dict[str, object]]:
+    return {kind: measured(captured(synthetic_body(kind)), replays)
+            for kind in ("kernels", "memset", "memcpy", "side_stream")}
+
+
+def gemm_rows(replays: int) -> dict[str, dict[str, object]]:
+    rows = {}
+    for library in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(library)
+        for tokens in GEMM_ROWS:
+            rows[f"{library}, {tokens} rows"] = measured(captured(gemm_body(tokens)), replays)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return rows
+
+
+def engine_rows(replays: int) -> dict[str, dict[str, object]]:
+    """The step_host engine's graphs of 64 sequences and of 64 and 512 tokens, after a pass of its prompts."""
+    import step_host
+    from engine_throughput import timed_call
+
+    scenario = step_host.FULL
+    with tempfile.TemporaryDirectory(prefix="slora-graph-launch-") as tmp:
+        setup = step_host.prepare_model("cuda", Path(tmp))
+        llm, adapters = step_host.build_llm(setup, scenario, {}, Path(tmp))
+        engine = llm.engine
+        step_host.start_decoders(engine, scenario, adapters, setup.vocab_size)
+        step_host.one_pass(engine, scenario, adapters, setup.vocab_size, 2, "cuda", timed_call)
+        decode, mixed = engine.runner.graphs, engine.runner.mixed_graphs
+        graphs = {f"decode, 64 seqs, lora {k[1]}, few {k[2]}": g for k, (g, _, _) in decode.graphs.items()
+                  if k[0] == 64}
+        graphs.update({f"mixed, {k[0]} tokens, lora {k[1]}": g.graph for k, g in mixed.graphs.items()
+                       if k[0] in (64, 512)})
+        return {name: measured(graph, replays) for name, graph in graphs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replays", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=RESULTS / "graph_launch.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("slora").setLevel(logging.WARNING)
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_launch.py replays CUDA graphs: it needs a GPU")
+    results = {"synthetic": synthetic_rows(args.replays), "gemms": gemm_rows(args.replays),
+               "engine": engine_rows(args.replays)}
+    write_json(args.out, {"benchmark": "graph_launch", "replays": args.replays, "gpu": torch.cuda.get_device_name(),
+                          **results})
+    for group, rows in results.items():
+        for name, row in rows.items():
+            log.info("%-10s %-34s %7.1f µs  %s", group, name, row["replay_host_us"], row["activities"])
+
+
+if __name__ == "__main__":
+    main()
