@@ -4,8 +4,8 @@ decode graph (step_host.py's graph_replay phase).
 Three sets of graphs, each replayed `--replays` times, every replay 1 ms after a synchronize (so the GPU is
 idle and the host has left the wait), the median host time of the call reported, beside the graph's
 device activities by kind (one replay under torch.profiler):
-- synthetic: 640 small elementwise kernels, alone and with memsets, device copies or a side stream among
-  them (node kinds that might slow a launch);
+- synthetic: 640 small elementwise kernels, alone and with another kernel (torch's zero_, a fill: not a
+  memset node), device copies or a side stream among them (what might slow a launch);
 - gemms: the 128 GEMMs of 32 Llama-3-8B layers (qkv, o, gate_up, down, torch.mm) at 64, 448 and 512 rows,
   under cuBLAS and under cuBLASLt (torch.backends.cuda.preferred_blas_library);
 - engine: step_host.py's engine (Llama-3-8B shape, 8 rank-16 adapters), after one pass of its chunked
@@ -75,7 +75,7 @@ def captured(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
 
 
 def synthetic_body(kind: str) -> Callable[[], None]:
-    """SYNTHETIC_NODES small adds, every 20th a memset or a side-stream add, or every 200th a device copy."""
+    """SYNTHETIC_NODES small adds, every 20th a fill kernel or a side-stream add, or every 200th a device copy."""
     x, y, z = (torch.zeros(n, device="cuda") for n in (4096, 16, 4096))
     side = torch.cuda.Stream()
 
@@ -84,13 +84,15 @@ def synthetic_body(kind: str) -> Callable[[], None]:
         with torch.cuda.stream(side):
             y.add_(1)
         torch.cuda.current_stream().wait_stream(side)
-    special = {"memset": (20, y.zero_), "memcpy": (200, lambda: z.copy_(x)), "side_stream": (20, on_side)}
+    # kind -> (every how many nodes, the node put there); "kernels" has none
+    special: dict[str, tuple[int, Callable[[], object]]] = {
+        "fill": (20, y.zero_), "memcpy": (200, lambda: z.copy_(x)), "side_stream": (20, on_side)}
+    placed = special.get(kind)
 
     def body() -> None:
-        every, op = special.get(kind, (0, None))
         for i in range(SYNTHETIC_NODES):
-            if op is not None and i % every == 0:
-                op()
+            if placed is not None and i % placed[0] == 0:
+                placed[1]()
             else:
                 x.add_(1)
     return body
@@ -120,7 +122,7 @@ def measured(graph: torch.cuda.CUDAGraph, replays: int) -> dict[str, object]:
 
 def synthetic_rows(replays: int) -> dict[str, dict[str, object]]:
     return {kind: measured(captured(synthetic_body(kind)), replays)
-            for kind in ("kernels", "memset", "memcpy", "side_stream")}
+            for kind in ("kernels", "fill", "memcpy", "side_stream")}
 
 
 def gemm_rows(replays: int) -> dict[str, dict[str, object]]:
