@@ -115,17 +115,16 @@ class PageAllocator:
     def release_kv_pages(self, pages: Iterable[int]) -> None:
         """A block table drops each of `pages`; the last reference frees a page, or keeps it as cached KV if
         hashed. In bulk: a sequence that ends gives back its whole table, a page per 16 tokens."""
-        owner, refcount = self._owner, self._refcount
-        unreferenced = []
+        owner, refcount, hash_of_page = self._owner, self._refcount, self._hash_of_page
+        hashed, unhashed = [], []                     # the pages this release leaves unreferenced
         for page in pages:
             assert owner[page] is PageOwner.KV and refcount[page] > 0, f"page {page} is not live KV"
             refcount[page] -= 1
             if refcount[page] == 0:
-                unreferenced.append(page)
-        hashed = [page for page in unreferenced if page in self._hash_of_page]
+                (hashed if page in hash_of_page else unhashed).append(page)
         self._move(hashed, PageOwner.KV, PageOwner.CACHED)
         self._cached.update(dict.fromkeys(hashed))
-        self._give_back([page for page in unreferenced if page not in self._hash_of_page], PageOwner.KV)
+        self._give_back(unhashed, PageOwner.KV)
 
     # ---- prefix cache -------------------------------------------------------------------------------
     def register_hash(self, page: int, page_hash: bytes) -> None:
