@@ -226,6 +226,13 @@ def make_prompts(trace: list[Request], vocab_size: int, seed: int) -> list[list[
 LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
+def fused_gemm_shapes() -> list[tuple[int, int]]:
+    """(in_features, out_features) of one Llama-3-8B layer's four fused projections, in LORA_GROUPS order
+    (q/k/v, o, gate/up, down): the GEMMs a forward runs per layer."""
+    shapes = {name: (fin, fout) for name, fin, fout in LLAMA3_8B_MODULES}
+    return [(shapes[names[0]][0], sum(shapes[name][1] for name in names)) for names in LORA_GROUPS]
+
+
 def time_us(fn: Callable[[], object]) -> float:
     """Median eager time of `fn` in µs (triton.testing.do_bench)."""
     import triton.testing

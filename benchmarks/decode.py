@@ -154,7 +154,7 @@ def build_step(runner: ModelRunner, allocator: PageAllocator, batch: int, adapte
         seq = Sequence(i, f"r{i}", [1] * (CONTEXT - 1), SamplingParams(max_tokens=2), ref)
         seq.output_token_ids.append(1)
         seq.num_computed_tokens = CONTEXT - 1
-        seq.block_table = BlockTable(allocator.allocate_kv() for _ in range(CONTEXT // runner.shape.page_size))
+        seq.block_table = BlockTable(allocator.allocate_kv_pages(CONTEXT // runner.shape.page_size))
         seqs.append(ScheduledSeq(seq, 1))
     return seqs, step_adapters
 
@@ -266,7 +266,7 @@ def mixed_step(runner: ModelRunner, allocator: PageAllocator, adapters: list[tup
     for j, length in enumerate(MIXED_PREFILLS):
         version, pages = adapters[(batch + j) % num_adapters]
         seq = Sequence(batch + j, f"p{j}", [2] * length, SamplingParams(max_tokens=2), AdapterRef(version, len(pages)))
-        seq.block_table = BlockTable(allocator.allocate_kv() for _ in range(cdiv(length, runner.shape.page_size)))
+        seq.block_table = BlockTable(allocator.allocate_kv_pages(cdiv(length, runner.shape.page_size)))
         scheduled.append(ScheduledSeq(seq, length))
     used = {item.seq.adapter.version for item in scheduled}
     return scheduled, {v: (descriptor, pages) for v, pages in adapters if v in used}

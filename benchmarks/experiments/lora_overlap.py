@@ -27,7 +27,15 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
-from common import LLAMA3_8B_MODULES, LORA_GROUPS, PAGE_ELEMS, RESULTS, graph_time_us, pack_lora_layer  # noqa: E402
+from common import (  # noqa: E402
+    LLAMA3_8B_MODULES,
+    LORA_GROUPS,
+    PAGE_ELEMS,
+    RESULTS,
+    fused_gemm_shapes,
+    graph_time_us,
+    pack_lora_layer,
+)
 
 LAYERS = 8
 RANK = 16
@@ -35,8 +43,7 @@ RANK = 16
 
 def _layer_weights(dtype: torch.dtype) -> list[Tensor]:
     """The weights `[out, in]` of one layer's four fused projections."""
-    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-    return [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for n, k in shapes]
+    return [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for k, n in fused_gemm_shapes()]
 
 
 def _runner(batch: int, num_adapters: int, table_slots: int, mode: str) -> Callable[[], None]:
