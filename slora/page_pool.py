@@ -116,7 +116,8 @@ class PageAllocator:
         """A block table drops each of `pages`; the last reference frees a page, or keeps it as cached KV if
         hashed. In bulk: a sequence that ends gives back its whole table, a page per 16 tokens."""
         owner, refcount, hash_of_page = self._owner, self._refcount, self._hash_of_page
-        hashed, unhashed = [], []                     # the pages this release leaves unreferenced
+        hashed: list[int] = []                        # the pages this release leaves unreferenced, by kind
+        unhashed: list[int] = []
         for page in pages:
             assert owner[page] is PageOwner.KV and refcount[page] > 0, f"page {page} is not live KV"
             refcount[page] -= 1
