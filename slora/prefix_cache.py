@@ -9,6 +9,8 @@ import struct
 
 import numpy as np
 
+DIGEST_LENGTH = struct.pack("<Q", hashlib.sha256().digest_size)
+
 
 def _field(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
@@ -25,7 +27,9 @@ def extend_hashes(hashes: list[bytes], token_ids: list[int], page_size: int, ada
     page_bytes = page_size * 8
     tokens_length, shared = struct.pack("<Q", page_bytes), _field((adapter_version or "").encode()) + _field(salt)
     chain = list(hashes)
+    parent = _field(chain[-1] if chain else b"")
     for first in range(0, len(packed), page_bytes):
-        parent = _field(chain[-1] if chain else b"")
-        chain.append(hashlib.sha256(parent + tokens_length + packed[first:first + page_bytes] + shared).digest())
+        digest = hashlib.sha256(parent + tokens_length + packed[first:first + page_bytes] + shared).digest()
+        chain.append(digest)
+        parent = DIGEST_LENGTH + digest          # _field(digest), without packing the same length each page
     return chain

@@ -3,6 +3,7 @@ import dataclasses
 import reprlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -105,11 +106,21 @@ def check_prompt(prompt: list[int], vocab_size: int, max_model_len: int) -> None
     """A prompt the engine can take: ValueError naming what is wrong with it."""
     if not prompt:
         raise ValueError("the prompt is empty")
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
+    if not ids_in_vocabulary(prompt, vocab_size):
         raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab_size})")
     if len(prompt) >= max_model_len:
         raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context is "
                          f"{max_model_len} tokens, including at least one generated")
+
+
+def ids_in_vocabulary(ids: list[int], vocab_size: int) -> bool:
+    """Whether every entry is an integer in [0, vocab_size). One numpy pass rather than a Python test per
+    token: the offline API adds hundreds of 1,024-token prompts before its first step, with the GPU idle."""
+    try:
+        array = np.asarray(ids)            # [len(ids)]; float, str, None or huge entries give another dtype
+    except (ValueError, OverflowError):    # ragged nested entries
+        return False
+    return array.ndim == 1 and array.dtype.kind in "iu" and int(array.min()) >= 0 and int(array.max()) < vocab_size
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

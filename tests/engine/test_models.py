@@ -96,6 +96,21 @@ def test_prompt_longer_than_context_is_refused(tiny_llama):
     assert llm.pool_stats()["kv_pages"] == 0
 
 
+@pytest.mark.parametrize("prompt", [[5, -1], [5, 512], [5, 2.0], [5, "6"], [5, None], [5, 2 ** 70], [[5], [6, 7]],
+                                    [True, False]])
+def test_a_prompt_with_any_entry_not_a_token_id_is_refused(prompt):
+    from slora.request_state import check_prompt
+
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 512\)"):
+        check_prompt(prompt, 512, 64)
+
+
+def test_a_prompt_of_token_ids_at_the_vocabulary_edges_is_taken():
+    from slora.request_state import check_prompt
+
+    assert check_prompt([0, 511, 7], 512, 64) is None
+
+
 def test_elementwise_ops_pass_pdl_to_the_cuda_kernels(monkeypatch):
     # The CUDA branch of slora.models.ops, without a GPU: a tensor stand-in that says it is on CUDA and
     # recording kernels in place of the Triton ones.
