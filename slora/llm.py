@@ -1,6 +1,7 @@
 """The offline API (DESIGN §6): `LLM(...).generate(prompts, params, adapters=...)`."""
 import dataclasses
 import itertools
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,8 @@ class LLM:
         cuda = {name: kwargs.pop(name) for name in CUDA_FIELDS if name in kwargs}
         if cuda:
             kwargs["cuda"] = dataclasses.replace(kwargs.get("cuda") or CudaConfig(), **cuda)
-        self.engine = Engine(EngineConfig(model=model, **kwargs))
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = Engine(self.config)
         self._ids = itertools.count()
 
     @property
@@ -54,10 +56,9 @@ class LLM:
         ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, sampling, adapter in zip(prompts, params_list, adapter_list):
-                ids.append(self._submit(prompt, sampling, adapter))
+            self._submit_all(zip(prompts, params_list, adapter_list), ids, finished)
             while self.engine.has_unfinished():
-                finished.update({o.request_id: o for o in self.engine.step()})
+                self._step(finished)
         finally:                                 # a bad prompt, or an interrupt: nothing stays queued
             for request_id in ids:
                 if request_id not in finished:
@@ -80,9 +81,27 @@ class LLM:
         text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _submit(self, prompt: Prompt, params: SamplingParams, adapter: str | None) -> str:
+    def _submit_all(self, requests: Iterable[tuple[Prompt, SamplingParams, str | None]], ids: list[str],
+                    finished: dict[str, RequestOutput]) -> None:
+        """Queue the requests in order (their ids into `ids`). Once a full step's prompt tokens are queued,
+        that step is launched before the rest are added: with overlapped scheduling the GPU runs it while
+        the host validates and hashes the other prompts, instead of waiting for all of them."""
+        queued, launched = 0, False
+        for prompt, params, adapter in requests:
+            token_ids = self.encode(prompt)
+            ids.append(self._submit(token_ids, params, adapter))
+            queued += len(token_ids)
+            if not launched and queued >= self.config.step_tokens:
+                self._step(finished)
+                launched = True
+
+    def _step(self, finished: dict[str, RequestOutput]) -> None:
+        """One engine step; the requests it ended into `finished`."""
+        finished.update({o.request_id: o for o in self.engine.step()})
+
+    def _submit(self, token_ids: list[int], params: SamplingParams, adapter: str | None) -> str:
         request_id = f"offline-{next(self._ids)}"
-        self.engine.add_request(request_id, self.encode(prompt), params, adapter, stream=False)
+        self.engine.add_request(request_id, token_ids, params, adapter, stream=False)
         return request_id
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -217,3 +217,46 @@ def test_a_step_left_in_flight_when_the_last_request_ends_is_counted_before_gene
     assert out.token_ids == greedy[:3] and out.finish_reason == "stop"
     assert len(forwards) == 4                           # the prefill, two decodes, and one past the stop
     assert sum(llm.engine.step_stats.steps.values()) - before == len(forwards)
+
+
+def calls_in_order(llm: LLM) -> list[str]:
+    """The engine's add_request and step calls from now on, in order, by name."""
+    calls: list[str] = []
+    engine, add, step = llm.engine, llm.engine.add_request, llm.engine.step
+
+    def counted_add(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - Engine.add_request's own signature
+        calls.append("add")
+        return add(*args, **kwargs)
+
+    def counted_step():  # noqa: ANN202
+        calls.append("step")
+        return step()
+    engine.add_request, engine.step = counted_add, counted_step
+    return calls
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_generate_launches_a_full_steps_prompts_before_adding_the_rest(tiny_llama, async_scheduling):
+    """Once one step's tokens are queued, generate launches that step, and adds the other requests while it
+    runs; the outputs are those of each prompt generated alone."""
+    prompts = random_prompts([20, 20, 20, 7, 20], seed=8)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    alone = [make_llm(tiny_llama, async_scheduling).generate([p], params)[0].token_ids for p in prompts]
+    llm = make_llm(tiny_llama, async_scheduling, max_num_batched_tokens=32)
+    calls = calls_in_order(llm)
+    outputs = llm.generate(prompts, params)
+    assert calls[:4] == ["add", "add", "step", "add"]     # 40 tokens queued: past the step's 32
+    assert calls.count("add") == len(prompts)
+    assert [o.token_ids for o in outputs] == alone
+    assert llm.pool_stats()["kv_pages"] == 0
+
+
+def test_a_bad_request_after_the_first_step_fails_generate_and_leaves_nothing_queued(tiny_llama):
+    llm = make_llm(tiny_llama, True, max_num_batched_tokens=32)
+    calls = calls_in_order(llm)
+    prompts = [*random_prompts([20, 20], seed=9), [5, 100000]]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+    assert calls == ["add", "add", "step", "add"]
+    assert not llm.engine.has_unfinished()
+    assert llm.pool_stats()["kv_pages"] == 0
