@@ -128,12 +128,14 @@ class PageAllocator:
         self._give_back(unhashed, PageOwner.KV)
 
     # ---- prefix cache -------------------------------------------------------------------------------
-    def register_hash(self, page: int, page_hash: bytes) -> None:
-        """`page` now holds the full page of tokens `page_hash` names; the first page for a hash wins."""
-        if page in self._hash_of_page or page_hash in self._page_of_hash:
-            return
-        self._hash_of_page[page] = page_hash
-        self._page_of_hash[page_hash] = page
+    def register_hashes(self, pages: Iterable[int], page_hashes: Iterable[bytes]) -> None:
+        """Each page now holds the full page of tokens its hash names; the first page for a hash wins. In
+        bulk: a prefill chunk fills dozens of pages."""
+        hash_of_page, page_of_hash = self._hash_of_page, self._page_of_hash
+        for page, page_hash in zip(pages, page_hashes):
+            if page not in hash_of_page and page_hash not in page_of_hash:
+                hash_of_page[page] = page_hash
+                page_of_hash[page_hash] = page
 
     def lookup(self, page_hash: bytes) -> int | None:
         return self._page_of_hash.get(page_hash)

@@ -345,8 +345,8 @@ class Scheduler:
         if full <= seq.num_hashed_pages:
             return
         self._extend_hashes(seq, full * self.config.page_size)
-        for index in range(seq.num_hashed_pages, full):
-            self.allocator.register_hash(seq.block_table[index], seq.page_hashes[index])
+        self.allocator.register_hashes(itertools.islice(seq.block_table, seq.num_hashed_pages, full),
+                                       seq.page_hashes[seq.num_hashed_pages:full])
         seq.num_hashed_pages = full
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

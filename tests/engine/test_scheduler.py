@@ -138,7 +138,7 @@ def test_kv_pages_released_in_bulk_free_cache_or_keep_each_page_by_its_reference
     allocator = PageAllocator(8, 16)
     shared, hashed, plain, plain2 = allocator.allocate_kv_pages(4)
     allocator.share_kv(shared)
-    allocator.register_hash(hashed, b"h")
+    allocator.register_hashes([hashed], [b"h"])
     allocator.release_kv_pages([shared, hashed, plain, plain2])
     assert allocator.owner(shared) is PageOwner.KV and allocator.refcount(shared) == 1
     assert allocator.is_cached(hashed) and allocator.lookup(b"h") == hashed
@@ -154,7 +154,7 @@ def test_kv_pages_in_bulk_take_free_pages_then_evict_cached_ones_all_or_nothing(
     allocator = PageAllocator(6, 16)
     cached = allocator.allocate_kv_pages(2)
     for page, digest in zip(cached, (b"a", b"b")):
-        allocator.register_hash(page, digest)
+        allocator.register_hashes([page], [digest])
         allocator.release_kv(page)                           # refcount 0, hashed: kept as cached KV
     assert allocator.stats().cached_pages == 2 and allocator.num_free == 4
     with pytest.raises(OutOfPages, match="7 KV pages asked for, 6 are available"):
