@@ -241,7 +241,8 @@ def test_generate_launches_a_full_steps_prompts_before_adding_the_rest(tiny_llam
     runs; the outputs are those of each prompt generated alone."""
     prompts = random_prompts([20, 20, 20, 7, 20], seed=8)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    alone = [make_llm(tiny_llama, async_scheduling).generate([p], params)[0].token_ids for p in prompts]
+    solo = make_llm(tiny_llama, async_scheduling)
+    alone = [solo.generate([p], params)[0].token_ids for p in prompts]
     llm = make_llm(tiny_llama, async_scheduling, max_num_batched_tokens=32)
     calls = calls_in_order(llm)
     outputs = llm.generate(prompts, params)
