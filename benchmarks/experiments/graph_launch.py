@@ -8,10 +8,15 @@ device activities by kind (one replay under torch.profiler):
   memset node), device copies or a side stream among them (what might slow a launch);
 - gemms: the 128 GEMMs of 32 Llama-3-8B layers (qkv, o, gate_up, down, torch.mm) at 64, 448 and 512 rows,
   under cuBLAS and under cuBLASLt (torch.backends.cuda.preferred_blas_library);
+- shapes: each fused projection alone, 32 times (a layer's worth each) at 512 rows, as the engine runs it
+  (F.linear over `[out, in]` weights), with cuBLAS's reduced-precision bf16 reduction allowed (torch's
+  default) and not, and the GEMMs' device µs per replay: which projection brings the 512-token mixed graph's
+  32 memsets, and what avoiding them would cost the GPU;
 - engine: step_host.py's engine (Llama-3-8B shape, 8 rank-16 adapters), after one pass of its chunked
   prompts: its 64-sequence decode graphs and its 64- and 512-token mixed-step graphs.
 
-    python benchmarks/experiments/graph_launch.py [--replays 40] [--out FILE]
+    python benchmarks/experiments/graph_launch.py [--replays 40] [--groups synthetic,gemms,shapes,engine]
+                                                  [--out FILE]
 """
 import argparse
 import logging
@@ -27,11 +32,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py and step_host.py
-from common import LLAMA3_8B, RESULTS, fused_gemm_shapes, write_json  # noqa: E402
+from common import LLAMA3_8B, LORA_GROUPS, RESULTS, fused_gemm_shapes, write_json  # noqa: E402
 
 log = logging.getLogger("benchmarks.graph_launch")
 SYNTHETIC_NODES = 640
 GEMM_ROWS = (64, 448, 512)
+SHAPE_ROWS = 512          # the largest mixed-step graph's tokens
+GROUPS = ("synthetic", "gemms", "shapes", "engine")
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
@@ -133,6 +140,40 @@ def gemm_rows(replays: int) -> dict[str, dict[str, object]]:
     return rows
 
 
+def device_us(graph: torch.cuda.CUDAGraph) -> float:
+    """The device µs of one replay's kernels and memsets, summed (torch.profiler)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages())
+
+
+def linear_body(shape: tuple[int, int], rows: int) -> Callable[[], None]:
+    """A layer's worth of one fused projection 32 times over, as the engine runs it: F.linear of `rows`
+    tokens over an `[out, in]` weight (one weight for all: the launches, not the cache, are measured)."""
+    fin, fout = shape
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    weight, x = torch.randn(fout, fin, **bf16), torch.randn(rows, fin, **bf16)
+
+    def body() -> None:
+        for _ in range(LLAMA3_8B["num_hidden_layers"]):
+            torch.nn.functional.linear(x, weight)
+    return body
+
+
+def shape_rows(replays: int) -> dict[str, dict[str, object]]:
+    matmul, rows = torch.backends.cuda.matmul, {}
+    default = matmul.allow_bf16_reduced_precision_reduction
+    for reduced in (True, False):
+        matmul.allow_bf16_reduced_precision_reduction = reduced
+        for names, shape in zip(LORA_GROUPS, fused_gemm_shapes()):
+            graph = captured(linear_body(shape, SHAPE_ROWS))
+            rows[f"{'+'.join(names)}, reduced reduction {reduced}"] = \
+                {**measured(graph, replays), "device_us": round(device_us(graph), 1)}
+    matmul.allow_bf16_reduced_precision_reduction = default
+    return rows
+
+
 def engine_rows(replays: int) -> dict[str, dict[str, object]]:
     """The step_host engine's graphs of 64 sequences and of 64 and 512 tokens, after a pass of its prompts."""
     import step_host
@@ -156,14 +197,19 @@ def engine_rows(replays: int) -> dict[str, dict[str, object]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replays", type=int, default=40)
+    parser.add_argument("--groups", default=",".join(GROUPS), help="comma-separated, of " + ", ".join(GROUPS))
     parser.add_argument("--out", type=Path, default=RESULTS / "graph_launch.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("slora").setLevel(logging.WARNING)
+    groups = args.groups.split(",")
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        raise SystemExit(f"unknown groups {unknown}: pick from {', '.join(GROUPS)}")
     if not torch.cuda.is_available():
         raise SystemExit("graph_launch.py replays CUDA graphs: it needs a GPU")
-    results = {"synthetic": synthetic_rows(args.replays), "gemms": gemm_rows(args.replays),
-               "engine": engine_rows(args.replays)}
+    runs = {"synthetic": synthetic_rows, "gemms": gemm_rows, "shapes": shape_rows, "engine": engine_rows}
+    results = {group: runs[group](args.replays) for group in GROUPS if group in groups}
     write_json(args.out, {"benchmark": "graph_launch", "replays": args.replays, "gpu": torch.cuda.get_device_name(),
                           **results})
     for group, rows in results.items():
