@@ -21,7 +21,7 @@ from slora.detokenizer import IncrementalDetokenizer
 from slora.device_copy import select_rows, tensor_on
 from slora.engine_grammars import EngineGrammars
 from slora.engine_sizing import EngineSizing
-from slora.in_flight import ArrivingSample, HostCopy, InFlight, ReadySample
+from slora.in_flight import ArrivingSample, HostCopy, InFlight, PinnedBuffers, ReadySample
 from slora.model_runner import ModelRunner
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
@@ -86,6 +86,7 @@ class Engine:
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
         self._failed: list[str] = []          # requests failed (_fail_request) since the last step returned
         self._in_flight: InFlight | None = None   # the step whose tokens are still coming to the host
+        self._sample_buffers = PinnedBuffers(pin=config.device != "cpu")   # where those tokens arrive
         self._last_step_end = 0.0             # perf_counter when the last step's tokens arrived
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
@@ -254,7 +255,7 @@ class Engine:
         masker = None if grammars is None else self.grammars
         try:
             sample = self.sampler.on_device(logits, seqs, grammars, masker)
-            return sample.token_ids, HostCopy(sample)
+            return sample.token_ids, HostCopy(sample, self._sample_buffers)
         except Exception:
             logger.warning("sampling a batch of %d rows failed; sampling them one by one", len(seqs),
                            exc_info=True)

@@ -261,3 +261,20 @@ def test_a_bad_request_after_the_first_step_fails_generate_and_leaves_nothing_qu
     assert calls == ["add", "add", "step", "add"]
     assert not llm.engine.has_unfinished()
     assert llm.pool_stats()["kv_pages"] == 0
+
+
+def test_pinned_buffers_alternate_and_grow_without_aliasing_the_other_buffer():
+    from slora.in_flight import PinnedBuffers
+
+    buffers = PinnedBuffers(pin=False)
+    first, second = buffers.take(torch.Size([64]), torch.int64), buffers.take(torch.Size([65]), torch.int64)
+    assert first.shape == (64,) and second.shape == (65,) and first.dtype == second.dtype == torch.int64
+    first.fill_(1)
+    second.fill_(2)
+    assert first.tolist() == [1] * 64                     # the second take wrote elsewhere
+    third = buffers.take(torch.Size([64]), torch.int64)
+    assert third.data_ptr() == first.data_ptr()           # two steps later, the first buffer again
+    rows = buffers.take(torch.Size([300, 43]), torch.float64)   # logprob rows: past the buffer's size
+    assert rows.shape == (300, 43) and rows.dtype == torch.float64
+    rows.fill_(3.0)
+    assert third.tolist() == [1] * 64                     # grown into a buffer of its own
