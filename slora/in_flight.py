@@ -15,10 +15,9 @@ class ArrivingSample(Protocol):
 
 
 class PinnedBuffers:
-    """Host buffers that successive steps' samples are copied into, in turn, so that no step allocates pinned
-    memory (torch.empty with pin_memory cost the host about 0.05 ms a step on the H200). The engine reads step
-    i's copy (HostCopy.result) before step i + 1 samples, so one buffer would do; the second is a step of
-    margin."""
+    """Host buffers that successive steps' samples are copied into, in turn, so that no step pays for a pinned
+    allocation, dearer on the host than the copy itself. The engine reads step i's copy (HostCopy.result)
+    before step i + 1 samples, so one buffer would do; the second is a step of margin."""
 
     COUNT = 2
 
