@@ -15,9 +15,9 @@ class ArrivingSample(Protocol):
 
 
 class PinnedBuffers:
-    """Host buffers that successive steps' samples are copied into, in turn, so that no step pays for a pinned
-    allocation, dearer on the host than the copy itself. The engine reads step i's copy (HostCopy.result)
-    before step i + 1 samples, so one buffer would do; the second is a step of margin."""
+    """Host buffers that successive steps' samples are copied into, in turn, so that no step pays the host for
+    a pinned allocation. The engine reads step i's copy (HostCopy.result) before step i + 1 samples, so one
+    buffer would do; the second is a step of margin."""
 
     COUNT = 2
 
