@@ -16,12 +16,13 @@ def _field(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-def extend_hashes(hashes: list[bytes], token_ids: list[int], page_size: int, adapter_version: str | None,
-                  salt: bytes) -> list[bytes]:
+def extend_hashes(hashes: list[bytes], token_ids: list[int] | np.ndarray, page_size: int,
+                  adapter_version: str | None, salt: bytes) -> list[bytes]:
     """The chain `hashes` continued by every full page of `token_ids`, the tokens that follow its pages. A
     page's hash is the SHA-256 of its fields, each length-prefixed (`_field`): the parent page's hash (empty
     for the first), its token ids as little-endian int64, the adapter version (empty: none) and the salt.
-    The tokens are packed once, and the fields every page shares are packed once."""
+    The tokens are packed once (from an int array faster than from a list), and the fields every page
+    shares are packed once."""
     full = len(token_ids) // page_size
     packed = np.asarray(token_ids[:full * page_size], dtype="<i8").tobytes()     # [full * page_size] int64
     page_bytes = page_size * 8

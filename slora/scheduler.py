@@ -278,7 +278,7 @@ class Scheduler:
         page_size, known = self.config.page_size, len(seq.page_hashes)
         if known < num_tokens // page_size:
             version = seq.adapter.version if seq.adapter else None
-            new_tokens = seq.tokens_between(known * page_size, num_tokens)
+            new_tokens = seq.token_array(known * page_size, num_tokens)      # the prompt's array, not a list
             seq.page_hashes = extend_hashes(seq.page_hashes, new_tokens, page_size, version, seq.cache_salt)
 
     def pages_to_admit(self, seq: Sequence, matched: list[int] | None = None) -> int:

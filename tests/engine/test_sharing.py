@@ -2,6 +2,7 @@
 import random
 import shutil
 
+import numpy as np
 import pytest
 
 from slora import LLM, SamplingParams
@@ -192,6 +193,8 @@ def test_extend_hashes_is_page_hash_chained_over_every_full_page():
         parent = _page_hash(parent, tokens[first:first + 16], "v1", b"tenant-a")
         want.append(parent)
     assert extend_hashes([], tokens, 16, "v1", b"tenant-a") == want
+    # The scheduler passes a prompt's int32 array: its ids are packed as int64 all the same.
+    assert extend_hashes([], np.array(tokens, dtype=np.int32), 16, "v1", b"tenant-a") == want
     known = extend_hashes([], tokens[:40], 16, "v1", b"tenant-a")
     assert known == want[:2] and extend_hashes(known, tokens[32:], 16, "v1", b"tenant-a") == want
     assert extend_hashes([], tokens, 16, None, b"tenant-a")[0] != want[0]
