@@ -277,4 +277,7 @@ def test_pinned_buffers_alternate_and_grow_without_aliasing_the_other_buffer():
     rows = buffers.take(torch.Size([300, 43]), torch.float64)   # logprob rows: past the buffer's size
     assert rows.shape == (300, 43) and rows.dtype == torch.float64
     rows.fill_(3.0)
-    assert third.tolist() == [1] * 64                     # grown into a buffer of its own
+    assert third.tolist() == [1] * 64                     # it took the second buffer, not the first
+    # The grown buffer is kept: the same two storages come round again, with no new allocation.
+    assert buffers.take(torch.Size([64]), torch.int64).data_ptr() == first.data_ptr()
+    assert buffers.take(torch.Size([300, 43]), torch.float64).data_ptr() == rows.data_ptr()

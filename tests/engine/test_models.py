@@ -106,9 +106,10 @@ def test_a_prompt_with_any_entry_not_a_token_id_is_refused(prompt):
 
 
 def test_a_prompt_of_token_ids_at_the_vocabulary_edges_is_taken():
-    from slora.request_state import check_prompt
+    from slora.request_state import check_prompt, ids_in_vocabulary
 
-    assert check_prompt([0, 511, 7], 512, 64) is None
+    assert check_prompt([0, 511, 7], 512, 64) is None     # raises if it refuses them
+    assert ids_in_vocabulary([0, 511, 7], 512) and not ids_in_vocabulary([0, 512, 7], 512)
 
 
 def test_elementwise_ops_pass_pdl_to_the_cuda_kernels(monkeypatch):
