@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -39,6 +40,7 @@ SYNTHETIC_NODES = 640
 GEMM_ROWS = (64, 448, 512)
 SHAPE_ROWS = 512          # the largest mixed-step graph's tokens
 GROUPS = ("synthetic", "gemms", "shapes", "engine")
+BF16 = MappingProxyType({"device": "cuda", "dtype": torch.bfloat16})   # the GEMMs' tensors
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
@@ -56,13 +58,18 @@ def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return 1e6 * statistics.median(seconds)
 
 
-def activity_kinds(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
-    """The device activities of one replay, counted as kernel, memset or memcpy."""
+def profiled_replay(graph: torch.cuda.CUDAGraph) -> profile:
+    """One replay under torch.profiler, finished."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
+    return prof
+
+
+def activity_kinds(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
+    """The device activities of one replay, counted as kernel, memset or memcpy."""
     kinds: Counter[str] = Counter()
-    for event in prof.events():
+    for event in profiled_replay(graph).events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             name = event.name.lower()
             kinds["memset" if "memset" in name else "memcpy" if "memcpy" in name else "kernel"] += 1
@@ -109,10 +116,9 @@ def gemm_body(rows: int) -> Callable[[], None]:
     """The 128 bf16 GEMMs of 32 Llama-3-8B layers at `rows` tokens, into preallocated outputs. The weights are
     `[in, out]`, not the engine's `[out, in]`, so cuBLAS picks other kernels than the engine's for them."""
     shapes = fused_gemm_shapes()
-    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
-    weights = [torch.randn(k, n, **bf16) for k, n in shapes]
-    inputs = [torch.randn(rows, k, **bf16) for k, _ in shapes]
-    outputs = [torch.empty(rows, n, **bf16) for _, n in shapes]
+    weights = [torch.randn(k, n, **BF16) for k, n in shapes]
+    inputs = [torch.randn(rows, k, **BF16) for k, _ in shapes]
+    outputs = [torch.empty(rows, n, **BF16) for _, n in shapes]
 
     def body() -> None:
         for _ in range(LLAMA3_8B["num_hidden_layers"]):
@@ -142,18 +148,14 @@ def gemm_rows(replays: int) -> dict[str, dict[str, object]]:
 
 def device_us(graph: torch.cuda.CUDAGraph) -> float:
     """The device µs of one replay's kernels and memsets, summed (torch.profiler)."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages())
+    return sum(e.self_device_time_total for e in profiled_replay(graph).key_averages())
 
 
 def linear_body(shape: tuple[int, int], rows: int) -> Callable[[], None]:
     """A layer's worth of one fused projection 32 times over, as the engine runs it: F.linear of `rows`
     tokens over an `[out, in]` weight (one weight for all: the launches, not the cache, are measured)."""
     fin, fout = shape
-    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
-    weight, x = torch.randn(fout, fin, **bf16), torch.randn(rows, fin, **bf16)
+    weight, x = torch.randn(fout, fin, **BF16), torch.randn(rows, fin, **BF16)
 
     def body() -> None:
         for _ in range(LLAMA3_8B["num_hidden_layers"]):
