@@ -59,7 +59,7 @@ class EngineConfig:
     pool_gib: float = _option(0.25, "pool size on the CPU")
     num_pages: int | None = _option(None, "pool size in pages (overrides the sizing rules)")
     max_num_seqs: int = _option(64, "sequences in one batch")
-    max_num_batched_tokens: int | None = _option(None, "tokens in one step (default: 8192 on CUDA, as vLLM's, "
+    max_num_batched_tokens: int | None = _option(None, "tokens in one step (default: 8192 on CUDA, as vLLM's server, "
                                                        "for GEMMs near the compute limit; 2048 on the CPU)")
     max_lora_rank: int = _option(64, "largest adapter rank taken")
     max_loras: int | None = _option(None, "distinct adapters in one batch (default: as many as sequences)")
