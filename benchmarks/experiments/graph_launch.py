@@ -12,10 +12,13 @@ device activities by kind (one replay under torch.profiler):
   (F.linear over `[out, in]` weights), with cuBLAS's reduced-precision bf16 reduction allowed (torch's
   default) and not, and the GEMMs' device µs per replay: which projection brings the 512-token mixed graph's
   32 memsets, and what avoiding them would cost the GPU;
+- gate_up: the gate/up projection that brings them, 32 times, fused at 256 to 640 rows, split by rows or by
+  columns into pieces that write one output, under cuBLASLt, and as an addmm with a zero bias (cuBLASLt's
+  bias epilogue), with device µs: which form avoids the memsets, at what cost to the GPU;
 - engine: step_host.py's engine (Llama-3-8B shape, 8 rank-16 adapters), after one pass of its chunked
   prompts: its 64-sequence decode graphs and its 64- and 512-token mixed-step graphs.
 
-    python benchmarks/experiments/graph_launch.py [--replays 40] [--groups synthetic,gemms,shapes,engine]
+    python benchmarks/experiments/graph_launch.py [--replays 40] [--groups synthetic,gemms,shapes,gate_up,engine]
                                                   [--out FILE]
 """
 import argparse
@@ -39,7 +42,11 @@ log = logging.getLogger("benchmarks.graph_launch")
 SYNTHETIC_NODES = 640
 GEMM_ROWS = (64, 448, 512)
 SHAPE_ROWS = 512          # the largest mixed-step graph's tokens
-GROUPS = ("synthetic", "gemms", "shapes", "engine")
+GATE_UP_ROWS = (256, 320, 384, 448, 512, 528, 576, 640)
+# (rows, row parts, column parts) of the gate/up projection split into pieces
+GATE_UP_PIECES = ((512, 1, 2), (448, 1, 2), (384, 1, 2), (256, 1, 2), (512, 2, 1), (448, 2, 1), (512, 1, 4),
+                  (512, 2, 2))
+GROUPS = ("synthetic", "gemms", "shapes", "gate_up", "engine")
 BF16 = MappingProxyType({"device": "cuda", "dtype": torch.bfloat16})   # the GEMMs' tensors
 
 
@@ -131,6 +138,11 @@ def measured(graph: torch.cuda.CUDAGraph, replays: int) -> dict[str, object]:
     return {"replay_host_us": round(replay_us(graph, replays), 1), "activities": activity_kinds(graph)}
 
 
+def measured_on_device(graph: torch.cuda.CUDAGraph, replays: int) -> dict[str, object]:
+    """measured(), and the device µs of one replay."""
+    return {**measured(graph, replays), "device_us": round(device_us(graph), 1)}
+
+
 def synthetic_rows(replays: int) -> dict[str, dict[str, object]]:
     return {kind: measured(captured(synthetic_body(kind)), replays)
             for kind in ("kernels", "fill", "memcpy", "side_stream")}
@@ -169,10 +181,50 @@ def shape_rows(replays: int) -> dict[str, dict[str, object]]:
     for reduced in (True, False):
         matmul.allow_bf16_reduced_precision_reduction = reduced
         for names, shape in zip(LORA_GROUPS, fused_gemm_shapes()):
-            graph = captured(linear_body(shape, SHAPE_ROWS))
             rows[f"{'+'.join(names)}, reduced reduction {reduced}"] = \
-                {**measured(graph, replays), "device_us": round(device_us(graph), 1)}
+                measured_on_device(captured(linear_body(shape, SHAPE_ROWS)), replays)
     matmul.allow_bf16_reduced_precision_reduction = default
+    return rows
+
+
+def pieces_body(rows: int, row_parts: int, col_parts: int) -> Callable[[], None]:
+    """The gate/up projection of `rows` tokens 32 times over, as row_parts x col_parts GEMMs, each writing its
+    block of one `[rows, out]` output in place (torch.mm into a strided view: no copy)."""
+    fin, fout = fused_gemm_shapes()[2]
+    weight, x = torch.randn(fout, fin, **BF16), torch.randn(rows, fin, **BF16)
+    out = torch.empty(rows, fout, **BF16)
+    row_step, col_step = -(-rows // row_parts), fout // col_parts
+    blocks = [(slice(r, r + row_step), slice(c, c + col_step))
+              for r in range(0, rows, row_step) for c in range(0, fout, col_step)]
+
+    def body() -> None:
+        for _ in range(LLAMA3_8B["num_hidden_layers"]):
+            for r, c in blocks:
+                torch.mm(x[r], weight[c].t(), out=out[r, c])
+    return body
+
+
+def gate_up_bodies() -> dict[str, Callable[[], None]]:
+    """The gate/up projection's forms, each a layer's worth 32 times over."""
+    fin, fout = fused_gemm_shapes()[2]
+    bodies = {f"fused, {rows} rows": linear_body((fin, fout), rows) for rows in GATE_UP_ROWS}
+    for rows, row_parts, col_parts in GATE_UP_PIECES:
+        bodies[f"{row_parts} x {col_parts} pieces, {rows} rows"] = pieces_body(rows, row_parts, col_parts)
+    weight, x, bias = torch.randn(fout, fin, **BF16), torch.randn(SHAPE_ROWS, fin, **BF16), torch.zeros(fout, **BF16)
+
+    def addmm() -> None:
+        for _ in range(LLAMA3_8B["num_hidden_layers"]):
+            torch.addmm(bias, x, weight.t())
+    bodies["addmm with a zero bias, 512 rows"] = addmm
+    return bodies
+
+
+def gate_up_rows(replays: int) -> dict[str, dict[str, object]]:
+    rows = {name: measured_on_device(captured(body), replays) for name, body in gate_up_bodies().items()}
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    rows["fused, 512 rows, cuBLASLt"] = \
+        measured_on_device(captured(linear_body(fused_gemm_shapes()[2], SHAPE_ROWS)), replays)
+    torch.backends.cuda.preferred_blas_library("cublas")
     return rows
 
 
@@ -210,7 +262,8 @@ def main() -> None:
         raise SystemExit(f"unknown groups {unknown}: pick from {', '.join(GROUPS)}")
     if not torch.cuda.is_available():
         raise SystemExit("graph_launch.py replays CUDA graphs: it needs a GPU")
-    runs = {"synthetic": synthetic_rows, "gemms": gemm_rows, "shapes": shape_rows, "engine": engine_rows}
+    runs = {"synthetic": synthetic_rows, "gemms": gemm_rows, "shapes": shape_rows, "gate_up": gate_up_rows,
+            "engine": engine_rows}
     results = {group: runs[group](args.replays) for group in GROUPS if group in groups}
     write_json(args.out, {"benchmark": "graph_launch", "replays": args.replays, "gpu": torch.cuda.get_device_name(),
                           **results})
