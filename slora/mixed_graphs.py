@@ -9,6 +9,7 @@ context length only on the step's decode rows (the others cost it nothing), then
 `seqs` sequences, of which the decode ones and those past the step are empty.
 """
 import logging
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -30,6 +31,13 @@ logger = logging.getLogger(__name__)
 
 # The staged extra tensor of the buckets' packed AttentionInputs.
 ATTENTION_INPUTS = "attention_inputs"
+
+
+# A bucket whose graph runs this much slower than a larger bucket's is not used: its steps pad to the larger
+# one. cuBLAS picks some GEMMs badly at some row counts (on an H200, the Llama-3-8B gate/up projection at 448
+# rows: benchmarks/experiments/graph_launch.py); the margin keeps timing noise from dropping buckets.
+SLOWER_BUCKET_MARGIN = 1.10
+TIMED_REPLAYS = 5
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -56,6 +64,32 @@ def write_attention_inputs(host: StepBatch, packed: Tensor) -> None:
     starts.fill(step_starts[count])
     starts[:decodes + 1] = step_starts[decodes]
     starts[decodes + 1:count + 1] = step_starts[decodes + 1:]
+
+
+def buckets_worth_keeping(seconds: dict[int, float], margin: float = SLOWER_BUCKET_MARGIN) -> list[int]:
+    """The buckets, by their graphs' replay seconds, that no larger bucket beats by more than `margin`: a
+    step goes to the smallest bucket kept that holds it, so a slow bucket's steps pad to a faster one."""
+    kept: list[int] = []
+    fastest_larger = float("inf")
+    for bucket in sorted(seconds, reverse=True):
+        if seconds[bucket] <= margin * fastest_larger:
+            kept.append(bucket)
+        fastest_larger = min(fastest_larger, seconds[bucket])
+    return sorted(kept)
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int = TIMED_REPLAYS) -> float:
+    """The median device seconds of a graph's replay (CUDA events), after one untimed replay."""
+    graph.replay()
+    seconds = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(seconds)
 
 
 def packed_length(seqs: int) -> int:
@@ -132,6 +166,8 @@ class MixedGraphs:
         assert limits.mixed_tokens > 0, "no mixed-step graphs without steps for them"
         self.model, self.pool, self.attention, self.lora, self.limits = model, pool, attention, lora, limits
         self.buckets = token_buckets(limits.mixed_tokens)
+        # with LoRA -> the buckets a step may use: all of them until capture() times their graphs
+        self.usable: dict[bool, list[int]] = {False: self.buckets, True: self.buckets}
         largest = self.buckets[-1]
         template = step_batch.empty(self._sizes(largest), torch.device("cpu"), page_size, limits.max_lora_rank)
         # One AttentionInputs region for every bucket: a bucket's are its leading [2 * seqs + 1].
@@ -160,6 +196,18 @@ class MixedGraphs:
         torch.cuda.synchronize(self.pool.device)
         logger.info("captured %d mixed-step graphs for steps of up to %s tokens", len(self.graphs),
                     self.buckets[-1])
+        self._drop_slow_buckets()
+
+    def _drop_slow_buckets(self) -> None:
+        """Time every graph's replay (over the static inputs as captured: no KV slot, no adapter) and keep
+        the buckets worth keeping, with LoRA and without."""
+        for with_lora in (False, True):
+            seconds = {tokens: replay_seconds(self.graphs[(tokens, with_lora)].graph) for tokens in self.buckets}
+            self.usable[with_lora] = buckets_worth_keeping(seconds)
+            dropped = sorted(set(self.buckets) - set(self.usable[with_lora]))
+            if dropped:
+                logger.info("mixed-step buckets %s (LoRA %s) replay slower than a larger bucket: their steps "
+                            "pad to it", dropped, with_lora)
 
     def _capture(self, tokens: int, with_lora: bool, mempool: "MemPool") -> BucketGraph:
         views = self.staged.views(self._sizes(tokens), with_lora)
@@ -185,13 +233,13 @@ class MixedGraphs:
         assert self._attention_out.shape[0] >= query.shape[0], "the largest bucket is recorded first"
         return self._attention_out[:query.shape[0]]                         # [tokens, heads, head_dim]
 
-    def bucket_for(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+    def bucket_for(self, num_tokens: int, with_lora: bool) -> int | None:
+        return next((b for b in self.usable[with_lora] if b >= num_tokens), None)
 
     def fits(self, host: StepBatch, num_seqs: int) -> int | None:
         """The bucket of a step with prefill rows that a bucket's graph can run, or None: every sampled row is a
         sequence's last (no prompt-logprob rows), and its tables fit the static buffers."""
-        bucket = self.bucket_for(host.input_ids.shape[0])
+        bucket = self.bucket_for(host.input_ids.shape[0], host.lora is not None)
         if bucket is None or len(host.sample_indices) > num_seqs:
             return None
         return bucket if self.limits.holds(host, self.lora_slots(bucket)) else None

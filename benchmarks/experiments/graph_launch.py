@@ -16,7 +16,7 @@ device activities by kind (one replay under torch.profiler):
   columns into pieces that write one output, under cuBLASLt, and as an addmm with a zero bias (cuBLASLt's
   bias epilogue), with device µs: which form avoids the memsets, at what cost to the GPU;
 - engine: step_host.py's engine (Llama-3-8B shape, 8 rank-16 adapters), after one pass of its chunked
-  prompts: its 64-sequence decode graphs and its 64- and 512-token mixed-step graphs.
+  prompts: its 64-sequence decode graphs and every mixed-step graph (16 to 512 tokens), with device µs.
 
     python benchmarks/experiments/graph_launch.py [--replays 40] [--groups synthetic,gemms,shapes,gate_up,engine]
                                                   [--out FILE]
@@ -229,7 +229,7 @@ def gate_up_rows(replays: int) -> dict[str, dict[str, object]]:
 
 
 def engine_rows(replays: int) -> dict[str, dict[str, object]]:
-    """The step_host engine's graphs of 64 sequences and of 64 and 512 tokens, after a pass of its prompts."""
+    """The step_host engine's graphs of 64 sequences and every mixed-step graph, after a pass of its prompts."""
     import step_host
     from engine_throughput import timed_call
 
@@ -243,9 +243,9 @@ def engine_rows(replays: int) -> dict[str, dict[str, object]]:
         decode, mixed = engine.runner.graphs, engine.runner.mixed_graphs
         graphs = {f"decode, 64 seqs, lora {k[1]}, few {k[2]}": g for k, (g, _, _) in decode.graphs.items()
                   if k[0] == 64}
-        graphs.update({f"mixed, {k[0]} tokens, lora {k[1]}": g.graph for k, g in mixed.graphs.items()
-                       if k[0] in (64, 512)})
-        return {name: measured(graph, replays) for name, graph in graphs.items()}
+        graphs.update({f"mixed, {k[0]} tokens, lora {k[1]}": g.graph for k, g in sorted(mixed.graphs.items())})
+        log.info("mixed-step buckets in use, by LoRA: %s", mixed.usable)
+        return {name: measured_on_device(graph, replays) for name, graph in graphs.items()}
 
 
 def main() -> None:

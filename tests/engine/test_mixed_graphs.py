@@ -8,8 +8,8 @@ import torch
 from slora import step_batch
 from slora.config import CudaConfig
 from slora.cuda_graphs import GraphLimits
-from slora.mixed_graphs import (ATTENTION_INPUTS, BucketGraph, MixedGraphs, attention_inputs, split_attention_inputs,
-                                token_buckets)
+from slora.mixed_graphs import (ATTENTION_INPUTS, BucketGraph, MixedGraphs, attention_inputs, buckets_worth_keeping,
+                                split_attention_inputs, token_buckets)
 
 LIMITS = GraphLimits(max_batch=8, max_blocks=4, max_adapter_pages=3, max_lora_rank=16, num_layers=2,
                      num_lora_modules=7, max_loras=2, mixed_tokens=200)
@@ -22,6 +22,24 @@ def test_every_step_up_to_max_tokens_has_a_bucket(max_tokens):
     assert all(any(b >= size for b in buckets) for size in range(1, max_tokens + 1))
     # ...padded to at most twice its size, and past 64 tokens by fewer than 64.
     assert all(min(b for b in buckets if b >= n) <= max(min(2 * n, n + 63), 16) for n in range(1, max_tokens + 1))
+
+
+def test_a_bucket_slower_than_a_larger_one_is_dropped():
+    """448 replays slower than 512 (a GEMM cuBLAS picks badly there): its steps pad to 512. Within the margin
+    (noise) a bucket stays, and the largest always does."""
+    seconds = {64: 1.0, 128: 1.5, 448: 9.0, 512: 6.0}
+    assert buckets_worth_keeping(seconds) == [64, 128, 512]
+    assert buckets_worth_keeping({16: 1.05, 32: 1.0, 64: 1.2}) == [16, 32, 64]
+    assert buckets_worth_keeping({16: 1.2, 32: 1.0, 64: 1.0}) == [32, 64]
+    # Compared with the fastest larger bucket, dropped or not: 128 loses to 512 even past a slow 448.
+    assert buckets_worth_keeping({128: 7.0, 448: 9.0, 512: 6.0}) == [512]
+
+
+def test_steps_pad_past_a_dropped_bucket():
+    graphs = _graphs()
+    graphs.usable = {False: [16, 32, 64, 200], True: graphs.buckets}
+    assert graphs.fits(_step(100, 3), 3) == 200
+    assert graphs.fits(_step(100, 3, slots=1), 3) == 128
 
 
 def test_mixed_graph_tokens_is_validated():
