@@ -204,10 +204,11 @@ class MixedGraphs:
         for with_lora in (False, True):
             seconds = {tokens: replay_seconds(self.graphs[(tokens, with_lora)].graph) for tokens in self.buckets}
             self.usable[with_lora] = buckets_worth_keeping(seconds)
-            dropped = sorted(set(self.buckets) - set(self.usable[with_lora]))
+            dropped = {tokens: f"{seconds[tokens] * 1e3:.2f} ms" for tokens in self.buckets
+                       if tokens not in self.usable[with_lora]}
             if dropped:
-                logger.info("mixed-step buckets %s (LoRA %s) replay slower than a larger bucket: their steps "
-                            "pad to it", dropped, with_lora)
+                logger.info("mixed-step buckets %s (LoRA %s) replay slower than a larger bucket (largest: %.2f ms):"
+                            " their steps pad to it", dropped, with_lora, seconds[self.buckets[-1]] * 1e3)
 
     def _capture(self, tokens: int, with_lora: bool, mempool: "MemPool") -> BucketGraph:
         views = self.staged.views(self._sizes(tokens), with_lora)
