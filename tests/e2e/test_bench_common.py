@@ -13,5 +13,5 @@ def test_fused_gemm_shapes_are_the_layers_four_projections_as_the_model_fuses_th
 def test_graph_launch_refuses_an_unknown_group_before_it_looks_for_a_gpu(monkeypatch):
     graph_launch = load_benchmark("experiments/graph_launch.py", "bench_graph_launch")
     monkeypatch.setattr("sys.argv", ["graph_launch.py", "--groups", "shapes,bogus"])
-    with pytest.raises(SystemExit, match=r"unknown groups \['bogus'\]: pick from synthetic, gemms, shapes, engine"):
+    with pytest.raises(SystemExit, match=r"unknown groups \['bogus'\]: pick from synthetic, gemms, shapes, gate_up, engine"):
         graph_launch.main()
