@@ -29,7 +29,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
 
@@ -120,6 +121,14 @@ def synthetic_body(kind: str) -> Callable[[], None]:
     return body
 
 
+def per_layer(layer: Callable[[], object]) -> Callable[[], None]:
+    """A body that runs `layer` once for each of Llama-3-8B's 32 layers."""
+    def body() -> None:
+        for _ in range(LLAMA3_8B["num_hidden_layers"]):
+            layer()
+    return body
+
+
 def gemm_body(rows: int) -> Callable[[], None]:
     """The 128 bf16 GEMMs of 32 Llama-3-8B layers at `rows` tokens, into preallocated outputs. The weights are
     `[in, out]`, not the engine's `[out, in]`, so cuBLAS picks other kernels than the engine's for them."""
@@ -128,11 +137,10 @@ def gemm_body(rows: int) -> Callable[[], None]:
     inputs = [torch.randn(rows, k, **BF16) for k, _ in shapes]
     outputs = [torch.empty(rows, n, **BF16) for _, n in shapes]
 
-    def body() -> None:
-        for _ in range(LLAMA3_8B["num_hidden_layers"]):
-            for x, w, out in zip(inputs, weights, outputs):
-                torch.mm(x, w, out=out)
-    return body
+    def layer() -> None:
+        for x, w, out in zip(inputs, weights, outputs):
+            torch.mm(x, w, out=out)
+    return per_layer(layer)
 
 
 def measured(graph: torch.cuda.CUDAGraph, replays: int) -> dict[str, object]:
@@ -149,13 +157,23 @@ def synthetic_rows(replays: int) -> dict[str, dict[str, object]]:
             for kind in ("kernels", "fill", "memcpy", "side_stream")}
 
 
+@contextmanager
+def blas_library(name: str) -> Iterator[None]:
+    """torch's preferred BLAS library set to `name` while the context is open, then the one before."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def gemm_rows(replays: int) -> dict[str, dict[str, object]]:
     rows = {}
     for library in ("cublas", "cublaslt"):
-        torch.backends.cuda.preferred_blas_library(library)
-        for tokens in GEMM_ROWS:
-            rows[f"{library}, {tokens} rows"] = measured(captured(gemm_body(tokens)), replays)
-    torch.backends.cuda.preferred_blas_library("cublas")
+        with blas_library(library):
+            for tokens in GEMM_ROWS:
+                rows[f"{library}, {tokens} rows"] = measured(captured(gemm_body(tokens)), replays)
     return rows
 
 
@@ -169,11 +187,7 @@ def linear_body(shape: tuple[int, int], rows: int) -> Callable[[], None]:
     tokens over an `[out, in]` weight (one weight for all: the launches, not the cache, are measured)."""
     fin, fout = shape
     weight, x = torch.randn(fout, fin, **BF16), torch.randn(rows, fin, **BF16)
-
-    def body() -> None:
-        for _ in range(LLAMA3_8B["num_hidden_layers"]):
-            torch.nn.functional.linear(x, weight)
-    return body
+    return per_layer(lambda: torch.nn.functional.linear(x, weight))
 
 
 def shape_rows(replays: int) -> dict[str, dict[str, object]]:
@@ -198,11 +212,10 @@ def pieces_body(rows: int, row_parts: int, col_parts: int) -> Callable[[], None]
     blocks = [(slice(r, r + row_step), slice(c, c + col_step))
               for r in range(0, rows, row_step) for c in range(0, fout, col_step)]
 
-    def body() -> None:
-        for _ in range(LLAMA3_8B["num_hidden_layers"]):
-            for r, c in blocks:
-                torch.mm(x[r], weight[c].t(), out=out[r, c])
-    return body
+    def layer() -> None:
+        for r, c in blocks:
+            torch.mm(x[r], weight[c].t(), out=out[r, c])
+    return per_layer(layer)
 
 
 def gate_up_bodies() -> dict[str, Callable[[], None]]:
@@ -212,25 +225,21 @@ def gate_up_bodies() -> dict[str, Callable[[], None]]:
     for rows, row_parts, col_parts in GATE_UP_PIECES:
         bodies[f"{row_parts} x {col_parts} pieces, {rows} rows"] = pieces_body(rows, row_parts, col_parts)
     weight, x, bias = torch.randn(fout, fin, **BF16), torch.randn(SHAPE_ROWS, fin, **BF16), torch.zeros(fout, **BF16)
-
-    def addmm() -> None:
-        for _ in range(LLAMA3_8B["num_hidden_layers"]):
-            torch.addmm(bias, x, weight.t())
-    bodies["addmm with a zero bias, 512 rows"] = addmm
+    bodies["addmm with a zero bias, 512 rows"] = per_layer(lambda: torch.addmm(bias, x, weight.t()))
     return bodies
 
 
 def gate_up_rows(replays: int) -> dict[str, dict[str, object]]:
     rows = {name: measured_on_device(captured(body), replays) for name, body in gate_up_bodies().items()}
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    rows["fused, 512 rows, cuBLASLt"] = \
-        measured_on_device(captured(linear_body(fused_gemm_shapes()[2], SHAPE_ROWS)), replays)
-    torch.backends.cuda.preferred_blas_library("cublas")
+    with blas_library("cublaslt"):
+        rows["fused, 512 rows, cuBLASLt"] = \
+            measured_on_device(captured(linear_body(fused_gemm_shapes()[2], SHAPE_ROWS)), replays)
     return rows
 
 
 def engine_rows(replays: int) -> dict[str, dict[str, object]]:
-    """The step_host engine's graphs of 64 sequences and every mixed-step graph, after a pass of its prompts."""
+    """The step_host engine's mixed-step graphs over their inputs as captured; then, after a pass of its
+    prompts, its graphs of 64 sequences and of 64 and 512 tokens."""
     import step_host
     from engine_throughput import timed_call
 
