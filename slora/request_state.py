@@ -120,7 +120,11 @@ def ids_in_vocabulary(ids: list[int], vocab_size: int) -> bool:
         array = np.asarray(ids)            # [len(ids)]; float, str, None or huge entries give another dtype
     except (ValueError, OverflowError):    # ragged nested entries
         return False
-    return array.ndim == 1 and array.dtype.kind in "iu" and int(array.min()) >= 0 and int(array.max()) < vocab_size
+    if array.ndim != 1:
+        return False
+    if array.size == 0:                    # numpy makes [] float: no entry, none outside
+        return True
+    return array.dtype.kind in "iu" and int(array.min()) >= 0 and int(array.max()) < vocab_size
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

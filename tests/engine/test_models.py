@@ -110,6 +110,7 @@ def test_a_prompt_of_token_ids_at_the_vocabulary_edges_is_taken():
 
     assert check_prompt([0, 511, 7], 512, 64) is None     # raises if it refuses them
     assert ids_in_vocabulary([0, 511, 7], 512) and not ids_in_vocabulary([0, 512, 7], 512)
+    assert ids_in_vocabulary([], 512) and not ids_in_vocabulary([[]], 512)   # no entry (check_prompt refuses [])
 
 
 def test_elementwise_ops_pass_pdl_to_the_cuda_kernels(monkeypatch):
