@@ -1,16 +1,24 @@
 """Shared test setup. Triton kernels run in the interpreter when there is no GPU; the variable must be
 set before triton is first imported, which is why it happens here, in the root conftest."""
 import os
+import sys
+from pathlib import Path
 
-import torch
+# The repository root holds kernels/, adapters/ and api/, which install as slora.kernels and so on. On
+# sys.path (where `python -m pytest` puts the working directory) kernels/ would shadow the `kernels`
+# package that transformers imports, so the root comes off the path here, and off the path of every
+# server and client the tests start.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
