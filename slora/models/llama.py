@@ -138,13 +138,17 @@ class Attention(nn.Module):
         return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
                 v.view(tokens, self.num_kv_heads, self.head_dim))
 
-    def forward(self, x: Tensor, ctx: StepContext) -> Projected:
+    def forward(self, x: Tensor, ctx: StepContext, rows: Tensor | None = None) -> Projected:
+        """The layer's attention output through o_proj; rows: only these rows of it (every token's K/V is
+        still stored)."""
         tokens = x.shape[0]
         q, k, v = self.rotated_qkv(x, ctx)
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
         ctx.attention.store_kv(k, v, kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size)
         attn = ctx.attention.attend(q, (k, v), kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         attn = attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
+        if rows is not None:
+            attn = attn[rows]                                        # [rows, q_size]
         return ctx.project(self.layer, LORA_GROUPS[1], attn, self.o_proj, [self.o_proj.out_features])
 
 
@@ -184,12 +188,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layer)
 
-    def forward(self, x: Projected, residual: Tensor | None, ctx: StepContext) -> tuple[Projected, Tensor]:
+    def forward(self, x: Projected, residual: Tensor | None, ctx: StepContext,
+                rows: Tensor | None = None) -> tuple[Projected, Tensor]:
         """(this layer's MLP output, the residual stream before it): the next norm adds the two (and the
         output's LoRA delta), so the residual additions ride in the norm kernels instead of launches of
-        their own."""
+        their own. rows: past the attention, only these rows are computed (and returned)."""
         normed, residual = self.input_layernorm(x, residual, ctx.pdl)
-        normed, residual = self.post_attention_layernorm(self.self_attn(normed, ctx), residual, ctx.pdl)
+        attended = self.self_attn(normed, ctx, rows)
+        if rows is not None:
+            residual = residual[rows]                                # [rows, hidden]
+        normed, residual = self.post_attention_layernorm(attended, residual, ctx.pdl)
         return self.mlp(normed, ctx), residual
 
 
@@ -241,9 +249,21 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, embedded.dtype)
         ctx = StepContext(batch, pool, attention, lora, cos, sin)
         x, residual = Projected(embedded), None
-        for layer in self.model.layers:
+        *layers, last = cast(list[DecoderLayer], list(self.model.layers))
+        for layer in layers:
             x, residual = layer(x, residual, ctx)
         rows = batch.sample_indices
-        residual = None if residual is None else residual[rows]
-        normed, _ = self.model.norm(x.rows(rows), residual, ctx.pdl)                         # [sampled, hidden]
+        if self._last_layer_on_rows(batch, lora):
+            x, residual = last(x, residual, ctx, rows)                                  # [sampled, hidden]
+        else:
+            x, residual = last(x, residual, ctx)
+            x, residual = x.rows(rows), residual[rows]
+        normed, _ = self.model.norm(x, residual, ctx.pdl)                               # [sampled, hidden]
         return self.lm_head(normed).float()
+
+    @staticmethod
+    def _last_layer_on_rows(batch: StepBatch, lora: LoraStep | None) -> bool:
+        """Whether the last layer runs its o_proj and MLP on the sampled rows alone: nothing reads the other
+        rows past its attention, and in a prefill step they are nearly all (8,192 tokens, 8 sampled). Not with
+        LoRA, whose tables are per token of the whole step."""
+        return lora is None and batch.sample_indices.shape[0] < batch.input_ids.shape[0]

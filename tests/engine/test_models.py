@@ -12,6 +12,7 @@ from slora.models.config import UnsupportedModelError
 from tiny import make_adapters, make_model, oracle_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+THREE = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
@@ -145,3 +146,23 @@ def test_cuda_backends_use_pdl_only_where_asked_and_supported(monkeypatch, asked
     step = lora.step(StepLora(torch.tensor([0, -1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
                               tables, tables.long(), tables.long(), tables.float(), 16, [[True] * 7] * 2))
     assert step.kernels.pdl is (asked and supported)
+
+
+def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypatch):
+    """A prefill's last layer computes past its attention only the rows that are sampled; with an adapter
+    in the step every row goes through, and either way the tokens are the oracle's."""
+    from slora.models.llama import MLP
+    seen: list[tuple[int, int]] = []                  # (layer, rows) of each MLP call
+    forward = MLP.forward
+    monkeypatch.setattr(MLP, "forward", lambda self, x, ctx: (seen.append((self.layer, x.shape[0])),
+                                                              forward(self, x, ctx))[1])
+    prompts = random_prompts([20, 9], seed=4)
+    expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, [None, "all-r16"], 3)
+    llm = LLM(str(tiny_llama.model_dir), num_pages=64)
+    llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
+    assert llm.generate(prompts[:1], THREE)[0].token_ids == expected[0]
+    assert seen[:2] == [(0, 20), (1, 1)]              # the prefill step: 20 rows, then the sampled one
+    seen.clear()
+    out = llm.generate(prompts[1:], THREE, adapters=["all-r16"])
+    assert out[0].token_ids == expected[1]
+    assert seen[:2] == [(0, 9), (1, 9)]
