@@ -4,15 +4,8 @@ import os
 import sys
 from pathlib import Path
 
-# The repository root holds kernels/, adapters/ and api/, which install as slora.kernels and so on. On
-# sys.path (where `python -m pytest` puts the working directory) kernels/ would shadow the `kernels`
-# package that transformers imports, so the root comes off the path here, and off the path of every
-# server and client the tests start.
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT]
-os.environ["PYTHONSAFEPATH"] = "1"
-
-import torch  # noqa: E402
+import slora  # noqa: F401 - first: it takes the repository root off sys.path (slora/__init__.py says why)
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

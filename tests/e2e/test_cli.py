@@ -1,6 +1,7 @@
 """`slora generate` as a user runs it."""
 import subprocess
 import sys
+from pathlib import Path
 
 from slora import LLM, SamplingParams
 from slora.builtin_models import TINY_MODEL
@@ -36,3 +37,13 @@ def test_generate_chat_sends_each_prompt_through_the_chat_template():
     plain = llm.generate(["Hello there"], params)[0]
     assert f"'Hello there' -> {expected.text!r} [{expected.finish_reason}]" in result.stdout
     assert expected.prompt_token_ids != plain.prompt_token_ids
+
+
+def test_slora_run_inside_the_checkout_leaves_transformers_its_own_kernels_package():
+    """In the repository root the working directory is first on sys.path, where kernels/ (slora.kernels)
+    would stand in for Hugging Face's `kernels`, which transformers' model code imports."""
+    root = Path(__file__).resolve().parents[2]
+    code = "import slora, transformers.modeling_utils, sys; assert str(Path.cwd()) not in sys.path"
+    result = subprocess.run([sys.executable, "-c", "from pathlib import Path; " + code], cwd=root,
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
