@@ -7,6 +7,7 @@ output, or returned as a delta for the op that reads the output to add (decode g
 runs on a side stream beside the GEMM). The Triton step groups the tokens by adapter once and
 decides, from the step's size, how the kernels cut it (`LoraLaunchPolicy`).
 """
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
@@ -88,14 +89,21 @@ class LoraStep:
     instead of being added into the projection's output after its GEMM. side_stream (with deltas): the
     delta is computed on it while the GEMM runs on the current stream."""
 
-    def __init__(self, tables: StepLora, kernels: LoraKernels, deltas: bool = False,
+    def __init__(self, tables: StepLora, kernels: LoraKernels, backend: "LoraBackend", deltas: bool = False,
                  side_stream: torch.cuda.Stream | None = None) -> None:
         self.tables, self.kernels, self.deltas, self.side_stream = tables, kernels, deltas, side_stream
+        self._backend = backend
         self._views: dict[tuple[int, int], list[tuple[Tensor, Tensor, Tensor, Tensor]]] = {}
 
     @property
     def token_slots(self) -> Tensor:
         return self.tables.token_slots
+
+    def rows(self, rows: Tensor) -> "LoraStep":
+        """The LoRA of these rows of the step alone (`rows` `[n]` int64): the same adapter tables, the rows'
+        token slots, and the kernels' grouping made anew for them."""
+        tables = dataclasses.replace(self.tables, token_slots=self.tables.token_slots[rows])
+        return self._backend.step(tables, self.deltas, self.side_stream)
 
     def apply(self, layer: int, modules: slice, x: Tensor, out: Tensor, pool: Tensor, out_sizes: list[int]) -> None:
         """out += LoRA(x) for the modules `modules` of layer `layer` (consecutive ones that read the same x,
@@ -147,7 +155,7 @@ class ReferenceLora:
 
     def step(self, tables: StepLora, deltas: bool = False,
              side_stream: torch.cuda.Stream | None = None) -> LoraStep:
-        return LoraStep(tables, _ReferenceKernels(), deltas, side_stream)
+        return LoraStep(tables, _ReferenceKernels(), self, deltas, side_stream)
 
 
 class TritonLora:
@@ -167,7 +175,7 @@ class TritonLora:
         kernels = _TritonStepKernels(self._lora, segments, self.pdl, self.policy.accumulates(tokens, slots),
                                      self.policy.expands_by_gemv(tokens, slots),
                                      tables.ranks.shape[0] * tables.ranks.shape[1])
-        return LoraStep(tables, kernels, deltas, side_stream)
+        return LoraStep(tables, kernels, self, deltas, side_stream)
 
 
 class _TritonStepKernels:

@@ -44,8 +44,8 @@ def force_lora_deltas(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from slora.lora_backend import LoraStep
     init, delta = LoraStep.__init__, LoraStep.delta
     layers: list[int] = []
-    monkeypatch.setattr(LoraStep, "__init__", lambda self, tables, kernels, deltas=False, side_stream=None:
-                        init(self, tables, kernels, True, side_stream))
+    monkeypatch.setattr(LoraStep, "__init__", lambda self, tables, kernels, backend, deltas=False, side_stream=None:
+                        init(self, tables, kernels, backend, True, side_stream))
     monkeypatch.setattr(LoraStep, "delta", lambda self, *args: (layers.append(args[0]), delta(self, *args))[1])
     return layers
 

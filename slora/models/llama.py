@@ -90,6 +90,12 @@ class StepContext:
         main.wait_stream(lora.side_stream)
         return Projected(out, self._delta(delta))
 
+    def for_rows(self, rows: Tensor) -> "StepContext":
+        """This context cut to some rows of the step (`rows` `[n]`), for the layers' work past an attention
+        that saw every row: the LoRA then covers those rows alone."""
+        lora = None if self.lora is None else self.lora.rows(rows)
+        return StepContext(self.batch, self.pool, self.attention, lora, self.cos, self.sin)
+
     def _delta(self, delta: Tensor | None) -> ops.Delta | None:
         lora = self.lora
         assert lora is not None, "project() computes deltas only with the step's LoRA"
@@ -138,17 +144,16 @@ class Attention(nn.Module):
         return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
                 v.view(tokens, self.num_kv_heads, self.head_dim))
 
-    def forward(self, x: Tensor, ctx: StepContext, rows: Tensor | None = None) -> Projected:
-        """The layer's attention output through o_proj; rows: only these rows of it (every token's K/V is
-        still stored)."""
+    def attend(self, x: Tensor, ctx: StepContext) -> Tensor:
+        """Every token's K/V stored, and its attention output `[tokens, q_size]` (before o_proj)."""
         tokens = x.shape[0]
         q, k, v = self.rotated_qkv(x, ctx)
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
         ctx.attention.store_kv(k, v, kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size)
         attn = ctx.attention.attend(q, (k, v), kv_pool, ctx.batch, self.num_kv_heads, self.scale)
-        attn = attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
-        if rows is not None:
-            attn = attn[rows]                                        # [rows, q_size]
+        return attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
+
+    def out_proj(self, attn: Tensor, ctx: StepContext) -> Projected:
         return ctx.project(self.layer, LORA_GROUPS[1], attn, self.o_proj, [self.o_proj.out_features])
 
 
@@ -194,10 +199,10 @@ class DecoderLayer(nn.Module):
         output's LoRA delta), so the residual additions ride in the norm kernels instead of launches of
         their own. rows: past the attention, only these rows are computed (and returned)."""
         normed, residual = self.input_layernorm(x, residual, ctx.pdl)
-        attended = self.self_attn(normed, ctx, rows)
+        attn = self.self_attn.attend(normed, ctx)                    # [tokens, q_size]
         if rows is not None:
-            residual = residual[rows]                                # [rows, hidden]
-        normed, residual = self.post_attention_layernorm(attended, residual, ctx.pdl)
+            attn, residual, ctx = attn[rows], residual[rows], ctx.for_rows(rows)   # [rows, ...]
+        normed, residual = self.post_attention_layernorm(self.self_attn.out_proj(attn, ctx), residual, ctx.pdl)
         return self.mlp(normed, ctx), residual
 
 
@@ -253,17 +258,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             x, residual = layer(x, residual, ctx)
         rows = batch.sample_indices
-        if self._last_layer_on_rows(batch, lora):
+        # Past the last attention nothing reads a row that is not sampled, and in a step with prefill rows
+        # that is nearly all of them (8,192 tokens, 8 sampled): its o_proj and MLP run on the sampled rows.
+        if rows.shape[0] < batch.input_ids.shape[0]:
             x, residual = last(x, residual, ctx, rows)                                  # [sampled, hidden]
         else:
             x, residual = last(x, residual, ctx)
             x, residual = x.rows(rows), residual[rows]
         normed, _ = self.model.norm(x, residual, ctx.pdl)                               # [sampled, hidden]
         return self.lm_head(normed).float()
-
-    @staticmethod
-    def _last_layer_on_rows(batch: StepBatch, lora: LoraStep | None) -> bool:
-        """Whether the last layer runs its o_proj and MLP on the sampled rows alone: nothing reads the other
-        rows past its attention, and in a prefill step they are nearly all (8,192 tokens, 8 sampled). Not with
-        LoRA, whose tables are per token of the whole step."""
-        return lora is None and batch.sample_indices.shape[0] < batch.input_ids.shape[0]

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from slora import LLM, SamplingParams
 from slora.models.config import UnsupportedModelError
-from tiny import make_adapters, make_model, oracle_greedy, random_prompts
+from tiny import force_lora_deltas, make_adapters, make_model, oracle_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 THREE = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -148,21 +148,22 @@ def test_cuda_backends_use_pdl_only_where_asked_and_supported(monkeypatch, asked
     assert step.kernels.pdl is (asked and supported)
 
 
-def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypatch):
-    """A prefill's last layer computes past its attention only the rows that are sampled; with an adapter
-    in the step every row goes through, and either way the tokens are the oracle's."""
+@pytest.mark.parametrize("deltas", [False, True])
+def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypatch, deltas):
+    """A prefill's last layer computes past its attention only the rows that are sampled, each with its own
+    adapter (added after the GEMM, or as a delta), and the tokens are the oracle's."""
     from slora.models.llama import MLP
+    if deltas:
+        force_lora_deltas(monkeypatch)
     seen: list[tuple[int, int]] = []                  # (layer, rows) of each MLP call
     forward = MLP.forward
     monkeypatch.setattr(MLP, "forward", lambda self, x, ctx: (seen.append((self.layer, x.shape[0])),
                                                               forward(self, x, ctx))[1])
-    prompts = random_prompts([20, 9], seed=4)
-    expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, [None, "all-r16"], 3)
+    prompts = random_prompts([20, 9, 13], seed=4)
+    names = [None, "all-r16", "mlp-r8"]
+    expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, names, 3)
     llm = LLM(str(tiny_llama.model_dir), num_pages=64)
-    llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
-    assert llm.generate(prompts[:1], THREE)[0].token_ids == expected[0]
-    assert seen[:2] == [(0, 20), (1, 1)]              # the prefill step: 20 rows, then the sampled one
-    seen.clear()
-    out = llm.generate(prompts[1:], THREE, adapters=["all-r16"])
-    assert out[0].token_ids == expected[1]
-    assert seen[:2] == [(0, 9), (1, 9)]
+    for name in names[1:]:
+        llm.load_adapter(name, str(tiny_llama.adapters[name]))
+    assert [o.token_ids for o in llm.generate(prompts, THREE, adapters=names)] == expected
+    assert seen[:2] == [(0, 42), (1, 3)]              # the prefill step: 42 rows, then the 3 sampled
