@@ -72,7 +72,7 @@ def decode_len(scenario: Scenario) -> int:
     return (scenario.rounds + 4) * steps_per_pass(scenario) + 64
 
 
-FULL = Scenario(batch=64, adapters=8, prompts=8, prompt_len=2048, step_tokens=512, decode_steps=48, rounds=3)
+FULL = Scenario(batch=64, adapters=8, prompts=8, prompt_len=2048, step_tokens=512, decode_steps=48, rounds=9)
 QUICK = Scenario(batch=4, adapters=2, prompts=2, prompt_len=96, step_tokens=32, decode_steps=6, rounds=2)
 
 
