@@ -92,8 +92,9 @@ class StepContext:
 
     def for_rows(self, rows: Tensor) -> "StepContext":
         """This context cut to some rows of the step (`rows` `[n]`), for the layers' work past an attention
-        that saw every row: the LoRA then covers those rows alone."""
-        lora = None if self.lora is None else self.lora.rows(rows)
+        that saw every row: the LoRA then covers those rows alone, and none when there are none (a chunk
+        step whose prompts all go on)."""
+        lora = None if self.lora is None or rows.shape[0] == 0 else self.lora.rows(rows)
         return StepContext(self.batch, self.pool, self.attention, lora, self.cos, self.sin)
 
     def _delta(self, delta: Tensor | None) -> ops.Delta | None:

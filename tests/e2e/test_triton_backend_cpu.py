@@ -17,7 +17,7 @@ from slora.cuda_graphs import GraphLimits
 from slora.kernels.layout import cdiv
 from slora.model_runner import WARM_UP_STEPS, WarmUpStep
 from slora.step_batch import step_max_rank
-from tiny import force_lora_deltas, random_prompts
+from tiny import force_lora_deltas, oracle_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs Triton kernels in the interpreter, on CPU-only machines")
@@ -358,3 +358,15 @@ def test_the_logprob_kernels_warmed_up_at_top_1_serve_every_top(monkeypatch):
     for top in (0, 5, 16, MAX_TOP):
         logprob_rows(logits, tokens, top)
     assert recorder.new == [], "\n".join(map(str, recorder.new))
+
+
+def test_chunk_steps_that_sample_no_row_match_peft_on_the_triton_kernels(tiny_llama):
+    """A prompt chunked 16 tokens a step, alone: its first steps sample no row, so their last layer runs no
+    row past its attention; the Triton kernels' tokens are still the oracle's."""
+    prompt = random_prompts([40], seed=6)
+    expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompt, ["all-r16"], 3)
+    llm = LLM(str(tiny_llama.model_dir), num_pages=64, max_num_batched_tokens=16)
+    llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
+    llm.engine.runner.attention, llm.engine.runner.lora = TritonAttention(), TritonLora()
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert llm.generate(prompt, params, adapters=["all-r16"])[0].token_ids == expected[0]

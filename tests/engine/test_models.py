@@ -167,3 +167,23 @@ def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypat
         llm.load_adapter(name, str(tiny_llama.adapters[name]))
     assert [o.token_ids for o in llm.generate(prompts, THREE, adapters=names)] == expected
     assert seen[:2] == [(0, 42), (1, 3)]              # the prefill step: 42 rows, then the 3 sampled
+
+
+def test_a_chunk_step_that_samples_nothing_runs_no_last_layer_rows(tiny_llama, monkeypatch):
+    """A prompt chunked over steps of 16 tokens, alone: its first steps sample no row, so their last layer
+    computes none past the attention (and no LoRA); the tokens are still the oracle's."""
+    from slora.lora_backend import LoraStep
+    from slora.models.llama import MLP
+    seen: list[tuple[int, int]] = []
+    forward, lora_rows = MLP.forward, LoraStep.rows
+    monkeypatch.setattr(MLP, "forward", lambda self, x, ctx: (seen.append((self.layer, x.shape[0])),
+                                                              forward(self, x, ctx))[1])
+    cut: list[int] = []                               # rows of each LoRA cut to sampled rows
+    monkeypatch.setattr(LoraStep, "rows", lambda self, rows: (cut.append(rows.shape[0]), lora_rows(self, rows))[1])
+    prompt = random_prompts([40], seed=6)
+    expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompt, ["all-r16"], 3)
+    llm = LLM(str(tiny_llama.model_dir), num_pages=64, max_num_batched_tokens=16)
+    llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
+    assert llm.generate(prompt, THREE, adapters=["all-r16"])[0].token_ids == expected[0]
+    assert seen[:6] == [(0, 16), (1, 0), (0, 16), (1, 0), (0, 8), (1, 1)]
+    assert cut == [1]                                 # the step that completes the prompt alone
