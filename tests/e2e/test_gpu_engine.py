@@ -242,6 +242,27 @@ def test_mixed_step_graphs_match_eager_steps(tiny_llama, monkeypatch):
     assert len(set(buckets)) >= 3, buckets                 # several buckets, with and without adapters
 
 
+def test_steps_of_a_dropped_bucket_replay_the_next_bucket_kept(tiny_llama, monkeypatch):
+    """A bucket whose graph replays slower than a larger one's is dropped at start; here the timing rule's
+    verdict drops every bucket under 256 tokens. Their steps pad to a bucket kept, with the same greedy
+    tokens as eager steps."""
+    from slora import mixed_graphs
+    monkeypatch.setattr(mixed_graphs, "buckets_worth_keeping", lambda seconds: [b for b in sorted(seconds) if b >= 256])
+    buckets = []
+    replay = mixed_graphs.MixedGraphs.replay
+    monkeypatch.setattr(mixed_graphs.MixedGraphs, "replay",
+                        lambda self, bucket, host, feed: (buckets.append(bucket), replay(self, bucket, host, feed))[1])
+    prompts = random_prompts([9, 40, 100, 3, 300, 17], seed=25)
+    names = (NAMES * 2)[:len(prompts)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = staggered_tokens(make_llm(tiny_llama, device="cuda", dtype="float32",
+                                     cuda=CudaConfig(enforce_eager=True)), prompts, names, params)
+    llm = make_llm(tiny_llama, device="cuda", dtype="float32", max_num_batched_tokens=640)
+    assert all(usable and min(usable) >= 256 for usable in llm.engine.runner.mixed_graphs.usable.values())
+    assert staggered_tokens(llm, prompts, names, params) == want
+    assert buckets and min(buckets) >= 256, buckets
+
+
 def test_mixed_step_graphs_switch_off(tiny_llama):
     llm = make_llm(tiny_llama, device="cuda", dtype="float32", cuda=CudaConfig(mixed_graph_tokens=0))
     assert llm.engine.runner.mixed_graphs is None and llm.engine.runner.graphs is not None
