@@ -43,7 +43,9 @@ def test_slora_run_inside_the_checkout_leaves_transformers_its_own_kernels_packa
     """In the repository root the working directory is first on sys.path, where kernels/ (slora.kernels)
     would stand in for Hugging Face's `kernels`, which transformers' model code imports."""
     root = Path(__file__).resolve().parents[2]
-    code = "import slora, transformers.modeling_utils, sys; assert str(Path.cwd()) not in sys.path"
-    result = subprocess.run([sys.executable, "-c", "from pathlib import Path; " + code], cwd=root,
-                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    # `-c` puts the working directory on sys.path as "": each entry is compared as the folder it names.
+    code = ("import sys; from pathlib import Path; import slora, transformers.modeling_utils; "
+            "assert all(Path(entry or '.').resolve() != Path.cwd() for entry in sys.path), sys.path")
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
