@@ -70,6 +70,9 @@ class StepBatch:
     lora: StepLora | None = None
     # The leading sequences with one new token each (all of them in a decode step).
     num_decodes: int = 0
+    # Every sequence past the decodes starts at position 0 (no cached prefix, no earlier chunk), so the
+    # step's own rows hold all the K/V its prefill attention reads.
+    fresh_prefills: bool = False
 
     def to(self, device: torch.device) -> "StepBatch":
         """The batch on `device` (copies that do not block the host)."""
@@ -118,7 +121,8 @@ def empty(sizes: Sizes, device: torch.device, page_size: int, max_rank: int, wit
         lora = StepLora(**{spec.name: make(spec) for spec in _LORA_SPECS}, max_rank=max_rank,
                         active=[[True] * sizes["modules"]] * sizes["layers"])
     return StepBatch(**{spec.name: make(spec) for spec in _BATCH_SPECS}, page_size=page_size,
-                     max_query_len=1, max_context_len=sizes["pages"] * page_size, lora=lora, num_decodes=0)
+                     max_query_len=1, max_context_len=sizes["pages"] * page_size, lora=lora, num_decodes=0,
+                     fresh_prefills=False)
 
 
 def view(static: StepBatch, sizes: Sizes, with_lora: bool) -> StepBatch:
@@ -254,7 +258,8 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
         torch.from_numpy(block_tables), torch.from_numpy(tokens.starts), torch.from_numpy(lens),
         int_tensor(sample_rows, np.int64), page_size, int(counts.max()), int(lens.max()),
         _step_lora(scheduled, counts, adapters, tables or LoraTables()),
-        len(scheduled) if rows.first_longer is None else rows.first_longer)  # the scheduler puts one-token rows first
+        len(scheduled) if rows.first_longer is None else rows.first_longer,  # the scheduler puts one-token rows first
+        rows.first_longer is not None and not bool(computed[rows.first_longer:].any()))
 
 
 class TokenFeed(NamedTuple):

@@ -89,6 +89,29 @@ def test_build_lays_out_decode_rows_prompt_rows_and_a_chunk():
     assert batch.sample_indices.tolist() == [0, 1]                 # the middle chunk samples nothing
     assert batch.num_decodes == 2                                  # the leading one-token rows
     assert step_batch.build([ScheduledSeq(middle, 3), ScheduledSeq(decoding, 1)], {}, 4).num_decodes == 0
+    assert not batch.fresh_prefills                                # the chunk starts at position 1
+
+
+def test_build_marks_a_step_fresh_only_when_every_prompt_past_the_decodes_starts_at_zero():
+    """fresh_prefills (the step's rows hold every K/V its prefill attention reads): decodes beside prompts
+    from position 0, yes; a chunk after an earlier one or a cached prefix, or a decode-only step, no."""
+    from slora.sampling_params import SamplingParams
+    from slora.scheduler import ScheduledSeq
+    from slora.sequence import BlockTable, Sequence
+
+    def seq(length: int, computed: int, output: list[int] | None = None) -> Sequence:
+        s = Sequence(1, "r", list(range(1, length + 1)), SamplingParams(max_tokens=8),
+                     output_token_ids=output or [], block_table=BlockTable([1, 2, 3]))
+        s.num_computed_tokens = computed
+        return s
+    def fresh(*items: ScheduledSeq) -> bool:
+        return step_batch.build(list(items), {}, 4).fresh_prefills
+    decoding = ScheduledSeq(seq(5, computed=5, output=[9]), 1)
+    assert fresh(decoding, ScheduledSeq(seq(6, 0), 6), ScheduledSeq(seq(3, 0), 3))
+    assert fresh(ScheduledSeq(seq(6, 0), 4))                       # a first chunk: its rows are all its K/V
+    assert not fresh(decoding, ScheduledSeq(seq(6, 0), 6), ScheduledSeq(seq(8, 4), 4))
+    assert not fresh(ScheduledSeq(seq(8, 2), 6))                   # a cached prefix of two tokens
+    assert not fresh(decoding, decoding)
 
 
 def test_build_gives_a_chunk_across_pages_each_pages_slots_and_pads_ragged_tables():
