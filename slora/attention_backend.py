@@ -66,7 +66,7 @@ class TritonAttention:
         self._paged, self._prefill, self._store = paged_attention, prefill_attention, store_kv
         self.pdl = pdl   # the model's kernels use programmatic dependent launch (slora.kernels.pdl)
         self.new_kv_min_tokens = new_kv_min_tokens
-        # Eager steps whose prompts all start at position 0 (StepBatch.fresh_prefills) attend through
+        # An eager step's trailing prompts from position 0 (StepBatch.fresh_seqs) attend through
         # FlashAttention-2 in bfloat16 / float16 (flash_supported): 164 against 271 us a layer at 8 x 1,024
         # tokens on the H200 (benchmarks/HISTORY.md, session 17).
         self.flash_prefill = flash_prefill
@@ -81,13 +81,15 @@ class TritonAttention:
         """The step's queries `[tokens, heads, head_dim]` over the pool, which holds new_kv (the step's keys
         and values, `[tokens, kv_heads, head_dim]` each) too. With at least new_kv_min_tokens prefill tokens
         the prefill kernel reads them from new_kv, contiguous rows instead of pages spread over the pool,
-        and only cached prefixes through pages; a smaller step reads them back from the pages. A step whose
-        prompts all start at position 0 reads them from new_kv through FlashAttention-2 (flash_prefill)."""
+        and only cached prefixes through pages; a smaller step reads them back from the pages. The step's
+        trailing prompts from position 0 (StepBatch.fresh_seqs) read theirs from new_kv through
+        FlashAttention-2 instead (flash_prefill)."""
         if batch.max_query_len == 1:
             return self._paged(query, kv_pool, batch.block_tables, batch.context_lens, batch.page_size,
                                num_kv_heads, scale, max_context_len=batch.max_context_len, out=out, pdl=self.pdl)
-        decodes, flash = batch.num_decodes, self._flash_applies(query, batch)
-        if flash and not decodes and out is None:
+        seqs, tokens, decodes = batch.context_lens.shape[0], query.shape[0], batch.num_decodes
+        flash_seqs = batch.fresh_seqs if self.flash_prefill and query.dtype in _FLASH_DTYPES else 0
+        if flash_seqs == seqs and out is None:     # prompts alone (decodes are never fresh)
             return _fresh_flash_attention(query, *new_kv, batch.query_start_loc, batch.max_query_len, scale)
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)   # [tokens, heads, head_dim]
@@ -97,19 +99,24 @@ class TritonAttention:
             # beside them fills the GPU, and one variant serves every such step.
             self._paged(query[:decodes], kv_pool, batch.block_tables[:decodes], batch.context_lens[:decodes],
                         batch.page_size, num_kv_heads, scale, num_splits=1, out=out[:decodes], pdl=self.pdl)
-        if flash:
-            key, value = new_kv
-            out[decodes:] = _fresh_flash_attention(query[decodes:], key[decodes:], value[decodes:],
-                                                   batch.query_start_loc[decodes:] - decodes,
-                                                   batch.max_query_len, scale)
-            return out
-        own_rows = new_kv if query.shape[0] - decodes >= self.new_kv_min_tokens else None
-        return self._prefill(query, kv_pool, batch.block_tables[decodes:], batch.query_start_loc[decodes:],
-                             batch.context_lens[decodes:], batch.page_size, num_kv_heads, scale, out=out,
-                             new_kv=own_rows)
+        flash_rows = batch.fresh_tokens if flash_seqs else 0
+        if seqs - flash_seqs > decodes:
+            self._triton_prefills(query, new_kv, kv_pool, batch, slice(decodes, seqs - flash_seqs),
+                                  tokens - flash_rows - decodes, num_kv_heads, scale, out)
+        if flash_seqs:
+            first, (key, value) = tokens - flash_rows, new_kv
+            out[first:] = _fresh_flash_attention(query[first:], key[first:], value[first:],
+                                                 batch.query_start_loc[seqs - flash_seqs:] - first,
+                                                 batch.max_query_len, scale)
+        return out
 
-    def _flash_applies(self, query: Tensor, batch: StepBatch) -> bool:
-        return self.flash_prefill and batch.fresh_prefills and query.dtype in _FLASH_DTYPES
+    def _triton_prefills(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
+                         seqs: slice, rows: int, num_kv_heads: int, scale: float, out: Tensor) -> None:
+        """The prefill kernel over the sequences `seqs` (`rows` rows), written into their rows of `out`."""
+        starts = batch.query_start_loc[seqs.start:seqs.stop + 1]
+        own_rows = new_kv if rows >= self.new_kv_min_tokens else None
+        self._prefill(query, kv_pool, batch.block_tables[seqs], starts, batch.context_lens[seqs], batch.page_size,
+                      num_kv_heads, scale, out=out, new_kv=own_rows)
 
     def new_kv_step_shapes(self, longest: int, max_batch: int) -> tuple[tuple[int, int], ...]:
         """(sequences, tokens each) of prefill steps that launch the new_kv kernel in both of its row
