@@ -56,8 +56,7 @@ class TritonAttention:
     through the prefill kernel, which handles one-token rows as well. Triton is imported only here, when
     a CUDA engine is built."""
 
-    def __init__(self, pdl: bool = False, new_kv_min_tokens: int = NEW_KV_MIN_TOKENS,
-                 flash_prefill: bool = False) -> None:
+    def __init__(self, pdl: bool = False, new_kv_min_tokens: int = NEW_KV_MIN_TOKENS) -> None:
         from slora.kernels.paged_attention import paged_attention
         from slora.kernels.prefill_attention import LONG_BLOCK_M, prefill_attention
         from slora.kernels.store_kv import store_kv
@@ -66,10 +65,6 @@ class TritonAttention:
         self._paged, self._prefill, self._store = paged_attention, prefill_attention, store_kv
         self.pdl = pdl   # the model's kernels use programmatic dependent launch (slora.kernels.pdl)
         self.new_kv_min_tokens = new_kv_min_tokens
-        # An eager step's trailing prompts from position 0 (StepBatch.fresh_seqs) attend through
-        # FlashAttention-2 in bfloat16 / float16 (flash_supported): 164 against 271 us a layer at 8 x 1,024
-        # tokens on the H200 (benchmarks/HISTORY.md, session 17).
-        self.flash_prefill = flash_prefill
         self._long_block_m = LONG_BLOCK_M
 
     def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
@@ -81,42 +76,23 @@ class TritonAttention:
         """The step's queries `[tokens, heads, head_dim]` over the pool, which holds new_kv (the step's keys
         and values, `[tokens, kv_heads, head_dim]` each) too. With at least new_kv_min_tokens prefill tokens
         the prefill kernel reads them from new_kv, contiguous rows instead of pages spread over the pool,
-        and only cached prefixes through pages; a smaller step reads them back from the pages. The step's
-        trailing prompts from position 0 (StepBatch.fresh_seqs) read theirs from new_kv through
-        FlashAttention-2 instead (flash_prefill)."""
+        and only cached prefixes through pages; a smaller step reads them back from the pages."""
         if batch.max_query_len == 1:
             return self._paged(query, kv_pool, batch.block_tables, batch.context_lens, batch.page_size,
                                num_kv_heads, scale, max_context_len=batch.max_context_len, out=out, pdl=self.pdl)
-        seqs, tokens, decodes = batch.context_lens.shape[0], query.shape[0], batch.num_decodes
-        flash_seqs = batch.fresh_seqs if self.flash_prefill and query.dtype in _FLASH_DTYPES else 0
-        if flash_seqs == seqs and out is None:     # prompts alone (decodes are never fresh)
-            return _fresh_flash_attention(query, *new_kv, batch.query_start_loc, batch.max_query_len, scale)
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)   # [tokens, heads, head_dim]
+        decodes = batch.num_decodes
         if decodes:
             # The prefill kernel gives a one-token row a block of its own per query head, reading its
             # context once per head: the decode kernel reads it once per KV head. Unsplit: the prefill
             # beside them fills the GPU, and one variant serves every such step.
             self._paged(query[:decodes], kv_pool, batch.block_tables[:decodes], batch.context_lens[:decodes],
                         batch.page_size, num_kv_heads, scale, num_splits=1, out=out[:decodes], pdl=self.pdl)
-        flash_rows = batch.fresh_tokens if flash_seqs else 0
-        if seqs - flash_seqs > decodes:
-            self._triton_prefills(query, new_kv, kv_pool, batch, slice(decodes, seqs - flash_seqs),
-                                  tokens - flash_rows - decodes, num_kv_heads, scale, out)
-        if flash_seqs:
-            first, (key, value) = tokens - flash_rows, new_kv
-            out[first:] = _fresh_flash_attention(query[first:], key[first:], value[first:],
-                                                 batch.query_start_loc[seqs - flash_seqs:] - first,
-                                                 batch.max_query_len, scale)
-        return out
-
-    def _triton_prefills(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
-                         seqs: slice, rows: int, num_kv_heads: int, scale: float, out: Tensor) -> None:
-        """The prefill kernel over the sequences `seqs` (`rows` rows), written into their rows of `out`."""
-        starts = batch.query_start_loc[seqs.start:seqs.stop + 1]
-        own_rows = new_kv if rows >= self.new_kv_min_tokens else None
-        self._prefill(query, kv_pool, batch.block_tables[seqs], starts, batch.context_lens[seqs], batch.page_size,
-                      num_kv_heads, scale, out=out, new_kv=own_rows)
+        own_rows = new_kv if query.shape[0] - decodes >= self.new_kv_min_tokens else None
+        return self._prefill(query, kv_pool, batch.block_tables[decodes:], batch.query_start_loc[decodes:],
+                             batch.context_lens[decodes:], batch.page_size, num_kv_heads, scale, out=out,
+                             new_kv=own_rows)
 
     def new_kv_step_shapes(self, longest: int, max_batch: int) -> tuple[tuple[int, int], ...]:
         """(sequences, tokens each) of prefill steps that launch the new_kv kernel in both of its row
@@ -142,34 +118,12 @@ class TritonAttention:
                              batch.page_size, num_kv_heads, scale, out=out)
 
 
-_FLASH_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def flash_supported(device: torch.device) -> bool:
-    """Whether torch's FlashAttention-2 kernels run on this device (CUDA, compute capability 8.0+)."""
-    return (device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
-            and torch.cuda.get_device_capability(device) >= (8, 0))
-
-
-def _fresh_flash_attention(query: Tensor, key: Tensor, value: Tensor, starts: Tensor, longest: int,
-                           scale: float) -> Tensor:
-    """Causal attention `[tokens, heads, head_dim]` of sequences whose K/V are their own rows
-    `starts[s]:starts[s+1]` (`key`, `value`: `[tokens, kv_heads, head_dim]`), through FlashAttention-2's
-    varlen forward in torch: the op behind torch.nn.attention.varlen.varlen_attn, called directly because
-    that wrapper's signature changed between torch 2.10 and 2.12, while the op's has not."""
-    out, *_ = torch.ops.aten._flash_attention_forward(query, key, value, starts, starts, longest, longest,
-                                                      0.0, True, False, scale=scale)
-    return out
-
-
-def backends_for(device: torch.device, pdl: bool = False, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy(),
-                 flash_prefill: bool = True) -> tuple[AttentionBackend, LoraBackend]:
+def backends_for(device: torch.device, pdl: bool = False, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()
+                 ) -> tuple[AttentionBackend, LoraBackend]:
     """(attention, LoRA) backends for a device. pdl: the model's Triton kernels (all but the prefill
-    attention) use programmatic dependent launch where the GPU supports it (compute capability 9.0+).
-    flash_prefill: prompts that start at position 0 attend through FlashAttention-2 where it runs."""
+    attention) use programmatic dependent launch where the GPU supports it (compute capability 9.0+)."""
     if device.type == "cuda":
         from slora.kernels.pdl import pdl_supported
         pdl = pdl and pdl_supported(device)
-        attention = TritonAttention(pdl, flash_prefill=flash_prefill and flash_supported(device))
-        return attention, TritonLora(pdl=pdl, policy=lora_policy)
+        return TritonAttention(pdl), TritonLora(pdl=pdl, policy=lora_policy)
     return ReferenceAttention(), ReferenceLora()

@@ -36,9 +36,6 @@ class CudaConfig:
                                          "sized for that many, with fewer LoRA programs (0: never)")
     lora_side_stream: bool = _option(True, "in decode graphs each LoRA runs on a second stream beside its base "
                                            "GEMM, its delta added by the next op")
-    flash_prefill: bool = _option(True, "in eager steps, prompts that start at position 0 (no cached prefix, no "
-                                        "earlier chunk) attend through torch's FlashAttention-2 in bfloat16 and "
-                                        "float16, instead of the Triton prefill kernel")
     mixed_graph_tokens: int = _option(512, "steps with prefill rows of at most this many tokens replay a CUDA "
                                            "graph of their token bucket, attention included (0: never)")
 

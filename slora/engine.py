@@ -67,8 +67,7 @@ class Engine:
         pool_shape, swap_pages = sizing.pool_shape(), sizing.swap_pages()
         graphs = config.device != "cpu" and not config.cuda.enforce_eager
         self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device,
-                                  sizing.graph_limits(pool_shape) if graphs else None, swap_pages, config.cuda.pdl,
-                                  flash_prefill=config.cuda.flash_prefill)
+                                  sizing.graph_limits(pool_shape) if graphs else None, swap_pages, config.cuda.pdl)
         allocator = PageAllocator(pool_shape.num_pages, config.page_size)
         scheduler_config = config.scheduler_config(swap_pages, self.max_model_len)
         adapter_format = AdapterFormat(self.shapes, config.max_lora_rank, pool_shape.page_elems, config.torch_dtype,

@@ -58,7 +58,7 @@ class PoolShape:
 class ModelRunner:
     def __init__(self, model: CausalLM, shape: PoolShape, dtype: torch.dtype, device: torch.device,
                  graph_limits: GraphLimits | None = None, swap_pages: int = 0, pdl: bool = True,
-                 lora_policy: LoraLaunchPolicy = LoraLaunchPolicy(), flash_prefill: bool = True) -> None:
+                 lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()) -> None:
         self.model, self.shape, self.device = model, shape, device
         self.swap_pages = swap_pages
         self._swap: Tensor | None = None
@@ -68,7 +68,7 @@ class ModelRunner:
         # The unified pool: KV pages and adapter pages, page ids shared across layers.
         self.pool = torch.zeros(shape.num_layers, shape.num_pages, shape.page_elems, dtype=dtype,
                                 device=device)  # [layers, pages, page_elems]
-        self.attention, self.lora = backends_for(device, pdl, lora_policy, flash_prefill)
+        self.attention, self.lora = backends_for(device, pdl, lora_policy)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         if graph_limits is not None and device.type == "cuda":

@@ -70,10 +70,6 @@ class StepBatch:
     lora: StepLora | None = None
     # The leading sequences with one new token each (all of them in a decode step).
     num_decodes: int = 0
-    # The trailing sequences past the decodes that start at position 0 (no cached prefix, no earlier chunk),
-    # whose own rows hold all the K/V their attention reads, and their rows: the step's last ones.
-    fresh_seqs: int = 0
-    fresh_tokens: int = 0
 
     def to(self, device: torch.device) -> "StepBatch":
         """The batch on `device` (copies that do not block the host)."""
@@ -122,8 +118,7 @@ def empty(sizes: Sizes, device: torch.device, page_size: int, max_rank: int, wit
         lora = StepLora(**{spec.name: make(spec) for spec in _LORA_SPECS}, max_rank=max_rank,
                         active=[[True] * sizes["modules"]] * sizes["layers"])
     return StepBatch(**{spec.name: make(spec) for spec in _BATCH_SPECS}, page_size=page_size,
-                     max_query_len=1, max_context_len=sizes["pages"] * page_size, lora=lora, num_decodes=0,
-                     fresh_seqs=0, fresh_tokens=0)
+                     max_query_len=1, max_context_len=sizes["pages"] * page_size, lora=lora, num_decodes=0)
 
 
 def view(static: StepBatch, sizes: Sizes, with_lora: bool) -> StepBatch:
@@ -259,18 +254,7 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
         torch.from_numpy(block_tables), torch.from_numpy(tokens.starts), torch.from_numpy(lens),
         int_tensor(sample_rows, np.int64), page_size, int(counts.max()), int(lens.max()),
         _step_lora(scheduled, counts, adapters, tables or LoraTables()),
-        len(scheduled) if rows.first_longer is None else rows.first_longer,  # the scheduler puts one-token rows first
-        *_fresh_tail(computed, counts, rows.first_longer))
-
-
-def _fresh_tail(computed: np.ndarray, counts: np.ndarray, first_longer: int | None) -> tuple[int, int]:
-    """(sequences, rows) of the step's trailing run of sequences from position 0, none of them decodes. The
-    scheduler puts running sequences (a continued chunk) before the prompts it admits."""
-    if first_longer is None:
-        return 0, 0
-    started = np.flatnonzero(computed[first_longer:])
-    first_fresh = first_longer + (int(started[-1]) + 1 if len(started) else 0)
-    return len(computed) - first_fresh, int(counts[first_fresh:].sum())
+        len(scheduled) if rows.first_longer is None else rows.first_longer)  # the scheduler puts one-token rows first
 
 
 class TokenFeed(NamedTuple):

@@ -88,26 +88,6 @@ def test_half_precision_runs_and_tracks_float32(tiny_llama, dtype):
     assert [h[0] for h in half] == [f[0] for f in full]     # the first token is robust to rounding
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_fresh_prompts_through_flash_attention_track_float32(tiny_llama, dtype, monkeypatch):
-    """Eager steps (no mixed graphs) of prompts from position 0 attend through FlashAttention-2."""
-    from slora import attention_backend
-
-    if not attention_backend.flash_supported(torch.device("cuda")):
-        pytest.skip("torch's FlashAttention-2 does not run on this GPU")
-    flash = attention_backend._fresh_flash_attention
-    calls = []
-    monkeypatch.setattr(attention_backend, "_fresh_flash_attention", lambda *args: calls.append(1) or flash(*args))
-    prompts = random_prompts([20, 33, 1, 70], seed=15)
-    names = ["all-r16", None, "attn-r4", "mlp-r8"]
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    half = tokens(make_llm(tiny_llama, device="cuda", dtype=dtype, cuda=CudaConfig(mixed_graph_tokens=0)),
-                  prompts, names, params)
-    assert calls, "no step attended through flash"
-    full = tokens(make_llm(tiny_llama, device="cuda", dtype="float32"), prompts, names, params)
-    assert [h[0] for h in half] == [f[0] for f in full]     # the first token is robust to rounding
-
-
 def test_seeded_sampling_is_the_same_on_cpu_and_cuda(tiny_llama):
     prompts = random_prompts([15], seed=14)
     params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=77, ignore_eos=True)

@@ -89,32 +89,6 @@ def test_build_lays_out_decode_rows_prompt_rows_and_a_chunk():
     assert batch.sample_indices.tolist() == [0, 1]                 # the middle chunk samples nothing
     assert batch.num_decodes == 2                                  # the leading one-token rows
     assert step_batch.build([ScheduledSeq(middle, 3), ScheduledSeq(decoding, 1)], {}, 4).num_decodes == 0
-    assert (batch.fresh_seqs, batch.fresh_tokens) == (0, 0)       # the chunk starts at position 1
-
-
-def test_build_gives_the_trailing_prompts_that_start_at_position_zero():
-    """fresh_seqs / fresh_tokens: the step's last sequences (none of them a decode) whose own rows hold every
-    K/V their attention reads, so a chunk after an earlier one or a cached prefix ends the run."""
-    from slora.sampling_params import SamplingParams
-    from slora.scheduler import ScheduledSeq
-    from slora.sequence import BlockTable, Sequence
-
-    def seq(length: int, computed: int, output: list[int] | None = None) -> Sequence:
-        s = Sequence(1, "r", list(range(1, length + 1)), SamplingParams(max_tokens=8),
-                     output_token_ids=output or [], block_table=BlockTable([1, 2, 3]))
-        s.num_computed_tokens = computed
-        return s
-
-    def tail(*items: ScheduledSeq) -> tuple[int, int]:
-        batch = step_batch.build(list(items), {}, 4)
-        return batch.fresh_seqs, batch.fresh_tokens
-    decoding, one_token_prompt = ScheduledSeq(seq(5, computed=5, output=[9]), 1), ScheduledSeq(seq(1, 0), 1)
-    assert tail(decoding, ScheduledSeq(seq(6, 0), 6), ScheduledSeq(seq(3, 0), 3)) == (2, 9)
-    assert tail(ScheduledSeq(seq(6, 0), 4)) == (1, 4)              # a first chunk: its rows are all its K/V
-    assert tail(decoding, ScheduledSeq(seq(8, 4), 4), ScheduledSeq(seq(6, 0), 6)) == (1, 6)
-    assert tail(decoding, ScheduledSeq(seq(6, 0), 6), ScheduledSeq(seq(8, 2), 6)) == (0, 0)
-    assert tail(one_token_prompt, ScheduledSeq(seq(6, 0), 6)) == (1, 6)   # a leading one-token row is a decode
-    assert tail(decoding, decoding) == (0, 0)
 
 
 def test_build_gives_a_chunk_across_pages_each_pages_slots_and_pads_ragged_tables():
