@@ -7,7 +7,8 @@ prefill workload of engine_throughput.py) in bf16:
 - the fused elementwise kernels (norm with residual, rotary, silu-and-mul, K/V store): TB/s against the
   4.24 TB/s copy bandwidth;
 - prefill attention: K/V through the block tables and, as the engine runs it, the new tokens' K/V from the
-  step's own rows; other launches; and torch's SDPA (flash) on contiguous K/V;
+  step's own rows; other launches; torch's FlashAttention-2 varlen over the step's rows, and torch's
+  SDPA by backend (default, cuDNN, flash) on contiguous K/V, with 32 K/V heads or GQA;
 - a mixed step's attention (255 decodes at context 600 beside one prefill chunk): every row through the
   prefill kernel, against the engine's way: the decode rows through the paged decode kernel, the rest
   through the prefill kernel reading the step's keys and values from its own rows;
@@ -158,11 +159,43 @@ def attention_rows(tokens: int) -> list[dict[str, Any]]:
                    PrefillLaunch(64, 64, 4, 3), PrefillLaunch(128, 32, 4, 3)):
         rows.append(row(f"prefill attention, launch {tuple(launch)}", ours(launch), flops=flops))
         rows.append(row(f"prefill attention, new K/V, launch {tuple(launch)}", ours(launch, True), flops=flops))
+    return rows + torch_attention_rows(query, key, value, loc, length, flops)
+
+
+def torch_attention_rows(query: Tensor, key: Tensor, value: Tensor, loc: Tensor, length: int,
+                         flops: float) -> list[dict[str, Any]]:
+    """torch's attention kernels on the same step: FlashAttention-2's varlen forward over the step's rows
+    (8 K/V heads), and SDPA by backend over contiguous `[seqs, heads, length, head_dim]` tensors, its K/V
+    heads repeated to the query's 32 or, where the backend takes it, GQA."""
+    from torch.nn.attention import SDPBackend
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    seqs = query.shape[0] // length
+    def varlen() -> object:
+        return torch.ops.aten._flash_attention_forward(query, key, value, loc, loc, length, length, 0.0, True,
+                                                       False, scale=HEAD_DIM ** -0.5)
+    rows = [row("torch FlashAttention-2 varlen, step's rows, 8 K/V heads", varlen, flops=flops)]
     q = query.view(seqs, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
     kv = randn(2, seqs, HEADS, length, HEAD_DIM)
-    rows.append(row("torch SDPA (flash), contiguous K/V", lambda: torch.nn.functional.scaled_dot_product_attention(
-        q, kv[0], kv[1], is_causal=True), flops=flops))
+    gqa = kv[:, :, :KV_HEADS].contiguous()
+    for name, backend in (("default", None), ("cuDNN", SDPBackend.CUDNN_ATTENTION),
+                          ("flash (FA2)", SDPBackend.FLASH_ATTENTION)):
+        for label, k, v, enable_gqa in (("32 K/V heads", kv[0], kv[1], False), ("GQA", gqa[0], gqa[1], True)):
+            rows += attempt(f"torch SDPA ({name}), contiguous, {label}", backend,
+                            lambda k=k, v=v, g=enable_gqa: sdpa(q, k, v, is_causal=True, enable_gqa=g), flops)
     return rows
+
+
+def attempt(name: str, backend: Any, fn: Callable[[], object], flops: float) -> list[dict[str, Any]]:
+    """The row of fn under an SDPA backend (None: torch's choice), or none where that backend refuses."""
+    from torch.nn.attention import sdpa_kernel
+    try:
+        if backend is None:
+            return [row(name, fn, flops=flops)]
+        with sdpa_kernel(backend):
+            return [row(name, fn, flops=flops)]
+    except RuntimeError as error:
+        logger.info("%s: not run (%s)", name, str(error).splitlines()[0])
+        return []
 
 
 def mixed_attention_rows(tokens: int) -> list[dict[str, Any]]:
