@@ -15,9 +15,10 @@ prefill workload of engine_throughput.py) in bf16:
 - the layer's sum times 32 layers: the step's GPU time, its share in GEMMs, and the prompts per second
   that it allows.
 
---gemm-variants adds each GEMM with its weight stored transposed and through cuBLASLt.
+--gemm-variants adds each GEMM with its weight stored transposed and through cuBLASLt; --gemm-pieces the
+gate/up and down GEMMs cut by rows or columns into pieces that write one output.
 
-    python benchmarks/prefill.py [--tokens N] [--gemm-variants] [--out FILE]
+    python benchmarks/prefill.py [--tokens N] [--gemm-variants] [--gemm-pieces] [--out FILE]
 """
 import argparse
 import logging
@@ -82,6 +83,31 @@ def gemm_variant_rows(tokens: int) -> list[dict[str, Any]]:
                             flops=2 * tokens * n * k))
     torch.backends.cuda.preferred_blas_library(default)
     return rows
+
+
+def gemm_piece_rows(tokens: int) -> list[dict[str, Any]]:
+    """The gate/up and down projections as row_parts x col_parts GEMMs, each writing its block of one
+    `[tokens, out]` output in place (torch.mm into a strided view: no copy), against the one GEMM: whether
+    cuBLAS runs a piece of the step's largest GEMMs nearer the peak than the whole."""
+    rows = []
+    for name in ("gate_up", "down"):
+        n, k = GEMMS[name]
+        x, weight, out = randn(tokens, k), randn(n, k) * 0.02, randn(tokens, n)
+        for row_parts, col_parts in ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2)):
+            blocks = gemm_blocks(tokens, n, row_parts, col_parts)
+
+            def pieces(blocks: list[tuple[slice, slice]] = blocks, x: Tensor = x, weight: Tensor = weight,
+                       out: Tensor = out) -> None:
+                for r, c in blocks:
+                    torch.mm(x[r], weight[c].t(), out=out[r, c])
+            rows.append(row(f"gemm {name} as {row_parts} x {col_parts} pieces", pieces, flops=2 * tokens * n * k))
+    return rows
+
+
+def gemm_blocks(tokens: int, n: int, row_parts: int, col_parts: int) -> list[tuple[slice, slice]]:
+    row_step, col_step = -(-tokens // row_parts), -(-n // col_parts)
+    return [(slice(r, r + row_step), slice(c, c + col_step))
+            for r in range(0, tokens, row_step) for c in range(0, n, col_step)]
 
 
 def elementwise_rows(tokens: int) -> list[dict[str, Any]]:
@@ -240,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "prefill.json")
     parser.add_argument("--gemm-variants", action="store_true",
                         help="also time each GEMM with the weight stored transposed and through cuBLASLt")
+    parser.add_argument("--gemm-pieces", action="store_true",
+                        help="also time the gate/up and down GEMMs cut by rows or columns into pieces")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
@@ -247,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.manual_seed(0)
     rows = gemm_rows(args.tokens) + elementwise_rows(args.tokens) + attention_rows(args.tokens) + \
-        mixed_attention_rows(args.tokens) + (gemm_variant_rows(args.tokens) if args.gemm_variants else [])
+        mixed_attention_rows(args.tokens) + (gemm_variant_rows(args.tokens) if args.gemm_variants else []) + \
+        (gemm_piece_rows(args.tokens) if args.gemm_pieces else [])
     summary = layer_summary(rows, args.tokens)
     print_table(rows)
     print_table([summary])
