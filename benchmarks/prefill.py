@@ -21,6 +21,7 @@ gate/up and down GEMMs cut by rows or columns into pieces that write one output.
     python benchmarks/prefill.py [--tokens N] [--gemm-variants] [--gemm-pieces] [--out FILE]
 """
 import argparse
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -196,6 +197,7 @@ def torch_attention_rows(query: Tensor, key: Tensor, value: Tensor, loc: Tensor,
     from torch.nn.attention import SDPBackend
     sdpa = torch.nn.functional.scaled_dot_product_attention
     seqs = query.shape[0] // length
+
     def varlen() -> object:
         return torch.ops.aten._flash_attention_forward(query, key, value, loc, loc, length, length, 0.0, True,
                                                        False, scale=HEAD_DIM ** -0.5)
@@ -215,9 +217,7 @@ def attempt(name: str, backend: Any, fn: Callable[[], object], flops: float) -> 
     """The row of fn under an SDPA backend (None: torch's choice), or none where that backend refuses."""
     from torch.nn.attention import sdpa_kernel
     try:
-        if backend is None:
-            return [row(name, fn, flops=flops)]
-        with sdpa_kernel(backend):
+        with contextlib.nullcontext() if backend is None else sdpa_kernel(backend):
             return [row(name, fn, flops=flops)]
     except RuntimeError as error:
         logger.info("%s: not run (%s)", name, str(error).splitlines()[0])
