@@ -4,8 +4,9 @@ with the engine's own kernels at the engine's step size.
 On a CUDA GPU, for `--tokens` new tokens (default 8,192: eight 1,024-token prompts, a step of the
 prefill workload of engine_throughput.py) in bf16:
 - the four GEMMs (torch's, as the model runs them): TFLOP/s against the measured 810 TFLOP/s peak;
-- the fused elementwise kernels (norm with residual, rotary, silu-and-mul, K/V store): TB/s against the
-  4.24 TB/s copy bandwidth;
+- o and down as the engine runs them, added into the residual stream in place;
+- the fused elementwise kernels (norm with and without a residual, rotary, silu-and-mul, K/V store): TB/s
+  against the 4.24 TB/s copy bandwidth;
 - prefill attention: K/V through the block tables and, as the engine runs it, the new tokens' K/V from the
   step's own rows; other launches; torch's FlashAttention-2 varlen over the step's rows, and torch's
   SDPA by backend (default, cuDNN, flash) on contiguous K/V, with 32 K/V heads or GQA;
@@ -59,12 +60,18 @@ def row(name: str, fn: Callable[[], object], flops: float = 0.0, bytes_moved: fl
 
 
 def gemm_rows(tokens: int) -> list[dict[str, Any]]:
+    """The four GEMMs as `x @ Wᵀ`, and o and down as the engine runs them: added into the residual stream in
+    place (`residual.addmm_`, cuBLAS's beta = 1)."""
     x = {k: randn(tokens, k) for k in {HIDDEN, INTERMEDIATE}}
+    residual = randn(tokens, HIDDEN)
     rows = []
     for name, (n, k) in GEMMS.items():
         weight = randn(n, k) * 0.02
         rows.append(row(f"gemm {name} [{tokens}x{k}]x[{k}x{n}]",
                         lambda w=weight, a=x[k]: torch.nn.functional.linear(a, w), flops=2 * tokens * n * k))
+        if n == HIDDEN:
+            rows.append(row(f"gemm {name} into the residual",
+                            lambda w=weight, a=x[k]: residual.addmm_(a, w.t()), flops=2 * tokens * n * k))
     return rows
 
 
@@ -127,6 +134,8 @@ def elementwise_rows(tokens: int) -> list[dict[str, Any]]:
     q_and_k = (HEADS + KV_HEADS) * HEAD_DIM
     return [row("add_rms_norm (x + residual)", lambda: fused_ops.add_rms_norm(x, weight, 1e-5, residual),
                 bytes_moved=4 * tokens * HIDDEN * two),
+            row("rms_norm (x alone)", lambda: fused_ops.add_rms_norm(x, weight, 1e-5),
+                bytes_moved=2 * tokens * HIDDEN * two),
             row("rotary_qk_", lambda: fused_ops.rotary_qk_(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM),
                 bytes_moved=2 * tokens * q_and_k * two),
             row("silu_and_mul", lambda: fused_ops.silu_and_mul(gate_up), bytes_moved=3 * tokens * INTERMEDIATE * two),
@@ -202,6 +211,7 @@ def torch_attention_rows(query: Tensor, key: Tensor, value: Tensor, loc: Tensor,
         return torch.ops.aten._flash_attention_forward(query, key, value, loc, loc, length, length, 0.0, True,
                                                        False, scale=HEAD_DIM ** -0.5)
     rows = [row("torch FlashAttention-2 varlen, step's rows, 8 K/V heads", varlen, flops=flops)]
+    rows += cudnn_varlen_rows(query, key, value, loc, length, flops)
     q = query.view(seqs, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
     kv = randn(2, seqs, HEADS, length, HEAD_DIM)
     gqa = kv[:, :, :KV_HEADS].contiguous()
@@ -211,6 +221,35 @@ def torch_attention_rows(query: Tensor, key: Tensor, value: Tensor, loc: Tensor,
             rows += attempt(f"torch SDPA ({name}), contiguous, {label}", backend,
                             lambda k=k, v=v, g=enable_gqa: sdpa(q, k, v, is_causal=True, enable_gqa=g), flops)
     return rows
+
+
+def cudnn_varlen_rows(query: Tensor, key: Tensor, value: Tensor, loc: Tensor, length: int,
+                      flops: float) -> list[dict[str, Any]]:
+    """cuDNN's ragged (THD) attention, which SDPA reaches only through nested tensors, called directly over
+    the step's rows with 8 K/V heads: K/V as the column slices the model has, and made contiguous; the
+    sequence offsets as int32 and as int64."""
+    rows = []
+    expected = causal_reference(query[:length], key[:length], value[:length])     # the first sequence
+    for offsets in (loc, loc.long()):
+        for label, k, v in (("K/V slices", key, value), ("contiguous K/V", key.contiguous(), value.contiguous())):
+            def cudnn(k: Tensor = k, v: Tensor = v, offsets: Tensor = offsets) -> Tensor:
+                return torch.ops.aten._cudnn_attention_forward(query, k, v, None, offsets, offsets, length, length,
+                                                               False, 0.0, True, False, scale=HEAD_DIM ** -0.5)[0]
+            found = attempt(f"torch cuDNN varlen, step's rows, GQA, {label}, {offsets.dtype} offsets", None,
+                            cudnn, flops)
+            for r in found:     # a fast wrong answer would not count
+                r["max_abs_err_first_seq"] = (cudnn()[:length].float() - expected).abs().max().item()
+            rows += found
+    return rows
+
+
+def causal_reference(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """One sequence's causal attention `[length, heads, head_dim]` in float32 (torch's math)."""
+    groups = HEADS // KV_HEADS
+    q = query.float().transpose(0, 1)                                      # [heads, length, head_dim]
+    k, v = (t.float().repeat_interleave(groups, dim=1).transpose(0, 1) for t in (key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=HEAD_DIM ** -0.5)
+    return out.transpose(0, 1)
 
 
 def attempt(name: str, backend: Any, fn: Callable[[], object], flops: float) -> list[dict[str, Any]]:
@@ -249,11 +288,12 @@ def mixed_attention_rows(tokens: int) -> list[dict[str, Any]]:
 
 
 def layer_summary(rows: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
-    """The layer's kernels once each (norm twice), times the layers: the step's GPU time."""
+    """The layer's kernels once each as the engine runs them (o and down into the residual, the norm twice
+    on x alone), times the layers: the step's GPU time."""
     by_name = {r["kernel"].split(" [")[0].split(",")[0]: r["us"] for r in rows}
-    gemm_us = sum(by_name[f"gemm {name}"] for name in GEMMS)
+    gemm_us = sum(by_name.get(f"gemm {name} into the residual", by_name[f"gemm {name}"]) for name in GEMMS)
     attention_us = next(r["us"] for r in rows if r["kernel"] == ENGINE_ATTENTION)
-    other_us = 2 * by_name["add_rms_norm (x + residual)"] + by_name["rotary_qk_"] + by_name["silu_and_mul"] + \
+    other_us = 2 * by_name["rms_norm (x alone)"] + by_name["rotary_qk_"] + by_name["silu_and_mul"] + \
         by_name["store_kv"] + attention_us
     step_ms = LAYERS * (gemm_us + other_us) / 1e3
     return {"tokens": tokens, "layer_gemm_us": gemm_us, "layer_other_us": other_us, "step_ms": step_ms,

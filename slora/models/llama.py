@@ -3,6 +3,10 @@
 Every projection is `out = x @ Wᵀ (+ bias)`, then each token's own adapter adds `scaling * x Aᵀ Bᵀ`,
 reading A and Bᵀ through the adapter's page table (no copy out of the pool). In decode graphs the LoRA
 is a delta computed on a side stream while the GEMM runs, added by the op that reads the projection.
+
+The residual stream rides in the GEMMs that write into it: o_proj and down_proj add their product into the
+residual in place (`residual += x @ Wᵀ`, cuBLAS's beta = 1), so the norms after them read one tensor and
+write one, instead of reading two and writing two.
 """
 from collections.abc import Iterable
 from types import MappingProxyType
@@ -49,10 +53,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: Projected, residual: Tensor | None = None, pdl: bool = False) -> tuple[Tensor, Tensor]:
-        """(the normed x + residual, x + residual: the residual stream from here on), x's LoRA delta added
-        first. In float32 like Hugging Face's Llama, then the weight in the model's dtype."""
-        return ops.add_rms_norm(x.out, self.weight, self.eps, residual, pdl, x.lora)
+    def forward(self, x: Projected, pdl: bool = False) -> tuple[Tensor, Tensor]:
+        """(the normed x, x: the residual stream from here on), x's LoRA delta added first. In float32 like
+        Hugging Face's Llama, then the weight in the model's dtype."""
+        return ops.add_rms_norm(x.out, self.weight, self.eps, None, pdl, x.lora)
 
 
 class StepContext:
@@ -63,25 +67,28 @@ class StepContext:
         self.batch, self.pool, self.attention, self.lora, self.cos, self.sin = batch, pool, attention, lora, cos, sin
         self.pdl = attention.pdl
 
-    def project(self, layer: int, modules: slice, x: Tensor, linear: nn.Linear, out_sizes: list[int]) -> Projected:
-        """linear(x) and each token's LoRA of `modules` (consecutive modules reading x, outputs side by side):
-        added into the output after the GEMM, or, when the step computes deltas (LoraStep.deltas), returned
-        for the op that reads the output to add (on the side stream while the GEMM runs, if there is one)."""
+    def project(self, layer: int, modules: slice, x: Tensor, linear: nn.Linear, out_sizes: list[int],
+                residual: Tensor | None = None) -> Projected:
+        """linear(x) (added into `residual` in place, when given) and each token's LoRA of `modules`
+        (consecutive modules reading x, outputs side by side): added into the output after the GEMM, or, when
+        the step computes deltas (LoraStep.deltas), returned for the op that reads the output to add (on the
+        side stream while the GEMM runs, if there is one)."""
         lora = self.lora
         if lora is None:
-            return Projected(linear(x))
+            return Projected(_linear(linear, x, residual))
         pool = self.pool[layer]
         if not lora.deltas:
-            out = linear(x)
+            out = _linear(linear, x, residual)
             lora.apply(layer, modules, x, out, pool, out_sizes)
             return Projected(out)
         if lora.side_stream is None:
-            return Projected(linear(x), self._delta(lora.delta(layer, modules, x, pool, out_sizes)))
+            out = _linear(linear, x, residual)
+            return Projected(out, self._delta(lora.delta(layer, modules, x, pool, out_sizes)))
         main = torch.cuda.current_stream(x.device)
         lora.side_stream.wait_stream(main)            # x is written
         with torch.cuda.stream(lora.side_stream):
             delta = lora.delta(layer, modules, x, pool, out_sizes)
-        out = linear(x)
+        out = _linear(linear, x, residual)
         # The op after the GEMM reads the delta: join before anything else is queued. Memory: x and what the
         # side stream allocates before the join stay referenced until then, and the delta (side-stream memory,
         # read on the main stream) can only be reused by a later side-stream allocation, which comes after
@@ -101,6 +108,15 @@ class StepContext:
         lora = self.lora
         assert lora is not None, "project() computes deltas only with the step's LoRA"
         return None if delta is None else ops.Delta(delta, lora.token_slots)
+
+
+def _linear(linear: nn.Linear, x: Tensor, residual: Tensor | None) -> Tensor:
+    """linear(x), or, given the residual stream `[tokens, out]`, residual + linear(x) written into it (one GEMM
+    that reads the residual in its epilogue, and no copy: torch's out-of-place addmm would copy it first)."""
+    if residual is None:
+        return linear(x)
+    out = residual.addmm_(x, linear.weight.t())                  # [tokens, out]
+    return out if linear.bias is None else out.add_(linear.bias)
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -154,8 +170,9 @@ class Attention(nn.Module):
         attn = ctx.attention.attend(q, (k, v), kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         return attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
 
-    def out_proj(self, attn: Tensor, ctx: StepContext) -> Projected:
-        return ctx.project(self.layer, LORA_GROUPS[1], attn, self.o_proj, [self.o_proj.out_features])
+    def out_proj(self, attn: Tensor, residual: Tensor, ctx: StepContext) -> Projected:
+        """residual + o_proj(attn), written into the residual stream, and its LoRA."""
+        return ctx.project(self.layer, LORA_GROUPS[1], attn, self.o_proj, [self.o_proj.out_features], residual)
 
 
 class MLP(nn.Module):
@@ -180,10 +197,11 @@ class MLP(nn.Module):
         gate_up = ctx.project(self.layer, LORA_GROUPS[2], x, self.gate_up_proj, sizes)   # [tokens, 2 * inter]
         return ops.silu_and_mul(gate_up.out, ctx.pdl, gate_up.lora)
 
-    def forward(self, x: Tensor, ctx: StepContext) -> Projected:
+    def forward(self, x: Tensor, residual: Tensor, ctx: StepContext) -> Projected:
+        """residual + the MLP of x, written into the residual stream, and down_proj's LoRA."""
         hidden = self.activated(x, ctx)                              # [tokens, intermediate]
         return ctx.project(self.layer, LORA_GROUPS[3], hidden, self.down_proj,
-                           [self.down_proj.out_features])
+                           [self.down_proj.out_features], residual)
 
 
 class DecoderLayer(nn.Module):
@@ -194,17 +212,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layer)
 
-    def forward(self, x: Projected, residual: Tensor | None, ctx: StepContext,
-                rows: Tensor | None = None) -> tuple[Projected, Tensor]:
-        """(this layer's MLP output, the residual stream before it): the next norm adds the two (and the
-        output's LoRA delta), so the residual additions ride in the norm kernels instead of launches of
-        their own. rows: past the attention, only these rows are computed (and returned)."""
-        normed, residual = self.input_layernorm(x, residual, ctx.pdl)
+    def forward(self, x: Projected, ctx: StepContext, rows: Tensor | None = None) -> Projected:
+        """The residual stream after this layer, written over x's (with down_proj's LoRA delta, when the step
+        computes deltas, for the next norm to add). rows: past the attention, only these rows are computed
+        (and returned)."""
+        normed, residual = self.input_layernorm(x, ctx.pdl)         # residual: x with its delta added
         attn = self.self_attn.attend(normed, ctx)                    # [tokens, q_size]
         if rows is not None:
             attn, residual, ctx = attn[rows], residual[rows], ctx.for_rows(rows)   # [rows, ...]
-        normed, residual = self.post_attention_layernorm(self.self_attn.out_proj(attn, ctx), residual, ctx.pdl)
-        return self.mlp(normed, ctx), residual
+        normed, residual = self.post_attention_layernorm(self.self_attn.out_proj(attn, residual, ctx), ctx.pdl)
+        return self.mlp(normed, residual, ctx)
 
 
 class LlamaBody(nn.Module):
@@ -254,17 +271,16 @@ class LlamaForCausalLM(nn.Module):
         embedded = self.model.embed_tokens(batch.input_ids)          # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, embedded.dtype)
         ctx = StepContext(batch, pool, attention, lora, cos, sin)
-        x, residual = Projected(embedded), None
+        x = Projected(embedded)
         *layers, last = cast(list[DecoderLayer], list(self.model.layers))
         for layer in layers:
-            x, residual = layer(x, residual, ctx)
+            x = layer(x, ctx)
         rows = batch.sample_indices
         # Past the last attention nothing reads a row that is not sampled, and in a step with prefill rows
         # that is nearly all of them (8,192 tokens, 8 sampled): its o_proj and MLP run on the sampled rows.
         if rows.shape[0] < batch.input_ids.shape[0]:
-            x, residual = last(x, residual, ctx, rows)                                  # [sampled, hidden]
+            x = last(x, ctx, rows)                                                      # [sampled, hidden]
         else:
-            x, residual = last(x, residual, ctx)
-            x, residual = x.rows(rows), residual[rows]
-        normed, _ = self.model.norm(x, residual, ctx.pdl)                               # [sampled, hidden]
+            x = last(x, ctx).rows(rows)
+        normed, _ = self.model.norm(x, ctx.pdl)                                         # [sampled, hidden]
         return self.lm_head(normed).float()

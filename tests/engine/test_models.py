@@ -157,8 +157,8 @@ def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypat
         force_lora_deltas(monkeypatch)
     seen: list[tuple[int, int]] = []                  # (layer, rows) of each MLP call
     forward = MLP.forward
-    monkeypatch.setattr(MLP, "forward", lambda self, x, ctx: (seen.append((self.layer, x.shape[0])),
-                                                              forward(self, x, ctx))[1])
+    monkeypatch.setattr(MLP, "forward", lambda self, x, residual, ctx: (seen.append((self.layer, x.shape[0])),
+                                                                        forward(self, x, residual, ctx))[1])
     prompts = random_prompts([20, 9, 13], seed=4)
     names = [None, "all-r16", "mlp-r8"]
     expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, names, 3)
@@ -176,8 +176,8 @@ def test_a_chunk_step_that_samples_nothing_runs_no_last_layer_rows(tiny_llama, m
     from slora.models.llama import MLP
     seen: list[tuple[int, int]] = []
     forward, lora_rows = MLP.forward, LoraStep.rows
-    monkeypatch.setattr(MLP, "forward", lambda self, x, ctx: (seen.append((self.layer, x.shape[0])),
-                                                              forward(self, x, ctx))[1])
+    monkeypatch.setattr(MLP, "forward", lambda self, x, residual, ctx: (seen.append((self.layer, x.shape[0])),
+                                                                        forward(self, x, residual, ctx))[1])
     cut: list[int] = []                               # rows of each LoRA cut to sampled rows
     monkeypatch.setattr(LoraStep, "rows", lambda self, rows: (cut.append(rows.shape[0]), lora_rows(self, rows))[1])
     prompt = random_prompts([40], seed=6)
@@ -187,3 +187,37 @@ def test_a_chunk_step_that_samples_nothing_runs_no_last_layer_rows(tiny_llama, m
     assert llm.generate(prompt, THREE, adapters=["all-r16"])[0].token_ids == expected[0]
     assert seen[:6] == [(0, 16), (1, 0), (0, 16), (1, 0), (0, 8), (1, 1)]
     assert cut == [1]                                 # the step that completes the prompt alone
+
+
+@pytest.mark.parametrize("deltas", [False, True])
+def test_o_proj_and_down_proj_add_into_the_residual_stream_in_place(tiny_llama, monkeypatch, deltas):
+    """No norm is handed a residual to add, and the tokens are the oracle's, with each token's LoRA added
+    after the GEMM or as a delta. Without deltas, every layer but the last (cut to its sampled rows) returns
+    its residual stream in the storage it got: o_proj and down_proj wrote into it (a delta, added by the
+    norm, gives the stream new storage)."""
+    from slora.models import ops
+    from slora.models.llama import DecoderLayer
+    if deltas:
+        force_lora_deltas(monkeypatch)
+    same_storage: list[bool] = []
+    residuals: list[object] = []
+    forward, norm = DecoderLayer.forward, ops.add_rms_norm
+
+    def layer(self, x, ctx, rows=None):
+        out = forward(self, x, ctx, rows)
+        same_storage.append(out.out.data_ptr() == x.out.data_ptr())
+        return out
+    monkeypatch.setattr(DecoderLayer, "forward", layer)
+    monkeypatch.setattr(ops, "add_rms_norm", lambda x, w, eps, residual=None, *rest: (
+        residuals.append(residual), norm(x, w, eps, residual, *rest))[1])
+    prompts = random_prompts([20, 9, 13], seed=5)
+    names = ["all-r16", None, "mlp-r8"]
+    expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, names, 3)
+    llm = LLM(str(tiny_llama.model_dir), num_pages=64)
+    for name in ("all-r16", "mlp-r8"):
+        llm.load_adapter(name, str(tiny_llama.adapters[name]))
+    assert [o.token_ids for o in llm.generate(prompts, THREE, adapters=names)] == expected
+    layers = len(same_storage) // 3                        # three steps: the prefill, then two decodes
+    assert residuals and all(r is None for r in residuals)
+    if not deltas:
+        assert layers >= 2 and same_storage[:layers - 1] == [True] * (layers - 1)
