@@ -14,7 +14,8 @@
 # vLLM's figures; $ENGINE_THROUGHPUT_ARGS, e.g. "--workloads decode_base,prefill"), "step_host" (step_host.py:
 # the host's work per decode step and per chunked-prefill step beside the same decodes), and
 # "engine_throughput_before" (the same on the tree `make device-before REV=...` extracted into .device-before,
-# before this tree's run, for a before/after pair in one command). At most 8 files come back
+# before this tree's run, for a before/after pair in one command), and "serving_before" (serving.py there). At
+# most 8 files come back
 # from the device tool: pick steps to fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,14 +67,17 @@ has sharing && run sharing python benchmarks/sharing.py --device cuda --out "$OU
 # shellcheck disable=SC2086  # the ARGS variables hold several words on purpose
 has throughput && run throughput python benchmarks/throughput.py --device cuda ${THROUGHPUT_ARGS:-} \
   --out "$OUT/throughput_cuda.json"
-# The same workloads on the tree of `make device-before` first (then this tree is installed again).
+# The same workloads (and the serving rates) on the tree of `make device-before` first, then this tree is
+# installed again.
 # shellcheck disable=SC2086
-if has engine_throughput_before; then
-  [ -d .device-before ] || { echo "!! engine_throughput_before needs .device-before (make device-before)"; exit 1; }
-  OUT="$(cd "$OUT" && pwd)"                      # absolute: this step runs inside .device-before
+if has engine_throughput_before || has serving_before; then
+  [ -d .device-before ] || { echo "!! the *_before steps need .device-before (make device-before)"; exit 1; }
+  OUT="$(cd "$OUT" && pwd)"                      # absolute: these steps run inside .device-before
   cd .device-before && python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
-  run engine_throughput_before python benchmarks/engine_throughput.py "${quick[@]}" --device cuda \
-    ${ENGINE_THROUGHPUT_ARGS:-} --out "$OUT/engine_throughput_before.json"
+  has engine_throughput_before && run engine_throughput_before python benchmarks/engine_throughput.py \
+    "${quick[@]}" --device cuda ${ENGINE_THROUGHPUT_ARGS:-} --out "$OUT/engine_throughput_before.json"
+  has serving_before && run serving_before python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} \
+    --out "$OUT/serving_cuda_before.json"
   cd .. && python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 fi
 # shellcheck disable=SC2086

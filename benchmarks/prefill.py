@@ -5,7 +5,7 @@ On a CUDA GPU, for `--tokens` new tokens (default 8,192: eight 1,024-token promp
 prefill workload of engine_throughput.py) in bf16:
 - the four GEMMs (torch's, as the model runs them): TFLOP/s against the measured 810 TFLOP/s peak;
 - o and down as the engine runs them, added into the residual stream in place;
-- the fused elementwise kernels (norm with and without a residual, rotary, silu-and-mul, K/V store): TB/s
+- the fused elementwise kernels (the norm of x alone, rotary, silu-and-mul, K/V store): TB/s
   against the 4.24 TB/s copy bandwidth;
 - prefill attention: K/V through the block tables and, as the engine runs it, the new tokens' K/V from the
   step's own rows; other launches; torch's FlashAttention-2 varlen over the step's rows, and torch's
@@ -122,7 +122,7 @@ def elementwise_rows(tokens: int) -> list[dict[str, Any]]:
     from slora.kernels import fused_ops
     from slora.kernels.store_kv import store_kv
     two = DTYPE.itemsize
-    x, residual, weight = randn(tokens, HIDDEN), randn(tokens, HIDDEN), torch.ones(HIDDEN, device="cuda", dtype=DTYPE)
+    x, weight = randn(tokens, HIDDEN), torch.ones(HIDDEN, device="cuda", dtype=DTYPE)
     qkv = randn(tokens, GEMMS["qkv"][0])
     angles = torch.randn(tokens, HEAD_DIM, device="cuda")
     cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
@@ -132,9 +132,7 @@ def elementwise_rows(tokens: int) -> list[dict[str, Any]]:
     slots = torch.arange(tokens, device="cuda") + PAGE_SIZE
     k, v = randn(tokens, KV_HEADS, HEAD_DIM), randn(tokens, KV_HEADS, HEAD_DIM)
     q_and_k = (HEADS + KV_HEADS) * HEAD_DIM
-    return [row("add_rms_norm (x + residual)", lambda: fused_ops.add_rms_norm(x, weight, 1e-5, residual),
-                bytes_moved=4 * tokens * HIDDEN * two),
-            row("rms_norm (x alone)", lambda: fused_ops.add_rms_norm(x, weight, 1e-5),
+    return [row("rms_norm (x alone)", lambda: fused_ops.rms_norm(x, weight, 1e-5),
                 bytes_moved=2 * tokens * HIDDEN * two),
             row("rotary_qk_", lambda: fused_ops.rotary_qk_(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM),
                 bytes_moved=2 * tokens * q_and_k * two),

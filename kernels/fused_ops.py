@@ -1,7 +1,7 @@
-"""Fused Triton kernels for the elementwise work of a decoder layer: residual add + RMSNorm, rotary
-embedding of q and k inside the fused qkv output, and SiLU(gate) * up.
+"""Fused Triton kernels for the elementwise work of a decoder layer: RMSNorm, rotary embedding of q and k
+inside the fused qkv output, and SiLU(gate) * up.
 
-Same signatures and semantics as `add_rms_norm`, `rotary_qk_` and `silu_and_mul` of
+Same signatures and semantics as `rms_norm`, `rotary_qk_` and `silu_and_mul` of
 `slora.kernels.reference`, plus `pdl` (programmatic dependent launch, `slora.kernels.pdl`: the
 weight, cos and sin are read before waiting for the previous kernel, the activations after). Each takes
 an optional LoRA `delta` (same shape as its input) and the step's `token_slots`: the input rows of
@@ -21,7 +21,7 @@ from slora.kernels.layout import cdiv, next_power_of_2
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HIDDEN = 16384             # add_rms_norm holds a whole row in registers
+MAX_HIDDEN = 16384             # rms_norm holds a whole row in registers
 SILU_BLOCK = 1024              # columns of silu_and_mul per program
 ROTARY_BLOCK_ELEMS = 2048      # about this many qkv elements per rotary program
 
@@ -36,12 +36,12 @@ def _with_delta(x, delta_ptr, slots_ptr, token, offsets, mask, dtype: tl.constex
 
 
 @triton.jit
-def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, delta_ptr, slots_ptr,
-    stride_x, stride_r, stride_d, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+def _rms_norm_kernel(
+    x_ptr, weight_ptr, out_ptr, sum_ptr, delta_ptr, slots_ptr,
+    stride_x, stride_d, hidden, eps,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # One program per row: x [hidden] (+ residual), normalised, times weight [hidden].
+    # One program per row: x [hidden] (+ its LoRA delta), normalised, times weight [hidden].
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -52,10 +52,6 @@ def _add_rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
         x = _with_delta(x, delta_ptr, slots_ptr, row, row * stride_d + cols, mask, dtype)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        x = (x + residual).to(dtype).to(tl.float32)    # the reference adds in x's dtype
-    if HAS_RESIDUAL or HAS_DELTA:
         tl.store(sum_ptr + row * hidden + cols, x.to(dtype), mask=mask)
     # Masked columns are 0, so they add nothing to the sum of squares.
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
@@ -169,7 +165,7 @@ def _delta_args(x: Tensor, delta: Tensor | None, token_slots: Tensor | None) -> 
     return delta, token_slots, delta.stride(0)
 
 
-def _check_rms_norm_inputs(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> None:
+def _check_rms_norm_inputs(x: Tensor, weight: Tensor, eps: float) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
     hidden = x.shape[1]
@@ -177,15 +173,12 @@ def _check_rms_norm_inputs(x: Tensor, weight: Tensor, eps: float, residual: Tens
         raise ValueError(f"hidden must be in [1, {MAX_HIDDEN}], got {hidden}")
     if weight.shape != (hidden,):
         raise ValueError(f"weight must be [hidden={hidden}], got shape {tuple(weight.shape)}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
     if eps < 0:
         raise ValueError(f"eps must be non-negative, got {eps}")
-    others = {"weight": weight} if residual is None else {"weight": weight, "residual": residual}
     _check_float_dtype("x", x)
-    _check_same_dtype("x", x, **others)
-    check_one_device(x=x, **others)
-    _check_last_dim_contiguous(x=x, **others)
+    _check_same_dtype("x", x, weight=weight)
+    check_one_device(x=x, weight=weight)
+    _check_last_dim_contiguous(x=x, weight=weight)
 
 
 def _rms_norm_warps(block: int) -> int:
@@ -193,27 +186,24 @@ def _rms_norm_warps(block: int) -> int:
     return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
-def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, *,
-                 delta: Tensor | None = None, token_slots: Tensor | None = None,
-                 pdl: bool = False) -> tuple[Tensor, Tensor]:
-    """(weight * rms_norm(x + residual), x + residual) for x, residual `[tokens, hidden]` and weight
-    `[hidden]`; without residual and delta, the second item is `x` itself, else a new contiguous tensor, as
-    the first item always is. delta: added to x first in the rows of tokens with an adapter (see the
-    module's note)."""
-    _check_rms_norm_inputs(x, weight, eps, residual)
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, delta: Tensor | None = None,
+             token_slots: Tensor | None = None, pdl: bool = False) -> tuple[Tensor, Tensor]:
+    """(weight * rms_norm(x + delta), x + delta) for x `[tokens, hidden]` and weight `[hidden]`, delta
+    added in the rows of tokens with an adapter (see the module's note); without delta, the second item is
+    `x` itself, else a new contiguous tensor, as the first item always is."""
+    _check_rms_norm_inputs(x, weight, eps)
     _check_delta("x", x, delta, token_slots)
     check_pdl_supported(pdl, x.device)
     tokens, hidden = x.shape
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-    summed = x if residual is None and delta is None else torch.empty_like(out)
+    summed = x if delta is None else torch.empty_like(out)
     if tokens == 0:
         return out, summed
     block = next_power_of_2(hidden)
     delta, slots, stride_d = _delta_args(x, delta, token_slots)
-    _add_rms_norm_kernel[(tokens,)](
-        x, x if residual is None else residual, weight, out, summed, delta, slots,
-        x.stride(0), x.stride(0) if residual is None else residual.stride(0), stride_d, hidden, eps,
-        HAS_RESIDUAL=residual is not None, HAS_DELTA=token_slots is not None, BLOCK=block, USE_PDL=pdl,
+    _rms_norm_kernel[(tokens,)](
+        x, weight, out, summed, delta, slots, x.stride(0), stride_d, hidden, eps,
+        HAS_DELTA=token_slots is not None, BLOCK=block, USE_PDL=pdl,
         num_warps=_rms_norm_warps(block), **launch_options(pdl),
     )
     return out, summed

@@ -172,14 +172,12 @@ def add_lora_delta(x: Tensor, delta: Tensor | None, token_slots: Tensor | None) 
     return torch.where((token_slots >= 0)[:, None], x + delta, x)
 
 
-def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
-                 delta: Tensor | None = None, token_slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(weight * rms_norm(x + residual), x + residual) for x, residual `[tokens, hidden]` and weight
-    `[hidden]`. The sum is taken in x's dtype and the norm in float32, then rounded to x's dtype;
-    without residual and delta, the second item is `x` itself. delta: see add_lora_delta (added first)."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None,
+             token_slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(weight * rms_norm(x + delta), x + delta) for x `[tokens, hidden]` and weight `[hidden]`. The sum is
+    taken in x's dtype and the norm in float32, then rounded to x's dtype; without delta, the second item is
+    `x` itself. delta: see add_lora_delta."""
     x = add_lora_delta(x, delta, token_slots)
-    if residual is not None:
-        x = x + residual
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
     return weight * normed, x
 

@@ -56,7 +56,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Projected, pdl: bool = False) -> tuple[Tensor, Tensor]:
         """(the normed x, x: the residual stream from here on), x's LoRA delta added first. In float32 like
         Hugging Face's Llama, then the weight in the model's dtype."""
-        return ops.add_rms_norm(x.out, self.weight, self.eps, None, pdl, x.lora)
+        return ops.rms_norm(x.out, self.weight, self.eps, pdl, x.lora)
 
 
 class StepContext:

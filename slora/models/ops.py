@@ -29,11 +29,11 @@ def _delta_kwargs(lora: Delta | None) -> dict[str, Tensor]:
     return {} if lora is None else {"delta": lora.delta, "token_slots": lora.token_slots}
 
 
-def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
-                 pdl: bool = False, lora: Delta | None = None) -> tuple[Tensor, Tensor]:
-    """(RMSNorm(x + residual) * weight, x + residual); without residual, (RMSNorm(x) * weight, x). lora:
-    x's LoRA delta, added to x first (then the second item is a new tensor holding x + delta, + residual)."""
-    return _kernel("add_rms_norm", x, pdl)(x, weight, eps, residual, **_delta_kwargs(lora))
+def rms_norm(x: Tensor, weight: Tensor, eps: float, pdl: bool = False,
+             lora: Delta | None = None) -> tuple[Tensor, Tensor]:
+    """(RMSNorm(x) * weight, x). lora: x's LoRA delta, added to x first (then the second item is a new tensor
+    holding x + delta)."""
+    return _kernel("rms_norm", x, pdl)(x, weight, eps, **_delta_kwargs(lora))
 
 
 def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,

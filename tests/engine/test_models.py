@@ -120,17 +120,17 @@ def test_elementwise_ops_pass_pdl_to_the_cuda_kernels(monkeypatch):
     from slora.kernels import fused_ops
     from slora.models import ops
     calls = []
-    for name in ("add_rms_norm", "rotary_qk_", "silu_and_mul"):
+    for name in ("rms_norm", "rotary_qk_", "silu_and_mul"):
         monkeypatch.setattr(fused_ops, name, lambda *args, pdl, name=name: calls.append((name, len(args), pdl)))
 
     class OnCuda:
         is_cuda = True
 
     x = OnCuda()
-    ops.add_rms_norm(x, "weight", 1e-6, "residual", pdl=True)
+    ops.rms_norm(x, "weight", 1e-6, pdl=True)
     ops.rotary_qk_(x, "cos", "sin", 8, 2, 64, pdl=False)
     ops.silu_and_mul(x, pdl=True)
-    assert calls == [("add_rms_norm", 4, True), ("rotary_qk_", 6, False), ("silu_and_mul", 1, True)]
+    assert calls == [("rms_norm", 3, True), ("rotary_qk_", 6, False), ("silu_and_mul", 1, True)]
 
 
 @pytest.mark.parametrize("supported", [True, False])
@@ -191,25 +191,20 @@ def test_a_chunk_step_that_samples_nothing_runs_no_last_layer_rows(tiny_llama, m
 
 @pytest.mark.parametrize("deltas", [False, True])
 def test_o_proj_and_down_proj_add_into_the_residual_stream_in_place(tiny_llama, monkeypatch, deltas):
-    """No norm is handed a residual to add, and the tokens are the oracle's, with each token's LoRA added
-    after the GEMM or as a delta. Without deltas, every layer but the last (cut to its sampled rows) returns
-    its residual stream in the storage it got: o_proj and down_proj wrote into it (a delta, added by the
-    norm, gives the stream new storage)."""
-    from slora.models import ops
+    """The tokens are the oracle's, with each token's LoRA added after the GEMM or as a delta. Without deltas,
+    every layer but the last (cut to its sampled rows) returns its residual stream in the storage it got:
+    o_proj and down_proj wrote into it (a delta, added by the norm, gives the stream new storage)."""
     from slora.models.llama import DecoderLayer
     if deltas:
         force_lora_deltas(monkeypatch)
     same_storage: list[bool] = []
-    residuals: list[object] = []
-    forward, norm = DecoderLayer.forward, ops.add_rms_norm
+    forward = DecoderLayer.forward
 
     def layer(self, x, ctx, rows=None):
         out = forward(self, x, ctx, rows)
         same_storage.append(out.out.data_ptr() == x.out.data_ptr())
         return out
     monkeypatch.setattr(DecoderLayer, "forward", layer)
-    monkeypatch.setattr(ops, "add_rms_norm", lambda x, w, eps, residual=None, *rest: (
-        residuals.append(residual), norm(x, w, eps, residual, *rest))[1])
     prompts = random_prompts([20, 9, 13], seed=5)
     names = ["all-r16", None, "mlp-r8"]
     expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, names, 3)
@@ -218,6 +213,5 @@ def test_o_proj_and_down_proj_add_into_the_residual_stream_in_place(tiny_llama, 
         llm.load_adapter(name, str(tiny_llama.adapters[name]))
     assert [o.token_ids for o in llm.generate(prompts, THREE, adapters=names)] == expected
     layers = len(same_storage) // 3                        # three steps: the prefill, then two decodes
-    assert residuals and all(r is None for r in residuals)
     if not deltas:
         assert layers >= 2 and same_storage[:layers - 1] == [True] * (layers - 1)

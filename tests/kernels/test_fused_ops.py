@@ -1,7 +1,7 @@
-"""add_rms_norm / rotary_qk_ / silu_and_mul (Triton) against the torch reference.
+"""rms_norm / rotary_qk_ / silu_and_mul (Triton) against the torch reference.
 
 The kernels round to the input dtype wherever the reference's torch ops do, so half-precision results
-are compared in units in the last place (ulps): rotary and the residual sum must be exact, the norm
+are compared in units in the last place (ulps): rotary and the sum x + delta must be exact, the norm
 and SiLU may differ by rounding-boundary cases of their float32 reductions / exp. bfloat16 runs only on
 the GPU: the Triton interpreter truncates float32 -> bfloat16 casts instead of rounding them.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_helpers import has_pdl, make_generator, randn
 from slora.kernels import fused_ops, reference
-from slora.kernels.fused_ops import add_rms_norm, rotary_qk_, silu_and_mul
+from slora.kernels.fused_ops import rms_norm, rotary_qk_, silu_and_mul
 from torch import Tensor
 
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -54,28 +54,23 @@ def _columns(tokens: int, width: int, dtype: torch.dtype, gen: torch.Generator, 
     return wide, wide[:, 3:3 + width]
 
 
-# --- add_rms_norm ---------------------------------------------------------------------------------
+# --- rms_norm -------------------------------------------------------------------------------------
 
-def _rms_case(tokens: int, hidden: int, dtype: torch.dtype, with_residual: bool, strided: bool, seed: int,
-              device: str = "cpu") -> tuple[Tensor, Tensor, Tensor | None]:
+def _rms_case(tokens: int, hidden: int, dtype: torch.dtype, strided: bool, seed: int,
+              device: str = "cpu") -> tuple[Tensor, Tensor]:
     gen = make_generator(seed)
     _, x = _columns(tokens, hidden, dtype, gen, device, strided)
-    _, residual = _columns(tokens, hidden, dtype, gen, device, strided)
     weight = randn((hidden,), dtype, gen, device)
-    return x, weight, residual if with_residual else None
+    return x, weight
 
 
-def _check_rms(x: Tensor, weight: Tensor, residual: Tensor | None, max_mismatch: float = 0.01) -> None:
+def _check_rms(x: Tensor, weight: Tensor, max_mismatch: float = 0.01) -> None:
     x_before = x.clone()
-    out, summed = add_rms_norm(x, weight, EPS, residual)
-    expected_out, expected_sum = reference.add_rms_norm(x, weight, EPS, residual)
+    out, summed = rms_norm(x, weight, EPS)
+    expected_out, _ = reference.rms_norm(x, weight, EPS)
     assert torch.equal(x, x_before), "x was modified"
     assert out.is_contiguous()
-    if residual is None:
-        assert summed is x
-    else:
-        assert summed.is_contiguous()
-        assert torch.equal(summed, expected_sum)            # one rounding of an exact float32 sum
+    assert summed is x
     # The float32 sum of squares and rsqrt differ from torch's in the last float32 bits, so a normalised
     # value near a rounding boundary may round the other way (1 ulp), which weight * normed can double.
     _assert_matches(out, expected_out, max_ulps=2, max_mismatch=max_mismatch)
@@ -84,24 +79,21 @@ def _check_rms(x: Tensor, weight: Tensor, residual: Tensor | None, max_mismatch:
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("hidden", [64, 96, 128])
 @pytest.mark.parametrize("tokens", [1, 7])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm_matches_reference(dtype, hidden, tokens, with_residual):
-    x, weight, residual = _rms_case(tokens, hidden, dtype, with_residual, strided=False, seed=hidden + tokens)
-    _check_rms(x, weight, residual)
+def test_rms_norm_matches_reference(dtype, hidden, tokens):
+    x, weight = _rms_case(tokens, hidden, dtype, strided=False, seed=hidden + tokens)
+    _check_rms(x, weight)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm_strided_rows(dtype, with_residual):
-    x, weight, residual = _rms_case(7, 96, dtype, with_residual, strided=True, seed=4)
+def test_rms_norm_strided_rows(dtype):
+    x, weight = _rms_case(7, 96, dtype, strided=True, seed=4)
     assert not x.is_contiguous()
-    _check_rms(x, weight, residual)
+    _check_rms(x, weight)
 
 
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm_no_tokens(with_residual):
-    x, weight, residual = _rms_case(0, 64, torch.float16, with_residual, strided=False, seed=5)
-    out, summed = add_rms_norm(x, weight, EPS, residual)
+def test_rms_norm_no_tokens():
+    x, weight = _rms_case(0, 64, torch.float16, strided=False, seed=5)
+    out, summed = rms_norm(x, weight, EPS)
     assert out.shape == (0, 64) and summed.shape == (0, 64)
     assert out.dtype == summed.dtype == torch.float16
 
@@ -111,25 +103,22 @@ def _meta(t: Tensor) -> Tensor:
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda x, w, r, eps: (x[0], w, r, eps), "x must be"),
-    (lambda x, w, r, eps: (x, w[:-1], r, eps), "weight must be"),
-    (lambda x, w, r, eps: (x, w, r[:, :-1], eps), "residual shape"),
-    (lambda x, w, r, eps: (x, w.half(), r, eps), "weight dtype"),
-    (lambda x, w, r, eps: (x, w, r.half(), eps), "residual dtype"),
-    (lambda x, w, r, eps: (x.double(), w.double(), r.double(), eps), "float16, bfloat16 or float32"),
-    (lambda x, w, r, eps: (x.T.contiguous().T, w, r, eps), "x must be contiguous in its last dim"),
-    (lambda x, w, r, eps: (x, w, r.T.contiguous().T, eps), "residual must be contiguous"),
-    (lambda x, w, r, eps: (x, w, r, -1e-6), "eps must be"),
-    (lambda x, w, r, eps: (x, _meta(w), r, eps), "one device"),
-    (lambda x, w, r, eps: (x[:, :0], w[:0], r[:, :0], eps), "hidden must be"),
-    (lambda x, w, r, eps: (x.new_ones(2, fused_ops.MAX_HIDDEN + 1), w.new_ones(fused_ops.MAX_HIDDEN + 1),
-                           None, eps), "hidden must be"),
+    (lambda x, w, eps: (x[0], w, eps), "x must be"),
+    (lambda x, w, eps: (x, w[:-1], eps), "weight must be"),
+    (lambda x, w, eps: (x, w.half(), eps), "weight dtype"),
+    (lambda x, w, eps: (x.double(), w.double(), eps), "float16, bfloat16 or float32"),
+    (lambda x, w, eps: (x.T.contiguous().T, w, eps), "x must be contiguous in its last dim"),
+    (lambda x, w, eps: (x, w, -1e-6), "eps must be"),
+    (lambda x, w, eps: (x, _meta(w), eps), "one device"),
+    (lambda x, w, eps: (x[:, :0], w[:0], eps), "hidden must be"),
+    (lambda x, w, eps: (x.new_ones(2, fused_ops.MAX_HIDDEN + 1), w.new_ones(fused_ops.MAX_HIDDEN + 1), eps),
+     "hidden must be"),
 ])
-def test_add_rms_norm_rejects_bad_input(change, match):
-    x, weight, residual = _rms_case(4, 32, torch.float32, True, strided=False, seed=6)
-    x, weight, residual, eps = change(x, weight, residual, EPS)
+def test_rms_norm_rejects_bad_input(change, match):
+    x, weight = _rms_case(4, 32, torch.float32, strided=False, seed=6)
+    x, weight, eps = change(x, weight, EPS)
     with pytest.raises(ValueError, match=match):
-        add_rms_norm(x, weight, eps, residual)
+        rms_norm(x, weight, eps)
 
 
 # --- rotary_qk_ -----------------------------------------------------------------------------------
@@ -248,15 +237,14 @@ def test_silu_and_mul_rejects_bad_input(change, match):
 # --- GPU, real sizes (Llama-8B: hidden 4096, 32 q / 8 kv heads of 128, intermediate 14336) ------------
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_add_rms_norm_gpu(dtype, with_residual, strided):
-    x, weight, residual = _rms_case(64, 4096, dtype, with_residual, strided, seed=12, device="cuda")
+def test_rms_norm_gpu(dtype, strided):
+    x, weight = _rms_case(64, 4096, dtype, strided, seed=12, device="cuda")
     # rsqrt.approx and the reduction order differ more from torch's CUDA kernel than the interpreter
     # from torch's CPU one: a wider mismatch allowance, still far below a missing rounding step's.
-    _check_rms(x, weight, residual, max_mismatch=0.02)
+    _check_rms(x, weight, max_mismatch=0.02)
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
@@ -301,23 +289,22 @@ def _with_delta(x: Tensor, delta: Tensor, slots: Tensor) -> Tensor:
     return added
 
 
-def _check_rms_with_delta(x: Tensor, weight: Tensor, residual: Tensor | None, seed: int,
-                          max_mismatch: float = 0.01, pdl: bool = False) -> None:
+def _check_rms_with_delta(x: Tensor, weight: Tensor, seed: int, max_mismatch: float = 0.01,
+                          pdl: bool = False) -> None:
     delta, slots = _delta_case(x, make_generator(seed))
-    out, summed = add_rms_norm(x, weight, EPS, residual, delta=delta, token_slots=slots, pdl=pdl)
-    expected_out, expected_sum = reference.add_rms_norm(_with_delta(x, delta, slots), weight, EPS, residual)
-    assert summed is not x and torch.equal(summed, expected_sum)
+    out, summed = rms_norm(x, weight, EPS, delta=delta, token_slots=slots, pdl=pdl)
+    expected_out, expected_sum = reference.rms_norm(_with_delta(x, delta, slots), weight, EPS)
+    assert summed is not x and summed.is_contiguous() and torch.equal(summed, expected_sum)
     _assert_matches(out, expected_out, max_ulps=2, max_mismatch=max_mismatch)
     # The reference's own delta argument gives the same.
-    reference_out, reference_sum = reference.add_rms_norm(x, weight, EPS, residual, delta, slots)
+    reference_out, reference_sum = reference.rms_norm(x, weight, EPS, delta, slots)
     assert torch.equal(reference_out, expected_out) and torch.equal(reference_sum, expected_sum)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm_adds_the_lora_delta(dtype, with_residual):
-    x, weight, residual = _rms_case(9, 96, dtype, with_residual, strided=True, seed=20)
-    _check_rms_with_delta(x, weight, residual, seed=21)
+def test_rms_norm_adds_the_lora_delta(dtype):
+    x, weight = _rms_case(9, 96, dtype, strided=True, seed=20)
+    _check_rms_with_delta(x, weight, seed=21)
 
 
 def _check_rotary_with_delta(wide: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int, int],
@@ -379,7 +366,7 @@ def test_ops_reject_a_bad_delta(op, change, match):
     gen = make_generator(27)
     wide, qkv, cos, sin = _rotary_case(4, 4, 1, 16, torch.float32, seed=28)
     delta, slots = change(*_delta_case(qkv, gen))
-    calls = {"norm": lambda: add_rms_norm(qkv, torch.ones(qkv.shape[1]), EPS, delta=delta, token_slots=slots),
+    calls = {"norm": lambda: rms_norm(qkv, torch.ones(qkv.shape[1]), EPS, delta=delta, token_slots=slots),
              "rotary": lambda: rotary_qk_(qkv, cos, sin, 4, 1, 16, delta=delta, token_slots=slots),
              "silu": lambda: silu_and_mul(qkv, delta=delta, token_slots=slots)}
     with pytest.raises(ValueError, match=match):
@@ -393,8 +380,8 @@ def test_ops_reject_a_bad_delta(op, change, match):
 def test_ops_add_the_lora_delta_gpu(dtype, pdl):
     if pdl and not has_pdl():
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    x, weight, residual = _rms_case(64, 4096, dtype, True, strided=True, seed=29, device="cuda")
-    _check_rms_with_delta(x, weight, residual, seed=30, max_mismatch=0.02, pdl=pdl)
+    x, weight = _rms_case(64, 4096, dtype, strided=True, seed=29, device="cuda")
+    _check_rms_with_delta(x, weight, seed=30, max_mismatch=0.02, pdl=pdl)
     wide, qkv, cos, sin = _rotary_case(64, 32, 8, 128, dtype, seed=31, device="cuda")
     _check_rotary_with_delta(wide, qkv, cos, sin, (32, 8, 128), seed=32, pdl=pdl)
     _, gate_up = _columns(64, 2 * 14336, dtype, make_generator(33), "cuda", strided=True)

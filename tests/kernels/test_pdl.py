@@ -3,7 +3,7 @@ GPU that has it, the same numbers as without it when a chain of dependent kernel
 import pytest
 import torch
 from kernel_helpers import has_pdl, make_generator, make_paged_kv, randn
-from slora.kernels.fused_ops import add_rms_norm, rotary_qk_, silu_and_mul
+from slora.kernels.fused_ops import rms_norm, rotary_qk_, silu_and_mul
 from slora.kernels.paged_attention import paged_attention
 from slora.kernels.store_kv import store_kv
 
@@ -17,7 +17,7 @@ def _cpu_calls() -> dict[str, object]:
     key = randn((2, KV_HEADS, HEAD_DIM), torch.float32, gen)
     cos_sin = randn((2, HEAD_DIM), torch.float32, gen)
     return {
-        "add_rms_norm": lambda: add_rms_norm(qkv, torch.ones(qkv.shape[1]), 1e-6, pdl=True),
+        "rms_norm": lambda: rms_norm(qkv, torch.ones(qkv.shape[1]), 1e-6, pdl=True),
         "rotary_qk_": lambda: rotary_qk_(qkv, cos_sin, cos_sin, HEADS, KV_HEADS, HEAD_DIM, pdl=True),
         "silu_and_mul": lambda: silu_and_mul(qkv, pdl=True),
         "store_kv": lambda: store_kv(key, key, kv.kv_pool, torch.tensor([3, 4]), PAGE, pdl=True),
@@ -33,18 +33,17 @@ def test_pdl_is_refused_without_a_gpu_that_has_it(name):
 
 
 def _decode_chain(qkv_source: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, slots: torch.Tensor,
-                  weights: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor, num_splits: int,
-                  pdl: bool) -> torch.Tensor:
+                  weights: tuple[torch.Tensor, torch.Tensor], num_splits: int, pdl: bool) -> torch.Tensor:
     """The decode layer's Triton kernels back to back, each reading what the one before it wrote (all
     launched with pdl when it is set: every link of the chain is kernel to kernel)."""
     batch = qkv_source.shape[0]
-    qkv, _ = add_rms_norm(qkv_source, weights[0], 1e-6, pdl=pdl)   # [batch, (heads + 2 kv) * head_dim]
+    qkv, _ = rms_norm(qkv_source, weights[0], 1e-6, pdl=pdl)   # [batch, (heads + 2 kv) * head_dim]
     rotary_qk_(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM, pdl=pdl)
     q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
     store_kv(k.view(batch, KV_HEADS, HEAD_DIM), v.view(batch, KV_HEADS, HEAD_DIM), kv.kv_pool, slots, PAGE, pdl=pdl)
     attn = paged_attention(q.view(batch, HEADS, HEAD_DIM), kv.kv_pool, kv.block_tables, kv.context_lens, PAGE,
                            KV_HEADS, HEAD_DIM ** -0.5, num_splits=num_splits, pdl=pdl).view(batch, -1)
-    normed, _ = add_rms_norm(attn, weights[1], 1e-6, residual, pdl=pdl)   # [batch, heads * head_dim]
+    normed, _ = rms_norm(attn, weights[1], 1e-6, pdl=pdl)   # [batch, heads * head_dim]
     return silu_and_mul(normed, pdl=pdl)
 
 
@@ -62,8 +61,7 @@ def test_pdl_decode_chain_in_a_graph_matches_plain_launches_gpu(dtype, num_split
     source = randn((batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM), dtype, gen, "cuda")
     cos, sin = randn((batch, HEAD_DIM), dtype, gen, "cuda"), randn((batch, HEAD_DIM), dtype, gen, "cuda")
     weights = (randn((source.shape[1],), dtype, gen, "cuda"), randn((HEADS * HEAD_DIM,), dtype, gen, "cuda"))
-    residual = randn((batch, HEADS * HEAD_DIM), dtype, gen, "cuda")
-    args = (cos, sin, kv, slots, weights, residual, num_splits)
+    args = (cos, sin, kv, slots, weights, num_splits)
     _decode_chain(source, *args, pdl=True)                 # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
