@@ -209,7 +209,6 @@ def torch_attention_rows(query: Tensor, key: Tensor, value: Tensor, loc: Tensor,
         return torch.ops.aten._flash_attention_forward(query, key, value, loc, loc, length, length, 0.0, True,
                                                        False, scale=HEAD_DIM ** -0.5)
     rows = [row("torch FlashAttention-2 varlen, step's rows, 8 K/V heads", varlen, flops=flops)]
-    rows += cudnn_varlen_rows(query, key, value, loc, length, flops)
     q = query.view(seqs, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
     kv = randn(2, seqs, HEADS, length, HEAD_DIM)
     gqa = kv[:, :, :KV_HEADS].contiguous()
@@ -219,35 +218,6 @@ def torch_attention_rows(query: Tensor, key: Tensor, value: Tensor, loc: Tensor,
             rows += attempt(f"torch SDPA ({name}), contiguous, {label}", backend,
                             lambda k=k, v=v, g=enable_gqa: sdpa(q, k, v, is_causal=True, enable_gqa=g), flops)
     return rows
-
-
-def cudnn_varlen_rows(query: Tensor, key: Tensor, value: Tensor, loc: Tensor, length: int,
-                      flops: float) -> list[dict[str, Any]]:
-    """cuDNN's ragged (THD) attention, which SDPA reaches only through nested tensors, called directly over
-    the step's rows with 8 K/V heads: K/V as the column slices the model has, and made contiguous; the
-    sequence offsets as int32 and as int64."""
-    rows = []
-    expected = causal_reference(query[:length], key[:length], value[:length])     # the first sequence
-    for offsets in (loc, loc.long()):
-        for label, k, v in (("K/V slices", key, value), ("contiguous K/V", key.contiguous(), value.contiguous())):
-            def cudnn(k: Tensor = k, v: Tensor = v, offsets: Tensor = offsets) -> Tensor:
-                return torch.ops.aten._cudnn_attention_forward(query, k, v, None, offsets, offsets, length, length,
-                                                               False, 0.0, True, False, scale=HEAD_DIM ** -0.5)[0]
-            found = attempt(f"torch cuDNN varlen, step's rows, GQA, {label}, {offsets.dtype} offsets", None,
-                            cudnn, flops)
-            for r in found:     # a fast wrong answer would not count
-                r["max_abs_err_first_seq"] = (cudnn()[:length].float() - expected).abs().max().item()
-            rows += found
-    return rows
-
-
-def causal_reference(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-    """One sequence's causal attention `[length, heads, head_dim]` in float32 (torch's math)."""
-    groups = HEADS // KV_HEADS
-    q = query.float().transpose(0, 1)                                      # [heads, length, head_dim]
-    k, v = (t.float().repeat_interleave(groups, dim=1).transpose(0, 1) for t in (key, value))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=HEAD_DIM ** -0.5)
-    return out.transpose(0, 1)
 
 
 def attempt(name: str, backend: Any, fn: Callable[[], object], flops: float) -> list[dict[str, Any]]:
