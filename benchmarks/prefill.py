@@ -189,6 +189,20 @@ def attention_rows(tokens: int) -> list[dict[str, Any]]:
     default = default_launch(query, seqs)
     rows = [row(f"prefill attention {seqs} x {length}, default {tuple(default)}", ours(), flops=flops),
             row(ENGINE_ATTENTION, ours(new_kv=True), flops=flops)]
+    # The engine's queries are not a tensor of their own but the q columns of the fused q/k/v output.
+    q_columns = randn(seqs * length, GEMMS["qkv"][0])[:, :HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)
+    rows.append(row("prefill attention, new K/V, queries as the q columns of q/k/v", lambda: prefill_attention(
+        q_columns, pool, tables, loc, lens, PAGE_SIZE, KV_HEADS, scale, out=out, new_kv=(key, value)), flops=flops))
+    # In the engine the attention follows GEMMs that hold the GPU at its power limit: this pair, less the
+    # GEMM's own row, is the attention's time there.
+    n, k = GEMMS["gate_up"]
+    x, weight = randn(seqs * length, k), randn(n, k) * 0.02
+
+    def gemm_then_attention() -> None:
+        torch.nn.functional.linear(x, weight)
+        ours(new_kv=True)()
+    rows.append(row("gemm gate_up alone (for the row below)", lambda: torch.nn.functional.linear(x, weight)))
+    rows.append(row("gemm gate_up, then the engine's attention", gemm_then_attention))
     for launch in (PrefillLaunch(128, 64, 8, 2), PrefillLaunch(128, 64, 8, 3), PrefillLaunch(128, 128, 8, 2),
                    PrefillLaunch(64, 64, 4, 3), PrefillLaunch(128, 32, 4, 3)):
         rows.append(row(f"prefill attention, launch {tuple(launch)}", ours(launch), flops=flops))
