@@ -8,7 +8,9 @@ prefill workload of engine_throughput.py) in bf16:
 - the fused elementwise kernels (the norm of x alone, rotary, silu-and-mul, K/V store): TB/s
   against the 4.24 TB/s copy bandwidth;
 - prefill attention: K/V through the block tables and, as the engine runs it, the new tokens' K/V from the
-  step's own rows; other launches; torch's FlashAttention-2 varlen over the step's rows, and torch's
+  step's own rows, with queries of their own or as the q columns of q/k/v (the engine's layout), and timed
+  right after the gate/up GEMM (the pair's row less the GEMM's is the attention as the engine sees it);
+  other launches; torch's FlashAttention-2 varlen over the step's rows, and torch's
   SDPA by backend (default, cuDNN, flash) on contiguous K/V, with 32 K/V heads or GQA;
 - a mixed step's attention (255 decodes at context 600 beside one prefill chunk): every row through the
   prefill kernel, against the engine's way: the decode rows through the paged decode kernel, the rest
