@@ -42,6 +42,7 @@ PAGE_SIZE, PROMPT_LEN = 16, 1024
 DTYPE = torch.bfloat16
 GEMMS = {"qkv": (HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM),
          "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE)}    # name -> (out, in)
+RESIDUAL_GEMMS = ("o", "down")       # the engine adds these into the residual stream in place
 MIXED_DECODES, MIXED_CONTEXT = 255, 600
 # The attention row of the engine's path, which the layer's sum counts.
 ENGINE_ATTENTION = "prefill attention, new K/V from the step's rows, default launch (the engine's)"
@@ -71,10 +72,14 @@ def gemm_rows(tokens: int) -> list[dict[str, Any]]:
         weight = randn(n, k) * 0.02
         rows.append(row(f"gemm {name} [{tokens}x{k}]x[{k}x{n}]",
                         lambda w=weight, a=x[k]: torch.nn.functional.linear(a, w), flops=2 * tokens * n * k))
-        if n == HIDDEN:
-            rows.append(row(f"gemm {name} into the residual",
+        if name in RESIDUAL_GEMMS:
+            rows.append(row(gemm_into_residual(name),
                             lambda w=weight, a=x[k]: residual.addmm_(a, w.t()), flops=2 * tokens * n * k))
     return rows
+
+
+def gemm_into_residual(name: str) -> str:
+    return f"gemm {name} into the residual"
 
 
 def gemm_variant_rows(tokens: int) -> list[dict[str, Any]]:
@@ -274,14 +279,19 @@ def mixed_attention_rows(tokens: int) -> list[dict[str, Any]]:
 def layer_summary(rows: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     """The layer's kernels once each as the engine runs them (o and down into the residual, the norm twice
     on x alone), times the layers: the step's GPU time."""
-    by_name = {r["kernel"].split(" [")[0].split(",")[0]: r["us"] for r in rows}
-    gemm_us = sum(by_name.get(f"gemm {name} into the residual", by_name[f"gemm {name}"]) for name in GEMMS)
-    attention_us = next(r["us"] for r in rows if r["kernel"] == ENGINE_ATTENTION)
-    other_us = 2 * by_name["rms_norm (x alone)"] + by_name["rotary_qk_"] + by_name["silu_and_mul"] + \
-        by_name["store_kv"] + attention_us
+    gemm_us = sum(row_us(rows, gemm_into_residual(name)) if name in RESIDUAL_GEMMS else row_us(rows, f"gemm {name}")
+                  for name in GEMMS)
+    other_us = 2 * row_us(rows, "rms_norm (x alone)") + row_us(rows, "rotary_qk_") + row_us(rows, "silu_and_mul") + \
+        row_us(rows, "store_kv") + row_us(rows, ENGINE_ATTENTION)
     step_ms = LAYERS * (gemm_us + other_us) / 1e3
     return {"tokens": tokens, "layer_gemm_us": gemm_us, "layer_other_us": other_us, "step_ms": step_ms,
             "gemm_share": gemm_us / (gemm_us + other_us), "prompts_per_s": tokens / PROMPT_LEN / (step_ms / 1e3)}
+
+
+def row_us(rows: list[dict[str, Any]], name: str) -> float:
+    """The time of the row named `name` exactly, or `name` and its shapes (`gemm qkv [..]x[..]`): not of a
+    row whose name merely starts with it, as "gemm gate_up, then the engine's attention" does."""
+    return next(r["us"] for r in rows if r["kernel"] == name or r["kernel"].startswith(f"{name} ["))
 
 
 def main(argv: list[str] | None = None) -> None:
