@@ -215,3 +215,28 @@ def test_o_proj_and_down_proj_add_into_the_residual_stream_in_place(tiny_llama, 
     layers = len(same_storage) // 3                        # three steps: the prefill, then two decodes
     if not deltas:
         assert layers >= 2 and same_storage[:layers - 1] == [True] * (layers - 1)
+
+
+@pytest.mark.parametrize("deltas", [False, True])
+def test_biased_o_proj_and_mlp_add_their_bias_into_the_residual_stream(tmp_path, monkeypatch, deltas):
+    """With attention_bias and mlp_bias (Llama's options), o_proj and down_proj still add their bias when they
+    write into the residual stream: random non-zero biases (Hugging Face initialises them to zero), the
+    oracle's tokens, each token's LoRA added after the GEMM or as a delta."""
+    if deltas:
+        force_lora_deltas(monkeypatch)
+    model_dir = make_model(tmp_path, "llama", seed=11, attention_bias=True, mlp_bias=True)
+    path = model_dir / "model.safetensors"
+    state = load_file(str(path))
+    generator = torch.Generator().manual_seed(12)
+    biases = [name for name in state if name.endswith(".bias")]
+    assert any("o_proj" in name for name in biases) and any("down_proj" in name for name in biases)
+    for name in biases:
+        state[name] = torch.randn(state[name].shape, generator=generator) * 0.5
+    save_file(state, str(path), metadata={"format": "pt"})
+    adapters = make_adapters(model_dir, tmp_path, ["all-r16"])
+    prompts = random_prompts([17, 6], seed=13)
+    names = ["all-r16", None]
+    expected = oracle_greedy(model_dir, adapters, prompts, names, GREEDY.max_tokens)
+    llm = LLM(str(model_dir), num_pages=64)
+    llm.load_adapter("all-r16", str(adapters["all-r16"]))
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, adapters=names)] == expected
