@@ -5,8 +5,8 @@ On a CUDA GPU, for `--tokens` new tokens (default 8,192: eight 1,024-token promp
 prefill workload of engine_throughput.py) in bf16:
 - the four GEMMs (torch's, as the model runs them): TFLOP/s against the measured 810 TFLOP/s peak;
 - o and down as the engine runs them, added into the residual stream in place;
-- the fused elementwise kernels (the norm of x alone, rotary, silu-and-mul, K/V store): TB/s
-  against the 4.24 TB/s copy bandwidth;
+- the fused elementwise kernels (the norm of x alone, rotary storing the new K/V into the pool,
+  silu-and-mul): TB/s against the 4.24 TB/s copy bandwidth;
 - prefill attention: K/V through the block tables and, as the engine runs it, the new tokens' K/V from the
   step's own rows, with queries of their own or as the q columns of q/k/v (the engine's layout), and timed
   right after the gate/up GEMM (the pair's row less the GEMM's is the attention as the engine sees it);
@@ -45,6 +45,7 @@ GEMMS = {"qkv": (HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDD
 RESIDUAL_GEMMS = ("o", "down")       # the engine adds these into the residual stream in place
 MIXED_DECODES, MIXED_CONTEXT = 255, 600
 # The attention row of the engine's path, which the layer's sum counts.
+ROTARY_STORE = "rotary_qk_, K/V stored into the pool"
 ENGINE_ATTENTION = "prefill attention, new K/V from the step's rows, default launch (the engine's)"
 
 
@@ -127,7 +128,7 @@ def gemm_blocks(tokens: int, n: int, row_parts: int, col_parts: int) -> list[tup
 
 def elementwise_rows(tokens: int) -> list[dict[str, Any]]:
     from slora.kernels import fused_ops
-    from slora.kernels.store_kv import store_kv
+    from slora.kernels.reference import PagedKV
     two = DTYPE.itemsize
     x, weight = randn(tokens, HIDDEN), torch.ones(HIDDEN, device="cuda", dtype=DTYPE)
     qkv = randn(tokens, GEMMS["qkv"][0])
@@ -136,16 +137,14 @@ def elementwise_rows(tokens: int) -> list[dict[str, Any]]:
     gate_up = randn(tokens, 2 * INTERMEDIATE)
     pages = math.ceil(tokens / PAGE_SIZE) + 1
     pool = torch.zeros(pages, 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM, device="cuda", dtype=DTYPE)
-    slots = torch.arange(tokens, device="cuda") + PAGE_SIZE
-    k, v = randn(tokens, KV_HEADS, HEAD_DIM), randn(tokens, KV_HEADS, HEAD_DIM)
-    q_and_k = (HEADS + KV_HEADS) * HEAD_DIM
+    kv = PagedKV(pool, torch.arange(tokens, device="cuda") + PAGE_SIZE, PAGE_SIZE)
+    # Reads q, k and v; writes q and k back, and k and v into the pool.
+    rotary_elems = (2 * HEADS + 5 * KV_HEADS) * HEAD_DIM
     return [row("rms_norm (x alone)", lambda: fused_ops.rms_norm(x, weight, 1e-5),
                 bytes_moved=2 * tokens * HIDDEN * two),
-            row("rotary_qk_", lambda: fused_ops.rotary_qk_(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM),
-                bytes_moved=2 * tokens * q_and_k * two),
-            row("silu_and_mul", lambda: fused_ops.silu_and_mul(gate_up), bytes_moved=3 * tokens * INTERMEDIATE * two),
-            row("store_kv", lambda: store_kv(k, v, pool, slots, PAGE_SIZE),
-                bytes_moved=4 * tokens * KV_HEADS * HEAD_DIM * two)]
+            row(ROTARY_STORE, lambda: fused_ops.rotary_qk_(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM, kv=kv),
+                bytes_moved=tokens * rotary_elems * two),
+            row("silu_and_mul", lambda: fused_ops.silu_and_mul(gate_up), bytes_moved=3 * tokens * INTERMEDIATE * two)]
 
 
 def paged_kv(lengths: list[int]) -> tuple[Tensor, Tensor, Tensor]:
@@ -281,8 +280,8 @@ def layer_summary(rows: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
     on x alone), times the layers: the step's GPU time."""
     gemm_us = sum(row_us(rows, gemm_into_residual(name)) if name in RESIDUAL_GEMMS else row_us(rows, f"gemm {name}")
                   for name in GEMMS)
-    other_us = 2 * row_us(rows, "rms_norm (x alone)") + row_us(rows, "rotary_qk_") + row_us(rows, "silu_and_mul") + \
-        row_us(rows, "store_kv") + row_us(rows, ENGINE_ATTENTION)
+    other_us = 2 * row_us(rows, "rms_norm (x alone)") + row_us(rows, ROTARY_STORE) + row_us(rows, "silu_and_mul") + \
+        row_us(rows, ENGINE_ATTENTION)
     step_ms = LAYERS * (gemm_us + other_us) / 1e3
     return {"tokens": tokens, "layer_gemm_us": gemm_us, "layer_other_us": other_us, "step_ms": step_ms,
             "gemm_share": gemm_us / (gemm_us + other_us), "prompts_per_s": tokens / PROMPT_LEN / (step_ms / 1e3)}

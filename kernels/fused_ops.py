@@ -1,5 +1,5 @@
 """Fused Triton kernels for the elementwise work of a decoder layer: RMSNorm, rotary embedding of q and k
-inside the fused qkv output, and SiLU(gate) * up.
+inside the fused qkv output (storing the new K/V into the pool in the same launch), and SiLU(gate) * up.
 
 Same signatures and semantics as `rms_norm`, `rotary_qk_` and `silu_and_mul` of
 `slora.kernels.reference`, plus `pdl` (programmatic dependent launch, `slora.kernels.pdl`: the
@@ -19,6 +19,7 @@ from torch import Tensor
 from slora.kernels.checks import check_one_device, is_power_of_two
 from slora.kernels.layout import cdiv, next_power_of_2
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
+from slora.kernels.reference import PagedKV
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 16384             # rms_norm holds a whole row in registers
@@ -61,13 +62,15 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _rotary_qk_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, delta_ptr, slots_ptr,
-    stride_qkv, stride_cos, stride_sin, stride_d, rot_heads, covered_heads,
+    qkv_ptr, cos_ptr, sin_ptr, delta_ptr, slots_ptr, pool_ptr, slot_mapping_ptr,
+    stride_qkv, stride_cos, stride_sin, stride_d, num_heads, rot_heads, covered_heads, page_elems,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr, HAS_DELTA: tl.constexpr,
+    HAS_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
     # Program (token, head block): rotates BLOCK_H heads [BLOCK_H, HEAD_DIM] of the q and k columns
     # (q heads then k heads, `rot_heads` in all) in place, as two halves [BLOCK_H, HALF]. The programs cover
-    # `covered_heads` heads: with a delta, v's heads too, which get their delta added and are not rotated.
+    # `covered_heads` heads: with a delta or HAS_KV, v's heads too, which are not rotated; with a delta they
+    # get it added in place. HAS_KV: the k and v heads are stored into the token's slot of the pool too.
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -80,6 +83,8 @@ def _rotary_qk_kernel(
     cos2 = tl.load(cos_ptr + token * stride_cos + HALF + dims).to(tl.float32)[None, :]
     sin1 = tl.load(sin_ptr + token * stride_sin + dims).to(tl.float32)[None, :]
     sin2 = tl.load(sin_ptr + token * stride_sin + HALF + dims).to(tl.float32)[None, :]
+    if HAS_KV:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)    # the host's: no kernel before writes it
     pdl_wait(USE_PDL)
     first = qkv_ptr + token * stride_qkv + heads[:, None] * HEAD_DIM + dims[None, :]
     x1 = tl.load(first, mask=mask).to(tl.float32)
@@ -91,12 +96,36 @@ def _rotary_qk_kernel(
     # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to dtype as the torch ops do.
     out1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
     out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
-    if HAS_DELTA:
-        rotates = (heads < rot_heads)[:, None]   # v heads: the delta only
-        out1 = tl.where(rotates, out1, x1)
-        out2 = tl.where(rotates, out2, x2)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + HALF, out2.to(dtype), mask=mask)
+    rotates = (heads < rot_heads)[:, None]               # v heads: their delta only
+    out1 = tl.where(rotates, out1, x1).to(dtype)
+    out2 = tl.where(rotates, out2, x2).to(dtype)
+    # Without a delta the v columns are unchanged: not written back.
+    written = mask if HAS_DELTA else mask & rotates
+    tl.store(first, out1, mask=written)
+    tl.store(first + HALF, out2, mask=written)
+    if HAS_KV:
+        _store_to_page(pool_ptr, slot, heads - num_heads, dims, out1, out2, mask, page_elems, PAGE_SIZE,
+                       NUM_KV_HEADS, HEAD_DIM)
+
+
+@triton.jit
+def _store_to_page(pool_ptr, slot, kv_heads, dims, half1, half2, mask, page_elems, PAGE_SIZE: tl.constexpr,
+                   NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # Heads [BLOCK_H] numbered from the first k head (k heads, then v heads; others masked) of one token,
+    # both halves [BLOCK_H, HALF] (in qkv's dtype, as the reference stores them), into its slot; a negative
+    # slot (a padding token) stores nothing. A page is [2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM], K then V;
+    # int64 because a layer of a large pool may hold more than 2**31 elements.
+    HALF: tl.constexpr = HEAD_DIM // 2
+    is_v = kv_heads >= NUM_KV_HEADS
+    head = tl.where(is_v, kv_heads - NUM_KV_HEADS, kv_heads)
+    row = (slot // PAGE_SIZE) * page_elems + (slot % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
+    base = row + tl.where(is_v, PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM, 0) + head * HEAD_DIM    # [BLOCK_H]
+    dst = pool_ptr + base[:, None] + dims[None, :]
+    stores = (kv_heads >= 0) & ((tl.zeros_like(kv_heads) + slot) >= 0)   # the slot, as a tensor
+    keep = mask & stores[:, None]
+    elem = pool_ptr.dtype.element_ty
+    tl.store(dst, half1.to(elem), mask=keep)
+    tl.store(dst + HALF, half2.to(elem), mask=keep)
 
 
 @triton.jit
@@ -232,27 +261,50 @@ def _check_rotary_inputs(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, 
     _check_last_dim_contiguous(qkv=qkv, cos=cos, sin=sin)
 
 
+def _check_paged_kv(qkv: Tensor, kv: PagedKV, num_kv_heads: int, head_dim: int) -> None:
+    kv_pool, slot_mapping, page_size = kv
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    if kv_pool.dim() != 2 or kv_pool.shape[1] != 2 * page_size * num_kv_heads * head_dim:
+        raise ValueError(f"kv_pool must be [num_pages, 2 * page_size * num_kv_heads * head_dim = "
+                         f"{2 * page_size * num_kv_heads * head_dim}], got shape {tuple(kv_pool.shape)}")
+    if slot_mapping.shape != (qkv.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64 [tokens={qkv.shape[0]}], got "
+                         f"{slot_mapping.dtype} of shape {tuple(slot_mapping.shape)}")
+    if not kv_pool.is_contiguous() or not slot_mapping.is_contiguous():
+        raise ValueError("kv_pool and slot_mapping must be contiguous")
+    _check_float_dtype("kv_pool", kv_pool)
+    check_one_device(qkv=qkv, kv_pool=kv_pool, slot_mapping=slot_mapping)
+
+
 def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               delta: Tensor | None = None, token_slots: Tensor | None = None, pdl: bool = False) -> None:
+               delta: Tensor | None = None, token_slots: Tensor | None = None, kv: PagedKV | None = None,
+               pdl: bool = False) -> None:
     """Rotate the q and k heads of qkv `[tokens, (num_heads + 2 * num_kv_heads) * head_dim]` in place
     by cos/sin `[tokens, head_dim]` (the half-split layout of HF Llama); without delta, the v columns are
     untouched. delta: added to all of q, k and v first in the rows of tokens with an adapter (the module's
-    note), so the v columns then hold v + delta."""
+    note), so the v columns then hold v + delta. kv: every token's k (rotated) and v are also written into
+    its slot of the pool, a negative slot skipped, in the same launch."""
     _check_rotary_inputs(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     _check_delta("qkv", qkv, delta, token_slots)
+    if kv is not None:
+        _check_paged_kv(qkv, kv, num_kv_heads, head_dim)
     check_pdl_supported(pdl, qkv.device)
     tokens = qkv.shape[0]
     if tokens == 0:
         return
     rot_heads = num_heads + num_kv_heads
-    heads = rot_heads if delta is None else rot_heads + num_kv_heads   # with a delta, v's heads too
+    # With a delta or a store, v's heads too.
+    heads = rot_heads if delta is None and kv is None else rot_heads + num_kv_heads
     block_h = min(next_power_of_2(heads), max(1, ROTARY_BLOCK_ELEMS // head_dim))
     delta, slots, stride_d = _delta_args(qkv, delta, token_slots)
+    pool, slot_mapping, page_size = (qkv, qkv, 1) if kv is None else kv
     # No FMA: the reference rounds x * cos before adding rot * sin (this matters in float32).
     _rotary_qk_kernel[(tokens, cdiv(heads, block_h))](
-        qkv, cos, sin, delta, slots,
-        qkv.stride(0), cos.stride(0), sin.stride(0), stride_d, rot_heads, heads,
+        qkv, cos, sin, delta, slots, pool, slot_mapping,
+        qkv.stride(0), cos.stride(0), sin.stride(0), stride_d, num_heads, rot_heads, heads, pool.shape[1],
         HEAD_DIM=head_dim, BLOCK_H=block_h, USE_PDL=pdl, HAS_DELTA=token_slots is not None,
+        HAS_KV=kv is not None, PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads,
         num_warps=4, enable_fp_fusion=False, **launch_options(pdl),
     )
 

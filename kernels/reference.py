@@ -12,6 +12,8 @@ uses them directly. Conventions:
   whose rows have `n` elements starts at `offset + i * align_up(n)`.
 - `token_slots[t]` is the step-local adapter slot of token `t`, or -1 for no adapter.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -25,6 +27,13 @@ def kv_page_view(kv_pool: Tensor, page_size: int, num_kv_heads: int) -> Tensor:
     head_dim = page_elems // (2 * page_size * num_kv_heads)
     assert 2 * page_size * num_kv_heads * head_dim == page_elems, "page_elems does not match the KV shape"
     return kv_pool.view(num_pages, 2, page_size, num_kv_heads, head_dim)
+
+
+class PagedKV(NamedTuple):
+    """Where a step's new K/V rows go: one layer of the pool and each token's slot."""
+    kv_pool: Tensor          # [num_pages, page_elems]
+    slot_mapping: Tensor     # [tokens] int32 or int64; negative: a padding token, not stored
+    page_size: int
 
 
 def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, page_size: int) -> None:
@@ -191,15 +200,20 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-               delta: Tensor | None = None, token_slots: Tensor | None = None) -> None:
+               delta: Tensor | None = None, token_slots: Tensor | None = None, kv: PagedKV | None = None) -> None:
     """Rotate the q heads (first `num_heads`) and k heads (next `num_kv_heads`) of the fused qkv output
     `[tokens, (num_heads + 2 * num_kv_heads) * head_dim]` in place by cos/sin `[tokens, head_dim]`;
-    without delta, the v columns are untouched. delta: added to q, k and v first (see add_lora_delta)."""
+    without delta, the v columns are untouched. delta: added to q, k and v first (see add_lora_delta).
+    kv: then every token's k (rotated) and v are stored into its slot of the pool (store_kv)."""
     if delta is not None:
         qkv.copy_(add_lora_delta(qkv, delta, token_slots))
     for start, heads in ((0, num_heads), (num_heads * head_dim, num_kv_heads)):
         cols = qkv[:, start:start + heads * head_dim]                             # [tokens, heads * head_dim]
         cols.copy_(apply_rotary(cols.unflatten(1, (heads, head_dim)), cos, sin).flatten(1))
+    if kv is not None:
+        _, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        shape = (qkv.shape[0], num_kv_heads, head_dim)
+        store_kv(key.view(shape), value.view(shape), *kv)
 
 
 def silu_and_mul(gate_up: Tensor, delta: Tensor | None = None, token_slots: Tensor | None = None) -> Tensor:

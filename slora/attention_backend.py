@@ -19,9 +19,6 @@ class AttentionBackend(Protocol):
     # Whether the model's kernels launch with programmatic dependent launch (slora.kernels.pdl).
     pdl: bool
 
-    def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
-                 page_size: int) -> None: ...
-
     def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         """Attention `[tokens, heads, head_dim]` of the step's queries, written into `out` when given."""
@@ -32,13 +29,9 @@ class ReferenceAttention:
 
     pdl = False
 
-    def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
-                 page_size: int) -> None:
-        reference.store_kv(key, value, kv_pool, slot_mapping, page_size)
-
     def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
-        """Attention of the step's queries over the pool, where store_kv has put the step's new_kv too."""
+        """Attention of the step's queries over the pool, which holds the step's new_kv too."""
         result = reference.prefill_attention(query, kv_pool, batch.block_tables, batch.query_start_loc,
                                              batch.context_lens, batch.page_size, num_kv_heads, scale)
         return result if out is None else out.copy_(result)
@@ -59,17 +52,12 @@ class TritonAttention:
     def __init__(self, pdl: bool = False, new_kv_min_tokens: int = NEW_KV_MIN_TOKENS) -> None:
         from slora.kernels.paged_attention import paged_attention
         from slora.kernels.prefill_attention import LONG_BLOCK_M, prefill_attention
-        from slora.kernels.store_kv import store_kv
         if new_kv_min_tokens < 0:
             raise ValueError(f"new_kv_min_tokens must be >= 0, got {new_kv_min_tokens}")
-        self._paged, self._prefill, self._store = paged_attention, prefill_attention, store_kv
+        self._paged, self._prefill = paged_attention, prefill_attention
         self.pdl = pdl   # the model's kernels use programmatic dependent launch (slora.kernels.pdl)
         self.new_kv_min_tokens = new_kv_min_tokens
         self._long_block_m = LONG_BLOCK_M
-
-    def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
-                 page_size: int) -> None:
-        self._store(key, value, kv_pool, slot_mapping, page_size, pdl=self.pdl)
 
     def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:

@@ -120,9 +120,6 @@ class BucketAttention(Protocol):
 
     pdl: bool
 
-    def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor,
-                 page_size: int) -> None: ...
-
     def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, inputs: AttentionInputs,
                         num_kv_heads: int, scale: float, out: Tensor) -> Tensor: ...
 
@@ -146,9 +143,6 @@ class _BucketModelAttention:
     def __init__(self, attention: BucketAttention, inputs: AttentionInputs,
                  out_for: Callable[[Tensor], Tensor]) -> None:
         self.attention, self.inputs, self.pdl, self.out_for = attention, inputs, attention.pdl, out_for
-
-    def store_kv(self, key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, page_size: int) -> None:
-        self.attention.store_kv(key, value, kv_pool, slot_mapping, page_size)
 
     def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:

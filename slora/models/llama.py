@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from slora.adapters.shapes import TargetShapes
 from slora.attention_backend import AttentionBackend
+from slora.kernels.reference import PagedKV
 from slora.lora_backend import LoraStep
 from slora.models import ops
 from slora.models.config import ModelConfig
@@ -148,14 +149,15 @@ class Attention(nn.Module):
         self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def rotated_qkv(self, x: Tensor, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k (rotated by position) and v, `[tokens, heads, head_dim]` each, from the fused projection."""
+    def stored_qkv(self, x: Tensor, kv: PagedKV, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k (rotated by position) and v, `[tokens, heads, head_dim]` each, from the fused projection; k
+        and v stored into the step's slots of the pool by the same kernel that rotates."""
         assert self.qkv_proj is not None, "fuse_projections() runs when the weights are loaded"
         tokens = x.shape[0]
         sizes = [self.q_size, self.kv_size, self.kv_size]
         # One LoRA call for q, k and v, whose columns lie side by side in the fused output.
         qkv = ctx.project(self.layer, LORA_GROUPS[0], x, self.qkv_proj, sizes)   # [tokens, q_size + 2 * kv_size]
-        ops.rotary_qk_(qkv.out, ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim, ctx.pdl,
+        ops.rotary_qk_(qkv.out, ctx.cos, ctx.sin, self.num_heads, self.num_kv_heads, self.head_dim, kv, ctx.pdl,
                        qkv.lora)
         q, k, v = qkv.out.split(sizes, dim=-1)
         return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
@@ -164,9 +166,8 @@ class Attention(nn.Module):
     def attend(self, x: Tensor, ctx: StepContext) -> Tensor:
         """Every token's K/V stored, and its attention output `[tokens, q_size]` (before o_proj)."""
         tokens = x.shape[0]
-        q, k, v = self.rotated_qkv(x, ctx)
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
-        ctx.attention.store_kv(k, v, kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size)
+        q, k, v = self.stored_qkv(x, PagedKV(kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size), ctx)
         attn = ctx.attention.attend(q, (k, v), kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         return attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
 

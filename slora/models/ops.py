@@ -9,6 +9,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from slora.kernels import reference
+from slora.kernels.reference import PagedKV
 
 
 class Delta(NamedTuple):
@@ -37,10 +38,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, pdl: bool = False,
 
 
 def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-               pdl: bool = False, lora: Delta | None = None) -> None:
+               kv: PagedKV, pdl: bool = False, lora: Delta | None = None) -> None:
     """Rotate the q and k heads of the fused q/k/v output `[tokens, (heads + 2 kv_heads) * head_dim]` in place
-    (lora: the q/k/v LoRA delta, added first)."""
-    _kernel("rotary_qk_", qkv, pdl)(qkv, cos, sin, num_heads, num_kv_heads, head_dim, **_delta_kwargs(lora))
+    and store every token's k and v into its slot of the pool (lora: the q/k/v LoRA delta, added first)."""
+    _kernel("rotary_qk_", qkv, pdl)(qkv, cos, sin, num_heads, num_kv_heads, head_dim, kv=kv,
+                                    **_delta_kwargs(lora))
 
 
 def silu_and_mul(gate_up: Tensor, pdl: bool = False, lora: Delta | None = None) -> Tensor:

@@ -24,9 +24,9 @@ def test_prefill_layer_summary_counts_the_engines_rows_not_their_namesakes():
     times = {"gemm qkv [8192x4096]x[4096x6144]": 500.0, "gemm o [8192x4096]x[4096x4096]": 400.0,
              "gemm o into the residual": 390.0, "gemm gate_up [8192x4096]x[4096x28672]": 2800.0,
              "gemm down [8192x14336]x[14336x4096]": 1450.0, "gemm down into the residual": 1440.0,
-             "gemm gate_up, then the engine's attention": 3070.0, "rms_norm (x alone)": 30.0, "rotary_qk_": 50.0,
-             "silu_and_mul": 175.0, "store_kv": 20.0, prefill.ENGINE_ATTENTION: 210.0}
+             "gemm gate_up, then the engine's attention": 3070.0, "rms_norm (x alone)": 30.0,
+             prefill.ROTARY_STORE: 70.0, "silu_and_mul": 175.0, prefill.ENGINE_ATTENTION: 210.0}
     summary = prefill.layer_summary([{"kernel": name, "us": us} for name, us in times.items()], 8192)
     assert summary["layer_gemm_us"] == 500.0 + 390.0 + 2800.0 + 1440.0
-    assert summary["layer_other_us"] == 2 * 30.0 + 50.0 + 175.0 + 20.0 + 210.0
+    assert summary["layer_other_us"] == 2 * 30.0 + 70.0 + 175.0 + 210.0
     assert summary["step_ms"] == pytest.approx(32 * (5130.0 + 515.0) / 1e3)

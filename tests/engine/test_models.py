@@ -121,16 +121,18 @@ def test_elementwise_ops_pass_pdl_to_the_cuda_kernels(monkeypatch):
     from slora.models import ops
     calls = []
     for name in ("rms_norm", "rotary_qk_", "silu_and_mul"):
-        monkeypatch.setattr(fused_ops, name, lambda *args, pdl, name=name: calls.append((name, len(args), pdl)))
+        monkeypatch.setattr(fused_ops, name, lambda *args, pdl, name=name, **kwargs:
+                            calls.append((name, len(args), pdl, kwargs)))
 
     class OnCuda:
         is_cuda = True
 
     x = OnCuda()
     ops.rms_norm(x, "weight", 1e-6, pdl=True)
-    ops.rotary_qk_(x, "cos", "sin", 8, 2, 64, pdl=False)
+    ops.rotary_qk_(x, "cos", "sin", 8, 2, 64, "pool", pdl=False)
     ops.silu_and_mul(x, pdl=True)
-    assert calls == [("rms_norm", 3, True), ("rotary_qk_", 6, False), ("silu_and_mul", 1, True)]
+    assert calls == [("rms_norm", 3, True, {}), ("rotary_qk_", 6, False, {"kv": "pool"}),
+                     ("silu_and_mul", 1, True, {})]
 
 
 @pytest.mark.parametrize("supported", [True, False])

@@ -1,4 +1,4 @@
-"""rms_norm / rotary_qk_ / silu_and_mul (Triton) against the torch reference.
+"""rms_norm / rotary_qk_ (with and without storing K/V) / silu_and_mul (Triton) against the torch reference.
 
 The kernels round to the input dtype wherever the reference's torch ops do, so half-precision results
 are compared in units in the last place (ulps): rotary and the sum x + delta must be exact, the norm
@@ -10,6 +10,7 @@ import torch
 from kernel_helpers import has_pdl, make_generator, randn
 from slora.kernels import fused_ops, reference
 from slora.kernels.fused_ops import rms_norm, rotary_qk_, silu_and_mul
+from slora.kernels.reference import PagedKV
 from torch import Tensor
 
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -386,3 +387,111 @@ def test_ops_add_the_lora_delta_gpu(dtype, pdl):
     _check_rotary_with_delta(wide, qkv, cos, sin, (32, 8, 128), seed=32, pdl=pdl)
     _, gate_up = _columns(64, 2 * 14336, dtype, make_generator(33), "cuda", strided=True)
     _check_silu_with_delta(gate_up, seed=34, max_mismatch=0.02, pdl=pdl)
+
+
+# --- rotary_qk_ storing the new K/V into the pool (kv=PagedKV) --------------------------------------------
+
+def _paged_kv_case(tokens: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                   pool_dtype: torch.dtype, gen: torch.Generator, device: str = "cpu") -> PagedKV:
+    """A random pool (so a value not written stays visibly old) and distinct random slots, about a fifth of
+    them negative (padding tokens, skipped)."""
+    pool = randn((num_pages, 2 * page_size * num_kv_heads * head_dim), pool_dtype, gen, "cpu")
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens]
+    slots[torch.rand(tokens, generator=gen) < 0.2] = -1
+    return PagedKV(pool.to(device), slots.to(torch.int32).to(device), page_size)
+
+
+def _check_rotary_store(heads: tuple[int, int, int], dtype: torch.dtype, page_size: int, seed: int,
+                        pool_dtype: torch.dtype | None = None, with_delta: bool = False, device: str = "cpu",
+                        pdl: bool = False, tokens: int = 13) -> None:
+    """The kernel's qkv and pool against the reference's (rotary, then store_kv of the rotated k and of v)."""
+    wide, qkv, cos, sin = _rotary_case(tokens, *heads, dtype, seed=seed, device=device)
+    gen = make_generator(seed + 1)
+    kv = _paged_kv_case(tokens, 2 * tokens // page_size + 3, page_size, heads[1], heads[2], pool_dtype or dtype,
+                        gen, device)
+    delta, slots = _delta_case(qkv, gen) if with_delta else (None, None)
+    expected, expected_pool = wide.clone(), kv.kv_pool.clone()
+    start = qkv.storage_offset() - wide.storage_offset()
+    reference.rotary_qk_(expected[:, start:start + qkv.shape[1]], cos, sin, *heads, delta, slots,
+                         kv._replace(kv_pool=expected_pool))
+    rotary_qk_(qkv, cos, sin, *heads, delta=delta, token_slots=slots, kv=kv, pdl=pdl)
+    assert torch.equal(wide, expected)
+    assert torch.equal(kv.kv_pool, expected_pool)
+
+
+def test_reference_rotary_stores_the_rotated_keys_and_the_values():
+    heads = (4, 2, 16)
+    _, qkv, cos, sin = _rotary_case(5, *heads, torch.float32, seed=40)
+    kv = _paged_kv_case(5, 3, 8, 2, 16, torch.float32, make_generator(41))
+    kv = kv._replace(slot_mapping=torch.tensor([0, 9, -1, 23, 4], dtype=torch.int32))
+    before = kv.kv_pool.clone()
+    reference.rotary_qk_(qkv, cos, sin, *heads, kv=kv)
+    pages = reference.kv_page_view(kv.kv_pool, 8, 2)                 # [pages, 2, page_size, kv_heads, head_dim]
+    key, value = qkv[:, 64:96].view(5, 2, 16), qkv[:, 96:].view(5, 2, 16)
+    for token, slot in enumerate([0, 9, 23, 4]):
+        row = token if token < 2 else token + 1
+        assert torch.equal(pages[slot // 8, 0, slot % 8], key[row])
+        assert torch.equal(pages[slot // 8, 1, slot % 8], value[row])
+    written = reference.kv_page_view(before, 8, 2) != pages
+    assert written.any(dim=(3, 4)).sum() == 8                         # 4 tokens' K and V rows, nothing else
+
+
+@pytest.mark.parametrize("dtype,pool_dtype", [(torch.float32, None), (torch.float16, None),
+                                              (torch.float16, torch.float32), (torch.float32, torch.float16)])
+@pytest.mark.parametrize("page_size", [8, 32])
+@pytest.mark.parametrize("heads", [(4, 1, 16), (2, 2, 32), (6, 3, 16)])
+def test_rotary_qk_stores_kv_like_the_reference(dtype, pool_dtype, page_size, heads):
+    _check_rotary_store(heads, dtype, page_size, seed=page_size + heads[2], pool_dtype=pool_dtype)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rotary_qk_stores_kv_with_the_lora_delta(dtype):
+    _check_rotary_store((4, 2, 16), dtype, 16, seed=42, with_delta=True)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rotary_qk_stores_kv_across_head_blocks(dtype, monkeypatch):
+    # Two heads per program: 4 q, 2 k and 2 v heads give 4 programs per token, the k/v heads in the last two.
+    monkeypatch.setattr(fused_ops, "ROTARY_BLOCK_ELEMS", 32)
+    _check_rotary_store((4, 2, 16), dtype, 8, seed=43)
+    _check_rotary_store((4, 2, 16), dtype, 8, seed=44, with_delta=True)
+
+
+def test_rotary_qk_stores_kv_with_int64_slots_and_no_tokens():
+    wide, qkv, cos, sin = _rotary_case(6, 4, 1, 16, torch.float32, seed=45)
+    kv = _paged_kv_case(6, 3, 8, 1, 16, torch.float32, make_generator(46))
+    kv = kv._replace(slot_mapping=kv.slot_mapping.long())
+    expected_pool = kv.kv_pool.clone()
+    reference.rotary_qk_(qkv.clone(), cos, sin, 4, 1, 16, kv=kv._replace(kv_pool=expected_pool))
+    rotary_qk_(qkv, cos, sin, 4, 1, 16, kv=kv)
+    assert torch.equal(kv.kv_pool, expected_pool)
+    rotary_qk_(qkv[:0], cos[:0], sin[:0], 4, 1, 16, kv=kv._replace(slot_mapping=kv.slot_mapping[:0]))
+    assert torch.equal(kv.kv_pool, expected_pool)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda kv: kv._replace(kv_pool=kv.kv_pool[:, :-2]), "kv_pool must be"),
+    (lambda kv: kv._replace(kv_pool=kv.kv_pool[0]), "kv_pool must be"),
+    (lambda kv: kv._replace(page_size=0), "page_size must be positive"),
+    (lambda kv: kv._replace(slot_mapping=kv.slot_mapping[:-1]), "slot_mapping must be"),
+    (lambda kv: kv._replace(slot_mapping=kv.slot_mapping.float()), "int32 or int64"),
+    (lambda kv: kv._replace(slot_mapping=torch.stack([kv.slot_mapping] * 2, 1)[:, 0]), "must be contiguous"),
+    (lambda kv: kv._replace(kv_pool=kv.kv_pool.long()), "kv_pool must be float16"),
+    (lambda kv: kv._replace(kv_pool=_meta(kv.kv_pool)), "one device"),
+])
+def test_rotary_qk_rejects_a_bad_pool(change, match):
+    _, qkv, cos, sin = _rotary_case(4, 4, 1, 16, torch.float32, seed=47)
+    kv = change(_paged_kv_case(4, 2, 8, 1, 16, torch.float32, make_generator(48)))
+    with pytest.raises(ValueError, match=match):
+        rotary_qk_(qkv, cos, sin, 4, 1, 16, kv=kv)
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rotary_qk_stores_kv_gpu(dtype, page_size, with_delta):
+    pdl = has_pdl()
+    _check_rotary_store((32, 8, 128), dtype, page_size, seed=49, with_delta=with_delta, device="cuda", pdl=pdl,
+                        tokens=3000)

@@ -5,7 +5,7 @@ import torch
 from kernel_helpers import has_pdl, make_generator, make_paged_kv, randn
 from slora.kernels.fused_ops import rms_norm, rotary_qk_, silu_and_mul
 from slora.kernels.paged_attention import paged_attention
-from slora.kernels.store_kv import store_kv
+from slora.kernels.reference import PagedKV
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
 
@@ -14,13 +14,13 @@ def _cpu_calls() -> dict[str, object]:
     gen = make_generator(3)
     kv = make_paged_kv([20, 5], PAGE, KV_HEADS, HEAD_DIM, torch.float32, gen)
     qkv = randn((2, (HEADS + 2 * KV_HEADS) * HEAD_DIM), torch.float32, gen)
-    key = randn((2, KV_HEADS, HEAD_DIM), torch.float32, gen)
     cos_sin = randn((2, HEAD_DIM), torch.float32, gen)
     return {
         "rms_norm": lambda: rms_norm(qkv, torch.ones(qkv.shape[1]), 1e-6, pdl=True),
         "rotary_qk_": lambda: rotary_qk_(qkv, cos_sin, cos_sin, HEADS, KV_HEADS, HEAD_DIM, pdl=True),
         "silu_and_mul": lambda: silu_and_mul(qkv, pdl=True),
-        "store_kv": lambda: store_kv(key, key, kv.kv_pool, torch.tensor([3, 4]), PAGE, pdl=True),
+        "rotary_qk_ with kv": lambda: rotary_qk_(qkv, cos_sin, cos_sin, HEADS, KV_HEADS, HEAD_DIM,
+                                                 kv=PagedKV(kv.kv_pool, torch.tensor([3, 4]), PAGE), pdl=True),
         "paged_attention": lambda: paged_attention(qkv[:, :HEADS * HEAD_DIM].view(2, HEADS, HEAD_DIM), kv.kv_pool,
                                                    kv.block_tables, kv.context_lens, PAGE, KV_HEADS, 0.125, pdl=True),
     }
@@ -38,9 +38,8 @@ def _decode_chain(qkv_source: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     launched with pdl when it is set: every link of the chain is kernel to kernel)."""
     batch = qkv_source.shape[0]
     qkv, _ = rms_norm(qkv_source, weights[0], 1e-6, pdl=pdl)   # [batch, (heads + 2 kv) * head_dim]
-    rotary_qk_(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM, pdl=pdl)
-    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-    store_kv(k.view(batch, KV_HEADS, HEAD_DIM), v.view(batch, KV_HEADS, HEAD_DIM), kv.kv_pool, slots, PAGE, pdl=pdl)
+    rotary_qk_(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM, kv=PagedKV(kv.kv_pool, slots, PAGE), pdl=pdl)
+    q = qkv[:, :HEADS * HEAD_DIM]
     attn = paged_attention(q.view(batch, HEADS, HEAD_DIM), kv.kv_pool, kv.block_tables, kv.context_lens, PAGE,
                            KV_HEADS, HEAD_DIM ** -0.5, num_splits=num_splits, pdl=pdl).view(batch, -1)
     normed, _ = rms_norm(attn, weights[1], 1e-6, pdl=pdl)   # [batch, heads * head_dim]
