@@ -1,5 +1,6 @@
 """Building a model from a Hugging Face folder: config.json + model.safetensors (or sharded)."""
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,19 +31,42 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
-    """A model with seeded random weights made on `device` (benchmarks of real-sized shapes, no checkpoint)."""
+# vLLM's dummy loader draws every parameter, norms included, uniform in [-DUMMY_RANGE, DUMMY_RANGE].
+DUMMY_RANGE = 1e-3
+
+
+def _seeded_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
+                  init: Callable[[str, torch.Tensor], None]) -> CausalLM:
+    """A model on `device` whose parameters `init(name, param)` fills, after seeding torch's generator."""
     torch.manual_seed(seed)
     model = build_model(config, device)
     assert isinstance(model, nn.Module), "every model class is a torch module"
     model = model.to(dtype)
     for name, param in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
-            param.data.fill_(1.0)
-        else:
-            param.data.normal_(0.0, 0.02)
+        init(name, param.data)
     model.fuse_projections()
     return model.eval()
+
+
+def _normal_weights(name: str, param: torch.Tensor) -> None:
+    if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        param.fill_(1.0)
+    else:
+        param.normal_(0.0, 0.02)
+
+
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
+    """A model with seeded random weights made on `device` (tests and kernel benchmarks of real-sized shapes,
+    no checkpoint): norms of one, the rest normal with std 0.02, so that logits differ enough for greedy
+    decoding to be stable."""
+    return _seeded_model(config, dtype, device, seed, _normal_weights)
+
+
+def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
+    """load_format="dummy": random weights drawn as vLLM's dummy loader draws them, so that a benchmark
+    against its figures computes on data of the same distribution (a GEMM's power draw, and so its clock
+    under the GPU's power limit, depends on its operands)."""
+    return _seeded_model(config, dtype, device, seed, lambda _, param: param.uniform_(-DUMMY_RANGE, DUMMY_RANGE))
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
@@ -52,7 +76,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
     folder = Path(folder)
     config = load_model_config(folder)
     if load_format == "dummy":
-        return random_model(config, dtype, device)
+        return dummy_model(config, dtype, device)
     model = build_model(config, "meta")
     assert isinstance(model, nn.Module), "every model class is a torch module"
     state = read_state_dict(folder)

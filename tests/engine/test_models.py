@@ -242,3 +242,19 @@ def test_biased_o_proj_and_mlp_add_their_bias_into_the_residual_stream(tmp_path,
     llm = LLM(str(model_dir), num_pages=64)
     llm.load_adapter("all-r16", str(adapters["all-r16"]))
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, adapters=names)] == expected
+
+
+def test_dummy_weights_are_drawn_as_vllms_dummy_loader_draws_them(tmp_path):
+    # Every parameter, norms included, uniform in [-1e-3, 1e-3] (vLLM's initialize_dummy_weights): benchmarks
+    # against vLLM's figures compute on data of its distribution. The folder holds config.json alone.
+    from slora.models.loader import DUMMY_RANGE, load_model
+    model_dir = make_model(tmp_path, "llama", seed=3)
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+    model = load_model(config_only, torch.float32, torch.device("cpu"), load_format="dummy")
+    values = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert DUMMY_RANGE == 1e-3 and values.abs().max() <= DUMMY_RANGE
+    assert values.std() == pytest.approx(DUMMY_RANGE / 3 ** 0.5, rel=0.05)      # uniform, not all one value
+    norms = [p for name, p in model.named_parameters() if "norm" in name]
+    assert norms and all(p.abs().max() <= DUMMY_RANGE for p in norms)
