@@ -66,7 +66,11 @@ def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, s
     """load_format="dummy": random weights drawn as vLLM's dummy loader draws them, so that a benchmark
     against its figures computes on data of the same distribution (a GEMM's power draw, and so its clock
     under the GPU's power limit, depends on its operands)."""
-    return _seeded_model(config, dtype, device, seed, lambda _, param: param.uniform_(-DUMMY_RANGE, DUMMY_RANGE))
+    return _seeded_model(config, dtype, device, seed, _uniform_weights)
+
+
+def _uniform_weights(_: str, param: torch.Tensor) -> None:
+    param.uniform_(-DUMMY_RANGE, DUMMY_RANGE)
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
