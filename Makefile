@@ -62,11 +62,13 @@ device-vendor:
 
 # Another commit's tree, for a before/after pair in one GPU command: `make device-before REV=<commit>`, then
 # carry .device-before with the device tool; gpu_check.sh's `engine_throughput_before` step runs there.
+# BEFORE_DIR=.device-<name> extracts a second one, for a command that compares three trees.
 REV ?= HEAD
+BEFORE_DIR ?= .device-before
 device-before:
-	rm -rf .device-before && mkdir .device-before
+	rm -rf $(BEFORE_DIR) && mkdir $(BEFORE_DIR)
 	git archive $(REV) -- slora kernels adapters api pyproject.toml benchmarks ':!benchmarks/results' \
-		| tar -x -C .device-before
+		| tar -x -C $(BEFORE_DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
