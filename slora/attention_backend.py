@@ -1,6 +1,4 @@
 """Attention behind the model (DESIGN §4): torch references on the CPU, Triton kernels on CUDA."""
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -60,7 +58,6 @@ class TritonAttention:
         self.pdl = pdl   # the model's kernels use programmatic dependent launch (slora.kernels.pdl)
         self.new_kv_min_tokens = new_kv_min_tokens
         self._long_block_m = LONG_BLOCK_M
-        self._side: torch.cuda.Stream | None = None    # made by the first CUDA step with decode and prefill rows
 
     def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
@@ -74,31 +71,16 @@ class TritonAttention:
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)   # [tokens, heads, head_dim]
         decodes = batch.num_decodes
-        side = self._side_stream(query.device) if decodes else None
         if decodes:
             # The prefill kernel gives a one-token row a block of its own per query head, reading its
             # context once per head: the decode kernel reads it once per KV head. Unsplit: the prefill
-            # beside them fills the GPU, and one variant serves every such step. On CUDA it runs on a side
-            # stream, its reads of the pool beside the prefill's matrix products; the rows each kernel
-            # writes are its own. Not with PDL: the kernel before it in its stream is another step's.
-            with _forked(side):
-                self._paged(query[:decodes], kv_pool, batch.block_tables[:decodes], batch.context_lens[:decodes],
-                            batch.page_size, num_kv_heads, scale, num_splits=1, out=out[:decodes],
-                            pdl=self.pdl and side is None)
+            # beside them fills the GPU, and one variant serves every such step.
+            self._paged(query[:decodes], kv_pool, batch.block_tables[:decodes], batch.context_lens[:decodes],
+                        batch.page_size, num_kv_heads, scale, num_splits=1, out=out[:decodes], pdl=self.pdl)
         own_rows = new_kv if query.shape[0] - decodes >= self.new_kv_min_tokens else None
-        self._prefill(query, kv_pool, batch.block_tables[decodes:], batch.query_start_loc[decodes:],
-                      batch.context_lens[decodes:], batch.page_size, num_kv_heads, scale, out=out, new_kv=own_rows)
-        if side is not None:
-            torch.cuda.current_stream(query.device).wait_stream(side)
-        return out
-
-    def _side_stream(self, device: torch.device) -> "torch.cuda.Stream | None":
-        """The stream a CUDA step's decode rows attend on, beside its prefill rows (None on the CPU)."""
-        if device.type != "cuda":
-            return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(device)
-        return self._side
+        return self._prefill(query, kv_pool, batch.block_tables[decodes:], batch.query_start_loc[decodes:],
+                             batch.context_lens[decodes:], batch.page_size, num_kv_heads, scale, out=out,
+                             new_kv=own_rows)
 
     def new_kv_step_shapes(self, longest: int, max_batch: int) -> tuple[tuple[int, int], ...]:
         """(sequences, tokens each) of prefill steps that launch the new_kv kernel in both of its row
@@ -122,18 +104,6 @@ class TritonAttention:
                     num_kv_heads, scale, num_splits=1, out=out[:seqs], pdl=self.pdl)
         return self._prefill(query, kv_pool, batch.block_tables, inputs.prefill_start_loc, batch.context_lens,
                              batch.page_size, num_kv_heads, scale, out=out)
-
-
-@contextlib.contextmanager
-def _forked(side: "torch.cuda.Stream | None") -> Iterator[None]:
-    """Work queued inside goes to `side`, after everything queued so far on the current stream (nothing
-    changes when side is None); the caller joins it back."""
-    if side is None:
-        yield
-        return
-    side.wait_stream(torch.cuda.current_stream(side.device))
-    with torch.cuda.stream(side):
-        yield
 
 
 def backends_for(device: torch.device, pdl: bool = False, lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()

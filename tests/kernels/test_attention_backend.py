@@ -97,28 +97,3 @@ def test_attention_in_a_bucket_graph_reads_only_the_steps_rows(cases, num_decode
     assert got is out
     assert_close(got[:tokens], want)
     assert got[tokens:].eq(0).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_decode_rows_attend_beside_the_prefill_after_what_the_step_queued_gpu():
-    """On CUDA the decode rows attend on a side stream beside the prefill rows. It starts after everything the
-    current stream queued before (here the queries land after a long sleep of the GPU), and the current
-    stream reads the result only once it is done."""
-    cases = [(9, 1), (300, 1), (70, 1), (0, 40), (17, 25)]
-    gen = make_generator(31)
-    batch, pool = _batch(cases, 8, 3, gen, num_kv_heads=2, head_dim=16)
-    query = randn((batch.input_ids.shape[0], 4, 16), torch.float32, gen)
-    want = ReferenceAttention().attend(query, (query[:, :2], query[:, :2]), pool, batch, 2, 0.25)
-    new_kv = take_new_kv(pool, batch.block_tables, cases, 8, 2, keep_first=3)
-    device = torch.device("cuda")
-    attention = TritonAttention(new_kv_min_tokens=1)
-    pool, batch, new_kv = pool.to(device), batch.to(device), tuple(t.to(device) for t in new_kv)
-    on_device = query.to(device)
-    for _ in range(3):
-        landed = torch.full(query.shape, float("nan"), device=device)
-        torch.cuda._sleep(50_000_000)                  # the GPU busy, then the queries written: the host runs on
-        landed.copy_(on_device)
-        got = attention.attend(landed, new_kv, pool, batch, 2, 0.25).clone()
-        torch.cuda.synchronize()
-        assert_close(got.cpu(), want)
