@@ -66,7 +66,8 @@ class EngineConfig:
     max_model_len: int | None = _option(None, "context length (default: what the model supports)")
     watermark: float = _option(0.01, "share of all pages kept free when admitting new requests")
     seed: int = _option(0, "seed of the sampling seeds of requests that give none")
-    load_format: str = _option("safetensors", "dummy: random weights from config.json (benchmarks)", LOAD_FORMATS)
+    load_format: str = _option("safetensors", "dummy: random weights from config.json, drawn as vLLM's dummy loader "
+                                              "draws them (benchmarks)", LOAD_FORMATS)
     enable_prefix_caching: bool = _option(True, "share the KV pages of common prompt prefixes")
     async_scheduling: bool = _option(True, "overlap the host's work for the next step with the GPU's step: the "
                                            "sampled ids stay on the device as the next step's inputs")
