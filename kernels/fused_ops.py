@@ -63,14 +63,14 @@ def _rms_norm_kernel(
 @triton.jit
 def _rotary_qk_kernel(
     qkv_ptr, cos_ptr, sin_ptr, delta_ptr, slots_ptr, pool_ptr, slot_mapping_ptr,
-    stride_qkv, stride_cos, stride_sin, stride_d, num_heads, rot_heads, covered_heads, page_elems,
+    stride_qkv, stride_cos, stride_sin, stride_d, num_heads, covered_heads, page_elems,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr, HAS_DELTA: tl.constexpr,
     HAS_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
-    # Program (token, head block): rotates BLOCK_H heads [BLOCK_H, HEAD_DIM] of the q and k columns
-    # (q heads then k heads, `rot_heads` in all) in place, as two halves [BLOCK_H, HALF]. The programs cover
-    # `covered_heads` heads: with a delta or HAS_KV, v's heads too, which are not rotated; with a delta they
-    # get it added in place. HAS_KV: the k and v heads are stored into the token's slot of the pool too.
+    # Program (token, head block): rotates BLOCK_H heads [BLOCK_H, HEAD_DIM] of the q and k columns (q heads
+    # then k heads, num_heads + NUM_KV_HEADS in all) in place, as two halves [BLOCK_H, HALF]. The programs
+    # cover `covered_heads` heads: with a delta or HAS_KV, v's heads too, which are not rotated; with a delta
+    # they get it added in place. HAS_KV: the k and v heads are stored into the token's slot of the pool too.
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -96,7 +96,7 @@ def _rotary_qk_kernel(
     # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to dtype as the torch ops do.
     out1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
     out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
-    rotates = (heads < rot_heads)[:, None]               # v heads: their delta only
+    rotates = (heads < num_heads + NUM_KV_HEADS)[:, None]   # v heads: their delta only
     out1 = tl.where(rotates, out1, x1).to(dtype)
     out2 = tl.where(rotates, out2, x2).to(dtype)
     # Without a delta the v columns are unchanged: not written back.
@@ -302,7 +302,7 @@ def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
     # No FMA: the reference rounds x * cos before adding rot * sin (this matters in float32).
     _rotary_qk_kernel[(tokens, cdiv(heads, block_h))](
         qkv, cos, sin, delta, slots, pool, slot_mapping,
-        qkv.stride(0), cos.stride(0), sin.stride(0), stride_d, num_heads, rot_heads, heads, pool.shape[1],
+        qkv.stride(0), cos.stride(0), sin.stride(0), stride_d, num_heads, heads, pool.shape[1],
         HEAD_DIM=head_dim, BLOCK_H=block_h, USE_PDL=pdl, HAS_DELTA=token_slots is not None,
         HAS_KV=kv is not None, PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads,
         num_warps=4, enable_fp_fusion=False, **launch_options(pdl),
