@@ -243,8 +243,11 @@ def _check_rotary_inputs(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, 
     if qkv.dim() != 2:
         raise ValueError(f"qkv must be [tokens, (num_heads + 2 * num_kv_heads) * head_dim], "
                          f"got shape {tuple(qkv.shape)}")
-    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
+    # Either count may be 0 (a projection's q columns alone, or its k/v columns alone), not both.
+    if min(num_heads, num_kv_heads) < 0 or num_heads + num_kv_heads == 0 or \
+            (num_heads and num_kv_heads and num_heads % num_kv_heads):
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}, or either "
+                         "of them 0 (q alone, or k and v alone), not both")
     if not is_power_of_two(head_dim) or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -263,6 +266,8 @@ def _check_rotary_inputs(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, 
 
 def _check_paged_kv(qkv: Tensor, kv: PagedKV, num_kv_heads: int, head_dim: int) -> None:
     kv_pool, slot_mapping, page_size = kv
+    if num_kv_heads == 0:
+        raise ValueError("kv stores k and v heads: num_kv_heads must be positive with kv")
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     if kv_pool.dim() != 2 or kv_pool.shape[1] != 2 * page_size * num_kv_heads * head_dim:
@@ -282,9 +287,10 @@ def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
                pdl: bool = False) -> None:
     """Rotate the q and k heads of qkv `[tokens, (num_heads + 2 * num_kv_heads) * head_dim]` in place
     by cos/sin `[tokens, head_dim]` (the half-split layout of HF Llama); without delta, the v columns are
-    untouched. delta: added to all of q, k and v first in the rows of tokens with an adapter (the module's
-    note), so the v columns then hold v + delta. kv: every token's k (rotated) and v are also written into
-    its slot of the pool, a negative slot skipped, in the same launch."""
+    untouched. num_heads 0: qkv holds k and v alone; num_kv_heads 0: q alone. delta: added to all of q, k
+    and v first in the rows of tokens with an adapter (the module's note), so the v columns then hold
+    v + delta. kv: every token's k (rotated) and v are also written into its slot of the pool, a negative
+    slot skipped, in the same launch."""
     _check_rotary_inputs(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     _check_delta("qkv", qkv, delta, token_slots)
     if kv is not None:

@@ -83,6 +83,8 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
                     page_size: int, num_kv_heads: int, scale: float) -> Tensor:
     """Decode attention: query `[batch, num_heads, head_dim]`, one token per sequence, attending to
     the `context_lens[b]` tokens of its block table (its own token included). Returns the same shape."""
+    if query.shape[0] == 0:
+        return torch.empty_like(query)                                           # as the kernel: no sequence
     key, value, valid = _gather_batch_kv(kv_pool, block_tables, context_lens, page_size, num_kv_heads)
     positions = (context_lens.long() - 1)[:, None]                               # [batch, 1]
     return _attend(query[:, None], key, value, scale, positions, valid)[:, 0].to(query.dtype)

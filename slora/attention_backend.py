@@ -23,6 +23,20 @@ class AttentionBackend(Protocol):
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         """Attention `[tokens, heads, head_dim]` of the step's queries, written into `out` when given."""
 
+    def attend_rows(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, rows: Tensor, num_kv_heads: int,
+                    scale: float) -> Tensor:
+        """Attention `[rows, heads, head_dim]` of the queries of some rows of the step (`rows` `[n]`), every
+        K/V of the step already in the pool (rows_context)."""
+
+
+def rows_context(batch: StepBatch, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(block tables `[n, pages]`, context lengths `[n]` int32) that make each of a step's rows (`rows` `[n]`)
+    a decode query: its sequence's pages, up to and with its own token. A row is its sequence's up to the
+    next sequence's first (query_start_loc ascending: among sequences that start at one row, the last one
+    owns it), and its context ends at its own position."""
+    seqs = torch.searchsorted(batch.query_start_loc, rows.to(batch.query_start_loc.dtype), right=True) - 1
+    return batch.block_tables[seqs], (batch.positions[rows] + 1).to(torch.int32)
+
 
 class ReferenceAttention:
     """Every token of the step, prefill or decode, through the reference prefill attention."""
@@ -35,6 +49,13 @@ class ReferenceAttention:
         result = reference.prefill_attention(query, kv_pool, batch.block_tables, batch.query_start_loc,
                                              batch.context_lens, batch.page_size, num_kv_heads, scale)
         return result if out is None else out.copy_(result)
+
+    def attend_rows(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, rows: Tensor, num_kv_heads: int,
+                    scale: float) -> Tensor:
+        """The rows' queries through the reference decode attention."""
+        block_tables, context_lens = rows_context(batch, rows)
+        return reference.paged_attention(query, kv_pool, block_tables, context_lens, batch.page_size,
+                                         num_kv_heads, scale)
 
 
 # Prefill tokens from which a step's attention reads their K/V from the step's own rows (tensor descriptors):
@@ -81,6 +102,14 @@ class TritonAttention:
         return self._prefill(query, kv_pool, batch.block_tables[decodes:], batch.query_start_loc[decodes:],
                              batch.context_lens[decodes:], batch.page_size, num_kv_heads, scale, out=out,
                              new_kv=own_rows)
+
+    def attend_rows(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, rows: Tensor, num_kv_heads: int,
+                    scale: float) -> Tensor:
+        """The rows' queries through the decode kernel, unsplit as a mixed step's decode rows are (one
+        compiled variant for every such call; the rows are few, beside the rest of the step's layer)."""
+        block_tables, context_lens = rows_context(batch, rows)
+        return self._paged(query, kv_pool, block_tables, context_lens, batch.page_size, num_kv_heads, scale,
+                           num_splits=1, pdl=self.pdl)
 
     def new_kv_step_shapes(self, longest: int, max_batch: int) -> tuple[tuple[int, int], ...]:
         """(sequences, tokens each) of prefill steps that launch the new_kv kernel in both of its row

@@ -123,6 +123,9 @@ class BucketAttention(Protocol):
     def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, inputs: AttentionInputs,
                         num_kv_heads: int, scale: float, out: Tensor) -> Tensor: ...
 
+    def attend_rows(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, rows: Tensor, num_kv_heads: int,
+                    scale: float) -> Tensor: ...
+
 
 @dataclass
 class BucketGraph:
@@ -149,6 +152,12 @@ class _BucketModelAttention:
         assert out is None, "the model passes no attention output buffer"
         return self.attention.attend_in_graph(query, kv_pool, batch, self.inputs, num_kv_heads, scale,
                                               self.out_for(query))
+
+    def attend_rows(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, rows: Tensor, num_kv_heads: int,
+                    scale: float) -> Tensor:
+        """The sampled rows' (the bucket's `seqs`: the step's, then row 0 again) over the bucket's tables,
+        which _stage_extras keeps ascending past the step."""
+        return self.attention.attend_rows(query, kv_pool, batch, rows, num_kv_heads, scale)
 
 
 class MixedGraphs:
@@ -259,9 +268,13 @@ class MixedGraphs:
     def _stage_extras(twin: StepBatch, host: StepBatch, packed: Tensor) -> None:
         """What a mixed step stages beyond copy_into: the sampled rows and query_start_loc are aranges in
         static buffers (the decode graphs' use); here they are the step's. The sampled rows past the step's
-        read row 0, inside every bucket. Then the step's AttentionInputs. Through numpy, as copy_into."""
+        read row 0, inside every bucket; the sequences past the step start at its end, so query_start_loc
+        stays ascending (rows_context searches it). Then the step's AttentionInputs. Through numpy, as
+        copy_into."""
         sample_indices, query_start_loc = twin.sample_indices.numpy(), host.query_start_loc.numpy()
         sample_indices.fill(0)
         sample_indices[:len(host.sample_indices)] = host.sample_indices.numpy()
-        twin.query_start_loc.numpy()[:len(query_start_loc)] = query_start_loc
+        starts = twin.query_start_loc.numpy()
+        starts.fill(query_start_loc[-1])
+        starts[:len(query_start_loc)] = query_start_loc
         write_attention_inputs(host, packed)

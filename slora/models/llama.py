@@ -10,9 +10,10 @@ write one, instead of reading two and writing two.
 """
 from collections.abc import Iterable
 from types import MappingProxyType
-from typing import NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slora.adapters.shapes import TargetShapes
@@ -35,6 +36,26 @@ LORA_MODULE_PATHS = MappingProxyType({
 LORA_MODULES = tuple(LORA_MODULE_PATHS)
 Q, K, V, O, GATE, UP, DOWN = range(len(LORA_MODULES))
 LORA_GROUPS = (slice(Q, V + 1), slice(O, O + 1), slice(GATE, UP + 1), slice(DOWN, DOWN + 1))
+
+
+class Projection(Protocol):
+    """A projection's weight `[out, in]` and bias `[out]`: an nn.Linear, or a LinearPart of one."""
+
+    @property
+    def weight(self) -> Tensor: ...
+
+    @property
+    def bias(self) -> Tensor | None: ...
+
+
+class LinearPart(NamedTuple):
+    """Some output features of a projection, as one of their own: views of its weight and bias rows."""
+    weight: Tensor               # [out, in]
+    bias: Tensor | None          # [out]
+
+
+def linear_part(linear: nn.Linear, features: slice) -> LinearPart:
+    return LinearPart(linear.weight[features], None if linear.bias is None else linear.bias[features])
 
 
 class Projected(NamedTuple):
@@ -68,7 +89,7 @@ class StepContext:
         self.batch, self.pool, self.attention, self.lora, self.cos, self.sin = batch, pool, attention, lora, cos, sin
         self.pdl = attention.pdl
 
-    def project(self, layer: int, modules: slice, x: Tensor, linear: nn.Linear, out_sizes: list[int],
+    def project(self, layer: int, modules: slice, x: Tensor, linear: Projection, out_sizes: list[int],
                 residual: Tensor | None = None) -> Projected:
         """linear(x) (added into `residual` in place, when given) and each token's LoRA of `modules`
         (consecutive modules reading x, outputs side by side): added into the output after the GEMM, or, when
@@ -99,11 +120,11 @@ class StepContext:
         return Projected(out, self._delta(delta))
 
     def for_rows(self, rows: Tensor) -> "StepContext":
-        """This context cut to some rows of the step (`rows` `[n]`), for the layers' work past an attention
-        that saw every row: the LoRA then covers those rows alone, and none when there are none (a chunk
-        step whose prompts all go on)."""
+        """This context cut to some rows of the step (`rows` `[n]`), for the work of the last layer that only
+        the sampled rows need: the LoRA and rotary angles then cover those rows alone, and no LoRA when there
+        are none (a chunk step whose prompts all go on). The batch and pool stay the step's."""
         lora = None if self.lora is None or rows.shape[0] == 0 else self.lora.rows(rows)
-        return StepContext(self.batch, self.pool, self.attention, lora, self.cos, self.sin)
+        return StepContext(self.batch, self.pool, self.attention, lora, self.cos[rows], self.sin[rows])
 
     def _delta(self, delta: Tensor | None) -> ops.Delta | None:
         lora = self.lora
@@ -111,11 +132,11 @@ class StepContext:
         return None if delta is None else ops.Delta(delta, lora.token_slots)
 
 
-def _linear(linear: nn.Linear, x: Tensor, residual: Tensor | None) -> Tensor:
+def _linear(linear: Projection, x: Tensor, residual: Tensor | None) -> Tensor:
     """linear(x), or, given the residual stream `[tokens, out]`, residual + linear(x) written into it (one GEMM
     that reads the residual in its epilogue, and no copy: torch's out-of-place addmm would copy it first)."""
     if residual is None:
-        return linear(x)
+        return F.linear(x, linear.weight, linear.bias)
     out = residual.addmm_(x, linear.weight.t())                  # [tokens, out]
     return out if linear.bias is None else out.add_(linear.bias)
 
@@ -171,6 +192,23 @@ class Attention(nn.Module):
         attn = ctx.attention.attend(q, (k, v), kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         return attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
 
+    def attend_rows(self, x: Tensor, ctx: StepContext, rows_ctx: StepContext, rows: Tensor) -> Tensor:
+        """Every token's K/V stored, and the attention output `[rows, q_size]` of rows `rows` alone (rows_ctx:
+        ctx cut to them). Past the last layer's attention only the sampled rows count: k and v are projected
+        for every token (the cache needs them), q for those rows only, which then attend as decode queries."""
+        assert self.qkv_proj is not None, "fuse_projections() runs when the weights are loaded"
+        q_part, kv_part = (linear_part(self.qkv_proj, cols) for cols in (slice(0, self.q_size),
+                                                                            slice(self.q_size, None)))
+        kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
+        kv = ctx.project(self.layer, slice(K, V + 1), x, kv_part, [self.kv_size] * 2)   # [tokens, 2 * kv_size]
+        ops.rotary_qk_(kv.out, ctx.cos, ctx.sin, 0, self.num_kv_heads, self.head_dim,
+                       PagedKV(kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size), ctx.pdl, kv.lora)
+        q = rows_ctx.project(self.layer, slice(Q, Q + 1), x[rows], q_part, [self.q_size])   # [rows, q_size]
+        ops.rotary_qk_(q.out, rows_ctx.cos, rows_ctx.sin, self.num_heads, 0, self.head_dim, None, ctx.pdl, q.lora)
+        query = q.out.view(-1, self.num_heads, self.head_dim)                            # [rows, heads, head_dim]
+        attn = ctx.attention.attend_rows(query, kv_pool, ctx.batch, rows, self.num_kv_heads, self.scale)
+        return attn.reshape(-1, self.q_size)                                             # [rows, q_size]
+
     def out_proj(self, attn: Tensor, residual: Tensor, ctx: StepContext) -> Projected:
         """residual + o_proj(attn), written into the residual stream, and its LoRA."""
         return ctx.project(self.layer, LORA_GROUPS[1], attn, self.o_proj, [self.o_proj.out_features], residual)
@@ -215,12 +253,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Projected, ctx: StepContext, rows: Tensor | None = None) -> Projected:
         """The residual stream after this layer, written over x's (with down_proj's LoRA delta, when the step
-        computes deltas, for the next norm to add). rows: past the attention, only these rows are computed
-        (and returned)."""
+        computes deltas, for the next norm to add). rows: every token's K/V is stored, but from q on only
+        these rows are computed (and returned)."""
         normed, residual = self.input_layernorm(x, ctx.pdl)         # residual: x with its delta added
-        attn = self.self_attn.attend(normed, ctx)                    # [tokens, q_size]
-        if rows is not None:
-            attn, residual, ctx = attn[rows], residual[rows], ctx.for_rows(rows)   # [rows, ...]
+        if rows is None:
+            attn = self.self_attn.attend(normed, ctx)                # [tokens, q_size]
+        else:
+            rows_ctx = ctx.for_rows(rows)
+            attn = self.self_attn.attend_rows(normed, ctx, rows_ctx, rows)          # [rows, q_size]
+            residual, ctx = residual[rows], rows_ctx
         normed, residual = self.post_attention_layernorm(self.self_attn.out_proj(attn, residual, ctx), ctx.pdl)
         return self.mlp(normed, residual, ctx)
 
@@ -277,9 +318,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             x = layer(x, ctx)
         rows = batch.sample_indices
-        # Past the last attention nothing reads a row that is not sampled, and in a step with prefill rows
-        # that is nearly all of them (8,192 tokens, 8 sampled): its o_proj and MLP run on the sampled rows.
-        if rows.shape[0] < batch.input_ids.shape[0]:
+        # Past the last layer's K/V nothing reads a row that is not sampled, and in a step with prefill rows
+        # that is nearly all of them (8,192 tokens, 8 sampled): its q, attention, o_proj and MLP run on the
+        # sampled rows, each attending as a decode query. At most one per sequence, as in a decode step: a
+        # step of prompt logprobs, whose rows are most of its tokens, runs the layer whole.
+        if rows.shape[0] < batch.input_ids.shape[0] and rows.shape[0] <= batch.context_lens.shape[0]:
             x = last(x, ctx, rows)                                                      # [sampled, hidden]
         else:
             x = last(x, ctx).rows(rows)

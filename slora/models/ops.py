@@ -38,9 +38,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, pdl: bool = False,
 
 
 def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-               kv: PagedKV, pdl: bool = False, lora: Delta | None = None) -> None:
+               kv: PagedKV | None, pdl: bool = False, lora: Delta | None = None) -> None:
     """Rotate the q and k heads of the fused q/k/v output `[tokens, (heads + 2 kv_heads) * head_dim]` in place
-    and store every token's k and v into its slot of the pool (lora: the q/k/v LoRA delta, added first)."""
+    (either count 0: q alone, or k and v alone) and store every token's k and v into its slot of the pool
+    when kv is given (lora: the LoRA delta of these columns, added first)."""
     _kernel("rotary_qk_", qkv, pdl)(qkv, cos, sin, num_heads, num_kv_heads, head_dim, kv=kv,
                                     **_delta_kwargs(lora))
 

@@ -100,7 +100,7 @@ def test_attention_inputs_leave_the_decode_sequences_and_those_past_the_step_emp
 def test_a_step_staged_into_a_bucket_is_what_its_graph_reads():
     """stage() writes a step into a host twin of a bucket's static inputs and sends it, whichever twin is
     current and whatever a larger step left in it: the step's rows, its query starts, its sampled rows and
-    then row 0, and its attention inputs."""
+    then row 0, the sequences past it starting at its end, and its attention inputs."""
     graphs = _graphs()
     seqs = graphs.seqs(32)
     captured = BucketGraph(None, graphs.staged.views(graphs._sizes(32), with_lora=False), torch.zeros(0))
@@ -116,7 +116,9 @@ def test_a_step_staged_into_a_bucket_is_what_its_graph_reads():
         graphs.stage(captured, host, feed)
         static = captured.views.device
         assert torch.equal(static.block_tables[:3, :2], host.block_tables)
-        assert static.context_lens[:3].tolist() == [20, 9, 8] and static.query_start_loc[:4].tolist() == [0, 1, 2, 10]
+        assert static.context_lens[:3].tolist() == [20, 9, 8]
+        # Past the step, the sequences start at its end (not at the larger step's 7): still ascending.
+        assert static.query_start_loc.tolist() == [0, 1, 2, 10] + [10] * (seqs - 3)
         assert static.sample_indices.tolist() == [0, 1, 9] + [0] * 5
         assert static.input_ids[:10].tolist() == [100, 55, *range(102, 110)]      # row 1 fed on the device
         assert static.slot_mapping[10:].eq(-1).all()                              # padding rows store no K/V

@@ -152,8 +152,9 @@ def test_cuda_backends_use_pdl_only_where_asked_and_supported(monkeypatch, asked
 
 @pytest.mark.parametrize("deltas", [False, True])
 def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypatch, deltas):
-    """A prefill's last layer computes past its attention only the rows that are sampled, each with its own
-    adapter (added after the GEMM, or as a delta), and the tokens are the oracle's."""
+    """A prefill's last layer computes from q on only the rows that are sampled, each with its own adapter
+    (added after the GEMM, or as a delta), its attention as decode queries; the tokens are the oracle's."""
+    from slora.attention_backend import ReferenceAttention
     from slora.models.llama import MLP
     if deltas:
         force_lora_deltas(monkeypatch)
@@ -161,6 +162,12 @@ def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypat
     forward = MLP.forward
     monkeypatch.setattr(MLP, "forward", lambda self, x, residual, ctx: (seen.append((self.layer, x.shape[0])),
                                                                         forward(self, x, residual, ctx))[1])
+    attended: list[tuple[str, int]] = []              # (which call, query rows) of each attention
+    attend, attend_rows = ReferenceAttention.attend, ReferenceAttention.attend_rows
+    monkeypatch.setattr(ReferenceAttention, "attend", lambda self, query, *args, **kwargs: (
+        attended.append(("all", query.shape[0])), attend(self, query, *args, **kwargs))[1])
+    monkeypatch.setattr(ReferenceAttention, "attend_rows", lambda self, query, *args: (
+        attended.append(("rows", query.shape[0])), attend_rows(self, query, *args))[1])
     prompts = random_prompts([20, 9, 13], seed=4)
     names = [None, "all-r16", "mlp-r8"]
     expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, names, 3)
@@ -169,6 +176,28 @@ def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypat
         llm.load_adapter(name, str(tiny_llama.adapters[name]))
     assert [o.token_ids for o in llm.generate(prompts, THREE, adapters=names)] == expected
     assert seen[:2] == [(0, 42), (1, 3)]              # the prefill step: 42 rows, then the 3 sampled
+    # The prefill step's last attention takes its 3 sampled rows; a decode step, all of whose rows are
+    # sampled, attends whole.
+    assert attended[:4] == [("all", 42), ("rows", 3), ("all", 3), ("all", 3)]
+
+
+def test_a_step_of_prompt_logprobs_runs_its_last_layer_whole(tiny_llama, monkeypatch):
+    """More sampled rows than sequences (one prompt's logprobs): as decode queries each row would read its
+    whole context again, so that step's last layer attends whole; the other prompt's tokens are the oracle's."""
+    from slora.attention_backend import ReferenceAttention
+    attended: list[tuple[str, int]] = []
+    attend, attend_rows = ReferenceAttention.attend, ReferenceAttention.attend_rows
+    monkeypatch.setattr(ReferenceAttention, "attend", lambda self, query, *args, **kwargs: (
+        attended.append(("all", query.shape[0])), attend(self, query, *args, **kwargs))[1])
+    monkeypatch.setattr(ReferenceAttention, "attend_rows", lambda self, query, *args: (
+        attended.append(("rows", query.shape[0])), attend_rows(self, query, *args))[1])
+    prompts = random_prompts([12, 10], seed=8)
+    expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts[1:], [None], 3)
+    llm = LLM(str(tiny_llama.model_dir), num_pages=64)
+    with_logprobs = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    outputs = llm.generate(prompts, [with_logprobs, THREE])
+    assert outputs[1].token_ids == expected[0] and len(outputs[0].prompt_logprobs) == 12
+    assert attended[:2] == [("all", 22), ("all", 22)]         # 13 rows sampled of 22: the layer whole
 
 
 def test_a_chunk_step_that_samples_nothing_runs_no_last_layer_rows(tiny_llama, monkeypatch):

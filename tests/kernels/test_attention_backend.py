@@ -97,3 +97,46 @@ def test_attention_in_a_bucket_graph_reads_only_the_steps_rows(cases, num_decode
     assert got is out
     assert_close(got[:tokens], want)
     assert got[tokens:].eq(0).all()
+
+
+def _with_positions(batch: StepBatch, cases: list[tuple[int, int]]) -> StepBatch:
+    """The batch with each token's position (its prefix, then its new tokens)."""
+    positions = torch.cat([torch.arange(prefix, prefix + new) for prefix, new in cases])
+    return dataclasses.replace(batch, positions=positions)
+
+
+@pytest.mark.parametrize("cases,rows", [
+    ([(9, 1), (30, 1), (0, 12), (17, 5)], [0, 1, 13, 18]),   # two decodes, then each prompt's last row
+    ([(0, 20), (3, 9)], [19, 28]),
+    ([(0, 20), (3, 9)], [4, 21, 19]),                      # rows inside a prompt, out of order
+    ([(40, 1), (0, 7)], []),                               # no row (a chunk step that samples nothing)
+])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_attention_of_some_rows_matches_the_whole_steps(cases, rows, backend):
+    """The last layer attends only its sampled rows, each as a decode query over its sequence's pages up to
+    its own position: the same as those rows of the whole step's attention (every K/V in the pool)."""
+    gen = make_generator(30 + len(rows))
+    batch, pool = _batch(cases, 8, 0, gen, num_kv_heads=2, head_dim=16)
+    batch = _with_positions(batch, cases)
+    tokens = batch.input_ids.shape[0]
+    query = randn((tokens, 4, 16), torch.float32, gen)
+    whole = ReferenceAttention().attend(query, (query[:, :2], query[:, :2]), pool, batch, 2, 0.25)
+    index = torch.tensor(rows, dtype=torch.long)
+    attention = ReferenceAttention() if backend == "reference" else TritonAttention()
+    got = attention.attend_rows(query[index], pool, batch, index, 2, 0.25)
+    assert got.shape == (len(rows), 4, 16)
+    assert_close(got, whole[index])
+
+
+def test_rows_context_finds_each_rows_sequence_past_empty_ones():
+    """Sequences that start at one row (empty ones, as a bucket's padding): the row is the last one's, and its
+    context ends at its own position."""
+    from slora.attention_backend import rows_context
+    tables = torch.arange(12, dtype=torch.int32).view(4, 3)
+    starts = torch.tensor([0, 3, 3, 7, 7], dtype=torch.int32)       # sequence 1 is empty; 3 and the end too
+    positions = torch.tensor([5, 6, 7, 0, 1, 2, 3])
+    batch = StepBatch(positions, positions, positions, tables, starts, torch.tensor([8, 0, 4, 0], dtype=torch.int32),
+                      torch.tensor([2, 3, 6]), 8, 4, 8, None, 0)
+    got_tables, context_lens = rows_context(batch, torch.tensor([2, 3, 6]))
+    assert got_tables.tolist() == [tables[0].tolist(), tables[2].tolist(), tables[2].tolist()]
+    assert context_lens.tolist() == [8, 1, 4] and context_lens.dtype == torch.int32

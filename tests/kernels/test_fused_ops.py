@@ -160,6 +160,26 @@ def test_rotary_qk_several_head_blocks(dtype, monkeypatch):
     _check_rotary(wide, qkv, cos, sin, (4, 1, 16))
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("heads", [(4, 0, 16), (0, 2, 32), (0, 1, 16)])
+def test_rotary_qk_of_q_alone_or_k_and_v_alone(dtype, heads):
+    """The last layer projects q for its sampled rows and k/v for every row apart: num_kv_heads 0 rotates q
+    heads alone, num_heads 0 the k heads of k/v columns alone (v untouched), with a delta too."""
+    wide, qkv, cos, sin = _rotary_case(7, *heads, dtype, seed=50 + heads[0])
+    _check_rotary(wide, qkv, cos, sin, heads)
+    wide, qkv, cos, sin = _rotary_case(9, *heads, dtype, seed=60 + heads[0])
+    _check_rotary_with_delta(wide, qkv, cos, sin, heads, seed=61)
+
+
+def test_rotary_qk_of_q_alone_moves_every_column():
+    """A q-only qkv has no v columns: all of them rotate (a kernel that took the last heads for v would
+    leave them as they were)."""
+    _, qkv, cos, sin = _rotary_case(3, 4, 0, 16, torch.float32, seed=70)
+    before = qkv.clone()
+    rotary_qk_(qkv, cos, sin, 4, 0, 16)
+    assert not torch.isclose(qkv, before).view(3, 4, 16).all(dim=2).any()
+
+
 def test_rotary_qk_no_tokens():
     _, qkv, cos, sin = _rotary_case(0, 4, 1, 16, torch.float16, seed=8)
     rotary_qk_(qkv, cos, sin, 4, 1, 16)
@@ -169,8 +189,9 @@ def test_rotary_qk_no_tokens():
 @pytest.mark.parametrize("change,match", [
     (lambda q, c, s, h: (q[0], c, s, h), "qkv must be"),
     (lambda q, c, s, h: (q[:, :-16], c, s, h), "columns"),
-    (lambda q, c, s, h: (q, c, s, (4, 0, 16)), "multiple of num_kv_heads"),
     (lambda q, c, s, h: (q, c, s, (3, 2, 16)), "multiple of num_kv_heads"),
+    (lambda q, c, s, h: (q[:, :0], c, s, (0, 0, 16)), "not both"),
+    (lambda q, c, s, h: (q, c, s, (-2, 3, 16)), "multiple of num_kv_heads"),
     (lambda q, c, s, h: (q[:, :72], c[:, :12], s[:, :12], (4, 1, 12)), "power of two"),
     (lambda q, c, s, h: (q[:, :48], c[:, :8], s[:, :8], (4, 1, 8)), "power of two"),
     (lambda q, c, s, h: (q, c[:, :8], s, h), "cos must be"),
@@ -455,6 +476,19 @@ def test_rotary_qk_stores_kv_across_head_blocks(dtype, monkeypatch):
     monkeypatch.setattr(fused_ops, "ROTARY_BLOCK_ELEMS", 32)
     _check_rotary_store((4, 2, 16), dtype, 8, seed=43)
     _check_rotary_store((4, 2, 16), dtype, 8, seed=44, with_delta=True)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_rotary_qk_stores_kv_of_k_and_v_alone(dtype, with_delta):
+    _check_rotary_store((0, 2, 16), dtype, 8, seed=47, with_delta=with_delta)
+
+
+def test_rotary_qk_of_q_alone_has_nothing_to_store():
+    _, qkv, cos, sin = _rotary_case(4, 4, 0, 16, torch.float32, seed=48)
+    kv = PagedKV(torch.zeros(2, 0), torch.zeros(4, dtype=torch.int32), 8)
+    with pytest.raises(ValueError, match="num_kv_heads must be positive with kv"):
+        rotary_qk_(qkv, cos, sin, 4, 0, 16, kv=kv)
 
 
 def test_rotary_qk_stores_kv_with_int64_slots_and_no_tokens():
