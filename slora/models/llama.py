@@ -194,8 +194,8 @@ class Attention(nn.Module):
 
     def attend_rows(self, x: Tensor, ctx: StepContext, rows_ctx: StepContext, rows: Tensor) -> Tensor:
         """Every token's K/V stored, and the attention output `[rows, q_size]` of rows `rows` alone (rows_ctx:
-        ctx cut to them). Past the last layer's attention only the sampled rows count: k and v are projected
-        for every token (the cache needs them), q for those rows only, which then attend as decode queries."""
+        ctx cut to them). Past the last layer's K/V only the sampled rows count: k and v are projected for
+        every token (the cache needs them), q for those rows only, which then attend as decode queries."""
         assert self.qkv_proj is not None, "fuse_projections() runs when the weights are loaded"
         q_part, kv_part = (linear_part(self.qkv_proj, cols) for cols in (slice(0, self.q_size),
                                                                             slice(self.q_size, None)))
@@ -320,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
         rows = batch.sample_indices
         # Past the last layer's K/V nothing reads a row that is not sampled, and in a step with prefill rows
         # that is nearly all of them (8,192 tokens, 8 sampled): its q, attention, o_proj and MLP run on the
-        # sampled rows, each attending as a decode query. At most one per sequence, as in a decode step: a
+        # sampled rows, each attending as a decode query. No more rows than sequences, as in a decode step: a
         # step of prompt logprobs, whose rows are most of its tokens, runs the layer whole.
         if rows.shape[0] < batch.input_ids.shape[0] and rows.shape[0] <= batch.context_lens.shape[0]:
             x = last(x, ctx, rows)                                                      # [sampled, hidden]
