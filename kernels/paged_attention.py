@@ -13,7 +13,7 @@ arguments. Design:
   captured in a CUDA graph.
 - Softmax is computed in base 2 with `scale * log2(e)` folded into the scores.
 - `pdl` (programmatic dependent launch, `slora.kernels.pdl`): the context lengths are read before waiting
-  for the previous kernel (the KV store), the query, block tables and pool after.
+  for the previous kernel (the rotary kernel storing the K/V), the query, block tables and pool after.
 """
 import math
 

@@ -1,5 +1,5 @@
 """Attention behind the model (DESIGN §4): torch references on the CPU, Triton kernels on CUDA."""
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -23,19 +23,26 @@ class AttentionBackend(Protocol):
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         """Attention `[tokens, heads, head_dim]` of the step's queries, written into `out` when given."""
 
-    def attend_rows(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, rows: Tensor, num_kv_heads: int,
+    def attend_rows(self, query: Tensor, kv_pool: Tensor, rows: "RowQueries", page_size: int, num_kv_heads: int,
                     scale: float) -> Tensor:
-        """Attention `[rows, heads, head_dim]` of the queries of some rows of the step (`rows` `[n]`), every
-        K/V of the step already in the pool (rows_context)."""
+        """Attention `[n, heads, head_dim]` of the queries of some rows of the step, every K/V of the step
+        already in the pool."""
 
 
-def rows_context(batch: StepBatch, rows: Tensor) -> tuple[Tensor, Tensor]:
-    """(block tables `[n, pages]`, context lengths `[n]` int32) that make each of a step's rows (`rows` `[n]`)
-    a decode query: its sequence's pages, up to and with its own token. A row is its sequence's up to the
-    next sequence's first (query_start_loc ascending: among sequences that start at one row, the last one
-    owns it), and its context ends at its own position."""
+class RowQueries(NamedTuple):
+    """Some rows of a step as decode queries: each over its sequence's pages up to its own position."""
+    rows: Tensor              # [n] int64: rows of the step
+    block_tables: Tensor      # [n, pages] int32: each row's sequence's
+    context_lens: Tensor      # [n] int32: each row's position + 1
+
+
+def row_queries(batch: StepBatch, rows: Tensor) -> RowQueries:
+    """A step's rows (`rows` `[n]`) as decode queries. A row is its sequence's up to the next sequence's
+    first (query_start_loc ascending from 0: among sequences that start at one row, the last one owns it).
+    Built before the step's layers: the decode kernel reads context_lens before its PDL wait, which allows
+    only inputs no kernel of the layers writes (slora.kernels.pdl)."""
     seqs = torch.searchsorted(batch.query_start_loc, rows.to(batch.query_start_loc.dtype), right=True) - 1
-    return batch.block_tables[seqs], (batch.positions[rows] + 1).to(torch.int32)
+    return RowQueries(rows, batch.block_tables[seqs], (batch.positions[rows] + 1).to(torch.int32))
 
 
 class ReferenceAttention:
@@ -50,11 +57,10 @@ class ReferenceAttention:
                                              batch.context_lens, batch.page_size, num_kv_heads, scale)
         return result if out is None else out.copy_(result)
 
-    def attend_rows(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, rows: Tensor, num_kv_heads: int,
+    def attend_rows(self, query: Tensor, kv_pool: Tensor, rows: RowQueries, page_size: int, num_kv_heads: int,
                     scale: float) -> Tensor:
         """The rows' queries through the reference decode attention."""
-        block_tables, context_lens = rows_context(batch, rows)
-        return reference.paged_attention(query, kv_pool, block_tables, context_lens, batch.page_size,
+        return reference.paged_attention(query, kv_pool, rows.block_tables, rows.context_lens, page_size,
                                          num_kv_heads, scale)
 
 
@@ -103,12 +109,11 @@ class TritonAttention:
                              batch.context_lens[decodes:], batch.page_size, num_kv_heads, scale, out=out,
                              new_kv=own_rows)
 
-    def attend_rows(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, rows: Tensor, num_kv_heads: int,
+    def attend_rows(self, query: Tensor, kv_pool: Tensor, rows: RowQueries, page_size: int, num_kv_heads: int,
                     scale: float) -> Tensor:
         """The rows' queries through the decode kernel, unsplit as a mixed step's decode rows are (one
         compiled variant for every such call; the rows are few, beside the rest of the step's layer)."""
-        block_tables, context_lens = rows_context(batch, rows)
-        return self._paged(query, kv_pool, block_tables, context_lens, batch.page_size, num_kv_heads, scale,
+        return self._paged(query, kv_pool, rows.block_tables, rows.context_lens, page_size, num_kv_heads, scale,
                            num_splits=1, pdl=self.pdl)
 
     def new_kv_step_shapes(self, longest: int, max_batch: int) -> tuple[tuple[int, int], ...]:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from slora import step_batch
+from slora.attention_backend import RowQueries
 from slora.cuda_graphs import GraphLimits
 from slora.lora_backend import LoraBackend
 from slora.models.registry import CausalLM
@@ -123,7 +124,7 @@ class BucketAttention(Protocol):
     def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, inputs: AttentionInputs,
                         num_kv_heads: int, scale: float, out: Tensor) -> Tensor: ...
 
-    def attend_rows(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, rows: Tensor, num_kv_heads: int,
+    def attend_rows(self, query: Tensor, kv_pool: Tensor, rows: RowQueries, page_size: int, num_kv_heads: int,
                     scale: float) -> Tensor: ...
 
 
@@ -153,11 +154,11 @@ class _BucketModelAttention:
         return self.attention.attend_in_graph(query, kv_pool, batch, self.inputs, num_kv_heads, scale,
                                               self.out_for(query))
 
-    def attend_rows(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, rows: Tensor, num_kv_heads: int,
+    def attend_rows(self, query: Tensor, kv_pool: Tensor, rows: RowQueries, page_size: int, num_kv_heads: int,
                     scale: float) -> Tensor:
-        """The sampled rows' (the bucket's `seqs`: the step's, then row 0 again) over the bucket's tables,
-        which _stage_extras keeps ascending past the step."""
-        return self.attention.attend_rows(query, kv_pool, batch, rows, num_kv_heads, scale)
+        """The sampled rows' (the bucket's `seqs`: the step's, then row 0 again), found in the bucket's
+        query_start_loc, which _stage_extras keeps ascending past the step."""
+        return self.attention.attend_rows(query, kv_pool, rows, page_size, num_kv_heads, scale)
 
 
 class MixedGraphs:
@@ -269,7 +270,7 @@ class MixedGraphs:
         """What a mixed step stages beyond copy_into: the sampled rows and query_start_loc are aranges in
         static buffers (the decode graphs' use); here they are the step's. The sampled rows past the step's
         read row 0, inside every bucket; the sequences past the step start at its end, so query_start_loc
-        stays ascending (rows_context searches it). Then the step's AttentionInputs. Through numpy, as
+        stays ascending (row_queries searches it). Then the step's AttentionInputs. Through numpy, as
         copy_into."""
         sample_indices, query_start_loc = twin.sample_indices.numpy(), host.query_start_loc.numpy()
         sample_indices.fill(0)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slora.adapters.shapes import TargetShapes
-from slora.attention_backend import AttentionBackend
+from slora.attention_backend import AttentionBackend, RowQueries, row_queries
 from slora.kernels.reference import PagedKV
 from slora.lora_backend import LoraStep
 from slora.models import ops
@@ -36,6 +36,8 @@ LORA_MODULE_PATHS = MappingProxyType({
 LORA_MODULES = tuple(LORA_MODULE_PATHS)
 Q, K, V, O, GATE, UP, DOWN = range(len(LORA_MODULES))
 LORA_GROUPS = (slice(Q, V + 1), slice(O, O + 1), slice(GATE, UP + 1), slice(DOWN, DOWN + 1))
+# The last layer's q/k/v group cut in two (Attention.attend_rows): q of the sampled rows, k/v of every row.
+LORA_Q, LORA_KV = slice(Q, Q + 1), slice(K, V + 1)
 
 
 class Projection(Protocol):
@@ -55,6 +57,7 @@ class LinearPart(NamedTuple):
 
 
 def linear_part(linear: nn.Linear, features: slice) -> LinearPart:
+    """The output features `features` of `linear`, without a copy."""
     return LinearPart(linear.weight[features], None if linear.bias is None else linear.bias[features])
 
 
@@ -82,11 +85,13 @@ class RMSNorm(nn.Module):
 
 
 class StepContext:
-    """What every layer needs in one forward: the batch, the pool, the kernels, the rotary angles."""
+    """What every layer needs in one forward: the batch, the pool, the kernels, the rotary angles; cut to some
+    rows (for_rows), those rows as decode queries too."""
 
     def __init__(self, batch: StepBatch, pool: Tensor, attention: AttentionBackend, lora: LoraStep | None,
-                 cos: Tensor, sin: Tensor) -> None:
+                 cos: Tensor, sin: Tensor, rows: RowQueries | None = None) -> None:
         self.batch, self.pool, self.attention, self.lora, self.cos, self.sin = batch, pool, attention, lora, cos, sin
+        self.rows = rows
         self.pdl = attention.pdl
 
     def project(self, layer: int, modules: slice, x: Tensor, linear: Projection, out_sizes: list[int],
@@ -122,9 +127,11 @@ class StepContext:
     def for_rows(self, rows: Tensor) -> "StepContext":
         """This context cut to some rows of the step (`rows` `[n]`), for the work of the last layer that only
         the sampled rows need: the LoRA and rotary angles then cover those rows alone, and no LoRA when there
-        are none (a chunk step whose prompts all go on). The batch and pool stay the step's."""
+        are none (a chunk step whose prompts all go on). The batch and pool stay the step's. Made before the
+        layers: its tensors are read by kernels before their PDL wait (slora.kernels.pdl)."""
         lora = None if self.lora is None or rows.shape[0] == 0 else self.lora.rows(rows)
-        return StepContext(self.batch, self.pool, self.attention, lora, self.cos[rows], self.sin[rows])
+        return StepContext(self.batch, self.pool, self.attention, lora, self.cos[rows], self.sin[rows],
+                           row_queries(self.batch, rows))
 
     def _delta(self, delta: Tensor | None) -> ops.Delta | None:
         lora = self.lora
@@ -192,21 +199,23 @@ class Attention(nn.Module):
         attn = ctx.attention.attend(q, (k, v), kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         return attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
 
-    def attend_rows(self, x: Tensor, ctx: StepContext, rows_ctx: StepContext, rows: Tensor) -> Tensor:
-        """Every token's K/V stored, and the attention output `[rows, q_size]` of rows `rows` alone (rows_ctx:
-        ctx cut to them). Past the last layer's K/V only the sampled rows count: k and v are projected for
+    def attend_rows(self, x: Tensor, ctx: StepContext, rows_ctx: StepContext) -> Tensor:
+        """Every token's K/V stored, and the attention output `[rows, q_size]` of the rows of rows_ctx (ctx cut
+        to them) alone. Past the last layer's K/V only the sampled rows count: k and v are projected for
         every token (the cache needs them), q for those rows only, which then attend as decode queries."""
         assert self.qkv_proj is not None, "fuse_projections() runs when the weights are loaded"
+        assert rows_ctx.rows is not None, "a context cut by for_rows"
         q_part, kv_part = (linear_part(self.qkv_proj, cols) for cols in (slice(0, self.q_size),
                                                                             slice(self.q_size, None)))
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
-        kv = ctx.project(self.layer, slice(K, V + 1), x, kv_part, [self.kv_size] * 2)   # [tokens, 2 * kv_size]
+        kv = ctx.project(self.layer, LORA_KV, x, kv_part, [self.kv_size] * 2)          # [tokens, 2 * kv_size]
         ops.rotary_qk_(kv.out, ctx.cos, ctx.sin, 0, self.num_kv_heads, self.head_dim,
                        PagedKV(kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size), ctx.pdl, kv.lora)
-        q = rows_ctx.project(self.layer, slice(Q, Q + 1), x[rows], q_part, [self.q_size])   # [rows, q_size]
+        q = rows_ctx.project(self.layer, LORA_Q, x[rows_ctx.rows.rows], q_part, [self.q_size])   # [rows, q_size]
         ops.rotary_qk_(q.out, rows_ctx.cos, rows_ctx.sin, self.num_heads, 0, self.head_dim, None, ctx.pdl, q.lora)
         query = q.out.view(-1, self.num_heads, self.head_dim)                            # [rows, heads, head_dim]
-        attn = ctx.attention.attend_rows(query, kv_pool, ctx.batch, rows, self.num_kv_heads, self.scale)
+        attn = ctx.attention.attend_rows(query, kv_pool, rows_ctx.rows, ctx.batch.page_size, self.num_kv_heads,
+                                         self.scale)
         return attn.reshape(-1, self.q_size)                                             # [rows, q_size]
 
     def out_proj(self, attn: Tensor, residual: Tensor, ctx: StepContext) -> Projected:
@@ -251,17 +260,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layer)
 
-    def forward(self, x: Projected, ctx: StepContext, rows: Tensor | None = None) -> Projected:
+    def forward(self, x: Projected, ctx: StepContext, rows_ctx: StepContext | None = None) -> Projected:
         """The residual stream after this layer, written over x's (with down_proj's LoRA delta, when the step
-        computes deltas, for the next norm to add). rows: every token's K/V is stored, but from q on only
-        these rows are computed (and returned)."""
+        computes deltas, for the next norm to add). rows_ctx: ctx cut to some rows (for_rows); every token's
+        K/V is stored, but from q on only those rows are computed (and returned)."""
         normed, residual = self.input_layernorm(x, ctx.pdl)         # residual: x with its delta added
-        if rows is None:
+        if rows_ctx is None or rows_ctx.rows is None:
             attn = self.self_attn.attend(normed, ctx)                # [tokens, q_size]
         else:
-            rows_ctx = ctx.for_rows(rows)
-            attn = self.self_attn.attend_rows(normed, ctx, rows_ctx, rows)          # [rows, q_size]
-            residual, ctx = residual[rows], rows_ctx
+            attn = self.self_attn.attend_rows(normed, ctx, rows_ctx)                 # [rows, q_size]
+            residual, ctx = residual[rows_ctx.rows.rows], rows_ctx
         normed, residual = self.post_attention_layernorm(self.self_attn.out_proj(attn, residual, ctx), ctx.pdl)
         return self.mlp(normed, residual, ctx)
 
@@ -313,18 +321,17 @@ class LlamaForCausalLM(nn.Module):
         embedded = self.model.embed_tokens(batch.input_ids)          # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, embedded.dtype)
         ctx = StepContext(batch, pool, attention, lora, cos, sin)
-        x = Projected(embedded)
-        *layers, last = cast(list[DecoderLayer], list(self.model.layers))
-        for layer in layers:
-            x = layer(x, ctx)
         rows = batch.sample_indices
         # Past the last layer's K/V nothing reads a row that is not sampled, and in a step with prefill rows
         # that is nearly all of them (8,192 tokens, 8 sampled): its q, attention, o_proj and MLP run on the
         # sampled rows, each attending as a decode query. No more rows than sequences, as in a decode step: a
         # step of prompt logprobs, whose rows are most of its tokens, runs the layer whole.
-        if rows.shape[0] < batch.input_ids.shape[0] and rows.shape[0] <= batch.context_lens.shape[0]:
-            x = last(x, ctx, rows)                                                      # [sampled, hidden]
-        else:
-            x = last(x, ctx).rows(rows)
+        cut = rows.shape[0] < batch.input_ids.shape[0] and rows.shape[0] <= batch.context_lens.shape[0]
+        rows_ctx = ctx.for_rows(rows) if cut else None               # before the layers: see for_rows
+        x = Projected(embedded)
+        *layers, last = cast(list[DecoderLayer], list(self.model.layers))
+        for layer in layers:
+            x = layer(x, ctx)
+        x = last(x, ctx, rows_ctx) if cut else last(x, ctx).rows(rows)                  # [sampled, hidden]
         normed, _ = self.model.norm(x, ctx.pdl)                                         # [sampled, hidden]
         return self.lm_head(normed).float()

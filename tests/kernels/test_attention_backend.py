@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_helpers import assert_close, make_generator, make_paged_kv, randn, take_new_kv
 
-from slora.attention_backend import ReferenceAttention, TritonAttention
+from slora.attention_backend import ReferenceAttention, TritonAttention, row_queries
 from slora.step_batch import StepBatch
 
 
@@ -123,20 +123,20 @@ def test_attention_of_some_rows_matches_the_whole_steps(cases, rows, backend):
     whole = ReferenceAttention().attend(query, (query[:, :2], query[:, :2]), pool, batch, 2, 0.25)
     index = torch.tensor(rows, dtype=torch.long)
     attention = ReferenceAttention() if backend == "reference" else TritonAttention()
-    got = attention.attend_rows(query[index], pool, batch, index, 2, 0.25)
+    got = attention.attend_rows(query[index], pool, row_queries(batch, index), 8, 2, 0.25)
     assert got.shape == (len(rows), 4, 16)
     assert_close(got, whole[index])
 
 
-def test_rows_context_finds_each_rows_sequence_past_empty_ones():
+def test_row_queries_find_each_rows_sequence_past_empty_ones():
     """Sequences that start at one row (empty ones, as a bucket's padding): the row is the last one's, and its
     context ends at its own position."""
-    from slora.attention_backend import rows_context
     tables = torch.arange(12, dtype=torch.int32).view(4, 3)
     starts = torch.tensor([0, 3, 3, 7, 7], dtype=torch.int32)       # sequence 1 is empty; 3 and the end too
     positions = torch.tensor([5, 6, 7, 0, 1, 2, 3])
     batch = StepBatch(positions, positions, positions, tables, starts, torch.tensor([8, 0, 4, 0], dtype=torch.int32),
                       torch.tensor([2, 3, 6]), 8, 4, 8, None, 0)
-    got_tables, context_lens = rows_context(batch, torch.tensor([2, 3, 6]))
+    got_rows, got_tables, context_lens = row_queries(batch, torch.tensor([2, 3, 6]))
+    assert got_rows.tolist() == [2, 3, 6]
     assert got_tables.tolist() == [tables[0].tolist(), tables[2].tolist(), tables[2].tolist()]
     assert context_lens.tolist() == [8, 1, 4] and context_lens.dtype == torch.int32
