@@ -1,6 +1,7 @@
 """The engine's CUDA-path wiring (Triton attention and LoRA backends) run through the Triton interpreter
 on the CPU: same greedy tokens as the reference backends, for a mixed-adapter batch with prefill and
-decode steps. (CUDA graphs need a GPU: tests/e2e/test_gpu_engine.py.)"""
+decode steps. CUDA graphs need a GPU (tests/e2e/test_gpu_engine.py), but what a mixed-step graph records
+runs here uncaptured."""
 import dataclasses
 import inspect
 import os
@@ -14,6 +15,7 @@ from slora import LLM, SamplingParams
 from slora.attention_backend import TritonAttention
 from slora.lora_backend import LoraLaunchPolicy, TritonLora
 from slora.cuda_graphs import GraphLimits
+from slora.mixed_graphs import BucketGraph
 from slora.kernels.layout import cdiv
 from slora.model_runner import WARM_UP_STEPS, WarmUpStep
 from slora.step_batch import step_max_rank
@@ -370,3 +372,47 @@ def test_chunk_steps_that_sample_no_row_match_peft_on_the_triton_kernels(tiny_ll
     llm.engine.runner.attention, llm.engine.runner.lora = TritonAttention(), TritonLora()
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     assert llm.generate(prompt, params, adapters=["all-r16"])[0].token_ids == expected[0]
+
+
+def test_steps_through_a_buckets_recorded_forward_match_peft(tiny_llama, monkeypatch):
+    """What a mixed-step graph records (slora.mixed_graphs), run uncaptured on the CPU in place of every replay:
+    steps padded to their token bucket (16 or 24 tokens, 4 sequence slots), the attention over the bucket's
+    grids, the last layer's sampled rows found in the staged query starts, the sampled rows past the step
+    reading row 0. Decodes beside chunks of prompts on two adapters and none: the tokens are the oracle's."""
+    from slora.mixed_graphs import ATTENTION_INPUTS, MixedGraphs, packed_length, split_attention_inputs
+    prompts, names = random_prompts([50, 3, 9], seed=43), [None, "all-r16", "rs-pattern"]
+    expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, names, 4)
+    llm = LLM(str(tiny_llama.model_dir), num_pages=64, max_num_batched_tokens=24)
+    for name in ("all-r16", "rs-pattern"):
+        llm.load_adapter(name, str(tiny_llama.adapters[name]))
+    runner = llm.engine.runner
+    runner.attention, runner.lora = TritonAttention(), TritonLora()
+    limits = GraphLimits(max_batch=4, max_blocks=8, max_adapter_pages=64, max_lora_rank=16,
+                         num_layers=runner.shape.num_layers, num_lora_modules=7, mixed_tokens=24)
+    graphs = MixedGraphs(runner.model, runner.pool, runner.attention, runner.lora, runner.shape.page_size, limits)
+    assert graphs.buckets == [16, 24]
+
+    def recorded(tokens: int, with_lora: bool):
+        """The bucket's static inputs, and its forward over them as the capture records it."""
+        views = graphs.staged.views(graphs._sizes(tokens), with_lora)
+        packed = graphs.staged.device_extra(ATTENTION_INPUTS)[:packed_length(graphs.seqs(tokens))]
+        return views, lambda: graphs._record(views.device, split_attention_inputs(packed))
+
+    for tokens in reversed(graphs.buckets):             # as capture() does: the largest bucket first
+        for with_lora in (False, True):
+            recorded(tokens, with_lora)[1]()
+    steps: list[tuple[int, int, int]] = []              # (bucket, the step's tokens, its sampled rows)
+
+    def replay(bucket, host, feed):
+        views, forward = recorded(bucket, host.lora is not None)
+        graphs.stage(BucketGraph(None, views, torch.zeros(0)), host, feed)
+        steps.append((bucket, host.input_ids.shape[0], host.sample_indices.shape[0]))
+        return forward()[:len(host.sample_indices)]
+    monkeypatch.setattr(graphs, "replay", replay)
+    runner.mixed_graphs = graphs
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params, adapters=names)] == expected
+    # Padded steps whose last layer attends sampled rows alone (fewer than the step's tokens), and a step
+    # that samples none.
+    assert any(tokens < bucket and 0 < rows < tokens for bucket, tokens, rows in steps), steps
+    assert any(rows == 0 for _, _, rows in steps), steps

@@ -1,5 +1,6 @@
 """The parts of the mixed-step graphs (slora.mixed_graphs) that need no GPU: the token buckets, which
-steps the graphs take, what a step is staged as, and the switch. Capture and replay against eager steps: tests/e2e/test_gpu_engine.py."""
+steps the graphs take, what a step is staged as, and the switch. Capture and replay against eager steps:
+tests/e2e/test_gpu_engine.py; the recorded forward, uncaptured, on the CPU: tests/e2e/test_triton_backend_cpu.py."""
 import dataclasses
 
 import pytest
