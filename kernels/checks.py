@@ -26,23 +26,30 @@ def check_query_and_pool(query: Tensor, kv_pool: Tensor, page_size: int, num_kv_
     if query.dim() != 3:
         raise ValueError(f"query must be [{query_shape}, num_heads, head_dim], got shape {tuple(query.shape)}")
     _, num_heads, head_dim = query.shape
-    if kv_pool.dim() != 2:
-        raise ValueError(f"kv_pool must be [num_pages, page_elems], got shape {tuple(kv_pool.shape)}")
     if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
     if not is_power_of_two(head_dim) or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
-    if page_size <= 0:
-        raise ValueError(f"page_size must be positive, got {page_size}")
-    if kv_pool.shape[1] != 2 * page_size * num_kv_heads * head_dim:
-        raise ValueError(f"kv_pool page_elems {kv_pool.shape[1]} != 2 * page_size * num_kv_heads * head_dim "
-                         f"= {2 * page_size * num_kv_heads * head_dim}")
+    check_kv_pool(kv_pool, page_size, num_kv_heads, head_dim)
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"query must be float16, bfloat16 or float32, got {query.dtype}")
     if not kv_pool.is_floating_point():
         raise ValueError(f"kv_pool must be floating point, got {kv_pool.dtype}")
     if query.stride(2) != 1:
         raise ValueError("query must be contiguous in head_dim (stride 1)")
+
+
+def check_kv_pool(kv_pool: Tensor, page_size: int, num_kv_heads: int, head_dim: int) -> None:
+    """One layer of the pool `[num_pages, page_elems]` as pages of K and V, each `[page_size, num_kv_heads,
+    head_dim]`, contiguous."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    page_elems = 2 * page_size * num_kv_heads * head_dim
+    if kv_pool.dim() != 2 or kv_pool.shape[1] != page_elems:
+        raise ValueError(f"kv_pool must be [num_pages, page_elems = 2 * page_size * num_kv_heads * head_dim = "
+                         f"{page_elems}], got shape {tuple(kv_pool.shape)}")
+    if not kv_pool.is_contiguous():
+        raise ValueError("kv_pool must be contiguous")
 
 
 def check_int_tensors(**tensors: Tensor) -> None:

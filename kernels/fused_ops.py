@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from slora.kernels.checks import check_one_device, is_power_of_two
+from slora.kernels.checks import check_kv_pool, check_one_device, is_power_of_two
 from slora.kernels.layout import cdiv, next_power_of_2
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
 from slora.kernels.reference import PagedKV
@@ -268,16 +268,12 @@ def _check_paged_kv(qkv: Tensor, kv: PagedKV, num_kv_heads: int, head_dim: int) 
     kv_pool, slot_mapping, page_size = kv
     if num_kv_heads == 0:
         raise ValueError("kv stores k and v heads: num_kv_heads must be positive with kv")
-    if page_size <= 0:
-        raise ValueError(f"page_size must be positive, got {page_size}")
-    if kv_pool.dim() != 2 or kv_pool.shape[1] != 2 * page_size * num_kv_heads * head_dim:
-        raise ValueError(f"kv_pool must be [num_pages, 2 * page_size * num_kv_heads * head_dim = "
-                         f"{2 * page_size * num_kv_heads * head_dim}], got shape {tuple(kv_pool.shape)}")
+    check_kv_pool(kv_pool, page_size, num_kv_heads, head_dim)
     if slot_mapping.shape != (qkv.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64 [tokens={qkv.shape[0]}], got "
                          f"{slot_mapping.dtype} of shape {tuple(slot_mapping.shape)}")
-    if not kv_pool.is_contiguous() or not slot_mapping.is_contiguous():
-        raise ValueError("kv_pool and slot_mapping must be contiguous")
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
     _check_float_dtype("kv_pool", kv_pool)
     check_one_device(qkv=qkv, kv_pool=kv_pool, slot_mapping=slot_mapping)
 

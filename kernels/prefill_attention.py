@@ -248,8 +248,8 @@ def _check_inputs(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_st
     check_int_tensors(block_tables=block_tables, query_start_loc=query_start_loc, context_lens=context_lens)
     check_one_device(query=query, kv_pool=kv_pool, block_tables=block_tables, query_start_loc=query_start_loc,
                      context_lens=context_lens)
-    if not (kv_pool.is_contiguous() and query_start_loc.is_contiguous() and context_lens.is_contiguous()):
-        raise ValueError("kv_pool, query_start_loc and context_lens must be contiguous")
+    if not (query_start_loc.is_contiguous() and context_lens.is_contiguous()):
+        raise ValueError("query_start_loc and context_lens must be contiguous")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables must be contiguous in its rows (stride 1)")
 

@@ -133,6 +133,11 @@ class StepContext:
         return StepContext(self.batch, self.pool, self.attention, lora, self.cos[rows], self.sin[rows],
                            row_queries(self.batch, rows))
 
+    def cut(self, x: Tensor) -> Tensor:
+        """The rows of x `[tokens, ...]` that this context, made by for_rows, is cut to."""
+        assert self.rows is not None, "a context made by for_rows"
+        return x[self.rows.rows]
+
     def _delta(self, delta: Tensor | None) -> ops.Delta | None:
         lora = self.lora
         assert lora is not None, "project() computes deltas only with the step's LoRA"
@@ -211,7 +216,7 @@ class Attention(nn.Module):
         kv = ctx.project(self.layer, LORA_KV, x, kv_part, [self.kv_size] * 2)          # [tokens, 2 * kv_size]
         ops.rotary_qk_(kv.out, ctx.cos, ctx.sin, 0, self.num_kv_heads, self.head_dim,
                        PagedKV(kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size), ctx.pdl, kv.lora)
-        q = rows_ctx.project(self.layer, LORA_Q, x[rows_ctx.rows.rows], q_part, [self.q_size])   # [rows, q_size]
+        q = rows_ctx.project(self.layer, LORA_Q, rows_ctx.cut(x), q_part, [self.q_size])   # [rows, q_size]
         ops.rotary_qk_(q.out, rows_ctx.cos, rows_ctx.sin, self.num_heads, 0, self.head_dim, None, ctx.pdl, q.lora)
         query = q.out.view(-1, self.num_heads, self.head_dim)                            # [rows, heads, head_dim]
         attn = ctx.attention.attend_rows(query, kv_pool, rows_ctx.rows, ctx.batch.page_size, self.num_kv_heads,
@@ -265,11 +270,11 @@ class DecoderLayer(nn.Module):
         computes deltas, for the next norm to add). rows_ctx: ctx cut to some rows (for_rows); every token's
         K/V is stored, but from q on only those rows are computed (and returned)."""
         normed, residual = self.input_layernorm(x, ctx.pdl)         # residual: x with its delta added
-        if rows_ctx is None or rows_ctx.rows is None:
+        if rows_ctx is None:
             attn = self.self_attn.attend(normed, ctx)                # [tokens, q_size]
         else:
             attn = self.self_attn.attend_rows(normed, ctx, rows_ctx)                 # [rows, q_size]
-            residual, ctx = residual[rows_ctx.rows.rows], rows_ctx
+            residual, ctx = rows_ctx.cut(residual), rows_ctx
         normed, residual = self.post_attention_layernorm(self.self_attn.out_proj(attn, residual, ctx), ctx.pdl)
         return self.mlp(normed, residual, ctx)
 

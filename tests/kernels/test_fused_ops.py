@@ -510,6 +510,7 @@ def test_rotary_qk_stores_kv_with_int64_slots_and_no_tokens():
     (lambda kv: kv._replace(slot_mapping=kv.slot_mapping[:-1]), "slot_mapping must be"),
     (lambda kv: kv._replace(slot_mapping=kv.slot_mapping.float()), "int32 or int64"),
     (lambda kv: kv._replace(slot_mapping=torch.stack([kv.slot_mapping] * 2, 1)[:, 0]), "must be contiguous"),
+    (lambda kv: kv._replace(kv_pool=torch.stack([kv.kv_pool] * 2, 2)[:, :, 0]), "kv_pool must be contiguous"),
     (lambda kv: kv._replace(kv_pool=kv.kv_pool.long()), "kv_pool must be float16"),
     (lambda kv: kv._replace(kv_pool=_meta(kv.kv_pool)), "one device"),
 ])
