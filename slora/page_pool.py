@@ -80,8 +80,8 @@ class PageAllocator:
         or nothing. In bulk: a prefill chunk takes dozens of pages in one step."""
         if count > self.num_available:
             raise OutOfPages(f"{count} {what} pages asked for, {self.num_available} are available")
-        while len(self._free) < count:
-            self._evict_cached()
+        if len(self._free) < count:
+            self._evict_cached(count - len(self._free))
         pages = [self._free.popleft() for _ in range(count)]
         self._move(pages, PageOwner.FREE, owner)
         return pages
@@ -150,11 +150,14 @@ class PageAllocator:
     def is_cached(self, page: int) -> bool:
         return self._owner[page] is PageOwner.CACHED
 
-    def _evict_cached(self) -> None:
-        page, _ = self._cached.popitem(last=False)
-        del self._page_of_hash[self._hash_of_page.pop(page)]
-        self.num_cache_evictions += 1
-        self._give_back([page], PageOwner.CACHED)
+    def _evict_cached(self, count: int) -> None:
+        """Free the `count` least recently used cached pages. In bulk: once the cache fills the pool, each
+        prefill chunk evicts dozens."""
+        pages = [self._cached.popitem(last=False)[0] for _ in range(count)]
+        for page in pages:
+            del self._page_of_hash[self._hash_of_page.pop(page)]
+        self.num_cache_evictions += count
+        self._give_back(pages, PageOwner.CACHED)
 
     def allocate_adapter(self, version: str, count: int) -> list[int]:
         """`count` pages for the weights of adapter `version`; all or nothing."""

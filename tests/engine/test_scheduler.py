@@ -151,20 +151,25 @@ def test_kv_pages_released_in_bulk_free_cache_or_keep_each_page_by_its_reference
 
 
 def test_kv_pages_in_bulk_take_free_pages_then_evict_cached_ones_all_or_nothing():
-    allocator = PageAllocator(6, 16)
-    cached = allocator.allocate_kv_pages(2)
-    for page, digest in zip(cached, (b"a", b"b")):
+    allocator = PageAllocator(7, 16)
+    cached = allocator.allocate_kv_pages(3)
+    for page, digest in zip(cached, (b"a", b"b", b"c")):
         allocator.register_hashes([page], [digest])
         allocator.release_kv(page)                           # refcount 0, hashed: kept as cached KV
-    assert allocator.stats().cached_pages == 2 and allocator.num_free == 4
-    with pytest.raises(OutOfPages, match="7 KV pages asked for, 6 are available"):
-        allocator.allocate_kv_pages(7)
-    assert allocator.stats().free_pages == 4 and allocator.lookup(b"a") == cached[0]   # nothing taken
-    pages = allocator.allocate_kv_pages(5)                   # 4 free, then the oldest cached one
-    assert len(set(pages)) == 5 and cached[0] in pages and allocator.lookup(b"a") is None
+    allocator.reuse(cached[0])                               # "a" is used again: now the newest cached page
+    allocator.release_kv(cached[0])
+    assert allocator.stats().cached_pages == 3 and allocator.num_free == 4
+    with pytest.raises(OutOfPages, match="8 KV pages asked for, 7 are available"):
+        allocator.allocate_kv_pages(8)
+    assert allocator.stats().free_pages == 4 and allocator.lookup(b"b") == cached[1]   # nothing taken
+    pages = allocator.allocate_kv_pages(6)                   # 4 free, then the two least recently used cached
+    assert len(set(pages)) == 6 and {cached[1], cached[2]} <= set(pages)
+    assert (allocator.lookup(b"a"), allocator.lookup(b"b"), allocator.lookup(b"c")) == (cached[0], None, None)
+    assert allocator.num_cache_evictions == 2
     assert all(allocator.owner(p) is PageOwner.KV and allocator.refcount(p) == 1 for p in pages)
     stats = allocator.stats()
-    assert (stats.free_pages, stats.kv_pages, stats.cached_pages) == (0, 5, 1)
+    assert (stats.free_pages, stats.kv_pages, stats.cached_pages) == (0, 6, 1)
+    allocator.check([pages], {})
 
 
 def test_a_request_of_n_samples_takes_n_running_slots():
