@@ -4,20 +4,26 @@
 One engine (the Llama-3-8B shape with random bf16 weights on CUDA, slora-tiny-llama on the CPU), CUDA graphs
 as by default, and a step budget of --step-tokens (512: every chunk step fits a mixed-step graph). --batch
 requests decode (16-token prompts, long outputs, greedy, ignore_eos), on --adapters rank-16 adapters round
-robin (0: the base model). Then --prompts requests of --prompt-len tokens and one output token each arrive,
-on the decoders' first adapter, and the steps that chunk them hold every decode beside their chunk; once
-they are done the steps are decode steps again. Each `engine.step()` starts on an idle GPU and is charged to
-the kind of step it launched (engine_throughput.calls_by_kind). A second pass of new prompts runs with a
-timer around each of the engine's phases (PHASES: each timed without the phases it calls), whose means add
-up to the step's; a third runs under cProfile, whose functions by own time say where each phase's time goes.
+robin (0: the base model). A pass is --prompts blocks of steps. At a block's start one request of
+--prompt-len tokens and one output token arrives, on the decoders' first adapter; the steps that chunk it
+hold every decode beside their chunk, and the block's last steps are decode steps again. Each
+`engine.step()` starts on an idle GPU and is charged to the kind of step it launched
+(engine_throughput.calls_by_kind). Each block gives its own chunk / decode ratio: the two kinds of steps
+run within a fraction of a second of each other, so the host's drift over seconds does not tell between them.
+A second pass runs with a timer around each of the engine's phases (PHASES: each timed without the phases
+it calls), whose means add up to the step's; a third runs under cProfile, whose functions by own time say
+where each phase's time goes. --host-only (CPU) replaces the model's forward by zero logits: the steps then
+time the host's own work alone.
 
     python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8] [--prompt-len N]
-                                   [--idle-ms MS] [--engine-arg KEY=VALUE ...] [--out FILE]
+                                   [--idle-ms MS] [--host-only] [--engine-arg KEY=VALUE ...] [--out FILE]
 """
 import argparse
+import contextlib
 import gc
 import importlib
 import inspect
+import itertools
 import logging
 import statistics
 import tempfile
@@ -50,20 +56,24 @@ DECODE_PROMPT = 16
 class Scenario(NamedTuple):
     batch: int              # decoding requests
     adapters: int           # their adapters, round robin (0: none)
-    prompts: int            # chunked prompts per pass
+    prompts: int            # blocks per pass: a chunked prompt each
     prompt_len: int
     step_tokens: int        # the engine's max_num_batched_tokens
-    decode_steps: int       # decode steps timed after each pass's prompts are done
-    rounds: int             # timed passes: each gives its own chunk / decode ratio
+    decode_steps: int       # decode steps of a block, after its prompt's chunks
+    rounds: int             # timed passes
     # ms the host sleeps after the GPU is idle and before each step: both kinds then start from a like idle
     # host, not from a wait as long as the step before's GPU time (0: none).
     idle_ms: float = 0.0
 
 
-def steps_per_pass(scenario: Scenario) -> int:
-    """The steps that chunk one pass's prompts (step_tokens - batch of their tokens each), then its decodes."""
-    chunk_steps = -(-scenario.prompts * scenario.prompt_len // (scenario.step_tokens - scenario.batch))
+def steps_per_block(scenario: Scenario) -> int:
+    """The steps that chunk a block's prompt (step_tokens - batch of its tokens each), then its decodes."""
+    chunk_steps = -(-scenario.prompt_len // (scenario.step_tokens - scenario.batch))
     return chunk_steps + scenario.decode_steps
+
+
+def steps_per_pass(scenario: Scenario) -> int:
+    return scenario.prompts * steps_per_block(scenario)
 
 
 def decode_len(scenario: Scenario) -> int:
@@ -72,8 +82,8 @@ def decode_len(scenario: Scenario) -> int:
     return (scenario.rounds + 4) * steps_per_pass(scenario) + 64
 
 
-FULL = Scenario(batch=64, adapters=8, prompts=8, prompt_len=2048, step_tokens=512, decode_steps=48, rounds=9)
-QUICK = Scenario(batch=4, adapters=2, prompts=2, prompt_len=96, step_tokens=32, decode_steps=6, rounds=2)
+FULL = Scenario(batch=64, adapters=8, prompts=8, prompt_len=2048, step_tokens=512, decode_steps=6, rounds=9)
+QUICK = Scenario(batch=4, adapters=2, prompts=2, prompt_len=96, step_tokens=32, decode_steps=3, rounds=2)
 
 
 def engine_kwargs(setup: ModelSetup, scenario: Scenario, extra: dict[str, Any]) -> dict[str, Any]:
@@ -108,12 +118,48 @@ def start_decoders(engine: Any, scenario: Scenario, adapters: list, vocab: int) 
 
 
 def one_pass(engine: Any, scenario: Scenario, adapters: list, vocab: int, seed: int, device: str,
-             call: Callable[[Callable[[], object]], Any]) -> dict[str, list]:
-    """New prompts chunked beside the decodes, then decode steps: `call(engine.step)` by step kind."""
+             call: Callable[[Callable[[], object]], T]) -> dict[str, list[tuple[int, T]]]:
+    """The pass's blocks: a new prompt chunked beside the decodes, then decode steps. `call(engine.step)` by
+    step kind, each with its block."""
     prompts = make_prompts([Request(scenario.prompt_len, 1, None, 0, 0.0)] * scenario.prompts, vocab, seed)
-    add_requests(engine, f"chunk-{seed}", prompts, 1, adapters[:1])
+    block_steps, steps = steps_per_block(scenario), itertools.count()
     step = after_idle(scenario.idle_ms, lambda: call(engine.step))
-    return calls_by_kind(engine, steps_per_pass(scenario), device, step)
+
+    def step_in_block() -> tuple[int, T]:
+        block, offset = divmod(next(steps), block_steps)
+        if offset == 0:
+            add_requests(engine, f"chunk-{seed}-{block}", [prompts[block]], 1, adapters[:1])
+        return block, step()
+    return calls_by_kind(engine, steps_per_pass(scenario), device, step_in_block)
+
+
+def without_blocks(results: dict[str, list[tuple[int, T]]]) -> dict[str, list[T]]:
+    return {kind: [value for _, value in values] for kind, values in results.items()}
+
+
+def block_ratios(results: dict[str, list[tuple[int, tuple[float, float]]]]) -> list[float]:
+    """Per block of a timed pass that has both kinds: its chunk steps' median seconds over its decode steps'."""
+    by_block: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for kind, values in results.items():
+        for block, (seconds, _) in values:
+            by_block[block][kind].append(seconds)
+    ratios = (_chunk_over_decode({kind: statistics.median(s) for kind, s in kinds.items()})
+              for _, kinds in sorted(by_block.items()))
+    return [ratio for ratio in ratios if ratio is not None]
+
+
+@contextmanager
+def zero_logits_forward(vocab: int) -> Iterator[None]:
+    """The model runner's eager forward returns zero logits `[sampled rows, vocab]` without running the model,
+    while the context is open: the steps then time the host's own work alone."""
+    from slora.model_runner import ModelRunner
+
+    original = ModelRunner.forward
+    ModelRunner.forward = lambda runner, host, feed=None: torch.zeros(len(host.sample_indices), vocab)
+    try:
+        yield
+    finally:
+        ModelRunner.forward = original
 
 
 def after_idle(idle_ms: float, call: Callable[[], T]) -> Callable[[], T]:
@@ -237,40 +283,54 @@ def summary(times: dict[str, list[tuple[float, float]]], phases: dict[str, list[
             for kind, values in times.items()}
 
 
-def run(scenario: Scenario, device: str, extra: dict[str, Any]) -> dict[str, Any]:
+class Passes(NamedTuple):
+    """What the passes after the warm-up gave, by step kind."""
+    rounds: list[dict[str, list[tuple[int, tuple[float, float]]]]]   # (block, (seconds, gc seconds))
+    phases: dict[str, list[dict[str, float]]]
+    profiles: dict[str, list]
+
+
+def all_passes(engine: Any, scenario: Scenario, adapters: list, vocab: int, device: str) -> Passes:
+    start_decoders(engine, scenario, adapters, vocab)
+    one_pass(engine, scenario, adapters, vocab, 2, device, timed_call)       # warm-up: shapes, mixes
+    rounds = [one_pass(engine, scenario, adapters, vocab, 3 + i, device, timed_with_gc)
+              for i in range(scenario.rounds)]
+    seed = 3 + scenario.rounds
+    clock = PhaseClock()
+    with phase_timers(clock):
+        phases = one_pass(engine, scenario, adapters, vocab, seed, device, lambda call: phased_call(clock, call))
+    profiles = one_pass(engine, scenario, adapters, vocab, seed + 1, device, profiled_call)
+    return Passes(rounds, without_blocks(phases), without_blocks(profiles))
+
+
+def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="slora-step-host-") as tmp:
         setup = prepare_model(device, Path(tmp))
         llm, adapters = build_llm(setup, scenario, extra, Path(tmp))
-        engine, vocab = llm.engine, setup.vocab_size
-        start_decoders(engine, scenario, adapters, vocab)
-        one_pass(engine, scenario, adapters, vocab, 2, device, timed_call)       # warm-up: shapes, mixes
-        rounds = [one_pass(engine, scenario, adapters, vocab, 3 + i, device, timed_with_gc)
-                  for i in range(scenario.rounds)]
-        seed = 3 + scenario.rounds
-        clock = PhaseClock()
-        with phase_timers(clock):
-            phases = one_pass(engine, scenario, adapters, vocab, seed, device, lambda call: phased_call(clock, call))
-        profiles = one_pass(engine, scenario, adapters, vocab, seed + 1, device, profiled_call)
-        by_kind = summary(pooled(rounds), phases, profiles)
-        medians = {kind: row["median_ms"] for kind, row in by_kind.items()}
-        phase_means = {kind: sum(row["phase_mean_ms"].values()) for kind, row in by_kind.items()}
-    return {"benchmark": "step_host", "device": device, "model": setup.description,
+        with zero_logits_forward(setup.vocab_size) if host_only else contextlib.nullcontext():
+            passes = all_passes(llm.engine, scenario, adapters, setup.vocab_size, device)
+    by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles)
+    medians = {kind: row["median_ms"] for kind, row in by_kind.items()}
+    phase_means = {kind: sum(row["phase_mean_ms"].values()) for kind, row in by_kind.items()}
+    blocks = [ratio for results in passes.rounds for ratio in block_ratios(results)]
+    return {"benchmark": "step_host", "device": device, "model": setup.description, "host_only": host_only,
             "scenario": scenario._asdict(), "engine": engine_kwargs(setup, scenario, extra),
             "method": "each engine.step() timed from an idle GPU and charged to the kind of step it launched, "
-                      "over `rounds` passes (medians pooled, and per round); then a pass with PHASES timed "
-                      "(phase_mean_ms), and one under cProfile (top_own_time)",
-            "host_ms_by_kind": by_kind, "graphed_mixed_over_decode_median": _mixed_over_decode(medians),
-            "graphed_mixed_over_decode_median_by_round": [_mixed_over_decode(round_medians(r)) for r in rounds],
-            # The same ratio from the phase-timed pass (mean ms, its phases summed): the host's speed drifts
-            # between passes, and each pass's ratio compares steps run next to each other.
-            "graphed_mixed_over_decode_phase_pass_mean": _mixed_over_decode(phase_means)}
+                      "over `rounds` passes of `prompts` blocks (medians pooled, per round and per block); then "
+                      "a pass with PHASES timed (phase_mean_ms), and one under cProfile (top_own_time)",
+            "host_ms_by_kind": by_kind, "chunk_over_decode_median": _chunk_over_decode(medians),
+            "chunk_over_decode_median_by_round": [_chunk_over_decode(round_medians(r)) for r in passes.rounds],
+            # Per block, its chunk steps' median over its decode steps': the two ran next to each other.
+            "chunk_over_decode_by_block": blocks,
+            "chunk_over_decode_block_median": statistics.median(blocks) if blocks else None,
+            "chunk_over_decode_phase_pass_mean": _chunk_over_decode(phase_means)}
 
 
-def pooled(rounds: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
+def pooled(rounds: list[dict[str, list[tuple[int, T]]]]) -> dict[str, list[T]]:
     """The timed rounds' results by step kind, in one list per kind."""
-    kinds: dict[str, list[Any]] = defaultdict(list)
+    kinds: dict[str, list[T]] = defaultdict(list)
     for results in rounds:
-        for kind, values in results.items():
+        for kind, values in without_blocks(results).items():
             kinds[kind] += values
     return dict(kinds)
 
@@ -280,17 +340,20 @@ def _call_seconds(times: dict[str, list[tuple[float, float]]]) -> dict[str, list
     return {kind: [t for t, _ in values] for kind, values in times.items()}
 
 
-def round_medians(results: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+def round_medians(results: dict[str, list[tuple[int, tuple[float, float]]]]) -> dict[str, float]:
     """Median ms of each step kind in one timed round (kind_rows', without profiles)."""
-    return {kind: row["median_ms"] for kind, row in kind_rows(_call_seconds(results), {}, 0).items()}
+    return {kind: row["median_ms"]
+            for kind, row in kind_rows(_call_seconds(without_blocks(results)), {}, 0).items()}
 
 
-def _mixed_over_decode(ms_by_kind: dict[str, float]) -> float | None:
-    """A graphed chunk step's ms over a decode step's (None without both kinds)."""
-    graphed = [ms for kind, ms in ms_by_kind.items() if "graphed" in kind]
-    if not graphed or "decode" not in ms_by_kind:
+def _chunk_over_decode(by_kind: dict[str, float]) -> float | None:
+    """A chunk step's figure over a decode step's (None without both kinds). Every chunk step of the scenario
+    is of one kind: graphed on CUDA (step_tokens is within the mixed-step graphs), eager on the CPU."""
+    chunk = [value for kind, value in by_kind.items() if kind.startswith("mixed")]
+    assert len(chunk) <= 1, f"chunk steps of several kinds: {sorted(by_kind)}"
+    if not chunk or "decode" not in by_kind:
         return None
-    return graphed[0] / ms_by_kind["decode"]
+    return chunk[0] / by_kind["decode"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -303,6 +366,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens of a chunked prompt (default 2048; quick 96; under the model's context)")
     parser.add_argument("--idle-ms", type=float, default=None,
                         help="ms the host sleeps before each step, the GPU idle (default 0)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="CPU only: zero logits in place of the model's forward, the host's work alone")
     parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
                         help="an extra LLM keyword, e.g. async_scheduling=false")
     parser.add_argument("--out", default=None, help="JSON file (default: results/step_host_<device>.json)")
@@ -327,16 +392,18 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("slora").setLevel(logging.WARNING)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    data = run(scenario_of(args), device, dict(args.engine_arg))
+    if args.host_only and device != "cpu":
+        raise SystemExit("--host-only runs on the CPU: on CUDA the steps replay graphs, not the eager forward")
+    data = run(scenario_of(args), device, dict(args.engine_arg), args.host_only)
     out = Path(args.out or RESULTS / f"step_host_{'cpu' if device == 'cpu' else 'gpu'}.json")
     write_json(out, data)
     for kind, row in data["host_ms_by_kind"].items():
         logger.info("%-32s %4d steps, median %.3f ms, mean %.3f ms, gc %.3f ms", kind, row["steps"],
                     row["median_ms"], row["mean_ms"], row["gc_ms_per_step"])
         logger.info("    phases (mean ms): %s", ", ".join(f"{k} {v:.3f}" for k, v in row["phase_mean_ms"].items()))
-    logger.info("graphed mixed / decode: median %s (by round %s), phase pass mean %s",
-                data["graphed_mixed_over_decode_median"], data["graphed_mixed_over_decode_median_by_round"],
-                data["graphed_mixed_over_decode_phase_pass_mean"])
+    logger.info("chunk / decode: median %s (by round %s), block median %s, phase pass mean %s",
+                data["chunk_over_decode_median"], data["chunk_over_decode_median_by_round"],
+                data["chunk_over_decode_block_median"], data["chunk_over_decode_phase_pass_mean"])
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from benchmark_modules import SUBPROCESS_TIMEOUT_S, load_benchmark
@@ -20,11 +21,11 @@ def test_quick_run_charges_the_chunk_steps_and_the_decode_steps_to_their_kinds(t
     scenario = result["scenario"]
     assert scenario["batch"] == 4 and scenario["step_tokens"] == 32 and result["engine"]["max_num_batched_tokens"] == 32
     kinds = result["host_ms_by_kind"]
-    # 2 prompts of 96 tokens, 28 a step beside 4 decodes: 7 chunk steps, then 6 decode calls of which the last
-    # launches a step whose kind the pass never sees; two timed rounds of that. The CPU has no graphs: every
-    # mixed step is eager.
-    assert scenario["rounds"] == 2
-    assert {kind: row["steps"] for kind, row in kinds.items()} == {"mixed, eager (> 0 tokens)": 14, "decode": 10}
+    # 2 blocks of a 96-token prompt, 28 tokens a step beside 4 decodes: 4 chunk steps, then 3 decode steps, of
+    # which the pass's last launches a step whose kind the pass never sees; two timed rounds of that. The CPU
+    # has no graphs: every mixed step is eager.
+    assert scenario["rounds"] == 2 and scenario["prompts"] == 2 and scenario["decode_steps"] == 3
+    assert {kind: row["steps"] for kind, row in kinds.items()} == {"mixed, eager (> 0 tokens)": 16, "decode": 10}
     for row in kinds.values():
         assert 0 < row["median_ms"] and row["gc_ms_per_step"] >= 0
         assert any("step" in r["function"] for r in row["top_cumulative"])       # engine.step, under cProfile
@@ -34,9 +35,42 @@ def test_quick_run_charges_the_chunk_steps_and_the_decode_steps_to_their_kinds(t
         graphed = ("graph_replay", "stage_batch", "stage_mixed_extras", "stage_send")
         assert all(phases[name] == 0 for name in graphed)
         assert phases["other"] >= 0
-    assert result["graphed_mixed_over_decode_median"] is None
-    assert result["graphed_mixed_over_decode_median_by_round"] == [None, None]
-    assert result["graphed_mixed_over_decode_phase_pass_mean"] is None
+    medians = {kind: row["median_ms"] for kind, row in kinds.items()}
+    assert result["chunk_over_decode_median"] == pytest.approx(medians["mixed, eager (> 0 tokens)"] / medians["decode"])
+    assert len(result["chunk_over_decode_median_by_round"]) == 2
+    # Each round's two blocks both hold chunk steps and decode steps: four block ratios.
+    blocks = result["chunk_over_decode_by_block"]
+    assert len(blocks) == 4 and all(ratio > 0 for ratio in blocks)
+    assert min(blocks) <= result["chunk_over_decode_block_median"] <= max(blocks)
+    assert result["host_only"] is False
+
+
+def test_block_ratios_divide_each_blocks_chunk_median_by_its_decode_median():
+    step_host = load_benchmark("step_host.py", "step_host_blocks")
+    chunk, decode = "mixed, graphed (<= 512 tokens)", "decode"
+    results = {chunk: [(0, (3.0, 0.0)), (0, (5.0, 0.0)), (1, (2.0, 0.0)), (2, (9.0, 0.0))],
+               decode: [(0, (2.0, 0.1)), (1, (4.0, 0.0)), (1, (1.0, 0.0)), (1, (3.0, 0.0))]}
+    # Block 2 has no decode step: no ratio. Block 0: median 4 over 2; block 1: 2 over median 3.
+    assert step_host.block_ratios(results) == pytest.approx([2.0, 2 / 3])
+    assert step_host.pooled([results, results])[decode] == [(2.0, 0.1), (4.0, 0.0), (1.0, 0.0), (3.0, 0.0)] * 2
+    with pytest.raises(AssertionError, match="chunk steps of several kinds"):
+        step_host.block_ratios({**results, "mixed, eager (> 512 tokens)": [(0, (1.0, 0.0))]})
+
+
+def test_host_only_forward_returns_zero_logits_without_the_model_and_is_undone():
+    import torch
+
+    from slora.model_runner import ModelRunner
+
+    step_host = load_benchmark("step_host.py", "step_host_zero_logits")
+    original = ModelRunner.forward
+    host = SimpleNamespace(sample_indices=torch.tensor([3, 9, 11]))
+    runner = SimpleNamespace(model=None)                  # a model called would raise: None is not callable
+    with step_host.zero_logits_forward(vocab=7):
+        logits = ModelRunner.forward(runner, host)
+    assert torch.equal(logits, torch.zeros(3, 7)) and ModelRunner.forward is original
+    with pytest.raises(SystemExit, match="--host-only runs on the CPU"):
+        step_host.main(["--quick", "--device", "cuda", "--host-only"])
 
 
 def test_after_idle_sleeps_before_the_call_and_passes_its_result_on(monkeypatch):
