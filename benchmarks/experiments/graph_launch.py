@@ -14,7 +14,8 @@ device activities by kind (one replay under torch.profiler):
   32 memsets, and what avoiding them would cost the GPU;
 - gate_up: the gate/up projection that brings them, 32 times, fused at 256 to 640 rows, split by rows or by
   columns into pieces that write one output, under cuBLASLt, and as an addmm with a zero bias (cuBLASLt's
-  bias epilogue), with device µs: which form avoids the memsets, at what cost to the GPU;
+  bias epilogue), and as its transpose (weight @ x^T) at 448 and 512 rows, with device µs: which form
+  avoids the memsets, at what cost to the GPU;
 - engine: step_host.py's engine (Llama-3-8B shape, 8 rank-16 adapters), after one pass of its chunked
   prompts: its 64-sequence decode graphs and its 64- and 512-token mixed-step graphs; and before it, every
   mixed-step graph (16 to 512 tokens) over its inputs as captured; with device µs.
@@ -48,6 +49,7 @@ GATE_UP_ROWS = (256, 320, 384, 448, 512, 528, 576, 640)
 # (rows, row parts, column parts) of the gate/up projection split into pieces
 GATE_UP_PIECES = ((512, 1, 2), (448, 1, 2), (384, 1, 2), (256, 1, 2), (512, 2, 1), (448, 2, 1), (512, 1, 4),
                   (512, 2, 2))
+TRANSPOSED_ROWS = (448, 512)
 GROUPS = ("synthetic", "gemms", "shapes", "gate_up", "engine")
 BF16 = MappingProxyType({"device": "cuda", "dtype": torch.bfloat16})   # the GEMMs' tensors
 
@@ -226,7 +228,18 @@ def gate_up_bodies() -> dict[str, Callable[[], None]]:
         bodies[f"{row_parts} x {col_parts} pieces, {rows} rows"] = pieces_body(rows, row_parts, col_parts)
     weight, x, bias = torch.randn(fout, fin, **BF16), torch.randn(SHAPE_ROWS, fin, **BF16), torch.zeros(fout, **BF16)
     bodies["addmm with a zero bias, 512 rows"] = per_layer(lambda: torch.addmm(bias, x, weight.t()))
+    for rows in TRANSPOSED_ROWS:
+        bodies[f"transposed (weight @ x^T), {rows} rows"] = transposed_body(rows)
     return bodies
+
+
+def transposed_body(rows: int) -> Callable[[], None]:
+    """The gate/up projection as its transpose, `[out, rows]` = weight @ x^T, 32 times over: cuBLAS sees the
+    operands swapped and may pick another kernel, without the memset (a SiLU kernel could read the
+    transposed layout through its strides)."""
+    fin, fout = fused_gemm_shapes()[2]
+    weight, x = torch.randn(fout, fin, **BF16), torch.randn(rows, fin, **BF16)
+    return per_layer(lambda: torch.mm(weight, x.t()))
 
 
 def gate_up_rows(replays: int) -> dict[str, dict[str, object]]:
