@@ -118,6 +118,11 @@ class DecodeGraphs:
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
+    def fits(self, host: StepBatch, batch_size: int) -> int | None:
+        """The bucket of a decode step of `batch_size` sequences whose tables fit its static buffers, or None."""
+        bucket = self.bucket_for(batch_size)
+        return bucket if bucket is not None and self.limits.holds(host, self.limits.lora_slots(bucket)) else None
+
     def uses_few(self, size: int, num_adapters: int) -> bool:
         """Whether a decode step of this bucket with this many distinct adapters replays a few-adapter graph."""
         return 0 < num_adapters <= self.limits.lora_slots(size, few=True) and (size, True, True) in self.graphs

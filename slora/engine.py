@@ -68,7 +68,8 @@ class Engine:
         graphs = config.device != "cpu" and not config.cuda.enforce_eager
         self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device,
                                   sizing.graph_limits(pool_shape) if graphs else None, swap_pages, config.cuda.pdl)
-        allocator = PageAllocator(pool_shape.num_pages, config.page_size)
+        # The pool's pages, shared by KV (the scheduler's) and adapter weights (the manager's).
+        self.allocator = allocator = PageAllocator(pool_shape.num_pages, config.page_size)
         scheduler_config = config.scheduler_config(swap_pages, self.max_model_len)
         adapter_format = AdapterFormat(self.shapes, config.max_lora_rank, pool_shape.page_elems, config.torch_dtype,
                                        pin_memory=config.device != "cpu")
@@ -336,7 +337,7 @@ class Engine:
 
     # ---- introspection ------------------------------------------------------------------------------
     def pool_stats(self) -> dict[str, int]:
-        return self.scheduler.allocator.stats().as_dict()
+        return self.allocator.stats().as_dict()
 
     def snapshot(self) -> EngineSnapshot:
         scheduler, adapters, stats = self.scheduler, self.adapters.counts(), self.step_stats

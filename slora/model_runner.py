@@ -214,11 +214,9 @@ class ModelRunner:
 
     # ---- CUDA graphs --------------------------------------------------------------------------------
     def _graph_bucket(self, scheduled: list[ScheduledSeq], host: StepBatch) -> int | None:
-        graphs = self.graphs
-        if graphs is None or host.max_query_len != 1 or len(host.sample_indices) != len(scheduled):
+        if self.graphs is None or host.max_query_len != 1 or len(host.sample_indices) != len(scheduled):
             return None
-        bucket = graphs.bucket_for(len(scheduled))
-        return bucket if bucket is not None and graphs.limits.holds(host, graphs.limits.lora_slots(bucket)) else None
+        return self.graphs.fits(host, len(scheduled))
 
 
 @torch.inference_mode()

@@ -1,6 +1,7 @@
 """The parts of the mixed-step graphs (slora.mixed_graphs) that need no GPU: the token buckets, which
 steps the graphs take, what a step is staged as, and the switch. Capture and replay against eager steps:
-tests/e2e/test_gpu_engine.py; the recorded forward, uncaptured, on the CPU: tests/e2e/test_triton_backend_cpu.py."""
+tests/e2e/test_gpu_engine.py; the recorded forward, uncaptured, on the CPU: tests/e2e/test_triton_backend_cpu.py.
+Also the decode graphs' (slora.cuda_graphs) choice of the steps they take."""
 import dataclasses
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from slora import step_batch
 from slora.config import CudaConfig
-from slora.cuda_graphs import GraphLimits
+from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.mixed_graphs import (ATTENTION_INPUTS, BucketGraph, MixedGraphs, attention_inputs, buckets_worth_keeping,
                                 split_attention_inputs, token_buckets)
 
@@ -76,6 +77,20 @@ def test_steps_the_graphs_take_and_those_they_leave_to_eager():
     assert graphs.fits(_step(30, 3, width=5), 3) is None            # a block table wider than the buffers'
     assert graphs.fits(_step(30, 3, slots=3), 3) is None            # more adapters than the graphs' slots
     assert graphs.fits(_step(30, 3, slots=1, adapter_pages=4), 3) is None   # an adapter wider than the buffers'
+
+
+def test_the_decode_graphs_take_a_decode_step_whose_tables_fit_their_buffers():
+    """The decode graphs' (slora.cuda_graphs) counterpart of fits: the smallest batch bucket, unless the step's
+    block table or adapter tables outgrow the bucket's static buffers."""
+    limits = dataclasses.replace(LIMITS, lora_side_stream=False)      # no side stream: no CUDA needed
+    graphs = DecodeGraphs(torch.nn.Module(), torch.zeros(2, 10, 8), None, None, 16, limits)
+    assert graphs.buckets == [1, 2, 4, 8]
+    assert graphs.fits(_step(3, 3), 3) == 4
+    assert graphs.fits(_step(3, 3, slots=2), 3) == 4
+    assert graphs.fits(_step(9, 9), 9) is None                      # more sequences than the largest bucket
+    assert graphs.fits(_step(3, 3, width=5), 3) is None             # a block table wider than the buffers'
+    assert graphs.fits(_step(3, 3, slots=3), 3) is None             # more adapters than the bucket's slots
+    assert graphs.fits(_step(3, 3, slots=1, adapter_pages=4), 3) is None   # an adapter wider than the buffers'
 
 
 def _host_step() -> step_batch.StepBatch:
