@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from slora.adapter_manager import PreparedAdapter, UnknownAdapterError
 from slora.adapters.errors import AdapterError
+from slora.adapters.registry import AdapterEntry
 from slora.adapters.weights import PICKLE_SUFFIXES, WEIGHTS_FILE
 from slora.api.async_engine import AsyncEngine, EngineUnavailable
 from slora.api.errors import APIError, adapter_not_found, bad_request, unavailable
@@ -152,7 +153,7 @@ def _sanitize(message: str, hidden: list[Path]) -> str:
     return message
 
 
-def describe(engine: Engine, entry: Any) -> dict[str, Any]:
+def describe(engine: Engine, entry: AdapterEntry) -> dict[str, Any]:
     """One adapter as the list route shows it (runs on the engine thread)."""
     info = engine.adapters.describe(entry)._asdict()
     info["target_modules"] = list(info["target_modules"])

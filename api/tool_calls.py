@@ -24,7 +24,7 @@ import re
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|\Z)", re.DOTALL)
@@ -101,15 +101,28 @@ def streamable(text: str) -> str:
     return text
 
 
-def tool_names_of(tools: list[Any] | None, tool_choice: Any) -> frozenset[str] | None:  # noqa: ANN401
-    """The names whose calls count for a request with `tools` (protocol.Tool) and `tool_choice`: None when
-    nothing is parsed (no tools, or tool_choice "none"); a named tool_choice counts only that tool."""
+class FunctionName(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class NamesAFunction(Protocol):
+    """A request's tool (protocol.Tool) or named tool_choice (protocol.NamedToolChoice): all this module
+    reads of either is its function's name. (protocol imports this module, so not those classes.)"""
+
+    @property
+    def function(self) -> FunctionName: ...
+
+
+def tool_names_of(tools: Sequence[NamesAFunction] | None,
+                  tool_choice: str | NamesAFunction | None) -> frozenset[str] | None:
+    """The names whose calls count for a request with `tools` and `tool_choice`: None when nothing is parsed
+    (no tools, or tool_choice "none"); a named tool_choice counts only that tool."""
     if not tools or tool_choice == "none":
         return None
     names = frozenset(tool.function.name for tool in tools)
-    function = getattr(tool_choice, "function", None)
-    if function is not None:
-        names = names & {function.name}
+    if tool_choice is not None and not isinstance(tool_choice, str):
+        names = names & {tool_choice.function.name}
     return names
 
 
@@ -187,7 +200,8 @@ class ToolParser:
         return "" if self.mode != "hermes" else streamable(text)
 
 
-def parser_for(tools: list[Any] | None, tool_choice: Any, hermes: bool) -> ToolParser | None:  # noqa: ANN401
+def parser_for(tools: Sequence[NamesAFunction] | None, tool_choice: str | NamesAFunction | None,
+               hermes: bool) -> ToolParser | None:
     """The parser of a request's answers (None: its answers are not read for calls): a forced tool choice
     always has one, "auto" (or no tool_choice) only with `hermes` (--enable-auto-tool-choice)."""
     names = tool_names_of(tools, tool_choice)
@@ -195,6 +209,6 @@ def parser_for(tools: list[Any] | None, tool_choice: Any, hermes: bool) -> ToolP
         return None
     if tool_choice == "required":
         return ToolParser(names, "required")
-    if getattr(tool_choice, "function", None) is not None:
+    if tool_choice is not None and not isinstance(tool_choice, str):
         return ToolParser(names, "named") if names else None   # a name outside tools: the route refuses it
     return ToolParser(names, "hermes") if hermes else None

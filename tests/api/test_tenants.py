@@ -68,9 +68,16 @@ def test_keys(server, clients):
     assert {m.id for m in clients["globex"].models.list()} >= {BASE_MODEL, "demo-r4-attn"}
 
 
-def test_same_name_in_two_namespaces(https, clients, offline):
-    assert https["acme"].post("/v1/adapters", json={"name": "support-bot", "path": "attn-r4"}).status_code == 200
-    assert https["globex"].post("/v1/adapters", json={"name": "support-bot", "path": "mlp-r8"}).status_code == 200
+@pytest.fixture(scope="module")
+def support_bots(https):
+    """One adapter name in two namespaces: acme's support-bot (attn-r4) and globex's (mlp-r8). A fixture, so
+    that every test that needs them has them, whichever tests run before it."""
+    for tenant, path in (("acme", "attn-r4"), ("globex", "mlp-r8")):
+        response = https[tenant].post("/v1/adapters", json={"name": "support-bot", "path": path})
+        assert response.status_code == 200, response.text
+
+
+def test_same_name_in_two_namespaces(clients, offline, support_bots):
     assert tokens_of(clients["acme"], "support-bot") == greedy(offline, [PROMPT], "attn-r4", 4)[0].token_ids
     assert tokens_of(clients["globex"], "support-bot") == greedy(offline, [PROMPT], "mlp-r8", 4)[0].token_ids
 
@@ -119,7 +126,7 @@ def test_public_adapters_are_published_by_admins_only(https, clients, offline):
         clients["acme"].completions.create(model="shared", prompt=PROMPT, max_tokens=2)
 
 
-def test_admin_sees_and_manages_every_namespace(https):
+def test_admin_sees_and_manages_every_namespace(https, support_bots):
     listed = https["ops"].get("/v1/adapters").json()["data"]
     owners = {(a["name"], a["owner"]) for a in listed}
     assert ("support-bot", "acme") in owners and ("support-bot", "globex") in owners
