@@ -11,6 +11,7 @@ from slora.outputs import RequestOutput
 from slora.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
     from typing_extensions import TypeIs
 
 Prompt = str | list[int]
@@ -31,7 +32,8 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer or None
+    def tokenizer(self) -> "PreTrainedTokenizerBase | None":
+        """The model's tokenizer (None: the model folder has none, and prompts must be token ids)."""
         return self.engine.tokenizer
 
     def load_adapter(self, name: str, path: str) -> str:
