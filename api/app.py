@@ -480,26 +480,9 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None
     async def tokenize(request: Request, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
         source = tokenizer()
         value = _json_object(await request.body())
-        if "messages" not in value:
-            body = _validated(TokenizeRequest, value)
-            if body.model is not None:
-                await ctx.generation.require_model(body.model, tenant)
-            if len(body.prompt) > ctx.settings.max_prompt_chars:
-                raise bad_request(f"prompt has {len(body.prompt)} characters; the limit is "
-                                  f"{ctx.settings.max_prompt_chars} per request (max_prompt_chars)", param="prompt",
-                                  code="request_too_large")
-            prompt, specials = body.prompt, body.add_special_tokens
-            ids = await ctx.tokenization.run(tenant.id, source, lambda own, _: encode_text(own, prompt, specials))
-            return await _tokenized(ctx, tenant, source, ids, bool(body.return_token_strs))
-        chat = _validated(TokenizeChatRequest, value)
-        if chat.model is None:           # the base model, as the chat route would answer for it
-            chat.model = ctx.generation.base_names[0]
-        else:
-            await ctx.generation.require_model(chat.model, tenant)
-        # The chat route's own checks and rendering: the ids are exactly the prompt /v1/chat/completions runs.
-        ctx.generation.check_request(chat, 1, chat.text_chars, "messages")
-        ids = await ctx.generation.chat_prompt(chat, tenant)
-        return await _tokenized(ctx, tenant, source, ids, bool(chat.return_token_strs))
+        if "messages" in value:
+            return await _tokenize_chat(ctx, tenant, source, _validated(TokenizeChatRequest, value))
+        return await _tokenize_prompt(ctx, tenant, source, _validated(TokenizeRequest, value))
 
     @app.post("/detokenize")
     async def detokenize(request: Request, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
@@ -508,14 +491,8 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None
         if body.model is not None:
             await ctx.generation.require_model(body.model, tenant)
         assert ctx.engine.info is not None, "tokenizer() checked that the engine is up"
-        vocab = ctx.engine.info.vocab_size
-        outside = [token for token in body.tokens if token >= vocab]
-        if outside:
-            raise bad_request(f"tokens: token id {outside[0]} is outside the vocabulary [0, {vocab})"
-                              + (f" ({len(outside)} such ids)" if len(outside) > 1 else ""), param="tokens")
-        tokens = body.tokens
-        text = await ctx.tokenization.run(tenant.id, source, lambda own, _: own.decode(tokens))
-        return {"prompt": text}
+        tokens = _within_vocabulary(body.tokens, ctx.engine.info.vocab_size)
+        return {"prompt": await ctx.tokenization.run(tenant.id, source, lambda own, _: own.decode(tokens))}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(tenant: Tenant = Depends(caller)) -> dict[str, Any]:
@@ -529,6 +506,40 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None
     @app.get("/version")
     async def version(tenant: Tenant = Depends(caller)) -> dict[str, str]:
         return {"version": slora_version()}
+
+
+async def _tokenize_prompt(ctx: ServerContext, tenant: Tenant, source: Any,  # noqa: ANN401
+                           body: TokenizeRequest) -> dict[str, Any]:
+    if body.model is not None:
+        await ctx.generation.require_model(body.model, tenant)
+    if len(body.prompt) > ctx.settings.max_prompt_chars:
+        raise bad_request(f"prompt has {len(body.prompt)} characters; the limit is "
+                          f"{ctx.settings.max_prompt_chars} per request (max_prompt_chars)", param="prompt",
+                          code="request_too_large")
+    prompt, specials = body.prompt, body.add_special_tokens
+    ids = await ctx.tokenization.run(tenant.id, source, lambda own, _: encode_text(own, prompt, specials))
+    return await _tokenized(ctx, tenant, source, ids, bool(body.return_token_strs))
+
+
+async def _tokenize_chat(ctx: ServerContext, tenant: Tenant, source: Any,  # noqa: ANN401
+                         chat: TokenizeChatRequest) -> dict[str, Any]:
+    """The ids exactly as /v1/chat/completions would run them: its checks and its rendering."""
+    if chat.model is None:           # the base model, as the chat route would answer for it
+        chat.model = ctx.generation.base_names[0]
+    else:
+        await ctx.generation.require_model(chat.model, tenant)
+    ctx.generation.check_request(chat, 1, chat.text_chars, "messages")
+    ids = await ctx.generation.chat_prompt(chat, tenant)
+    return await _tokenized(ctx, tenant, source, ids, bool(chat.return_token_strs))
+
+
+def _within_vocabulary(tokens: list[int], vocab: int) -> list[int]:
+    """The tokens, or a 400 naming the first id outside [0, vocab) and how many there are."""
+    outside = [token for token in tokens if token >= vocab]
+    if outside:
+        raise bad_request(f"tokens: token id {outside[0]} is outside the vocabulary [0, {vocab})"
+                          + (f" ({len(outside)} such ids)" if len(outside) > 1 else ""), param="tokens")
+    return tokens
 
 
 async def _tokenized(ctx: ServerContext, tenant: Tenant, source: Any, ids: list[int],  # noqa: ANN401
