@@ -12,7 +12,9 @@
 # batch 64 and 256, against transformers + PEFT), "throughput", "serving", which pass
 # $THROUGHPUT_ARGS / $SERVING_ARGS on, and "engine_throughput" (issue 22's six offline workloads against
 # vLLM's figures; $ENGINE_THROUGHPUT_ARGS, e.g. "--workloads decode_base,prefill"), "step_host" (step_host.py:
-# the host's work per decode step and per chunked-prefill step beside the same decodes), and
+# the host's work per decode step and per chunked-prefill step beside the same decodes; $STEP_HOST_ARGS, e.g.
+# "--idle-ms 20"), "graph_launch" (experiments/graph_launch.py: host µs of graph replays; $GRAPH_LAUNCH_GROUPS,
+# default "gate_up"), and
 # "engine_throughput_before" (the same on the tree `make device-before REV=...` extracted into .device-before,
 # before this tree's run, for a before/after pair in one command), and "serving_before" (serving.py there). At
 # most 8 files come back
@@ -83,7 +85,11 @@ fi
 # shellcheck disable=SC2086
 has engine_throughput && run engine_throughput python benchmarks/engine_throughput.py "${quick[@]}" --device cuda \
   ${ENGINE_THROUGHPUT_ARGS:-} --out "$OUT/engine_throughput.json"
-has step_host && run step_host python benchmarks/step_host.py "${quick[@]}" --device cuda --out "$OUT/step_host.json"
+# shellcheck disable=SC2086
+has step_host && run step_host python benchmarks/step_host.py "${quick[@]}" --device cuda ${STEP_HOST_ARGS:-} \
+  --out "$OUT/step_host.json"
+has graph_launch && run graph_launch python benchmarks/experiments/graph_launch.py \
+  --groups "${GRAPH_LAUNCH_GROUPS:-gate_up}" --out "$OUT/graph_launch.json"
 # shellcheck disable=SC2086
 has serving && run serving python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} --out "$OUT/serving_cuda.json"
 exit $status
