@@ -331,7 +331,9 @@ class Scheduler:
             ref = seq.adapter
             if ref is None or self.adapters.is_resident(ref.version) or not self.adapters.ready(ref.version):
                 continue
-            if self.allocator.num_free - ref.num_pages < self.watermark_pages + 1:
+            # The adapters' own allocator: the pool's here, an adapter region of its own in the partitioned
+            # pool that benchmarks/memsim.py compares with.
+            if self.adapters.allocator.num_free - ref.num_pages < self.watermark_pages + 1:
                 break
             self._make_resident(ref, out)
 
