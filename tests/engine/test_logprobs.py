@@ -1,5 +1,7 @@
 """Logprobs of sampled and prompt tokens equal log_softmax of transformers' logits (float32, CPU), also
 after chunked prefill, on an adapter, with the prefix cache warm, and for a prompt alone (max_tokens=0)."""
+import os
+
 import pytest
 import torch
 
@@ -58,6 +60,32 @@ def test_sampled_and_prompt_logprobs_match_transformers(model, adapter, chunk):
         assert sample.logprobs[i].rank == 1                            # greedy takes the best token
     assert abs(sample.cumulative_logprob - sum(lp.logprob for lp in sample.logprobs)) < 1e-9
     assert llm.pool_stats()["kv_pages"] == 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_prompt_logprob_row_attended_as_a_decode_query_matches_transformers(model, monkeypatch, backend):
+    """A 2-token prompt that asks for prompt logprobs, beside a 40-token prompt's first chunk that samples no
+    row: the step samples 2 rows for 2 sequences, so its last layer attends those rows alone (attend_rows), and
+    one of them is a prompt-logprob row inside a sequence, not at its end. Its logprobs are transformers'."""
+    from slora.attention_backend import ReferenceAttention, TritonAttention
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on the CPU run in the interpreter")
+    model_dir, _ = model
+    backend_class = TritonAttention if backend == "triton" else ReferenceAttention
+    attend_rows, rows_attended = backend_class.attend_rows, []
+    monkeypatch.setattr(backend_class, "attend_rows", lambda self, query, *args: (
+        rows_attended.append(query.shape[0]), attend_rows(self, query, *args))[1])
+    llm = LLM(str(model_dir), page_size=8, max_num_batched_tokens=16, max_num_seqs=4)
+    llm.engine.runner.attention = backend_class()
+    short, long = random_prompts([2, 40], seed=11)
+    with_logprobs = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    outputs = llm.generate([short, long], [with_logprobs, SamplingParams(max_tokens=2, temperature=0)])
+    assert rows_attended[0] == 2                    # the first step: 2 + 14 tokens, the short prompt's 2 rows
+    want = reference_logprobs(model_dir, short + outputs[0].token_ids)
+    assert_position(outputs[0].prompt_logprobs[1], want[0], short[1], 3)
+    for prompt, output in zip((short, long), outputs):     # greedy: each token is transformers' best next one
+        want = reference_logprobs(model_dir, prompt + output.token_ids)
+        assert output.token_ids == want[len(prompt) - 1:-1].argmax(dim=-1).tolist()
 
 
 def test_prompt_alone_with_a_warm_prefix_cache(model):
