@@ -389,11 +389,11 @@ def scenario_of(args: argparse.Namespace) -> Scenario:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("slora").setLevel(logging.WARNING)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.host_only and device != "cpu":
         raise SystemExit("--host-only runs on the CPU: on CUDA the steps replay graphs, not the eager forward")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("slora").setLevel(logging.WARNING)
     data = run(scenario_of(args), device, dict(args.engine_arg), args.host_only)
     out = Path(args.out or RESULTS / f"step_host_{'cpu' if device == 'cpu' else 'gpu'}.json")
     write_json(out, data)

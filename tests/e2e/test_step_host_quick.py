@@ -1,6 +1,7 @@
 """benchmarks/step_host.py (the host's work per step by kind, issue 22) runs end to end in --quick mode on the
 CPU and charges each pass's steps to the kinds its scenario makes. Speed is never asserted."""
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -69,8 +70,11 @@ def test_host_only_forward_returns_zero_logits_without_the_model_and_is_undone()
     with step_host.zero_logits_forward(vocab=7):
         logits = ModelRunner.forward(runner, host)
     assert torch.equal(logits, torch.zeros(3, 7)) and ModelRunner.forward is original
+    # Refused before main configures logging: this process's loggers stay as the other tests left them.
+    slora_level = logging.getLogger("slora").level
     with pytest.raises(SystemExit, match="--host-only runs on the CPU"):
         step_host.main(["--quick", "--device", "cuda", "--host-only"])
+    assert logging.getLogger("slora").level == slora_level
 
 
 def test_after_idle_sleeps_before_the_call_and_passes_its_result_on(monkeypatch):
