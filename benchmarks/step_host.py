@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
+from unittest import mock
 
 import torch
 from common import PROJECTIONS, RESULTS, ModelSetup, make_prompts, prepare_model, write_adapters, write_json
@@ -148,18 +149,13 @@ def block_ratios(results: dict[str, list[tuple[int, tuple[float, float]]]]) -> l
     return [ratio for ratio in ratios if ratio is not None]
 
 
-@contextmanager
-def zero_logits_forward(vocab: int) -> Iterator[None]:
+def zero_logits_forward(vocab: int) -> contextlib.AbstractContextManager:
     """The model runner's eager forward returns zero logits `[sampled rows, vocab]` without running the model,
     while the context is open: the steps then time the host's own work alone."""
     from slora.model_runner import ModelRunner
 
-    original = ModelRunner.forward
-    ModelRunner.forward = lambda runner, host, feed=None: torch.zeros(len(host.sample_indices), vocab)
-    try:
-        yield
-    finally:
-        ModelRunner.forward = original
+    return mock.patch.object(ModelRunner, "forward",
+                             lambda runner, host, feed=None: torch.zeros(len(host.sample_indices), vocab))
 
 
 def after_idle(idle_ms: float, call: Callable[[], T]) -> Callable[[], T]:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from slora import step_batch
-from slora.attention_backend import RowQueries
+from slora.attention_backend import AttentionBackend, RowQueries
 from slora.cuda_graphs import GraphLimits
 from slora.lora_backend import LoraBackend
 from slora.models.registry import CausalLM
@@ -116,16 +116,12 @@ def attention_inputs(host: StepBatch, seqs: int) -> AttentionInputs:
     return split_attention_inputs(packed_attention_inputs(host, seqs))
 
 
-class BucketAttention(Protocol):
-    """The attention a bucket's graph is captured with (slora.attention_backend.TritonAttention)."""
-
-    pdl: bool
+class BucketAttention(AttentionBackend, Protocol):
+    """The attention a bucket's graph is captured with (slora.attention_backend.TritonAttention): the model's,
+    and its attention over a bucket's grids."""
 
     def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, inputs: AttentionInputs,
                         num_kv_heads: int, scale: float, out: Tensor) -> Tensor: ...
-
-    def attend_rows(self, query: Tensor, kv_pool: Tensor, rows: RowQueries, page_size: int, num_kv_heads: int,
-                    scale: float) -> Tensor: ...
 
 
 @dataclass

@@ -50,6 +50,20 @@ def force_lora_deltas(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return layers
 
 
+def record_attention(monkeypatch: pytest.MonkeyPatch, backend: type | None = None) -> list[tuple[str, int]]:
+    """(which call, query rows) of each attention of `backend` (default: the reference one) from now on: "all"
+    the step's rows, or "rows" some of them (attend_rows)."""
+    from slora.attention_backend import ReferenceAttention
+    backend = backend or ReferenceAttention
+    attended: list[tuple[str, int]] = []
+    attend, attend_rows = backend.attend, backend.attend_rows
+    monkeypatch.setattr(backend, "attend", lambda self, query, *args, **kwargs: (
+        attended.append(("all", query.shape[0])), attend(self, query, *args, **kwargs))[1])
+    monkeypatch.setattr(backend, "attend_rows", lambda self, query, *args: (
+        attended.append(("rows", query.shape[0])), attend_rows(self, query, *args))[1])
+    return attended
+
+
 def random_prompts(lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]

@@ -337,6 +337,6 @@ class LlamaForCausalLM(nn.Module):
         *layers, last = cast(list[DecoderLayer], list(self.model.layers))
         for layer in layers:
             x = layer(x, ctx)
-        x = last(x, ctx, rows_ctx) if cut else last(x, ctx).rows(rows)                  # [sampled, hidden]
+        x = last(x, ctx).rows(rows) if rows_ctx is None else last(x, ctx, rows_ctx)     # [sampled, hidden]
         normed, _ = self.model.norm(x, ctx.pdl)                                         # [sampled, hidden]
         return self.lm_head(normed).float()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slora import LLM, SamplingParams
-from tiny import make_adapters, make_model, random_prompts
+from tiny import make_adapters, make_model, random_prompts, record_attention
 
 TOLERANCE = 1e-4
 
@@ -72,15 +72,14 @@ def test_a_prompt_logprob_row_attended_as_a_decode_query_matches_transformers(mo
         pytest.skip("the Triton kernels on the CPU run in the interpreter")
     model_dir, _ = model
     backend_class = TritonAttention if backend == "triton" else ReferenceAttention
-    attend_rows, rows_attended = backend_class.attend_rows, []
-    monkeypatch.setattr(backend_class, "attend_rows", lambda self, query, *args: (
-        rows_attended.append(query.shape[0]), attend_rows(self, query, *args))[1])
+    attended = record_attention(monkeypatch, backend_class)
     llm = LLM(str(model_dir), page_size=8, max_num_batched_tokens=16, max_num_seqs=4)
     llm.engine.runner.attention = backend_class()
     short, long = random_prompts([2, 40], seed=11)
     with_logprobs = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
     outputs = llm.generate([short, long], [with_logprobs, SamplingParams(max_tokens=2, temperature=0)])
-    assert rows_attended[0] == 2                    # the first step: 2 + 14 tokens, the short prompt's 2 rows
+    # The first step, 2 + 14 tokens: the first layer attends them all, the last only the short prompt's 2 rows.
+    assert attended[:2] == [("all", 16), ("rows", 2)]
     want = reference_logprobs(model_dir, short + outputs[0].token_ids)
     assert_position(outputs[0].prompt_logprobs[1], want[0], short[1], 3)
     for prompt, output in zip((short, long), outputs):     # greedy: each token is transformers' best next one

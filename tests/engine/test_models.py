@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from slora import LLM, SamplingParams
 from slora.models.config import UnsupportedModelError
-from tiny import force_lora_deltas, make_adapters, make_model, oracle_greedy, random_prompts
+from tiny import force_lora_deltas, make_adapters, make_model, oracle_greedy, random_prompts, record_attention
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 THREE = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -150,19 +150,6 @@ def test_cuda_backends_use_pdl_only_where_asked_and_supported(monkeypatch, asked
     assert step.kernels.pdl is (asked and supported)
 
 
-def _record_attention(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """(which call, query rows) of each attention of the reference backend from now on: "all" the step's
-    rows, or "rows" some of them (attend_rows)."""
-    from slora.attention_backend import ReferenceAttention
-    attended: list[tuple[str, int]] = []
-    attend, attend_rows = ReferenceAttention.attend, ReferenceAttention.attend_rows
-    monkeypatch.setattr(ReferenceAttention, "attend", lambda self, query, *args, **kwargs: (
-        attended.append(("all", query.shape[0])), attend(self, query, *args, **kwargs))[1])
-    monkeypatch.setattr(ReferenceAttention, "attend_rows", lambda self, query, *args: (
-        attended.append(("rows", query.shape[0])), attend_rows(self, query, *args))[1])
-    return attended
-
-
 @pytest.mark.parametrize("deltas", [False, True])
 def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypatch, deltas):
     """A prefill's last layer computes from q on only the rows that are sampled, each with its own adapter
@@ -174,7 +161,7 @@ def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypat
     forward = MLP.forward
     monkeypatch.setattr(MLP, "forward", lambda self, x, residual, ctx: (seen.append((self.layer, x.shape[0])),
                                                                         forward(self, x, residual, ctx))[1])
-    attended = _record_attention(monkeypatch)
+    attended = record_attention(monkeypatch)
     prompts = random_prompts([20, 9, 13], seed=4)
     names = [None, "all-r16", "mlp-r8"]
     expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, names, 3)
@@ -191,7 +178,7 @@ def test_last_layer_runs_its_mlp_on_the_sampled_rows_alone(tiny_llama, monkeypat
 def test_a_step_of_prompt_logprobs_runs_its_last_layer_whole(tiny_llama, monkeypatch):
     """More sampled rows than sequences (one prompt's logprobs): as decode queries each row would read its
     whole context again, so that step's last layer attends whole; the other prompt's tokens are the oracle's."""
-    attended = _record_attention(monkeypatch)
+    attended = record_attention(monkeypatch)
     prompts = random_prompts([12, 10], seed=8)
     expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts[1:], [None], 3)
     llm = LLM(str(tiny_llama.model_dir), num_pages=64)
