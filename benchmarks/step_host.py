@@ -149,13 +149,20 @@ def block_ratios(results: dict[str, list[tuple[int, tuple[float, float]]]]) -> l
     return [ratio for ratio in ratios if ratio is not None]
 
 
-def zero_logits_forward(vocab: int) -> contextlib.AbstractContextManager:
+def zero_logits_forward(vocab: int, max_rows: int) -> contextlib.AbstractContextManager:
     """The model runner's eager forward returns zero logits `[sampled rows, vocab]` without running the model,
-    while the context is open: the steps then time the host's own work alone."""
+    while the context is open: the steps then time the host's own work alone. The rows are a view of one
+    buffer, as a graph's logits are: a tensor allocated per step costs the CPU's allocator more in chunk steps
+    than in decode steps, and that cost is not the engine's host work."""
     from slora.model_runner import ModelRunner
 
-    return mock.patch.object(ModelRunner, "forward",
-                             lambda runner, host, feed=None: torch.zeros(len(host.sample_indices), vocab))
+    logits = torch.zeros(max_rows, vocab)                 # [max_rows, vocab]: greedy sampling only reads it
+
+    def forward(runner: ModelRunner, host: Any, feed: Any = None) -> torch.Tensor:
+        rows = len(host.sample_indices)
+        assert rows <= max_rows, f"{rows} sampled rows, the zero logits hold {max_rows}"
+        return logits[:rows]
+    return mock.patch.object(ModelRunner, "forward", forward)
 
 
 def after_idle(idle_ms: float, call: Callable[[], T]) -> Callable[[], T]:
@@ -303,7 +310,7 @@ def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool 
     with tempfile.TemporaryDirectory(prefix="slora-step-host-") as tmp:
         setup = prepare_model(device, Path(tmp))
         llm, adapters = build_llm(setup, scenario, extra, Path(tmp))
-        with zero_logits_forward(setup.vocab_size) if host_only else contextlib.nullcontext():
+        with zero_logits_forward(setup.vocab_size, scenario.step_tokens) if host_only else contextlib.nullcontext():
             passes = all_passes(llm.engine, scenario, adapters, setup.vocab_size, device)
     by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles)
     medians = {kind: row["median_ms"] for kind, row in by_kind.items()}

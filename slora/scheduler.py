@@ -79,6 +79,19 @@ class ScheduledSeq(NamedTuple):
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
+def decodes_first(scheduled: list[ScheduledSeq], num_tokens: int) -> None:
+    """Order a step's `num_tokens` tokens of rows one-token rows first, stably. Rows arrive mostly in that order
+    already: decodes, then the prompts admitted last. The longer rows at the end are walked back from it, and
+    when they hold every token past one per row, nothing is sorted; a decode step is not walked at all."""
+    extra = num_tokens - len(scheduled)            # tokens past one per row: the longer rows' share
+    index = len(scheduled) - 1
+    while extra > 0 and index >= 0 and scheduled[index].num_tokens > 1:
+        extra -= scheduled[index].num_tokens - 1
+        index -= 1
+    if extra > 0:
+        scheduled.sort(key=lambda item: item.num_tokens > 1)
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -148,10 +161,8 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         self._prefetch_adapters(out)
-        # One-token rows (decodes) first: a mixed step's attention runs them through the decode kernel. A step
-        # of more tokens than rows has other rows; a decode step is left as it is, without a pass over it.
-        if self.config.max_num_batched_tokens - budget > len(out.scheduled):
-            out.scheduled.sort(key=lambda item: item.num_tokens > 1)
+        # One-token rows (decodes) first: a mixed step's attention runs them through the decode kernel.
+        decodes_first(out.scheduled, self.config.max_num_batched_tokens - budget)
         out.adapters_freed = self.adapters.take_freed()
         # A load whose pages were taken back within this very step would copy into pages others own.
         assert all(v in self.adapters.resident and self.adapters.resident[v].pages == pages

@@ -67,9 +67,13 @@ def test_host_only_forward_returns_zero_logits_without_the_model_and_is_undone()
     original = ModelRunner.forward
     host = SimpleNamespace(sample_indices=torch.tensor([3, 9, 11]))
     runner = SimpleNamespace(model=None)                  # a model called would raise: None is not callable
-    with step_host.zero_logits_forward(vocab=7):
+    with step_host.zero_logits_forward(vocab=7, max_rows=4):
         logits = ModelRunner.forward(runner, host)
+        one_row = ModelRunner.forward(runner, SimpleNamespace(sample_indices=torch.tensor([5])))
+        with pytest.raises(AssertionError, match="5 sampled rows, the zero logits hold 4"):
+            ModelRunner.forward(runner, SimpleNamespace(sample_indices=torch.arange(5)))
     assert torch.equal(logits, torch.zeros(3, 7)) and ModelRunner.forward is original
+    assert torch.equal(one_row, torch.zeros(1, 7)) and one_row.data_ptr() == logits.data_ptr()   # one buffer
     # Refused before main configures logging: this process's loggers stay as the other tests left them.
     slora_level = logging.getLogger("slora").level
     with pytest.raises(SystemExit, match="--host-only runs on the CPU"):

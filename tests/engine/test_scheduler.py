@@ -2,7 +2,7 @@
 import pytest
 
 from slora.page_pool import OutOfPages, PageAllocator, PageOwner
-from slora.scheduler import Scheduler, SchedulerConfig
+from slora.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, decodes_first
 from slora.sequence import AdapterRef, Sequence
 from slora.sampling_params import SamplingParams
 from slora.simulator import SimRequest, simulate
@@ -56,6 +56,24 @@ def test_one_token_rows_come_first_in_the_step():
     scheduler.add(seq(2, 3))
     out = scheduler.schedule()
     assert [(item.seq.seq_id, item.num_tokens) for item in out.scheduled] == [(1, 1), (0, 4), (2, 3)]
+
+
+@pytest.mark.parametrize("counts, expected", [
+    ([1, 1, 1], [1, 1, 1]),                       # a decode step
+    ([1, 1, 7, 3], [1, 1, 7, 3]),                 # prompts admitted last: already in order
+    ([7, 1, 1], [1, 1, 7]),                       # a chunk ahead of decodes
+    ([1, 3, 1, 4], [1, 1, 3, 4]),                 # a decode between longer rows
+    ([2, 1, 2, 2], [1, 2, 2, 2]),                 # the longer rows at the end hold all but one extra token
+    ([5], [5]),
+    ([], []),
+])
+def test_decodes_first_orders_rows_stably(counts: list[int], expected: list[int]):
+    scheduled = [ScheduledSeq(seq(i, 8), count) for i, count in enumerate(counts)]
+    order = {id(item): i for i, item in enumerate(scheduled)}
+    decodes_first(scheduled, sum(counts))
+    assert [item.num_tokens for item in scheduled] == expected
+    longer = [order[id(item)] for item in scheduled if item.num_tokens > 1]
+    assert longer == sorted(longer), "the longer rows changed their order"
 
 
 def test_admission_counts_adapter_pages_and_watermark():
