@@ -306,6 +306,9 @@ class Scheduler:
         return self.pages_to_admit(seq, matched) + self.watermark_pages <= available
 
     def _admit(self, seq: Sequence, matched: list[int], budget: int, out: SchedulerOutput) -> int:
+        # The matched pages leave the cache first: the adapter's pages may evict cached ones.
+        if seq.swap_slots is None:
+            self._reuse_prefix(seq, matched)
         if seq.adapter is not None:
             self._make_resident(seq.adapter, out)
             self.adapters.pin(seq.adapter.version, self.step_count)
@@ -313,8 +316,6 @@ class Scheduler:
         self.running.append(seq)
         if seq.swap_slots is not None:
             self._swap_in(seq, out)
-        else:
-            self._reuse_prefix(seq, matched)
         num_tokens = min(seq.num_uncomputed, budget)
         grown = self._grow(seq, seq.num_computed_tokens + num_tokens, out)
         assert grown, "admission checked that the pages were available"

@@ -270,6 +270,38 @@ def test_idle_adapter_pages_are_counted_through_pins_and_frees():
     adapters.check()
 
 
+def run_prompt_to_its_end(scheduler: Scheduler, sequence: Sequence) -> None:
+    """Admit `sequence`, compute its whole prompt in one step (its full pages join the cache), and end it."""
+    scheduler.add(sequence)
+    item = next(item for item in scheduler.schedule().scheduled if item.seq is sequence)
+    scheduler.on_computed(sequence, item.num_tokens)
+    scheduler.finish(sequence, "length")
+
+
+def test_an_adapter_loaded_at_admission_keeps_off_the_cached_pages_the_prompt_matched():
+    """A prompt whose first two pages are cached, on an adapter evicted since: with one free page and an idle
+    adapter beside, the adapter's two pages must come from the idle adapter, not from the cached pages the
+    prompt reuses (an adapter page reused as KV: the engine failed on an assertion, or without asserts
+    wrote KV over the adapter's weights)."""
+    scheduler = make_scheduler(11)
+    x, z = AdapterRef("x", 2), AdapterRef("z", 4)
+    run_prompt_to_its_end(scheduler, seq(0, 9, adapter=x))     # its two full pages cached, x idle
+    run_prompt_to_its_end(scheduler, seq(1, 3, adapter=z))     # z idle, used after x
+    assert scheduler.adapters.evict_one_idle() and not scheduler.adapters.is_resident("x")
+    scheduler.add(seq(2, 16))                                  # 4 pages: one page is left free
+    scheduler.schedule()
+    assert scheduler.allocator.num_free == 1 and scheduler.allocator.stats().cached_pages == 2
+    again = seq(3, 9, adapter=x)
+    scheduler.add(again)
+    out = scheduler.schedule()
+    assert [item.num_tokens for item in out.scheduled if item.seq is again] == [1]   # 8 tokens from the cache
+    prefix = again.block_table.pages[:2]
+    assert not set(prefix) & set(scheduler.adapters.resident["x"].pages)
+    assert not scheduler.adapters.is_resident("z")             # evicted for x instead
+    assert [scheduler.allocator.owner(page) for page in prefix] == [PageOwner.KV] * 2
+    scheduler.check()
+
+
 def test_a_prompt_is_hashed_when_added_and_its_admission_hashes_nothing(monkeypatch):
     """The prompt's full pages are hashed on arrival (10 tokens: two pages of 4); the step that admits it
     and matches them against the cache hashes no page, nor does registering the computed pages."""
