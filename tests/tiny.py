@@ -1,5 +1,4 @@
 """Tiny random-weight models and PEFT adapters for tests, and the transformers + PEFT oracle."""
-import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path

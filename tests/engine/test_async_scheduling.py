@@ -1,77 +1,16 @@
 """Overlapped scheduling (EngineConfig.async_scheduling): a step's sampled ids stay on the device as the next
 step's inputs and reach the host one step later. Every output must equal the synchronous engine's, under
 preemption, aborts, stop strings, grammars, forks and adapter eviction, and no page may leak."""
-from typing import NamedTuple
-
 import pytest
 import torch
+from engine_runs import ADAPTERS, Outcome, Request, drive, make_llm
 from tiny import random_prompts
 
 from slora import LLM, SamplingParams
-from slora.engine import Engine
 from slora.scheduler import ScheduledSeq
 from slora.sequence import BlockTable, Sequence
 from slora.step_batch import build, feed_tokens, token_feed
 from slora.structured_output import StructuredOutput
-
-ADAPTERS = ("attn-r4", "mlp-r8", "all-r16")
-
-
-class Outcome(NamedTuple):
-    token_ids: list[list[int]]
-    texts: list[str]
-    finish_reasons: list[str | None]
-    logprobs: list[list[tuple[int, float, int]] | None]
-    prompt_logprobs: list[float | None] | None
-
-
-def outcome(output) -> Outcome:  # noqa: ANN001 - a RequestOutput
-    def logprob_rows(sample) -> list[tuple[int, float, int]] | None:  # noqa: ANN001
-        if sample.logprobs is None:
-            return None
-        return [(lp.token_id, round(lp.logprob, 4), lp.rank) for lp in sample.logprobs]
-    prompt = None if output.prompt_logprobs is None else \
-        [None if lp is None else round(lp.logprob, 4) for lp in output.prompt_logprobs]
-    return Outcome([s.token_ids for s in output.outputs], [s.text for s in output.outputs],
-                   [s.finish_reason for s in output.outputs], [logprob_rows(s) for s in output.outputs], prompt)
-
-
-def make_llm(tiny_llama, async_scheduling: bool, **config: object) -> LLM:  # noqa: ANN001 - the fixture
-    llm = LLM(str(tiny_llama.model_dir), async_scheduling=async_scheduling, **{"num_pages": 256, **config})
-    for name in ADAPTERS:
-        llm.load_adapter(name, str(tiny_llama.adapters[name]))
-    return llm
-
-
-class Request(NamedTuple):
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    adapter: str | None = None
-    arrives: int = 0                 # the step before which it is added
-
-
-def drive(engine: Engine, requests: list[Request], abort_at_tokens: dict[str, int] | None = None,
-          max_steps: int = 500) -> dict[str, Outcome]:
-    """Step the engine until every request ends, adding each at its step and aborting one once its stream
-    shows that many tokens; the final outcome of each request."""
-    finals: dict[str, Outcome] = {}
-    abort_at_tokens = abort_at_tokens or {}
-    for step in range(max_steps):
-        for request in requests:
-            if request.arrives == step:
-                engine.add_request(request.request_id, request.prompt, request.params, request.adapter)
-        if step > max(r.arrives for r in requests) and not engine.has_unfinished():
-            break
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = outcome(out)
-            elif len(out.outputs[0].token_ids) >= abort_at_tokens.get(out.request_id, 1 << 30):
-                finals[out.request_id] = outcome(engine.abort(out.request_id))
-    assert not engine.has_unfinished(), "the engine did not finish"
-    engine.check()
-    assert engine.pool_stats()["kv_pages"] == 0, "KV pages leaked"
-    return finals
 
 
 def both(tiny_llama, requests: list[Request], **config: object) -> tuple[dict[str, Outcome], dict[str, Outcome]]:  # noqa: ANN001
