@@ -1,6 +1,7 @@
 """The scheduler and page pool on random workloads, drawn by Hypothesis, without a model: prompts that share
 prefixes on a few adapters, in pools small enough that KV, cached pages and adapters evict each other, with
-preemption by recompute and by swap, max_loras, aborts and adapters unloaded mid-run. After every step the
+samples forked after their prompt (copy-on-write), preemption by recompute and by swap, max_loras, aborts and
+adapters unloaded mid-run. After every step the
 pool's invariants hold (Scheduler.check), and in the end every request has ended with no KV page held."""
 import random
 
@@ -39,9 +40,11 @@ def workloads(draw: st.DrawFn) -> tuple[Scheduler, list[tuple[int, Sequence]]]:
     for i in range(draw(st.integers(2, 30))):
         prompt = shared[:draw(st.integers(0, len(shared)))] + draw(token_lists)
         adapter = draw(st.sampled_from([None, *adapters]))
-        params = SamplingParams(max_tokens=draw(st.integers(1, 24)), temperature=0, ignore_eos=True)
+        samples = draw(st.integers(1, min(3, config.max_num_seqs)))
+        params = SamplingParams(max_tokens=draw(st.integers(1, 24)), temperature=1.0, seed=1, n=samples,
+                                ignore_eos=True)
         if _fits(scheduler, len(prompt), adapter):
-            arrivals.append((draw(st.integers(0, 20)), Sequence(i, f"r{i}", prompt, params, adapter)))
+            arrivals.append((draw(st.integers(0, 20)), Sequence(i + 1, f"r{i}", prompt, params, adapter)))
     return scheduler, arrivals
 
 
@@ -63,17 +66,35 @@ def disturb(scheduler: Scheduler, live: list[Sequence], rng: random.Random) -> N
         scheduler.adapters.retire(rng.choice(versions))
 
 
-def compute(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random) -> None:
-    """What the engine does with a step: its tokens computed, a token sampled where a row completes."""
+def forked(scheduler: Scheduler, parent: Sequence) -> list[Sequence]:
+    """The other samples of a request, forked from its first as its prompt completes (as the engine does)."""
+    if parent.params.n == 1 or parent.sample_index != 0 or parent.output_token_ids:
+        return []
+    children = [Sequence(1000 + 10 * parent.seq_id + i, parent.request_id, list(parent.prompt_token_ids), parent.params,
+                         parent.adapter, sample_index=i) for i in range(1, parent.params.n)]
+    for child in children:
+        scheduler.fork(parent, child)
+    return children
+
+
+def compute(scheduler: Scheduler, out: SchedulerOutput, rng: random.Random) -> list[Sequence]:
+    """What the engine does with a step: its tokens computed, a token sampled where a row completes (for
+    each sample of a request whose prompt just completed); the samples forked."""
+    children = []
     for seq in out.rejected:
         scheduler.finish(seq, "length")
     for item in out.scheduled:
         completes = item.completes
         scheduler.on_computed(item.seq, item.num_tokens)
-        if completes:
-            item.seq.output_token_ids.append(rng.randrange(VOCAB))
-            if len(item.seq.output_token_ids) >= item.seq.params.max_tokens:
-                scheduler.finish(item.seq, "length")
+        if not completes:
+            continue
+        family = [item.seq, *forked(scheduler, item.seq)]
+        children += family[1:]
+        for seq in family:
+            seq.output_token_ids.append(rng.randrange(VOCAB))
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                scheduler.finish(seq, "length")
+    return children
 
 
 @settings(max_examples=400, deadline=None, derandomize=True, database=None,
@@ -90,7 +111,7 @@ def test_random_workloads_keep_the_pool_whole_and_end(workload, rng: random.Rand
         if step > 20 and not scheduler.has_unfinished():
             break
         disturb(scheduler, live, rng)
-        compute(scheduler, scheduler.schedule(), rng)
+        live += compute(scheduler, scheduler.schedule(), rng)
         scheduler.check()
     assert not scheduler.has_unfinished(), f"requests still unfinished after {MAX_STEPS} steps"
     assert scheduler.allocator.stats().kv_pages == 0, "KV pages held after every request ended"
