@@ -3,6 +3,8 @@ does, and both keep the pool's invariants after every step. A workload mixes chu
 share a prefix (on one adapter, on others, and on the base model), preemption by recompute and by swap (with
 no swap space too), max_loras, forks, grammars, stop strings, aborts, and adapters unloaded and loaded again
 while requests run on them. Small pools make the adapters and the cached pages evict each other."""
+from dataclasses import dataclass
+
 import pytest
 
 pytest.importorskip("hypothesis", reason="hypothesis is not installed (the GPU machine's case): pip install hypothesis")
@@ -40,16 +42,14 @@ CONFIGS = {
 }
 
 
+@dataclass
 class Workload:
     """What one example runs: its engine settings, requests, aborts (in the overlapped engine: by tokens
     streamed) and the steps before which an adapter is unloaded and loaded again."""
-
-    def __init__(self, config: dict[str, object], requests: list[Request], aborts: dict[str, int],
-                 reloads: set[int]) -> None:
-        self.config, self.requests, self.aborts, self.reloads = config, requests, aborts, reloads
-
-    def __repr__(self) -> str:                     # what Hypothesis prints for a failing example
-        return f"Workload({self.config}, {self.requests}, aborts={self.aborts}, reloads={sorted(self.reloads)})"
+    config: dict[str, object]
+    requests: list[Request]
+    aborts: dict[str, int]
+    reloads: set[int]
 
 
 tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30)
