@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import shutil
 from collections.abc import Iterable, Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -292,6 +293,12 @@ class AdapterManager(AdapterResidency):
             if seq.adapter is not None and not self.ready(seq.adapter.version):
                 self._start_reload(self.versions[seq.adapter.version])
         return failed
+
+    def wait_for_reads(self, timeout_s: float) -> None:
+        """Until a background read from disk ends, for at most `timeout_s`; at once if none is in progress."""
+        reads = [stored.reload for stored in self._reloading.values() if stored.reload is not None]
+        if reads:
+            futures.wait(reads, timeout=timeout_s, return_when=futures.FIRST_COMPLETED)
 
     def _start_reload(self, stored: AdapterVersion) -> None:
         if stored.reload is None:

@@ -40,6 +40,9 @@ from slora.tokenizer import eos_token_ids, load_tokenizer
 __all__ = ["Engine", "UnknownAdapterError"]
 
 logger = logging.getLogger(__name__)
+# Longest a step that schedules nothing waits for an adapter's read from disk to end: the longest a request
+# arriving meanwhile waits for the server's loop to take it.
+IDLE_STEP_WAIT_S = 0.005
 
 
 class Launched(NamedTuple):
@@ -200,6 +203,9 @@ class Engine:
         outputs = [self._finalize(state) for state in touched.values() if state.stream or state.finished]
         if not self.requests:
             self._take_sampled(touched)      # rows of ended sequences only: its time is not left to the next
+        if not out.scheduled and not outputs:
+            # Every request waits for an adapter read from disk: a caller's loop of steps would spin a core.
+            self.adapters.wait_for_reads(IDLE_STEP_WAIT_S)
         return outputs
 
     def _launch(self, scheduled: list[ScheduledSeq]) -> Launched:

@@ -120,3 +120,31 @@ def test_adapters_are_read_back_only_for_requests_near_the_head_of_the_queue(tin
         engine.step()
     assert engine.adapters.num_reloads == 1
     engine.check()
+
+
+def test_steps_with_every_request_waiting_on_a_disk_read_wait_for_it_instead_of_spinning(tiny_llama):
+    """While its only request waits for its adapter to be read back, a step that schedules nothing waits
+    (a few ms, or until the read ends) rather than returning at once: a loop of such steps must not spin a
+    core for the read's whole length. The request is served once the read ends."""
+    llm = host_cache_for_one_large_adapter(tiny_llama)
+    engine = llm.engine
+    slow = llm.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
+    llm.load_adapter("rs-pattern", str(tiny_llama.adapters["rs-pattern"]))
+    assert engine.adapters.versions[slow].tier == "disk"
+    read_seconds, real_prepare = 0.5, engine.adapters.prepare
+
+    def slow_prepare(path):
+        time.sleep(read_seconds)
+        return real_prepare(path)
+
+    engine.adapters.prepare = slow_prepare
+    engine.add_request("needs-disk", random_prompts([10], seed=33)[0], GREEDY, "all-r16")
+    steps, deadline = 0, time.monotonic() + 60
+    while engine.adapters.versions[slow].tier == "disk" and time.monotonic() < deadline:
+        engine.step()
+        steps += 1
+    # A step waits up to 5 ms: at most about 100 steps in the read's 0.5 s (spinning made tens of thousands).
+    assert engine.adapters.versions[slow].tier != "disk" and steps <= 200, steps
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        engine.step()
+    assert not engine.has_unfinished() and llm.pool_stats()["kv_pages"] == 0
