@@ -204,7 +204,7 @@ class Engine:
         if not self.requests:
             self._take_sampled(touched)      # rows of ended sequences only: its time is not left to the next
         if not out.scheduled and not outputs:
-            # Every request waits for an adapter read from disk: a caller's loop of steps would spin a core.
+            # Nothing ran: where requests wait for adapter reads from disk, a caller's loop of steps would spin.
             self.adapters.wait_for_reads(IDLE_STEP_WAIT_S)
         return outputs
 
