@@ -114,6 +114,11 @@ class NamesAFunction(Protocol):
     def function(self) -> FunctionName: ...
 
 
+def named_function(tool_choice: str | NamesAFunction | None) -> str | None:
+    """The function a named tool_choice forces; None for "auto", "none", "required" or no tool_choice."""
+    return None if tool_choice is None or isinstance(tool_choice, str) else tool_choice.function.name
+
+
 def tool_names_of(tools: Sequence[NamesAFunction] | None,
                   tool_choice: str | NamesAFunction | None) -> frozenset[str] | None:
     """The names whose calls count for a request with `tools` and `tool_choice`: None when nothing is parsed
@@ -121,9 +126,8 @@ def tool_names_of(tools: Sequence[NamesAFunction] | None,
     if not tools or tool_choice == "none":
         return None
     names = frozenset(tool.function.name for tool in tools)
-    if tool_choice is not None and not isinstance(tool_choice, str):
-        names = names & {tool_choice.function.name}
-    return names
+    forced = named_function(tool_choice)
+    return names if forced is None else names & {forced}
 
 
 # ---- forced tool choices --------------------------------------------------------------------------------------
@@ -209,6 +213,6 @@ def parser_for(tools: Sequence[NamesAFunction] | None, tool_choice: str | NamesA
         return None
     if tool_choice == "required":
         return ToolParser(names, "required")
-    if tool_choice is not None and not isinstance(tool_choice, str):
+    if named_function(tool_choice) is not None:
         return ToolParser(names, "named") if names else None   # a name outside tools: the route refuses it
     return ToolParser(names, "hermes") if hermes else None

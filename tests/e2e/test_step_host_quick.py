@@ -2,6 +2,7 @@
 CPU and charges each pass's steps to the kinds its scenario makes. Speed is never asserted."""
 import json
 import logging
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,8 @@ def test_quick_run_charges_the_chunk_steps_and_the_decode_steps_to_their_kinds(t
     # Each round's two blocks both hold chunk steps and decode steps: four block ratios.
     blocks = result["chunk_over_decode_by_block"]
     assert len(blocks) == 4 and all(ratio > 0 for ratio in blocks)
+    # The median of the block ratios themselves (not of the rounds' or the pooled figures).
+    assert result["chunk_over_decode_block_median"] == pytest.approx(statistics.median(blocks))
     assert min(blocks) <= result["chunk_over_decode_block_median"] <= max(blocks)
     assert result["host_only"] is False
 
