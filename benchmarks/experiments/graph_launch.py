@@ -18,9 +18,13 @@ device activities by kind (one replay under torch.profiler):
   avoids the memsets, at what cost to the GPU;
 - engine: step_host.py's engine (Llama-3-8B shape, 8 rank-16 adapters), after one pass of its chunked
   prompts: its 64-sequence decode graphs and its 64- and 512-token mixed-step graphs; and before it, every
-  mixed-step graph (16 to 512 tokens) over its inputs as captured; with device µs.
+  mixed-step graph (16 to 512 tokens) over its inputs as captured; with device µs;
+- split_k: each fused projection alone, 32 times, at 320, 448 and 512 rows, under cuBLAS and under cuBLASLt
+  with torch's bf16 reduction setting at each of its three values (reduced precision with split-K, full
+  precision with split-K, full precision without split-K: cuBLASLt's reduction-scheme mask), with device µs:
+  whether a cuBLASLt capture without split-K keeps the memsets out, at what cost to the GPU.
 
-    python benchmarks/experiments/graph_launch.py [--replays 40] [--groups synthetic,gemms,shapes,gate_up,engine]
+    python benchmarks/experiments/graph_launch.py [--replays 40] [--groups synthetic,gemms,shapes,gate_up,engine,split_k]
                                                   [--out FILE]
 """
 import argparse
@@ -50,7 +54,10 @@ GATE_UP_ROWS = (256, 320, 384, 448, 512, 528, 576, 640)
 GATE_UP_PIECES = ((512, 1, 2), (448, 1, 2), (384, 1, 2), (256, 1, 2), (512, 2, 1), (448, 2, 1), (512, 1, 4),
                   (512, 2, 2))
 TRANSPOSED_ROWS = (448, 512)
-GROUPS = ("synthetic", "gemms", "shapes", "gate_up", "engine")
+GROUPS = ("synthetic", "gemms", "shapes", "gate_up", "engine", "split_k")
+SPLIT_K_ROWS = (320, 448, 512)
+# torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction: (reduced precision, split-K)
+REDUCTIONS = {"reduced, split-K": (True, True), "full, split-K": (False, True), "full, no split-K": (False, False)}
 BF16 = MappingProxyType({"device": "cuda", "dtype": torch.bfloat16})   # the GEMMs' tensors
 
 
@@ -250,6 +257,32 @@ def gate_up_rows(replays: int) -> dict[str, dict[str, object]]:
     return rows
 
 
+@contextmanager
+def bf16_reduction(setting: tuple[bool, bool]) -> Iterator[None]:
+    """torch's bf16 reduction setting (reduced precision, split-K) while the context is open, then the one
+    before."""
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction_split_k)
+    matmul.allow_bf16_reduced_precision_reduction = setting
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def split_k_rows(replays: int) -> dict[str, dict[str, object]]:
+    rows = {}
+    for tokens in SPLIT_K_ROWS:
+        for names, shape in zip(LORA_GROUPS, fused_gemm_shapes()):
+            name = f"{'+'.join(names)}, {tokens} rows"
+            rows[f"{name}, cuBLAS"] = measured_on_device(captured(linear_body(shape, tokens)), replays)
+            for label, setting in REDUCTIONS.items():
+                with blas_library("cublaslt"), bf16_reduction(setting):
+                    rows[f"{name}, cuBLASLt, {label}"] = \
+                        measured_on_device(captured(linear_body(shape, tokens)), replays)
+    return rows
+
+
 def engine_rows(replays: int) -> dict[str, dict[str, object]]:
     """The step_host engine's mixed-step graphs over their inputs as captured; then, after a pass of its
     prompts, its graphs of 64 sequences and of 64 and 512 tokens."""
@@ -291,7 +324,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("graph_launch.py replays CUDA graphs: it needs a GPU")
     runs = {"synthetic": synthetic_rows, "gemms": gemm_rows, "shapes": shape_rows, "gate_up": gate_up_rows,
-            "engine": engine_rows}
+            "engine": engine_rows, "split_k": split_k_rows}
     results = {group: runs[group](args.replays) for group in GROUPS if group in groups}
     write_json(args.out, {"benchmark": "graph_launch", "replays": args.replays, "gpu": torch.cuda.get_device_name(),
                           **results})
