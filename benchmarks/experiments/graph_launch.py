@@ -24,8 +24,8 @@ device activities by kind (one replay under torch.profiler):
   precision with split-K, full precision without split-K: cuBLASLt's reduction-scheme mask), with device µs:
   whether a cuBLASLt capture without split-K keeps the memsets out, at what cost to the GPU.
 
-    python benchmarks/experiments/graph_launch.py [--replays 40] [--groups synthetic,gemms,shapes,gate_up,engine,split_k]
-                                                  [--out FILE]
+    python benchmarks/experiments/graph_launch.py [--replays 40] [--out FILE]
+        [--groups synthetic,gemms,shapes,gate_up,engine,split_k]
 """
 import argparse
 import logging
