@@ -22,12 +22,18 @@ device activities by kind (one replay under torch.profiler):
 - split_k: each fused projection alone, 32 times, at 320, 448 and 512 rows, under cuBLAS and under cuBLASLt
   with torch's bf16 reduction setting at each of its three values (reduced precision with split-K, full
   precision with split-K, full precision without split-K: cuBLASLt's reduction-scheme mask), with device µs:
-  whether a cuBLASLt capture without split-K keeps the memsets out, at what cost to the GPU.
+  whether a cuBLASLt capture without split-K keeps the memsets out, at what cost to the GPU;
+- gate_up_forms: the gate/up projection at 320, 448 and 512 rows as one GEMM, as a batched GEMM of its two
+  halves (gate and up as one `[2, rows, inter]` output), over a weight or into an output whose rows are padded
+  by 64 columns (another leading dimension, the same alignment), with device µs and the first memset's bytes:
+  whether another form of the same product gets a kernel without the memsets, at no cost to the GPU (run it
+  once more with CUBLAS_WORKSPACE_CONFIG=:0:0 to see whether the memsets need cuBLAS's workspace).
 
     python benchmarks/experiments/graph_launch.py [--replays 40] [--out FILE]
-        [--groups synthetic,gemms,shapes,gate_up,engine,split_k]
+        [--groups synthetic,gemms,shapes,gate_up,engine,split_k,gate_up_forms]
 """
 import argparse
+import json
 import logging
 import statistics
 import sys
@@ -54,7 +60,7 @@ GATE_UP_ROWS = (256, 320, 384, 448, 512, 528, 576, 640)
 GATE_UP_PIECES = ((512, 1, 2), (448, 1, 2), (384, 1, 2), (256, 1, 2), (512, 2, 1), (448, 2, 1), (512, 1, 4),
                   (512, 2, 2))
 TRANSPOSED_ROWS = (448, 512)
-GROUPS = ("synthetic", "gemms", "shapes", "gate_up", "engine", "split_k")
+GROUPS = ("synthetic", "gemms", "shapes", "gate_up", "engine", "split_k", "gate_up_forms")
 SPLIT_K_ROWS = (320, 448, 512)
 # torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction: (reduced precision, split-K)
 REDUCTIONS = {"reduced, split-K": (True, True), "full, split-K": (False, True), "full, no split-K": (False, False)}
@@ -283,6 +289,39 @@ def split_k_rows(replays: int) -> dict[str, dict[str, object]]:
     return rows
 
 
+def gate_up_form_bodies(rows: int) -> dict[str, Callable[[], None]]:
+    """The gate/up projection of `rows` tokens in four forms, each a layer's worth 32 times over."""
+    fin, fout = fused_gemm_shapes()[2]
+    weight, x = torch.randn(fout, fin, **BF16), torch.randn(rows, fin, **BF16)
+    halves = weight.view(2, fout // 2, fin).transpose(1, 2)                  # [2, in, inter]
+    padded_weight = torch.randn(fout, fin + 64, **BF16)[:, :fin]
+    padded_out = torch.empty(rows, fout + 64, **BF16)[:, :fout]
+    return {"one GEMM": per_layer(lambda: torch.nn.functional.linear(x, weight)),
+            "batched halves": per_layer(lambda: torch.bmm(x.expand(2, rows, fin), halves)),
+            "padded weight rows": per_layer(lambda: torch.nn.functional.linear(x, padded_weight)),
+            "padded output rows": per_layer(lambda: torch.mm(x, weight.t(), out=padded_out))}
+
+
+def first_memset_args(graph: torch.cuda.CUDAGraph) -> dict[str, object] | None:
+    """The profiler's arguments of a replay's first memset (its bytes among them), or None."""
+    with tempfile.TemporaryDirectory(prefix="slora-graph-launch-") as tmp:
+        trace = Path(tmp) / "trace.json"
+        profiled_replay(graph).export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    memsets = [e for e in events if "memset" in str(e.get("name", "")).lower() and e.get("ph") == "X"]
+    return memsets[0].get("args") if memsets else None
+
+
+def gate_up_form_rows(replays: int) -> dict[str, dict[str, object]]:
+    rows = {}
+    for tokens in SPLIT_K_ROWS:
+        for form, body in gate_up_form_bodies(tokens).items():
+            graph = captured(body)
+            rows[f"{form}, {tokens} rows"] = {**measured_on_device(graph, replays),
+                                             "first_memset": first_memset_args(graph)}
+    return rows
+
+
 def engine_rows(replays: int) -> dict[str, dict[str, object]]:
     """The step_host engine's mixed-step graphs over their inputs as captured; then, after a pass of its
     prompts, its graphs of 64 sequences and of 64 and 512 tokens."""
@@ -324,7 +363,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("graph_launch.py replays CUDA graphs: it needs a GPU")
     runs = {"synthetic": synthetic_rows, "gemms": gemm_rows, "shapes": shape_rows, "gate_up": gate_up_rows,
-            "engine": engine_rows, "split_k": split_k_rows}
+            "engine": engine_rows, "split_k": split_k_rows,
+            "gate_up_forms": gate_up_form_rows}
     results = {group: runs[group](args.replays) for group in GROUPS if group in groups}
     write_json(args.out, {"benchmark": "graph_launch", "replays": args.replays, "gpu": torch.cuda.get_device_name(),
                           **results})
