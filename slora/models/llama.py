@@ -8,7 +8,6 @@ The residual stream rides in the GEMMs that write into it: o_proj and down_proj 
 residual in place (`residual += x @ Wᵀ`, cuBLAS's beta = 1), so the norms after them read one tensor and
 write one, instead of reading two and writing two.
 """
-import os
 from collections.abc import Iterable
 from types import MappingProxyType
 from typing import NamedTuple, Protocol, cast
@@ -242,11 +241,6 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
-        if os.environ.get("SLORA_EXPERIMENT_PAD_GATE_UP"):
-            weight = self.gate_up_proj.weight.data                                  # [2 * inter, hidden]
-            padded = torch.zeros(weight.shape[0], weight.shape[1] + 64, dtype=weight.dtype, device=weight.device)
-            padded[:, :weight.shape[1]] = weight
-            self.gate_up_proj.weight.data = padded[:, :weight.shape[1]]
 
     def activated(self, x: Tensor, ctx: StepContext) -> Tensor:
         """silu(gate) * up `[tokens, intermediate]`, gate and up with each token's LoRA added: one LoRA call
