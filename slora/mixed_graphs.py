@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,12 +54,14 @@ class AttentionInputs(NamedTuple):
     prefill_start_loc: Tensor          # [seqs + 1] int32: query_start_loc with the decode sequences empty
 
 
-def write_attention_inputs(host: StepBatch, packed: Tensor) -> None:
+def write_attention_inputs(host: StepBatch, packed: np.ndarray) -> None:
     """Write a step's AttentionInputs for a bucket into its packed `[2 * bucket sequences + 1]` int32 host
-    tensor (both on the CPU): the decode sequences start where the first prefill row does, and the
-    sequences past the step where it ends, so both are empty."""
+    array, a numpy view (every mixed step slices it, and a numpy slice costs the host a fraction of a
+    tensor's): the decode sequences start where the first prefill row does, and the sequences past the
+    step where it ends, so both are empty."""
     decodes, count = host.num_decodes, host.context_lens.shape[0]
-    context_lens, starts = (t.numpy() for t in split_attention_inputs(packed))
+    seqs = (packed.shape[0] - 1) // 2
+    context_lens, starts = packed[:seqs], packed[seqs:]
     step_starts = host.query_start_loc.numpy()
     context_lens.fill(0)
     context_lens[:decodes] = host.context_lens.numpy()[:decodes]
@@ -101,7 +104,7 @@ def packed_length(seqs: int) -> int:
 def packed_attention_inputs(host: StepBatch, seqs: int) -> Tensor:
     """A step's AttentionInputs for a bucket of `seqs` sequences, packed (write_attention_inputs)."""
     packed = torch.empty(packed_length(seqs), dtype=torch.int32)
-    write_attention_inputs(host, packed)
+    write_attention_inputs(host, packed.numpy())
     return packed
 
 
@@ -257,12 +260,12 @@ class MixedGraphs:
         on the device after it)."""
         twin = self.staged.begin(captured.views)
         host.copy_into(twin.batch)
-        self._stage_extras(twin.batch, host, twin.extras[ATTENTION_INPUTS][:packed_length(captured.seqs)])
+        self._stage_extras(twin.batch, host, twin.extras[ATTENTION_INPUTS].numpy()[:packed_length(captured.seqs)])
         self.staged.send()
         step_batch.feed_tokens(captured.views.device, feed)
 
     @staticmethod
-    def _stage_extras(twin: StepBatch, host: StepBatch, packed: Tensor) -> None:
+    def _stage_extras(twin: StepBatch, host: StepBatch, packed: np.ndarray) -> None:
         """What a mixed step stages beyond copy_into: the sampled rows and query_start_loc are aranges in
         static buffers (the decode graphs' use); here they are the step's. The sampled rows past the step's
         read row 0, inside every bucket; the sequences past the step start at its end, so query_start_loc
