@@ -205,15 +205,26 @@ def linear_body(shape: tuple[int, int], rows: int) -> Callable[[], None]:
     return per_layer(lambda: torch.nn.functional.linear(x, weight))
 
 
+@contextmanager
+def bf16_reduction(setting: tuple[bool, bool]) -> Iterator[None]:
+    """torch's bf16 reduction setting (reduced precision, split-K) while the context is open, then the one
+    before."""
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction_split_k)
+    matmul.allow_bf16_reduced_precision_reduction = setting
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+
+
 def shape_rows(replays: int) -> dict[str, dict[str, object]]:
-    matmul, rows = torch.backends.cuda.matmul, {}
-    default = matmul.allow_bf16_reduced_precision_reduction
+    rows = {}
     for reduced in (True, False):
-        matmul.allow_bf16_reduced_precision_reduction = reduced
-        for names, shape in zip(LORA_GROUPS, fused_gemm_shapes()):
-            rows[f"{'+'.join(names)}, reduced reduction {reduced}"] = \
-                measured_on_device(captured(linear_body(shape, SHAPE_ROWS)), replays)
-    matmul.allow_bf16_reduced_precision_reduction = default
+        with bf16_reduction((reduced, True)):
+            for names, shape in zip(LORA_GROUPS, fused_gemm_shapes()):
+                rows[f"{'+'.join(names)}, reduced reduction {reduced}"] = \
+                    measured_on_device(captured(linear_body(shape, SHAPE_ROWS)), replays)
     return rows
 
 
@@ -261,19 +272,6 @@ def gate_up_rows(replays: int) -> dict[str, dict[str, object]]:
         rows["fused, 512 rows, cuBLASLt"] = \
             measured_on_device(captured(linear_body(fused_gemm_shapes()[2], SHAPE_ROWS)), replays)
     return rows
-
-
-@contextmanager
-def bf16_reduction(setting: tuple[bool, bool]) -> Iterator[None]:
-    """torch's bf16 reduction setting (reduced precision, split-K) while the context is open, then the one
-    before."""
-    matmul = torch.backends.cuda.matmul
-    before = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction_split_k)
-    matmul.allow_bf16_reduced_precision_reduction = setting
-    try:
-        yield
-    finally:
-        matmul.allow_bf16_reduced_precision_reduction = before
 
 
 def split_k_rows(replays: int) -> dict[str, dict[str, object]]:
