@@ -230,8 +230,9 @@ class MixedGraphs:
 
     def _out_for(self, query: Tensor) -> Tensor:
         """The attention output of every layer of every bucket: leading rows of one buffer, zeroed once when
-        the largest bucket first runs (outside its capture), so attention adds no memset to the graphs. Attention writes
-        only the step's rows; the padding rows keep zeros or an earlier step's values, finite either way."""
+        the largest bucket first runs (outside its capture), so attention adds no memset to the graphs.
+        Attention writes only the step's rows; the padding rows keep zeros or an earlier step's values,
+        finite either way."""
         if self._attention_out is None:
             self._attention_out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         assert self._attention_out.shape[0] >= query.shape[0], "the largest bucket is recorded first"
