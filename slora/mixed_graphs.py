@@ -12,7 +12,7 @@ import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # The staged extra tensor of the buckets' packed AttentionInputs.
 ATTENTION_INPUTS = "attention_inputs"
+# A packed AttentionInputs region: the staged tensor, or a numpy view of its host twin.
+Packed = TypeVar("Packed", Tensor, np.ndarray)
 
 
 # A bucket whose graph runs this much slower than a larger bucket's is not used: its steps pad to the larger
@@ -60,8 +62,7 @@ def write_attention_inputs(host: StepBatch, packed: np.ndarray) -> None:
     tensor's): the decode sequences start where the first prefill row does, and the sequences past the
     step where it ends, so both are empty."""
     decodes, count = host.num_decodes, host.context_lens.shape[0]
-    seqs = (packed.shape[0] - 1) // 2
-    context_lens, starts = packed[:seqs], packed[seqs:]
+    context_lens, starts = _halves(packed)
     step_starts = host.query_start_loc.numpy()
     context_lens.fill(0)
     context_lens[:decodes] = host.context_lens.numpy()[:decodes]
@@ -108,10 +109,15 @@ def packed_attention_inputs(host: StepBatch, seqs: int) -> Tensor:
     return packed
 
 
+def _halves(packed: Packed) -> tuple[Packed, Packed]:
+    """A packed `[2 * seqs + 1]` region's context lengths `[seqs]` and starts `[seqs + 1]`, as views."""
+    seqs = (packed.shape[0] - 1) // 2
+    return packed[:seqs], packed[seqs:]
+
+
 def split_attention_inputs(packed: Tensor) -> AttentionInputs:
     """The AttentionInputs that a packed `[2 * seqs + 1]` tensor holds, as views of it."""
-    seqs = (packed.shape[0] - 1) // 2
-    return AttentionInputs(packed[:seqs], packed[seqs:])
+    return AttentionInputs(*_halves(packed))
 
 
 def attention_inputs(host: StepBatch, seqs: int) -> AttentionInputs:

@@ -61,7 +61,7 @@ GATE_UP_PIECES = ((512, 1, 2), (448, 1, 2), (384, 1, 2), (256, 1, 2), (512, 2, 1
                   (512, 2, 2))
 TRANSPOSED_ROWS = (448, 512)
 GROUPS = ("synthetic", "gemms", "shapes", "gate_up", "engine", "split_k", "gate_up_forms")
-SPLIT_K_ROWS = (320, 448, 512)
+PROBE_ROWS = (320, 448, 512)      # split_k and gate_up_forms: rows where the gate/up memsets appear
 # torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction: (reduced precision, split-K)
 REDUCTIONS = {"reduced, split-K": (True, True), "full, split-K": (False, True), "full, no split-K": (False, False)}
 BF16 = MappingProxyType({"device": "cuda", "dtype": torch.bfloat16})   # the GEMMs' tensors
@@ -276,7 +276,7 @@ def gate_up_rows(replays: int) -> dict[str, dict[str, object]]:
 
 def split_k_rows(replays: int) -> dict[str, dict[str, object]]:
     rows = {}
-    for tokens in SPLIT_K_ROWS:
+    for tokens in PROBE_ROWS:
         for names, shape in zip(LORA_GROUPS, fused_gemm_shapes()):
             name = f"{'+'.join(names)}, {tokens} rows"
             rows[f"{name}, cuBLAS"] = measured_on_device(captured(linear_body(shape, tokens)), replays)
@@ -312,7 +312,7 @@ def first_memset_args(graph: torch.cuda.CUDAGraph) -> dict[str, object] | None:
 
 def gate_up_form_rows(replays: int) -> dict[str, dict[str, object]]:
     rows = {}
-    for tokens in SPLIT_K_ROWS:
+    for tokens in PROBE_ROWS:
         for form, body in gate_up_form_bodies(tokens).items():
             graph = captured(body)
             rows[f"{form}, {tokens} rows"] = {**measured_on_device(graph, replays),

@@ -1,8 +1,8 @@
 """The scheduler and page pool on random workloads, drawn by Hypothesis, without a model: prompts that share
 prefixes on a few adapters, in pools small enough that KV, cached pages and adapters evict each other, with
 samples forked after their prompt (copy-on-write), preemption by recompute and by swap, max_loras, aborts and
-adapters unloaded mid-run. After every step the
-pool's invariants hold (Scheduler.check), and in the end every request has ended with no KV page held."""
+adapters unloaded mid-run. After every step the pool's invariants hold (Scheduler.check), and in the end
+every request has ended with no KV page held."""
 import random
 
 import pytest
@@ -70,8 +70,8 @@ def forked(scheduler: Scheduler, parent: Sequence) -> list[Sequence]:
     """The other samples of a request, forked from its first as its prompt completes (as the engine does)."""
     if parent.params.n == 1 or parent.sample_index != 0 or parent.output_token_ids:
         return []
-    children = [Sequence(1000 + 10 * parent.seq_id + i, parent.request_id, list(parent.prompt_token_ids), parent.params,
-                         parent.adapter, sample_index=i) for i in range(1, parent.params.n)]
+    children = [Sequence(1000 + 10 * parent.seq_id + i, parent.request_id, list(parent.prompt_token_ids),
+                         parent.params, parent.adapter, sample_index=i) for i in range(1, parent.params.n)]
     for child in children:
         scheduler.fork(parent, child)
     return children
