@@ -5,6 +5,7 @@ Every page is exactly one of: free; KV of live sequences (refcounted); cached KV
 prefix reuse, evictable); adapter weights (owned by one resident adapter version).
 """
 import enum
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -76,14 +77,15 @@ class PageAllocator:
         return self._refcount[page]
 
     def _take_free(self, owner: PageOwner, count: int, what: str) -> list[int]:
-        """`count` free pages for `owner`, evicting the oldest cached KV where the free ones fall short; all
-        or nothing. In bulk: a prefill chunk takes dozens of pages in one step."""
+        """`count` pages for `owner`: free ones first, then the oldest cached KV, evicted; all or nothing. In
+        bulk: a prefill chunk takes dozens of pages in one step."""
         if count > self.num_available:
             raise OutOfPages(f"{count} {what} pages asked for, {self.num_available} are available")
-        if len(self._free) < count:
-            self._evict_cached(count - len(self._free))
-        pages = [self._free.popleft() for _ in range(count)]
+        free = self._free
+        pages = [free.popleft() for _ in range(min(count, len(free)))]
         self._move(pages, PageOwner.FREE, owner)
+        if len(pages) < count:
+            pages += self._evict_cached(count - len(pages), owner)
         return pages
 
     def _give_back(self, pages: list[int], source: PageOwner) -> None:
@@ -150,14 +152,17 @@ class PageAllocator:
     def is_cached(self, page: int) -> bool:
         return self._owner[page] is PageOwner.CACHED
 
-    def _evict_cached(self, count: int) -> None:
-        """Free the `count` least recently used cached pages. In bulk: once the cache fills the pool, each
-        prefill chunk evicts dozens."""
-        pages = [self._cached.popitem(last=False)[0] for _ in range(count)]
+    def _evict_cached(self, count: int, owner: PageOwner) -> list[int]:
+        """The `count` least recently used cached pages, their hashes dropped, handed to `owner` (not through
+        the free list). In bulk: once the cache fills the pool, each prefill chunk evicts dozens."""
+        cached, hash_of_page, page_of_hash = self._cached, self._hash_of_page, self._page_of_hash
+        pages = list(itertools.islice(cached, count))
         for page in pages:
-            del self._page_of_hash[self._hash_of_page.pop(page)]
+            del cached[page]
+            del page_of_hash[hash_of_page.pop(page)]
         self.num_cache_evictions += count
-        self._give_back(pages, PageOwner.CACHED)
+        self._move(pages, PageOwner.CACHED, owner)
+        return pages
 
     def allocate_adapter(self, version: str, count: int) -> list[int]:
         """`count` pages for the weights of adapter `version`; all or nothing."""

@@ -110,6 +110,19 @@ def test_decode_benchmark_quick_says_it_needs_a_gpu_on_the_cpu(tmp_path):
     assert "no GPU here" in done.stderr and not (tmp_path / "d.json").exists()
 
 
+def test_page_alloc_quick_times_every_call(tmp_path):
+    """benchmarks/experiments/page_alloc.py (the allocator's bulk calls) runs on the CPU, a row per call."""
+    out = tmp_path / "alloc.json"
+    script = BENCHMARKS / "experiments" / "page_alloc.py"
+    done = subprocess.run([sys.executable, str(script), "--quick", "--pages", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["call"] for r in rows] == ["4 pages from the free list", "4 pages evicting cached KV",
+                                         "1 page evicting cached KV", "register 4 pages' hashes"]
+    assert all(r["us_per_call"] > 0 for r in rows)
+
+
 def test_host_overhead_quick_times_every_step_kind(tmp_path):
     """benchmarks/experiments/host_overhead.py (the LoRA wrappers' host time with the kernels stubbed) runs on
     the CPU."""

@@ -190,6 +190,21 @@ def test_kv_pages_in_bulk_take_free_pages_then_evict_cached_ones_all_or_nothing(
     allocator.check([pages], {})
 
 
+def test_adapter_pages_taken_from_the_cache_go_to_the_adapter_unhashed():
+    allocator = PageAllocator(3, 16)
+    kv = allocator.allocate_kv_pages(2)
+    allocator.register_hashes(kv, [b"a", b"b"])
+    allocator.release_kv_pages(kv)                           # both cached, one page free
+    pages = allocator.allocate_adapter("v", 2)               # the free page, then the older cached one
+    assert pages[1] == kv[0] and all(allocator.owner(p) is PageOwner.ADAPTER for p in pages)
+    assert (allocator.lookup(b"a"), allocator.lookup(b"b")) == (None, kv[1])
+    stats = allocator.stats()
+    assert (stats.free_pages, stats.cached_pages, stats.adapter_pages) == (0, 1, 2)
+    allocator.check([], {"v": pages})
+    allocator.release_adapter(pages)
+    assert allocator.stats().free_pages == 2
+
+
 def test_a_request_of_n_samples_takes_n_running_slots():
     scheduler = make_scheduler(256, max_num_seqs=4)
     scheduler.add(seq(0, 4))
