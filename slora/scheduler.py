@@ -225,7 +225,7 @@ class Scheduler:
     # ---- admission ----------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests within `budget` tokens; the budget left."""
-        if budget <= 0 or not self.waiting:
+        if budget <= 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return budget                     # nothing to admit: no pass over the running sequences' adapters
         skipped: list[Sequence] = []
         versions = self.running_versions() if self.config.max_loras is not None else set()
