@@ -11,12 +11,13 @@ hold every decode beside their chunk, and the block's last steps are decode step
 (engine_throughput.calls_by_kind). Each block gives its own chunk / decode ratio: the two kinds of steps
 run within a fraction of a second of each other, so the host's drift over seconds does not tell between them.
 A second pass runs with a timer around each of the engine's phases (PHASES: each timed without the phases
-it calls), whose means add up to the step's; a third runs under cProfile, whose functions by own time say
-where each phase's time goes. --host-only (CPU) replaces the model's forward by zero logits: the steps then
-time the host's own work alone.
+it calls; --fine-phases adds FINE_PHASES, the chunk's parts of scheduling and sampling), whose means add up
+to the step's; a third runs under cProfile, whose functions by own time say where each phase's time goes.
+--host-only (CPU) replaces the model's forward by zero logits: the steps then time the host's own work alone.
 
     python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8] [--prompt-len N]
-                                   [--idle-ms MS] [--host-only] [--engine-arg KEY=VALUE ...] [--out FILE]
+                                   [--idle-ms MS] [--host-only] [--fine-phases] [--engine-arg KEY=VALUE ...]
+                                   [--out FILE]
 """
 import argparse
 import contextlib
@@ -216,13 +217,24 @@ PHASES = {
     "sample": ("slora.engine", "Engine", "_sample_step"),
     "take_sampled": ("slora.engine", "Engine", "_take_sampled"),
 }
+# --fine-phases: the parts of scheduling and sampling that a chunk step does more of (its pages, their hashes,
+# admissions), timed apart from the phases that call them. None of them runs outside engine.step() here: the
+# prompt's hashing on arrival (Scheduler.add) would be charged to the next step, so it is not one of them.
+FINE_PHASES = {
+    "admit": ("slora.scheduler", "Scheduler", "_admit_waiting"),
+    "allocate_kv_pages": ("slora.page_pool", "PageAllocator", "allocate_kv_pages"),
+    "release_kv_pages": ("slora.page_pool", "PageAllocator", "release_kv_pages"),
+    "on_computed": ("slora.scheduler", "Scheduler", "on_computed"),
+    "register_hashes": ("slora.page_pool", "PageAllocator", "register_hashes"),
+}
 
 
 class PhaseClock:
     """Seconds per phase of the calls made while it is installed, each phase's own: the time of the phases
     it calls is theirs."""
 
-    def __init__(self) -> None:
+    def __init__(self, phases: dict[str, tuple[str, str, str]]) -> None:
+        self.phases = phases                  # phase -> (module, class, function), as PHASES
         self.seconds: dict[str, float] = defaultdict(float)
         self._nested: list[float] = []        # per open phase call: seconds of the phase calls inside it
 
@@ -247,9 +259,9 @@ class PhaseClock:
 
 @contextmanager
 def phase_timers(clock: PhaseClock) -> Iterator[None]:
-    """Every PHASES function wrapped by the clock's timer while the context is open."""
+    """Every function of the clock's phases wrapped by its timer while the context is open."""
     originals = []
-    for phase, (module, owner, name) in PHASES.items():
+    for phase, (module, owner, name) in clock.phases.items():
         cls = getattr(importlib.import_module(module), owner)
         original = inspect.getattr_static(cls, name)
         wrapped = clock.wrap(phase, getattr(cls, name))
@@ -269,18 +281,20 @@ def phased_call(clock: PhaseClock, call: Callable[[], object]) -> dict[str, floa
     return {**phases, "other": seconds - sum(phases.values())}
 
 
-def phase_rows(phases: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """Per step kind, the mean ms of each phase over its steps (means, so that they add up to the step's)."""
-    names = [*PHASES, "other"]
+def phase_rows(phases: dict[str, list[dict[str, float]]], timed: list[str]) -> dict[str, dict[str, float]]:
+    """Per step kind, the mean ms of each `timed` phase and of "other" over its steps (means, so that they add
+    up to the step's)."""
+    names = [*timed, "other"]
     return {kind: {name: 1e3 * statistics.fmean(step.get(name, 0.0) for step in steps) for name in names}
             for kind, steps in phases.items()}
 
 
 def summary(times: dict[str, list[tuple[float, float]]], phases: dict[str, list[dict[str, float]]],
-            profiles: dict[str, list]) -> dict[str, dict[str, Any]]:
-    """kind_rows of the calls' seconds, with the garbage collector's ms per step and the phases beside them."""
+            profiles: dict[str, list], timed: list[str]) -> dict[str, dict[str, Any]]:
+    """kind_rows of the calls' seconds, with the garbage collector's ms per step and the `timed` phases beside
+    them."""
     rows = kind_rows(_call_seconds(times), profiles, 30)
-    by_phase = phase_rows(phases)
+    by_phase = phase_rows(phases, timed)
     return {kind: {**rows[kind], "gc_ms_per_step": 1e3 * statistics.fmean(g for _, g in values),
                    "phase_mean_ms": by_phase.get(kind, {})}
             for kind, values in times.items()}
@@ -293,26 +307,27 @@ class Passes(NamedTuple):
     profiles: dict[str, list]
 
 
-def all_passes(engine: Any, scenario: Scenario, adapters: list, vocab: int, device: str) -> Passes:
+def all_passes(engine: Any, scenario: Scenario, adapters: list, vocab: int, device: str, clock: PhaseClock) -> Passes:
     start_decoders(engine, scenario, adapters, vocab)
     one_pass(engine, scenario, adapters, vocab, 2, device, timed_call)       # warm-up: shapes, mixes
     rounds = [one_pass(engine, scenario, adapters, vocab, 3 + i, device, timed_with_gc)
               for i in range(scenario.rounds)]
     seed = 3 + scenario.rounds
-    clock = PhaseClock()
     with phase_timers(clock):
         phases = one_pass(engine, scenario, adapters, vocab, seed, device, lambda call: phased_call(clock, call))
     profiles = one_pass(engine, scenario, adapters, vocab, seed + 1, device, profiled_call)
     return Passes(rounds, without_blocks(phases), without_blocks(profiles))
 
 
-def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool = False) -> dict[str, Any]:
+def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool = False,
+        fine_phases: bool = False) -> dict[str, Any]:
+    clock = PhaseClock({**PHASES, **FINE_PHASES} if fine_phases else PHASES)
     with tempfile.TemporaryDirectory(prefix="slora-step-host-") as tmp:
         setup = prepare_model(device, Path(tmp))
         llm, adapters = build_llm(setup, scenario, extra, Path(tmp))
         with zero_logits_forward(setup.vocab_size, scenario.step_tokens) if host_only else contextlib.nullcontext():
-            passes = all_passes(llm.engine, scenario, adapters, setup.vocab_size, device)
-    by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles)
+            passes = all_passes(llm.engine, scenario, adapters, setup.vocab_size, device, clock)
+    by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles, list(clock.phases))
     medians = {kind: row["median_ms"] for kind, row in by_kind.items()}
     phase_means = {kind: sum(row["phase_mean_ms"].values()) for kind, row in by_kind.items()}
     blocks = [ratio for results in passes.rounds for ratio in block_ratios(results)]
@@ -321,7 +336,7 @@ def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool 
             "method": "each engine.step() timed from an idle GPU and charged to the kind of step it launched, "
                       "over `rounds` passes of `prompts` blocks (medians pooled, per round and per block); then "
                       "a pass with PHASES timed (phase_mean_ms), and one under cProfile (top_own_time)",
-            "host_ms_by_kind": by_kind, "chunk_over_decode_median": _chunk_over_decode(medians),
+            "phases_timed": list(clock.phases), "host_ms_by_kind": by_kind, "chunk_over_decode_median": _chunk_over_decode(medians),
             "chunk_over_decode_median_by_round": [_chunk_over_decode(round_medians(r)) for r in passes.rounds],
             # Per block, its chunk steps' median over its decode steps': the two ran next to each other.
             "chunk_over_decode_by_block": blocks,
@@ -371,6 +386,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="ms the host sleeps before each step, the GPU idle (default 0)")
     parser.add_argument("--host-only", action="store_true",
                         help="CPU only: zero logits in place of the model's forward, the host's work alone")
+    parser.add_argument("--fine-phases", action="store_true",
+                        help="also time the chunk's parts of scheduling and sampling (FINE_PHASES) as phases")
     parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
                         help="an extra LLM keyword, e.g. async_scheduling=false")
     parser.add_argument("--out", default=None, help="JSON file (default: results/step_host_<device>.json)")
@@ -397,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--host-only runs on the CPU: on CUDA the steps replay graphs, not the eager forward")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("slora").setLevel(logging.WARNING)
-    data = run(scenario_of(args), device, dict(args.engine_arg), args.host_only)
+    data = run(scenario_of(args), device, dict(args.engine_arg), args.host_only, args.fine_phases)
     out = Path(args.out or RESULTS / f"step_host_{'cpu' if device == 'cpu' else 'gpu'}.json")
     write_json(out, data)
     for kind, row in data["host_ms_by_kind"].items():

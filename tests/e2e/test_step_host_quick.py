@@ -47,6 +47,24 @@ def test_quick_run_charges_the_chunk_steps_and_the_decode_steps_to_their_kinds(t
     assert result["chunk_over_decode_block_median"] == pytest.approx(statistics.median(blocks))
     assert min(blocks) <= result["chunk_over_decode_block_median"] <= max(blocks)
     assert result["host_only"] is False
+    assert "allocate_kv_pages" not in result["phases_timed"]                   # --fine-phases only
+
+
+def test_fine_phases_time_the_chunks_pages_and_hashes_apart(tmp_path):
+    """--fine-phases adds the scheduler's and the allocator's parts as phases: a chunk step takes pages and
+    registers their hashes (28-token chunks fill pages of 16), and its phases still add up to the step's."""
+    out = tmp_path / "step_host.json"
+    command = [sys.executable, str(BENCHMARKS / "step_host.py"), "--quick", "--device", "cpu", "--fine-phases",
+               "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    fine = ["admit", "allocate_kv_pages", "release_kv_pages", "on_computed", "register_hashes"]
+    assert result["phases_timed"][-len(fine):] == fine and "schedule" in result["phases_timed"]
+    chunk = result["host_ms_by_kind"]["mixed, eager (> 0 tokens)"]["phase_mean_ms"]
+    assert list(chunk) == [*result["phases_timed"], "other"]
+    assert chunk["allocate_kv_pages"] > 0 and chunk["register_hashes"] > 0 and chunk["on_computed"] > 0
+    assert chunk["schedule"] > 0 and chunk["other"] >= 0
 
 
 def test_block_ratios_divide_each_blocks_chunk_median_by_its_decode_median():
