@@ -50,7 +50,9 @@ class PageAllocator:
         self._adapter_of_page: dict[int, str] = {}
         # Cached KV pages (refcount 0, kept for prefix reuse) in least-recently-used order, oldest first.
         self._cached: OrderedDict[int, None] = OrderedDict()
-        self._hash_of_page: dict[int, bytes] = {}
+        # Per page, the hash of the tokens it holds once registered (None: unhashed). A list, not a dict: every
+        # page of a prefill chunk is looked up in it when registered, evicted and released.
+        self._hash_of_page: list[bytes | None] = [None] * num_pages
         self._page_of_hash: dict[bytes, int] = {}
         self.num_cache_evictions = 0
 
@@ -90,7 +92,7 @@ class PageAllocator:
 
     def _give_back(self, pages: list[int], source: PageOwner) -> None:
         """Unreferenced pages that `source` owns go back to the free list."""
-        assert not any(page in self._hash_of_page for page in pages), "hashed page freed"
+        assert all(self._hash_of_page[page] is None for page in pages), "hashed page freed"
         self._move(pages, source, PageOwner.FREE)
         self._free.extend(pages)
 
@@ -124,7 +126,7 @@ class PageAllocator:
             assert owner[page] is PageOwner.KV and refcount[page] > 0, f"page {page} is not live KV"
             refcount[page] -= 1
             if refcount[page] == 0:
-                (hashed if page in hash_of_page else unhashed).append(page)
+                (unhashed if hash_of_page[page] is None else hashed).append(page)
         self._move(hashed, PageOwner.KV, PageOwner.CACHED)
         self._cached.update(dict.fromkeys(hashed))
         self._give_back(unhashed, PageOwner.KV)
@@ -135,7 +137,7 @@ class PageAllocator:
         bulk: a prefill chunk fills dozens of pages."""
         hash_of_page, page_of_hash = self._hash_of_page, self._page_of_hash
         for page, page_hash in zip(pages, page_hashes):
-            if page not in hash_of_page and page_hash not in page_of_hash:
+            if hash_of_page[page] is None and page_hash not in page_of_hash:
                 hash_of_page[page] = page_hash
                 page_of_hash[page_hash] = page
 
@@ -159,7 +161,8 @@ class PageAllocator:
         pages = list(itertools.islice(cached, count))
         for page in pages:
             del cached[page]
-            del page_of_hash[hash_of_page.pop(page)]
+            del page_of_hash[hash_of_page[page]]
+            hash_of_page[page] = None
         self.num_cache_evictions += count
         self._move(pages, PageOwner.CACHED, owner)
         return pages
@@ -195,9 +198,10 @@ class PageAllocator:
         for page in range(self.num_pages):
             self._check_page(page, expected_refs[page], adapter_of_page.get(page), page in free)
         assert all(self._owner[p] is PageOwner.CACHED for p in self._cached), "cached list has a non-cached page"
-        assert all(self._page_of_hash.get(h) == p for p, h in self._hash_of_page.items()), "hash maps disagree"
-        assert len(self._page_of_hash) == len(self._hash_of_page), "hash maps disagree"
-        assert all(self._owner[p] in (PageOwner.KV, PageOwner.CACHED) for p in self._hash_of_page), \
+        hashed = {p: h for p, h in enumerate(self._hash_of_page) if h is not None}
+        assert all(self._page_of_hash.get(h) == p for p, h in hashed.items()), "hash maps disagree"
+        assert len(self._page_of_hash) == len(hashed), "hash maps disagree"
+        assert all(self._owner[p] in (PageOwner.KV, PageOwner.CACHED) for p in hashed), \
             "a hashed page is neither live nor cached KV"
         stats = self.stats()
         recount = {owner: self._owner.count(owner) for owner in PageOwner}
