@@ -161,7 +161,9 @@ class PageAllocator:
         pages = list(itertools.islice(cached, count))
         for page in pages:
             del cached[page]
-            del page_of_hash[hash_of_page[page]]
+            page_hash = hash_of_page[page]
+            assert page_hash is not None, f"cached page {page} has no hash"
+            del page_of_hash[page_hash]
             hash_of_page[page] = None
         self.num_cache_evictions += count
         self._move(pages, PageOwner.CACHED, owner)
