@@ -335,8 +335,9 @@ def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool 
             "scenario": scenario._asdict(), "engine": engine_kwargs(setup, scenario, extra),
             "method": "each engine.step() timed from an idle GPU and charged to the kind of step it launched, "
                       "over `rounds` passes of `prompts` blocks (medians pooled, per round and per block); then "
-                      "a pass with PHASES timed (phase_mean_ms), and one under cProfile (top_own_time)",
-            "phases_timed": list(clock.phases), "host_ms_by_kind": by_kind, "chunk_over_decode_median": _chunk_over_decode(medians),
+                      "a pass with the phases_timed timed (phase_mean_ms), and one under cProfile (top_own_time)",
+            "phases_timed": list(clock.phases), "host_ms_by_kind": by_kind,
+            "chunk_over_decode_median": _chunk_over_decode(medians),
             "chunk_over_decode_median_by_round": [_chunk_over_decode(round_medians(r)) for r in passes.rounds],
             # Per block, its chunk steps' median over its decode steps': the two ran next to each other.
             "chunk_over_decode_by_block": blocks,

@@ -196,7 +196,8 @@ def test_adapter_pages_taken_from_the_cache_go_to_the_adapter_unhashed():
     allocator.register_hashes(kv, [b"a", b"b"])
     allocator.release_kv_pages(kv)                           # both cached, one page free
     pages = allocator.allocate_adapter("v", 2)               # the free page, then the older cached one
-    assert pages[1] == kv[0] and all(allocator.owner(p) is PageOwner.ADAPTER for p in pages)
+    assert pages == [2, kv[0]] and all(allocator.owner(p) is PageOwner.ADAPTER for p in pages)
+    assert allocator.num_cache_evictions == 1
     assert (allocator.lookup(b"a"), allocator.lookup(b"b")) == (None, kv[1])
     stats = allocator.stats()
     assert (stats.free_pages, stats.cached_pages, stats.adapter_pages) == (0, 1, 2)
