@@ -27,6 +27,7 @@ class AdapterResidency:
     # may still be in flight on the GPU's side stream, and the next forward may reuse them.
     freed: list[str] = field(default_factory=list)
     _idle_pages: int = 0              # pages of resident adapters with no pin (see idle_pages)
+    _num_pinned: int = 0              # resident adapters with a pin (see num_pinned)
 
     def is_resident(self, version: str) -> bool:
         return version in self.resident
@@ -42,10 +43,26 @@ class AdapterResidency:
         excluded = self.resident.get(exclude) if exclude is not None else None
         return self._idle_pages - (len(excluded.pages) if excluded is not None and excluded.pins == 0 else 0)
 
+    def is_pinned(self, version: str) -> bool:
+        """Whether a running sequence uses this version."""
+        adapter = self.resident.get(version)
+        return adapter is not None and adapter.pins > 0
+
+    @property
+    def num_pinned(self) -> int:
+        """Distinct versions that running sequences use (max_loras counts them at every admission): a running
+        count kept by pin and unpin, not a scan."""
+        return self._num_pinned
+
+    def pinned_versions(self) -> set[str]:
+        return {v for v, a in self.resident.items() if a.pins > 0}
+
     def check(self) -> None:
-        """The running count of idle pages equals the sum over idle adapters."""
+        """The running counts of idle pages and of pinned adapters equal the sums over the adapters."""
         idle = sum(len(a.pages) for a in self.resident.values() if a.pins == 0)
         assert self._idle_pages == idle, f"idle adapter pages counted {self._idle_pages}, actually {idle}"
+        pinned = len(self.pinned_versions())
+        assert self._num_pinned == pinned, f"pinned adapters counted {self._num_pinned}, actually {pinned}"
 
     def page_tables(self) -> dict[str, list[int]]:
         return {v: a.pages for v, a in self.resident.items()}
@@ -77,6 +94,7 @@ class AdapterResidency:
         adapter = self.resident[version]
         if adapter.pins == 0:
             self._idle_pages -= len(adapter.pages)
+            self._num_pinned += 1
         adapter.pins += 1
         adapter.last_used = step
 
@@ -87,6 +105,7 @@ class AdapterResidency:
         adapter.last_used = step
         if adapter.pins == 0:
             self._idle_pages += len(adapter.pages)
+            self._num_pinned -= 1
         if adapter.pins == 0 and adapter.retired:
             self._free(adapter)
 

@@ -225,16 +225,15 @@ class Scheduler:
     # ---- admission ----------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests within `budget` tokens; the budget left."""
-        if budget <= 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
-            return budget                     # nothing to admit: no pass over the running sequences' adapters
+        if budget <= 0 or not self.waiting:
+            return budget
         skipped: list[Sequence] = []
-        versions = self.running_versions() if self.config.max_loras is not None else set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
             if seq.adapter is not None and not self.adapters.ready(seq.adapter.version):
                 skipped.append(seq)           # its adapter is still loading: others go ahead
                 continue
-            if not self._within_max_loras(seq, versions):
+            if not self._within_max_loras(seq):
                 skipped.append(seq)           # a new adapter past max_loras: requests of running ones go ahead
                 seq.max_loras_waits += 1
                 if seq.max_loras_waits > self.config.max_loras_patience:
@@ -250,9 +249,7 @@ class Scheduler:
                     continue
                 self.waiting.appendleft(seq)
                 break
-            budget -= self._admit(seq, matched, budget, out)
-            if seq.adapter is not None:
-                versions.add(seq.adapter.version)
+            budget -= self._admit(seq, matched, budget, out)       # pins its adapter: max_loras counts it
         self.waiting.extendleft(reversed(skipped))
         return budget
 
@@ -260,9 +257,12 @@ class Scheduler:
         """The distinct adapter versions of the running sequences."""
         return {s.adapter.version for s in self.running if s.adapter is not None}
 
-    def _within_max_loras(self, seq: Sequence, versions: set[str]) -> bool:
-        limit = self.config.max_loras
-        return seq.adapter is None or limit is None or seq.adapter.version in versions or len(versions) < limit
+    def _within_max_loras(self, seq: Sequence) -> bool:
+        """Whether admitting `seq` keeps max_loras: the running sequences' versions are the pinned ones."""
+        limit, adapter = self.config.max_loras, seq.adapter
+        if adapter is None or limit is None:
+            return True
+        return self.adapters.is_pinned(adapter.version) or self.adapters.num_pinned < limit
 
     @staticmethod
     def _seats(seq: Sequence) -> int:
@@ -428,6 +428,7 @@ class Scheduler:
         """The pool's invariants against the block tables and adapters held here."""
         self.allocator.check([s.block_table for s in self.running], self.adapters.page_tables())
         self.adapters.check()
+        assert self.adapters.pinned_versions() == self.running_versions(), "pins disagree with the running sequences"
         if self.config.max_loras is not None:
             assert len(self.running_versions()) <= self.config.max_loras, "more adapters running than max_loras"
         swapped = sum(len(s.swap_slots) for s in self.waiting if s.swap_slots is not None)

@@ -117,7 +117,9 @@ def test_page_alloc_quick_times_every_call(tmp_path):
     done = subprocess.run([sys.executable, str(script), "--quick", "--pages", "4", "--out", str(out)],
                           capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    assert (result["pages"], result["iterations"], result["repeats"]) == (4, 50, 1)      # --quick's sizes
+    rows = result["rows"]
     assert [r["call"] for r in rows] == ["4 pages from the free list", "4 pages evicting cached KV",
                                          "1 page evicting cached KV", "register 4 pages' hashes"]
     assert all(r["us_per_call"] > 0 for r in rows)

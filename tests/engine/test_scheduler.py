@@ -286,6 +286,25 @@ def test_idle_adapter_pages_are_counted_through_pins_and_frees():
     adapters.check()
 
 
+def test_pinned_adapters_are_counted_through_pins_unpins_and_frees():
+    """max_loras asks the residency how many versions running sequences use: a count kept by pin and unpin."""
+    adapters = make_scheduler(100).adapters
+    for version in ("a", "b", "c"):
+        adapters.make_resident(AdapterRef(version, 2), step=0)
+    adapters.pin("a", 1)
+    adapters.pin("a", 1)                                    # a second sequence of "a": still one version
+    adapters.pin("b", 1)
+    assert adapters.num_pinned == 2 and adapters.pinned_versions() == {"a", "b"}
+    assert adapters.is_pinned("a") and not adapters.is_pinned("c") and not adapters.is_pinned("unknown")
+    adapters.unpin("a", 2)
+    assert adapters.num_pinned == 2                         # "a" keeps one user
+    adapters.retire("b")
+    adapters.unpin("b", 2)                                  # its last user ends: freed, no longer counted
+    adapters.unpin("a", 3)
+    assert adapters.num_pinned == 0 and not adapters.is_pinned("b") and "b" not in adapters.resident
+    adapters.check()
+
+
 def run_prompt_to_its_end(scheduler: Scheduler, sequence: Sequence) -> None:
     """Admit `sequence`, compute its whole prompt in one step (its full pages join the cache), and end it."""
     scheduler.add(sequence)
