@@ -24,7 +24,7 @@ from slora.cuda_graphs import GraphLimits
 from slora.lora_backend import LoraBackend
 from slora.models.registry import CausalLM
 from slora.staging import BatchViews, StagedBatch
-from slora.step_batch import StepBatch, TokenFeed
+from slora.step_batch import HostArrays, StepBatch, TokenFeed
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as MemPool  # what torch.cuda.graph_pool_handle() returns
@@ -267,21 +267,21 @@ class MixedGraphs:
         on the device after it)."""
         twin = self.staged.begin(captured.views)
         host.copy_into(twin.batch)
-        self._stage_extras(twin.batch, host, twin.extras[ATTENTION_INPUTS].numpy()[:packed_length(captured.seqs)])
+        self._stage_extras(twin.batch, host, twin.extras[ATTENTION_INPUTS][:packed_length(captured.seqs)])
         self.staged.send()
         step_batch.feed_tokens(captured.views.device, feed)
 
     @staticmethod
-    def _stage_extras(twin: StepBatch, host: StepBatch, packed: np.ndarray) -> None:
+    def _stage_extras(twin: HostArrays, host: StepBatch, packed: np.ndarray) -> None:
         """What a mixed step stages beyond copy_into: the sampled rows and query_start_loc are aranges in
         static buffers (the decode graphs' use); here they are the step's. The sampled rows past the step's
         read row 0, inside every bucket; the sequences past the step start at its end, so query_start_loc
         stays ascending (row_queries searches it). Then the step's AttentionInputs. Through numpy, as
         copy_into."""
-        sample_indices, query_start_loc = twin.sample_indices.numpy(), host.query_start_loc.numpy()
+        sample_indices, query_start_loc = twin["sample_indices"], host.query_start_loc.numpy()
         sample_indices.fill(0)
         sample_indices[:len(host.sample_indices)] = host.sample_indices.numpy()
-        starts = twin.query_start_loc.numpy()
+        starts = twin["query_start_loc"]
         starts.fill(query_start_loc[-1])
         starts[:len(query_start_loc)] = query_start_loc
         write_attention_inputs(host, packed)

@@ -12,12 +12,13 @@ step's sampled ids before it stages the step after next).
 from collections.abc import Mapping
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from slora import step_batch
 from slora.kernels.layout import align_up
-from slora.step_batch import Sizes, StepBatch
+from slora.step_batch import HostArrays, Sizes, StepBatch
 
 # Every region starts on this many bytes, so that a view of any dtype is aligned.
 REGION_ALIGN = 16
@@ -79,15 +80,16 @@ class StagedBuffers:
 
 
 class BatchViews(NamedTuple):
-    """A graph's StepBatch on the device and in each host twin, as views of the staged buffers."""
+    """A graph's StepBatch on the device, and its fields in each host twin as numpy views (made once: a
+    tensor's `.numpy()` per step would cost the host as much as the copies), views of the staged buffers."""
     device: StepBatch
-    twins: tuple[StepBatch, ...]
+    twins: tuple[HostArrays, ...]
 
 
 class Twin(NamedTuple):
     """The host twin a step is written into, between `StagedBatch.begin` and `send`."""
-    batch: StepBatch                   # the graph's views of it
-    extras: Mapping[str, Tensor]       # its extra tensors, whole
+    batch: HostArrays                  # the graph's views of it
+    extras: Mapping[str, np.ndarray]   # its extra tensors, whole
 
 
 class StagedBatch:
@@ -100,11 +102,13 @@ class StagedBatch:
         self._buffers = StagedBuffers({**tensors, **(extras or {})}, device)
         self.device = step_batch.with_tensors(template, self._buffers.device_tensors)
         self._twins = tuple(step_batch.with_tensors(template, t) for t in self._buffers.twin_tensors)
+        self._twin_extras = tuple({name: tensors[name].numpy() for name in extras or {}}
+                                  for tensors in self._buffers.twin_tensors)
 
     def views(self, sizes: Sizes, with_lora: bool) -> BatchViews:
         """The leading `sizes` of the static batch, on the device and in every twin (step_batch.view)."""
-        return BatchViews(step_batch.view(self.device, sizes, with_lora),
-                          tuple(step_batch.view(twin, sizes, with_lora) for twin in self._twins))
+        twins = tuple(step_batch.host_arrays(step_batch.view(twin, sizes, with_lora)) for twin in self._twins)
+        return BatchViews(step_batch.view(self.device, sizes, with_lora), twins)
 
     def device_extra(self, name: str) -> Tensor:
         return self._buffers.device_tensors[name]
@@ -112,7 +116,7 @@ class StagedBatch:
     def begin(self, views: BatchViews) -> Twin:
         """The host twin that the next step is written into (then `send`), with `views`' cut of its batch."""
         twin = self._buffers.begin()
-        return Twin(views.twins[twin], self._buffers.twin_tensors[twin])
+        return Twin(views.twins[twin], self._twin_extras[twin])
 
     def send(self) -> None:
         self._buffers.send()

@@ -25,6 +25,8 @@ from slora.scheduler import ScheduledSeq
 Sizes = Mapping[str, int]
 # version -> (where its weights lie in its buffer, its pages in the pool)
 StepAdapters = dict[str, tuple[AdapterDescriptor, list[int]]]
+# A static batch's host twin as numpy views, by field name (host_arrays); a view without LoRA has no LoRA names.
+HostArrays = Mapping[str, np.ndarray]
 # Step max ranks are multiples of this (step_max_rank).
 RANK_ALIGN = 16
 
@@ -75,18 +77,18 @@ class StepBatch:
         """The batch on `device` (copies that do not block the host)."""
         return _map_tensors(self, lambda t, _: to_device(t, device))
 
-    def copy_into(self, static: "StepBatch") -> None:
-        """Copy a host step into a host twin of a graph's static views (each at least as large): every tensor
-        into its leading corner, padded fields filled first; arange fields keep their values. Runs every graph
-        replay, so it walks the fields' metadata read once at import, and copies through numpy, whose small
-        copies cost the host less than half of torch's."""
-        for spec, src, dst in _tensor_pairs(self, static):
-            if spec.arange:
-                continue
-            target = dst.numpy()
+    def copy_into(self, target: "HostArrays") -> None:
+        """Copy a host step into a host twin of a graph's static views (each at least as large), given as
+        `host_arrays` of them: every tensor into its leading corner, padded fields filled first; arange
+        fields keep their values. Runs every graph replay, so it walks the fields' metadata read once at
+        import, and copies through numpy, whose small copies cost the host less than half of torch's."""
+        assert self.lora is None or "token_slots" in target, "a step with adapters copied into a graph without LoRA"
+        for spec, source in _host_fields(self):
+            destination = target[spec.name]
             if spec.pad is not None:
-                target.fill(spec.pad)
-            target[tuple(slice(0, n) for n in src.shape)] = src.numpy()
+                destination.fill(spec.pad)
+            array = source.numpy()
+            destination[tuple(map(slice, array.shape))] = array
 
 
 class _FieldSpec(NamedTuple):
@@ -103,6 +105,8 @@ def _specs(cls: type) -> tuple[_FieldSpec, ...]:
 
 
 _BATCH_SPECS, _LORA_SPECS = _specs(StepBatch), _specs(StepLora)
+_COPIED_BATCH_SPECS = tuple(spec for spec in _BATCH_SPECS if not spec.arange)
+_COPIED_LORA_SPECS = tuple(spec for spec in _LORA_SPECS if not spec.arange)
 assert not {s.name for s in _BATCH_SPECS} & {s.name for s in _LORA_SPECS}, "tensors_of keys both by name"
 
 
@@ -159,13 +163,19 @@ def _map_tensors(batch: Any, fn: Callable[[Tensor, _FieldSpec], Tensor]) -> Any:
     return dataclasses.replace(batch, **changes)
 
 
-def _tensor_pairs(src: StepBatch, dst: StepBatch) -> Iterator[tuple[_FieldSpec, Tensor, Tensor]]:
-    for spec in _BATCH_SPECS:
-        yield spec, getattr(src, spec.name), getattr(dst, spec.name)
-    if src.lora is not None:
-        assert dst.lora is not None, "a step with adapters copied into a graph without LoRA"
-        for spec in _LORA_SPECS:
-            yield spec, getattr(src.lora, spec.name), getattr(dst.lora, spec.name)
+def _host_fields(batch: StepBatch) -> Iterator[tuple[_FieldSpec, Tensor]]:
+    """The tensor fields a step copies into a graph's static inputs: all but the aranges."""
+    for spec in _COPIED_BATCH_SPECS:
+        yield spec, getattr(batch, spec.name)
+    if batch.lora is not None:
+        for spec in _COPIED_LORA_SPECS:
+            yield spec, getattr(batch.lora, spec.name)
+
+
+def host_arrays(static: StepBatch) -> HostArrays:
+    """Numpy views of a host twin's static tensors, by field name (copy_into's target). Made once per graph:
+    a tensor's `.numpy()` costs the host about as much as the small copy through it."""
+    return {name: tensor.numpy() for name, tensor in tensors_of(static).items()}
 
 
 def int_tensor(values: list[int], dtype: type[np.integer]) -> Tensor:

@@ -53,8 +53,22 @@ def test_a_staged_batch_views_the_same_fields_on_the_device_and_in_each_twin():
     assert views.device.lora is not None and (views.device.lora.token_slots == -1).all()
     assert views.device.query_start_loc.tolist() == [0, 1, 2]                  # the aranges, sent at start
     twin = staged.begin(views).batch
-    assert twin is views.twins[0] and twin.input_ids.data_ptr() != views.device.input_ids.data_ptr()
-    twin.positions[:] = torch.tensor([5, 6])
+    assert twin is views.twins[0] and twin["input_ids"].ctypes.data != views.device.input_ids.data_ptr()
+    assert twin["block_tables"].shape == (2, 3) and (twin["token_slots"] == -1).all()
+    twin["positions"][:] = [5, 6]
     staged.send()
     assert views.device.positions.tolist() == [5, 6]
     assert staged.begin(views).batch is views.twins[1]
+
+
+def test_a_twins_extra_tensor_is_a_numpy_view_that_send_carries_to_the_device():
+    sizes = {"tokens": 4, "seqs": 2, "pages": 2, "slots": 1, "adapter_pages": 1, "layers": 1, "modules": 7}
+    staged = StagedBatch(step_batch.empty(sizes, CPU, page_size=16, max_rank=16), CPU,
+                         {"extra": torch.zeros(5, dtype=torch.int32)})
+    views = staged.views(sizes, with_lora=False)
+    twin = staged.begin(views)
+    assert "token_slots" not in twin.batch                                      # a view without LoRA
+    twin.extras["extra"][:3] = [4, 5, 6]
+    staged.send()
+    assert staged.device_extra("extra").tolist() == [4, 5, 6, 0, 0]
+    assert staged.begin(views).extras["extra"].tolist() == [0] * 5               # the other twin, untouched

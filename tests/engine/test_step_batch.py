@@ -44,7 +44,7 @@ def test_copy_into_a_view_pads_what_the_step_leaves_and_keeps_the_aranges():
     assert graph.input_ids.shape == (4,) and graph.block_tables.shape == (4, 4) and graph.query_start_loc.shape == (5,)
     assert graph.input_ids.data_ptr() == static.input_ids.data_ptr()          # views of the static buffers
     host = _step(n=3, slots=2, width=2)
-    host.copy_into(graph)
+    host.copy_into(step_batch.host_arrays(graph))
     assert torch.equal(graph.input_ids[:3], host.input_ids) and torch.equal(graph.positions[:3], host.positions)
     assert graph.slot_mapping.tolist() == [300, 301, 302, -1]                 # padding rows store no K/V
     assert graph.context_lens.tolist() == [1, 2, 3, 0]                         # and attend to nothing
