@@ -19,7 +19,7 @@ class AttentionBackend(Protocol):
     # Whether the model's kernels launch with programmatic dependent launch (slora.kernels.pdl).
     pdl: bool
 
-    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
+    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch[Tensor],
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         """Attention `[tokens, heads, head_dim]` of the step's queries, written into `out` when given."""
 
@@ -36,7 +36,7 @@ class RowQueries(NamedTuple):
     context_lens: Tensor      # [n] int32: each row's position + 1
 
 
-def row_queries(batch: StepBatch, rows: Tensor) -> RowQueries:
+def row_queries(batch: StepBatch[Tensor], rows: Tensor) -> RowQueries:
     """A step's rows (`rows` `[n]`) as decode queries. A row is its sequence's up to the next sequence's
     first (query_start_loc ascending from 0: among sequences that start at one row, the last one owns it).
     Built before the step's layers: the decode kernel reads context_lens before its PDL wait, which allows
@@ -50,7 +50,7 @@ class ReferenceAttention:
 
     pdl = False
 
-    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
+    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch[Tensor],
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         """Attention of the step's queries over the pool, which holds the step's new_kv too."""
         result = reference.prefill_attention(query, kv_pool, batch.block_tables, batch.query_start_loc,
@@ -86,7 +86,7 @@ class TritonAttention:
         self.new_kv_min_tokens = new_kv_min_tokens
         self._long_block_m = LONG_BLOCK_M
 
-    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
+    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch[Tensor],
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         """The step's queries `[tokens, heads, head_dim]` over the pool, which holds new_kv (the step's keys
         and values, `[tokens, kv_heads, head_dim]` each) too. With at least new_kv_min_tokens prefill tokens
@@ -127,7 +127,7 @@ class TritonAttention:
         shapes = ((seqs, max(rows, cdiv(tokens, seqs))), (cdiv(tokens, short_each), short_each))
         return tuple((n, each) for n, each in shapes if n <= max_batch and each <= longest)
 
-    def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, inputs: "AttentionInputs",
+    def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch[Tensor], inputs: "AttentionInputs",
                         num_kv_heads: int, scale: float, out: Tensor) -> Tensor:
         """A step with prefill rows inside a bucket's CUDA graph (slora.mixed_graphs), every grid the
         bucket's: the decode kernel over its first `seqs` rows, with context only on the step's decode rows

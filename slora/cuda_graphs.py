@@ -17,7 +17,7 @@ from slora.attention_backend import AttentionBackend
 from slora.lora_backend import LoraBackend, LoraStep
 from slora.models.registry import CausalLM
 from slora.staging import BatchViews, StagedBatch
-from slora.step_batch import StepBatch, TokenFeed
+from slora.step_batch import HostBatch, StepBatch, TokenFeed
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class GraphLimits:
         few = self.few_adapters > 0 and self.lora_slots(batch_size, True) < self.lora_slots(batch_size)
         return [(False, False), (True, False)] + ([(True, True)] if few else [])
 
-    def holds(self, host: StepBatch, slots: int) -> bool:
+    def holds(self, host: HostBatch, slots: int) -> bool:
         """Whether a step's block table and adapter tables fit static buffers of these limits with `slots`
         adapter slots (more adapters than that cannot happen under max_loras, but a graph must never be
         replayed for a step it does not fit)."""
@@ -93,7 +93,7 @@ class DecodeGraphs:
         sizes = self.limits.sizes(size, self.limits.lora_slots(size, few))
         return self.staged.views(sizes, with_lora)
 
-    def _lora_step(self, batch: StepBatch) -> LoraStep | None:
+    def _lora_step(self, batch: StepBatch[Tensor]) -> LoraStep | None:
         if batch.lora is None:
             return None
         return self.lora.step(batch.lora, deltas=self.limits.lora_side_stream, side_stream=self.side_stream)
@@ -112,13 +112,13 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured %d decode graphs for batch sizes %s", len(self.graphs), self.buckets)
 
-    def _forward(self, batch: StepBatch) -> Tensor:
+    def _forward(self, batch: StepBatch[Tensor]) -> Tensor:
         return self.model(batch, self.pool, self.attention, self._lora_step(batch))
 
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def fits(self, host: StepBatch, batch_size: int) -> int | None:
+    def fits(self, host: HostBatch, batch_size: int) -> int | None:
         """The bucket of a decode step of `batch_size` sequences whose tables fit its static buffers, or None."""
         bucket = self.bucket_for(batch_size)
         return bucket if bucket is not None and self.limits.holds(host, self.limits.lora_slots(bucket)) else None
@@ -127,7 +127,7 @@ class DecodeGraphs:
         """Whether a decode step of this bucket with this many distinct adapters replays a few-adapter graph."""
         return 0 < num_adapters <= self.limits.lora_slots(size, few=True) and (size, True, True) in self.graphs
 
-    def replay(self, size: int, host: StepBatch, batch_size: int, feed: TokenFeed | None = None) -> Tensor:
+    def replay(self, size: int, host: HostBatch, batch_size: int, feed: TokenFeed | None = None) -> Tensor:
         """Copy a decode step of `batch_size` sequences (and its input ids still on the device) into the
         bucket's graph and replay it."""
         num_adapters = 0 if host.lora is None else host.lora.page_tables.shape[0]

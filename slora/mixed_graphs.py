@@ -24,7 +24,7 @@ from slora.cuda_graphs import GraphLimits
 from slora.lora_backend import LoraBackend
 from slora.models.registry import CausalLM
 from slora.staging import BatchViews, StagedBatch
-from slora.step_batch import HostArrays, StepBatch, TokenFeed
+from slora.step_batch import HostArrays, HostBatch, StepBatch, TokenFeed
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as MemPool  # what torch.cuda.graph_pool_handle() returns
@@ -56,16 +56,16 @@ class AttentionInputs(NamedTuple):
     prefill_start_loc: Tensor          # [seqs + 1] int32: query_start_loc with the decode sequences empty
 
 
-def write_attention_inputs(host: StepBatch, packed: np.ndarray) -> None:
+def write_attention_inputs(host: HostBatch, packed: np.ndarray) -> None:
     """Write a step's AttentionInputs for a bucket into its packed `[2 * bucket sequences + 1]` int32 host
     array, a numpy view (every mixed step slices it, and a numpy slice costs the host a fraction of a
     tensor's): the decode sequences start where the first prefill row does, and the sequences past the
     step where it ends, so both are empty."""
     decodes, count = host.num_decodes, host.context_lens.shape[0]
     context_lens, starts = _halves(packed)
-    step_starts = host.query_start_loc.numpy()
+    step_starts = host.query_start_loc
     context_lens.fill(0)
-    context_lens[:decodes] = host.context_lens.numpy()[:decodes]
+    context_lens[:decodes] = host.context_lens[:decodes]
     starts.fill(step_starts[count])
     starts[:decodes + 1] = step_starts[decodes]
     starts[decodes + 1:count + 1] = step_starts[decodes + 1:]
@@ -102,7 +102,7 @@ def packed_length(seqs: int) -> int:
     return 2 * seqs + 1
 
 
-def packed_attention_inputs(host: StepBatch, seqs: int) -> Tensor:
+def packed_attention_inputs(host: HostBatch, seqs: int) -> Tensor:
     """A step's AttentionInputs for a bucket of `seqs` sequences, packed (write_attention_inputs)."""
     packed = torch.empty(packed_length(seqs), dtype=torch.int32)
     write_attention_inputs(host, packed.numpy())
@@ -120,7 +120,7 @@ def split_attention_inputs(packed: Tensor) -> AttentionInputs:
     return AttentionInputs(*_halves(packed))
 
 
-def attention_inputs(host: StepBatch, seqs: int) -> AttentionInputs:
+def attention_inputs(host: HostBatch, seqs: int) -> AttentionInputs:
     """packed_attention_inputs, as its two views."""
     return split_attention_inputs(packed_attention_inputs(host, seqs))
 
@@ -129,7 +129,7 @@ class BucketAttention(AttentionBackend, Protocol):
     """The attention a bucket's graph is captured with (slora.attention_backend.TritonAttention): the model's,
     and its attention over a bucket's grids."""
 
-    def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch, inputs: AttentionInputs,
+    def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch[Tensor], inputs: AttentionInputs,
                         num_kv_heads: int, scale: float, out: Tensor) -> Tensor: ...
 
 
@@ -153,7 +153,7 @@ class _BucketModelAttention:
                  out_for: Callable[[Tensor], Tensor]) -> None:
         self.attention, self.inputs, self.pdl, self.out_for = attention, inputs, attention.pdl, out_for
 
-    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch,
+    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch[Tensor],
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         assert out is None, "the model passes no attention output buffer"
         return self.attention.attend_in_graph(query, kv_pool, batch, self.inputs, num_kv_heads, scale,
@@ -230,7 +230,7 @@ class MixedGraphs:
             logits = self._record(views.device, inputs)
         return BucketGraph(graph, views, logits)
 
-    def _record(self, batch: StepBatch, inputs: AttentionInputs) -> Tensor:
+    def _record(self, batch: StepBatch[Tensor], inputs: AttentionInputs) -> Tensor:
         lora = None if batch.lora is None else self.lora.step(batch.lora)
         return self.model(batch, self.pool, _BucketModelAttention(self.attention, inputs, self._out_for), lora)
 
@@ -247,7 +247,7 @@ class MixedGraphs:
     def bucket_for(self, num_tokens: int, with_lora: bool) -> int | None:
         return next((b for b in self.usable[with_lora] if b >= num_tokens), None)
 
-    def fits(self, host: StepBatch, num_seqs: int) -> int | None:
+    def fits(self, host: HostBatch, num_seqs: int) -> int | None:
         """The bucket of a step with prefill rows that a bucket's graph can run, or None: every sampled row is a
         sequence's last (no prompt-logprob rows), and its tables fit the static buffers."""
         bucket = self.bucket_for(host.input_ids.shape[0], host.lora is not None)
@@ -255,14 +255,14 @@ class MixedGraphs:
             return None
         return bucket if self.limits.holds(host, self.lora_slots(bucket)) else None
 
-    def replay(self, bucket: int, host: StepBatch, feed: TokenFeed | None) -> Tensor:
+    def replay(self, bucket: int, host: HostBatch, feed: TokenFeed | None) -> Tensor:
         """Copy the step into the bucket's static inputs, then replay its graph; logits `[sampled, vocab]`."""
         captured = self.graphs[(bucket, host.lora is not None)]
         self.stage(captured, host, feed)
         captured.graph.replay()
         return captured.logits[:len(host.sample_indices)]
 
-    def stage(self, captured: BucketGraph, host: StepBatch, feed: TokenFeed | None) -> None:
+    def stage(self, captured: BucketGraph, host: HostBatch, feed: TokenFeed | None) -> None:
         """Copy a step into a bucket's static inputs, in one copy from a host twin (its pending input ids fed
         on the device after it)."""
         twin = self.staged.begin(captured.views)
@@ -272,15 +272,15 @@ class MixedGraphs:
         step_batch.feed_tokens(captured.views.device, feed)
 
     @staticmethod
-    def _stage_extras(twin: HostArrays, host: StepBatch, packed: np.ndarray) -> None:
+    def _stage_extras(twin: HostArrays, host: HostBatch, packed: np.ndarray) -> None:
         """What a mixed step stages beyond copy_into: the sampled rows and query_start_loc are aranges in
         static buffers (the decode graphs' use); here they are the step's. The sampled rows past the step's
         read row 0, inside every bucket; the sequences past the step start at its end, so query_start_loc
         stays ascending (row_queries searches it). Then the step's AttentionInputs. Through numpy, as
         copy_into."""
-        sample_indices, query_start_loc = twin["sample_indices"], host.query_start_loc.numpy()
+        sample_indices, query_start_loc = twin["sample_indices"], host.query_start_loc
         sample_indices.fill(0)
-        sample_indices[:len(host.sample_indices)] = host.sample_indices.numpy()
+        sample_indices[:len(host.sample_indices)] = host.sample_indices
         starts = twin["query_start_loc"]
         starts.fill(query_start_loc[-1])
         starts[:len(query_start_loc)] = query_start_loc

@@ -4,6 +4,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -17,7 +18,7 @@ from slora.lora_backend import LoraLaunchPolicy, TritonLora
 from slora.mixed_graphs import MixedGraphs
 from slora.models.registry import CausalLM
 from slora.scheduler import ScheduledSeq, SchedulerOutput
-from slora.step_batch import RANK_ALIGN, LoraTables, StepAdapters, StepBatch, TokenFeed, step_max_rank
+from slora.step_batch import RANK_ALIGN, HostBatch, LoraTables, StepAdapters, StepBatch, TokenFeed, step_max_rank
 
 
 class WarmUpStep(NamedTuple):
@@ -115,7 +116,7 @@ class ModelRunner:
         return tuple(WarmUpStep(seqs, each, 1)
                      for seqs, each in self.attention.new_kv_step_shapes(longest, limits.max_batch))
 
-    def _warm_up_inputs(self, step: WarmUpStep, limits: GraphLimits, max_rank: int) -> StepBatch:
+    def _warm_up_inputs(self, step: WarmUpStep, limits: GraphLimits, max_rank: int) -> HostBatch:
         """The step's sequences over `step.slots` adapters of rank 0 (sequence s on slot s % slots), K/V not
         stored (slot -1)."""
         lengths = step.lengths
@@ -127,12 +128,11 @@ class ModelRunner:
         counts = torch.tensor(lengths)
         starts = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32)])
         seq_of_token = torch.arange(len(lengths)).repeat_interleave(counts)
-        return dataclasses.replace(batch, positions=torch.cat([torch.arange(n) for n in lengths]),
-                                   query_start_loc=starts, context_lens=counts.to(torch.int32),
-                                   sample_indices=starts[1:].long() - 1, max_query_len=max(lengths),
-                                   max_context_len=max(lengths), num_decodes=step.decodes,
-                                   lora=dataclasses.replace(batch.lora,
-                                                            token_slots=(seq_of_token % step.slots).to(torch.int32)))
+        return step_batch.as_host(dataclasses.replace(
+            batch, positions=torch.cat([torch.arange(n) for n in lengths]), query_start_loc=starts,
+            context_lens=counts.to(torch.int32), sample_indices=starts[1:].long() - 1, max_query_len=max(lengths),
+            max_context_len=max(lengths), num_decodes=step.decodes,
+            lora=dataclasses.replace(batch.lora, token_slots=(seq_of_token % step.slots).to(torch.int32))))
 
     def move_pages(self, out: SchedulerOutput, packed: dict[str, PackedAdapter]) -> None:
         """The step's page moves, before its forward: swap-outs first (their pages may be reused by
@@ -201,11 +201,11 @@ class ModelRunner:
                 return self.mixed_graphs.replay(bucket, host, feed)
         return self.forward(host, feed)
 
-    def inputs_for(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> StepBatch:
+    def inputs_for(self, scheduled: list[ScheduledSeq], adapters: StepAdapters) -> HostBatch:
         """A step's inputs on the host (adapter tables of recent mixes come from a cache)."""
         return step_batch.build(scheduled, adapters, self.shape.page_size, self._lora_tables)
 
-    def forward(self, host: StepBatch, feed: TokenFeed | None = None) -> Tensor:
+    def forward(self, host: HostBatch, feed: TokenFeed | None = None) -> Tensor:
         """An eager forward of a step built on the host (its pending input ids fed on the device)."""
         batch = host.to(self.device)
         step_batch.feed_tokens(batch, feed)
@@ -213,7 +213,7 @@ class ModelRunner:
         return self.model(batch, self.pool, self.attention, lora)
 
     # ---- CUDA graphs --------------------------------------------------------------------------------
-    def _graph_bucket(self, scheduled: list[ScheduledSeq], host: StepBatch) -> int | None:
+    def _graph_bucket(self, scheduled: list[ScheduledSeq], host: HostBatch) -> int | None:
         if self.graphs is None or host.max_query_len != 1 or len(host.sample_indices) != len(scheduled):
             return None
         return self.graphs.fits(host, len(scheduled))
@@ -226,11 +226,11 @@ def profile_activation_bytes(model: CausalLM, shape: PoolShape, num_tokens: int,
     pages = -(-num_tokens // shape.page_size)
     runner = ModelRunner(model, PoolShape(shape.num_layers, pages, shape.page_size, shape.num_kv_heads,
                                           shape.head_dim), dtype, device)
-    positions = torch.arange(num_tokens)
-    host = StepBatch(torch.zeros(num_tokens, dtype=torch.long), positions, positions.clone(),
-                     torch.arange(pages, dtype=torch.int32)[None], torch.tensor([0, num_tokens], dtype=torch.int32),
-                     torch.tensor([num_tokens], dtype=torch.int32), torch.tensor([num_tokens - 1]), shape.page_size,
-                     num_tokens, num_tokens, None)
+    positions = np.arange(num_tokens)
+    host: HostBatch = StepBatch(np.zeros(num_tokens, dtype=np.int64), positions, positions.copy(),
+                                np.arange(pages, dtype=np.int32)[None], np.array([0, num_tokens], dtype=np.int32),
+                                np.array([num_tokens], dtype=np.int32), np.array([num_tokens - 1]),
+                                shape.page_size, num_tokens, num_tokens, None)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)

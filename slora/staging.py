@@ -82,7 +82,7 @@ class StagedBuffers:
 class BatchViews(NamedTuple):
     """A graph's StepBatch on the device, and its fields in each host twin as numpy views (made once: a
     tensor's `.numpy()` per step would cost the host as much as the copies), views of the staged buffers."""
-    device: StepBatch
+    device: StepBatch[Tensor]
     twins: tuple[HostArrays, ...]
 
 
@@ -95,7 +95,8 @@ class Twin(NamedTuple):
 class StagedBatch:
     """A graph set's static StepBatch (and extra tensors beside it), staged through StagedBuffers."""
 
-    def __init__(self, template: StepBatch, device: torch.device, extras: Mapping[str, Tensor] | None = None) -> None:
+    def __init__(self, template: StepBatch[Tensor], device: torch.device,
+                 extras: Mapping[str, Tensor] | None = None) -> None:
         """template: the static buffers' sizes and initial values, on the host (step_batch.empty)."""
         tensors = step_batch.tensors_of(template)
         assert not set(tensors) & set(extras or {}), "an extra named as a StepBatch field"

@@ -1,15 +1,16 @@
 """One engine step's flat inputs, as the model reads them (DESIGN §3).
 
-A `StepBatch` is built on the host, moved with `to(device)` for an eager step, or copied with `copy_into`
-into a host twin of the CUDA graphs' static buffers (slora.staging), which one copy then sends. The static
-buffers are a `StepBatch` too, made by `empty` at the largest size and cut per graph by `view`. All four
-are derived from the fields' metadata: a tensor field names its dimensions, its dtype and, where the
-kernels would misread leftovers, the value that pads it. A new per-step field is one field here.
+A `StepBatch` of numpy arrays (a `HostBatch`) is built on the host, moved with `to(device)` for an eager
+step, or copied with `copy_into` into a host twin of the CUDA graphs' static buffers (slora.staging), which
+one copy then sends. The model reads a `StepBatch` of tensors. The static buffers are one too, made by
+`empty` at the largest size and cut per graph by `view`. All four are derived from the fields' metadata:
+an array field names its dimensions, its dtype and, where the kernels would misread leftovers, the value
+that pads it. A new per-step field is one field here.
 """
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from slora.scheduler import ScheduledSeq
 Sizes = Mapping[str, int]
 # version -> (where its weights lie in its buffer, its pages in the pool)
 StepAdapters = dict[str, tuple[AdapterDescriptor, list[int]]]
+# A batch's arrays: numpy on the host (no tensor to convert per step: `.numpy()` and `from_numpy` cost about as
+# much as a small copy), tensors where the model reads them.
+Array = TypeVar("Array", Tensor, np.ndarray)
 # A static batch's host twin as numpy views, by field name (host_arrays); a view without LoRA has no LoRA names.
 HostArrays = Mapping[str, np.ndarray]
 # Step max ranks are multiples of this (step_max_rank).
@@ -40,44 +44,44 @@ def _tensor(dims: tuple[str, ...], dtype: torch.dtype, pad: int | None = None, a
 
 
 @dataclass
-class StepLora:
+class StepLora(Generic[Array]):
     """The adapters of one step. Slot s is the s-th distinct adapter version of the step."""
 
-    token_slots: Tensor = _tensor(("tokens",), torch.int32, pad=-1)              # -1: no adapter
-    page_tables: Tensor = _tensor(("slots", "adapter_pages"), torch.int32)
-    ranks: Tensor = _tensor(("layers", "modules", "slots"), torch.int32, pad=0)
-    a_offsets: Tensor = _tensor(("layers", "modules", "slots"), torch.int64)
-    b_offsets: Tensor = _tensor(("layers", "modules", "slots"), torch.int64)
-    scalings: Tensor = _tensor(("layers", "modules", "slots"), torch.float32)
+    token_slots: Array = _tensor(("tokens",), torch.int32, pad=-1)              # -1: no adapter
+    page_tables: Array = _tensor(("slots", "adapter_pages"), torch.int32)
+    ranks: Array = _tensor(("layers", "modules", "slots"), torch.int32, pad=0)
+    a_offsets: Array = _tensor(("layers", "modules", "slots"), torch.int64)
+    b_offsets: Array = _tensor(("layers", "modules", "slots"), torch.int64)
+    scalings: Array = _tensor(("layers", "modules", "slots"), torch.float32)
     max_rank: int = 0                  # the kernels' rank bound (step_max_rank of the highest rank)
     active: list[list[bool]] = field(default_factory=list)   # [layer][module]: any adapter targets it
 
 
 @dataclass
-class StepBatch:
+class StepBatch(Generic[Array]):
     """Tokens of all scheduled sequences, concatenated. Sequence s owns rows
     `query_start_loc[s]:query_start_loc[s+1]`, the last of its `context_lens[s]` tokens."""
 
-    input_ids: Tensor = _tensor(("tokens",), torch.int64)
-    positions: Tensor = _tensor(("tokens",), torch.int64)
-    slot_mapping: Tensor = _tensor(("tokens",), torch.int64, pad=-1)      # page * page_size + offset
-    block_tables: Tensor = _tensor(("seqs", "pages"), torch.int32)
-    query_start_loc: Tensor = _tensor(("seqs+1",), torch.int32, arange=True)
-    context_lens: Tensor = _tensor(("seqs",), torch.int32, pad=0)
+    input_ids: Array = _tensor(("tokens",), torch.int64)
+    positions: Array = _tensor(("tokens",), torch.int64)
+    slot_mapping: Array = _tensor(("tokens",), torch.int64, pad=-1)      # page * page_size + offset
+    block_tables: Array = _tensor(("seqs", "pages"), torch.int32)
+    query_start_loc: Array = _tensor(("seqs+1",), torch.int32, arange=True)
+    context_lens: Array = _tensor(("seqs",), torch.int32, pad=0)
     # Rows whose logits are wanted: the completing sequences' last rows, then prompt-logprob rows (eager).
-    sample_indices: Tensor = _tensor(("seqs",), torch.int64, arange=True)
+    sample_indices: Array = _tensor(("seqs",), torch.int64, arange=True)
     page_size: int = 16
     max_query_len: int = 1
     max_context_len: int = 0
-    lora: StepLora | None = None
+    lora: StepLora[Array] | None = None
     # The leading sequences with one new token each (all of them in a decode step).
     num_decodes: int = 0
 
-    def to(self, device: torch.device) -> "StepBatch":
-        """The batch on `device` (copies that do not block the host)."""
-        return _map_tensors(self, lambda t, _: to_device(t, device))
+    def to(self: "HostBatch", device: torch.device) -> "StepBatch[Tensor]":
+        """A host batch's tensors on `device` (copies that do not block the host)."""
+        return _map_tensors(self, lambda array, _: to_device(torch.from_numpy(array), device))
 
-    def copy_into(self, target: "HostArrays") -> None:
+    def copy_into(self: "HostBatch", target: "HostArrays") -> None:
         """Copy a host step into a host twin of a graph's static views (each at least as large), given as
         `host_arrays` of them: every tensor into its leading corner, padded fields filled first; arange
         fields keep their values. Runs every graph replay, so it walks the fields' metadata read once at
@@ -87,8 +91,17 @@ class StepBatch:
             destination = target[spec.name]
             if spec.pad is not None:
                 destination.fill(spec.pad)
-            array = source.numpy()
-            destination[tuple(map(slice, array.shape))] = array
+            destination[tuple(map(slice, source.shape))] = source
+
+
+# A step's inputs as built on the host.
+HostBatch = StepBatch[np.ndarray]
+
+
+def as_host(batch: StepBatch[Tensor]) -> HostBatch:
+    """A batch of CPU tensors as a host batch of numpy views of them (tests and benchmarks build steps from
+    tensors)."""
+    return _map_tensors(batch, lambda tensor, _: tensor.numpy())
 
 
 class _FieldSpec(NamedTuple):
@@ -110,7 +123,8 @@ _COPIED_LORA_SPECS = tuple(spec for spec in _LORA_SPECS if not spec.arange)
 assert not {s.name for s in _BATCH_SPECS} & {s.name for s in _LORA_SPECS}, "tensors_of keys both by name"
 
 
-def empty(sizes: Sizes, device: torch.device, page_size: int, max_rank: int, with_lora: bool = True) -> StepBatch:
+def empty(sizes: Sizes, device: torch.device, page_size: int, max_rank: int,
+          with_lora: bool = True) -> StepBatch[Tensor]:
     """Static buffers of these sizes, padded fields at their pad value and arange fields counting."""
     def make(spec: _FieldSpec) -> Tensor:
         shape = [_size(sizes, d) for d in spec.dims]
@@ -125,7 +139,7 @@ def empty(sizes: Sizes, device: torch.device, page_size: int, max_rank: int, wit
                      max_query_len=1, max_context_len=sizes["pages"] * page_size, lora=lora, num_decodes=0)
 
 
-def view(static: StepBatch, sizes: Sizes, with_lora: bool) -> StepBatch:
+def view(static: StepBatch[Tensor], sizes: Sizes, with_lora: bool) -> StepBatch[Tensor]:
     """The leading `sizes` of static buffers (a graph's batch): dims not named in `sizes` stay whole."""
     def cut(tensor: Tensor, spec: _FieldSpec) -> Tensor:
         return tensor[tuple(slice(0, _size(sizes, d)) if _named(sizes, d) else slice(None) for d in spec.dims)]
@@ -133,7 +147,7 @@ def view(static: StepBatch, sizes: Sizes, with_lora: bool) -> StepBatch:
     return cut_batch if with_lora else dataclasses.replace(cut_batch, lora=None)
 
 
-def tensors_of(batch: StepBatch) -> dict[str, Tensor]:
+def tensors_of(batch: StepBatch[Tensor]) -> dict[str, Tensor]:
     """Every tensor field of a batch and of its adapter tables, by field name (the two share none)."""
     tensors = {spec.name: getattr(batch, spec.name) for spec in _BATCH_SPECS}
     if batch.lora is not None:
@@ -141,7 +155,7 @@ def tensors_of(batch: StepBatch) -> dict[str, Tensor]:
     return tensors
 
 
-def with_tensors(template: StepBatch, tensors: Mapping[str, Tensor]) -> StepBatch:
+def with_tensors(template: StepBatch[Tensor], tensors: Mapping[str, Tensor]) -> StepBatch[Tensor]:
     """The template with each tensor field replaced by the tensor of its name (the inverse of tensors_of)."""
     return _map_tensors(template, lambda _, spec: tensors[spec.name])
 
@@ -154,8 +168,8 @@ def _named(sizes: Sizes, dim: str) -> bool:
     return (dim == "seqs+1" and "seqs" in sizes) or dim in sizes
 
 
-def _map_tensors(batch: Any, fn: Callable[[Tensor, _FieldSpec], Tensor]) -> Any:
-    """A copy of a StepBatch (or StepLora) with fn(tensor, spec) applied to every tensor field."""
+def _map_tensors(batch: Any, fn: Callable[[Any, _FieldSpec], Any]) -> Any:
+    """A copy of a StepBatch (or StepLora) with fn(array, spec) applied to every array field."""
     specs = _BATCH_SPECS if isinstance(batch, StepBatch) else _LORA_SPECS
     changes = {spec.name: fn(getattr(batch, spec.name), spec) for spec in specs}
     if isinstance(batch, StepBatch) and batch.lora is not None:
@@ -163,7 +177,7 @@ def _map_tensors(batch: Any, fn: Callable[[Tensor, _FieldSpec], Tensor]) -> Any:
     return dataclasses.replace(batch, **changes)
 
 
-def _host_fields(batch: StepBatch) -> Iterator[tuple[_FieldSpec, Tensor]]:
+def _host_fields(batch: HostBatch) -> Iterator[tuple[_FieldSpec, np.ndarray]]:
     """The tensor fields a step copies into a graph's static inputs: all but the aranges."""
     for spec in _COPIED_BATCH_SPECS:
         yield spec, getattr(batch, spec.name)
@@ -172,16 +186,10 @@ def _host_fields(batch: StepBatch) -> Iterator[tuple[_FieldSpec, Tensor]]:
             yield spec, getattr(batch.lora, spec.name)
 
 
-def host_arrays(static: StepBatch) -> HostArrays:
+def host_arrays(static: StepBatch[Tensor]) -> HostArrays:
     """Numpy views of a host twin's static tensors, by field name (copy_into's target). Made once per graph:
     a tensor's `.numpy()` costs the host about as much as the small copy through it."""
     return {name: tensor.numpy() for name, tensor in tensors_of(static).items()}
-
-
-def int_tensor(values: list[int], dtype: type[np.integer]) -> Tensor:
-    """A 1-D int tensor from a list. Through numpy, which converts a list of ints two to three times
-    faster than torch.tensor (a step builds several on the host)."""
-    return torch.from_numpy(np.array(values, dtype=dtype))
 
 
 def padded_rows(rows: Sequence[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -247,7 +255,7 @@ def _token_arrays(counts: np.ndarray, computed: np.ndarray, block_tables: np.nda
 
 
 def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
-          tables: "LoraTables | None" = None) -> StepBatch:
+          tables: "LoraTables | None" = None) -> HostBatch:
     """The flat batch of a step, built on the host: a walk over its rows, then numpy over its tokens."""
     rows = _walk_rows(scheduled)
     counts, computed = np.array(rows.counts), np.array(rows.computed)
@@ -260,9 +268,8 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
     if any_prompt_logprobs(scheduled):
         sample_rows += _prompt_logit_rows(scheduled, tokens.starts.tolist())
     return StepBatch(
-        torch.from_numpy(rows.input_ids), torch.from_numpy(tokens.positions), torch.from_numpy(tokens.slots),
-        torch.from_numpy(block_tables), torch.from_numpy(tokens.starts), torch.from_numpy(lens),
-        int_tensor(sample_rows, np.int64), page_size, int(counts.max()), int(lens.max()),
+        rows.input_ids, tokens.positions, tokens.slots, block_tables, tokens.starts, lens,
+        np.array(sample_rows, dtype=np.int64), page_size, int(counts.max()), int(lens.max()),
         _step_lora(scheduled, counts, adapters, tables or LoraTables()),
         len(scheduled) if rows.first_longer is None else rows.first_longer)  # the scheduler puts one-token rows first
 
@@ -291,7 +298,7 @@ def token_feed(scheduled: list[ScheduledSeq], sampled: Tensor | None) -> TokenFe
     return TokenFeed(rows, sources, sampled)
 
 
-def feed_tokens(batch: StepBatch, feed: TokenFeed | None) -> None:
+def feed_tokens(batch: StepBatch[Tensor], feed: TokenFeed | None) -> None:
     """Write the feed's ids into the batch's input_ids on the device (after the host's were copied there).
     In most steps the decode rows come first and sample in the same order as in the step before, so the
     rows and their sources are leading slices and nothing is copied from the host."""
@@ -336,10 +343,10 @@ def _prompt_logit_rows(scheduled: list[ScheduledSeq], starts: list[int]) -> list
 
 
 class _AdapterTables(NamedTuple):
-    ranks: Tensor              # [layers, modules, slots]
-    a_offsets: Tensor
-    b_offsets: Tensor
-    scalings: Tensor
+    ranks: np.ndarray          # [layers, modules, slots] int32
+    a_offsets: np.ndarray      # int64
+    b_offsets: np.ndarray      # int64
+    scalings: np.ndarray       # float32
     max_rank: int
     active: list[list[bool]]
 
@@ -365,11 +372,11 @@ class LoraTables:
     def _stack(versions: tuple[str, ...], adapters: StepAdapters) -> _AdapterTables:
         descriptors = [adapters[v][0] for v in versions]
 
-        def stack(name: str) -> Tensor:
-            return torch.stack([getattr(d, name) for d in descriptors], dim=-1)    # [layers, modules, slots]
+        def stack(name: str) -> np.ndarray:
+            return torch.stack([getattr(d, name) for d in descriptors], dim=-1).numpy()  # [layers, modules, slots]
         ranks = stack("ranks")
         return _AdapterTables(ranks, stack("a_offsets"), stack("b_offsets"), stack("scalings"),
-                              step_max_rank(int(ranks.max())), (ranks.amax(dim=-1) > 0).tolist())
+                              step_max_rank(int(ranks.max())), (ranks.max(axis=-1) > 0).tolist())
 
 
 def step_max_rank(highest_rank: int) -> int:
@@ -381,7 +388,7 @@ def step_max_rank(highest_rank: int) -> int:
 
 
 def _step_lora(scheduled: list[ScheduledSeq], counts: np.ndarray, adapters: StepAdapters,
-               tables: LoraTables) -> StepLora | None:
+               tables: LoraTables) -> StepLora[np.ndarray] | None:
     versions = tuple(sorted(adapters))         # the step's adapter versions, one slot each
     if not versions:
         return None
@@ -389,5 +396,4 @@ def _step_lora(scheduled: list[ScheduledSeq], counts: np.ndarray, adapters: Step
     seq_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1 for item in scheduled]
     token_slots = np.repeat(np.array(seq_slots, dtype=np.int32), counts)     # [tokens]
     page_tables, _ = padded_rows([adapters[v][1] for v in versions])
-    return StepLora(torch.from_numpy(token_slots), torch.from_numpy(page_tables),
-                    *tables.get(versions, adapters))
+    return StepLora(token_slots, page_tables, *tables.get(versions, adapters))

@@ -88,7 +88,7 @@ class StepContext:
     """What every layer needs in one forward: the batch, the pool, the kernels, the rotary angles; cut to some
     rows (for_rows), those rows as decode queries too."""
 
-    def __init__(self, batch: StepBatch, pool: Tensor, attention: AttentionBackend, lora: LoraStep | None,
+    def __init__(self, batch: StepBatch[Tensor], pool: Tensor, attention: AttentionBackend, lora: LoraStep | None,
                  cos: Tensor, sin: Tensor, rows: RowQueries | None = None) -> None:
         self.batch, self.pool, self.attention, self.lora, self.cos, self.sin = batch, pool, attention, lora, cos, sin
         self.rows = rows
@@ -319,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, pool: Tensor, attention: AttentionBackend,
+    def forward(self, batch: StepBatch[Tensor], pool: Tensor, attention: AttentionBackend,
                 lora: LoraStep | None = None) -> Tensor:
         """Logits `[sampled, vocab]` (float32) of the rows `batch.sample_indices`; `lora`: the step's adapters
         (None: none of its tokens has one)."""

@@ -30,7 +30,7 @@ class CausalLM(Protocol):
 
     def parameters(self) -> Iterator[nn.Parameter]: ...
 
-    def __call__(self, batch: StepBatch, pool: Tensor, attention: AttentionBackend,
+    def __call__(self, batch: StepBatch[Tensor], pool: Tensor, attention: AttentionBackend,
                  lora: LoraStep | None = None) -> Tensor: ...
 
 

@@ -125,6 +125,21 @@ def test_page_alloc_quick_times_every_call(tmp_path):
     assert all(r["us_per_call"] > 0 for r in rows)
 
 
+def test_stage_host_quick_times_building_and_staging_both_step_kinds(tmp_path):
+    """benchmarks/experiments/stage_host.py (a graphed step's input work) runs on the CPU, a row per call."""
+    out = tmp_path / "stage.json"
+    script = BENCHMARKS / "experiments" / "stage_host.py"
+    done = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["decodes"], result["chunk_tokens"], result["iterations"], result["repeats"]) == (64, 448, 20, 1)
+    rows = result["rows"]
+    assert [r["call"] for r in rows] == ["decode step: build", "decode step: stage", "chunk step: build",
+                                         "chunk step: stage"]
+    assert all(r["us_per_call"] > 0 for r in rows)
+
+
 def test_host_overhead_quick_times_every_step_kind(tmp_path):
     """benchmarks/experiments/host_overhead.py (the LoRA wrappers' host time with the kernels stubbed) runs on
     the CPU."""

@@ -124,7 +124,7 @@ def test_the_token_feed_writes_pending_ids_into_their_rows():
         seq(3, [3, 3], 0)
     prefill.num_computed_tokens = 0
     scheduled = [ScheduledSeq(known, 1), ScheduledSeq(fed, 1), ScheduledSeq(prefill, 4), ScheduledSeq(fed_too, 1)]
-    batch = build(scheduled, {}, page_size=16)
+    batch = build(scheduled, {}, page_size=16).to(torch.device("cpu"))   # fed on the device
     sampled = torch.tensor([40, 41, 42])                              # the step before's ids, by row
     feed_tokens(batch, token_feed(scheduled, sampled))
     assert batch.input_ids.tolist() == [7, 42, 1, 2, 3, 4, 40]
@@ -132,7 +132,7 @@ def test_the_token_feed_writes_pending_ids_into_their_rows():
     # The common step: the decode rows first, sampled in the same order before (leading rows, no index).
     first, second = seq(4, [1, 1], 0), seq(5, [2, 2], 1)
     leading = [ScheduledSeq(first, 1), ScheduledSeq(second, 1), scheduled[2]]
-    batch = build(leading, {}, page_size=16)
+    batch = build(leading, {}, page_size=16).to(torch.device("cpu"))
     feed = token_feed(leading, sampled)
     assert feed is not None and feed.rows == [0, 1] and feed.sources == [0, 1]
     feed_tokens(batch, feed)

@@ -4,6 +4,7 @@ tests/e2e/test_gpu_engine.py; the recorded forward, uncaptured, on the CPU: test
 Also the decode graphs' (slora.cuda_graphs) choice of the steps they take."""
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,12 +58,11 @@ def _graphs() -> MixedGraphs:
 
 
 def _step(tokens: int, seqs: int, width: int = 2, samples: int | None = None, slots: int = 0,
-          adapter_pages: int = 1) -> step_batch.StepBatch:
+          adapter_pages: int = 1) -> step_batch.HostBatch:
     sizes = {"tokens": tokens, "seqs": seqs, "pages": width, "slots": slots, "adapter_pages": adapter_pages,
              "layers": 2, "modules": 7}
-    batch = step_batch.empty(sizes, torch.device("cpu"), 16, 16, with_lora=slots > 0)
-    return dataclasses.replace(batch, sample_indices=torch.zeros(seqs if samples is None else samples,
-                                                                 dtype=torch.long))
+    batch = step_batch.as_host(step_batch.empty(sizes, torch.device("cpu"), 16, 16, with_lora=slots > 0))
+    return dataclasses.replace(batch, sample_indices=np.zeros(seqs if samples is None else samples, dtype=np.int64))
 
 
 def test_steps_the_graphs_take_and_those_they_leave_to_eager():
@@ -93,13 +93,13 @@ def test_the_decode_graphs_take_a_decode_step_whose_tables_fit_their_buffers():
     assert graphs.fits(_step(3, 3, slots=1, adapter_pages=4), 3) is None   # an adapter wider than the buffers'
 
 
-def _host_step() -> step_batch.StepBatch:
+def _host_step() -> step_batch.HostBatch:
     """Two decode rows, then a 8-token prompt."""
-    int32 = torch.int32
+    int32 = np.int32
     return dataclasses.replace(
-        _step(10, 3), input_ids=torch.arange(10) + 100, block_tables=torch.tensor([[3, 4], [5, 0], [6, 8]], dtype=int32),
-        query_start_loc=torch.tensor([0, 1, 2, 10], dtype=int32), context_lens=torch.tensor([20, 9, 8], dtype=int32),
-        sample_indices=torch.tensor([0, 1, 9]), max_query_len=8, max_context_len=20, num_decodes=2)
+        _step(10, 3), input_ids=np.arange(10) + 100, block_tables=np.array([[3, 4], [5, 0], [6, 8]], dtype=int32),
+        query_start_loc=np.array([0, 1, 2, 10], dtype=int32), context_lens=np.array([20, 9, 8], dtype=int32),
+        sample_indices=np.array([0, 1, 9]), max_query_len=8, max_context_len=20, num_decodes=2)
 
 
 def test_attention_inputs_leave_the_decode_sequences_and_those_past_the_step_empty():
@@ -120,10 +120,10 @@ def test_a_step_staged_into_a_bucket_is_what_its_graph_reads():
     graphs = _graphs()
     seqs = graphs.seqs(32)
     captured = BucketGraph(None, graphs.staged.views(graphs._sizes(32), with_lora=False), torch.zeros(0))
-    int32 = torch.int32
-    larger = dataclasses.replace(_step(30, seqs), query_start_loc=torch.full((seqs + 1,), 7, dtype=int32),
-                                 sample_indices=torch.full((seqs,), 9),
-                                 context_lens=torch.full((seqs,), 5, dtype=int32), num_decodes=seqs)
+    int32 = np.int32
+    larger = dataclasses.replace(_step(30, seqs), query_start_loc=np.full((seqs + 1,), 7, dtype=int32),
+                                 sample_indices=np.full((seqs,), 9), context_lens=np.full((seqs,), 5, dtype=int32),
+                                 num_decodes=seqs)
     host = _host_step()
     feed = step_batch.TokenFeed([1], [0], torch.tensor([55]))
     for earlier in range(3):                  # after one, two and three larger steps: each twin in turn
@@ -131,7 +131,7 @@ def test_a_step_staged_into_a_bucket_is_what_its_graph_reads():
             graphs.stage(captured, larger, None)
         graphs.stage(captured, host, feed)
         static = captured.views.device
-        assert torch.equal(static.block_tables[:3, :2], host.block_tables)
+        assert static.block_tables[:3, :2].tolist() == host.block_tables.tolist()
         assert static.context_lens[:3].tolist() == [20, 9, 8]
         # Past the step, the sequences start at its end (not at the larger step's 7): still ascending.
         assert static.query_start_loc.tolist() == [0, 1, 2, 10] + [10] * (seqs - 3)

@@ -8,6 +8,7 @@ import torch
 from kernel_helpers import assert_close, make_generator, make_paged_kv, randn, take_new_kv
 
 from slora.attention_backend import ReferenceAttention, TritonAttention, row_queries
+from slora import step_batch
 from slora.step_batch import StepBatch
 
 
@@ -91,7 +92,8 @@ def test_attention_in_a_bucket_graph_reads_only_the_steps_rows(cases, num_decode
     bucket = dataclasses.replace(batch, block_tables=torch.cat([batch.block_tables, stale]),
                                  context_lens=torch.cat([batch.context_lens, torch.full((seqs - count,), 40,
                                                                                         dtype=torch.int32)]))
-    inputs = attention_inputs(batch, seqs)
+    on_host = step_batch.with_tensors(batch, {name: t.cpu() for name, t in step_batch.tensors_of(batch).items()})
+    inputs = attention_inputs(step_batch.as_host(on_host), seqs)
     out = torch.zeros_like(padded_query)
     got = TritonAttention().attend_in_graph(padded_query, pool, bucket, inputs, 2, 0.25, out)
     assert got is out

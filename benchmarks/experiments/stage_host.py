@@ -1,0 +1,123 @@
+"""Host time of building a graphed step's inputs and staging them into a graph's static buffers.
+
+step_host.py's `--host-only` pass runs no graph on the CPU, so its build_inputs phase is the only part of a
+graph replay's input work it times. This script times the rest on any machine, over step_host.py's
+scenario: a decode step of 64 sequences on 8 rank-16 adapters (Llama-3-8B's 32 layers and 7 projections),
+and the same step with a 448-token chunk of a 1,920-token prompt beside it (a 512-token mixed-step bucket).
+Per row, `--iterations` calls, the best of `--repeats` runs, in µs a call:
+- build: `step_batch.build`, what `ModelRunner.inputs_for` runs (adapter tables from its cache);
+- stage: the step written into a host twin of its graph's static inputs and sent (`StagedBatch.begin`,
+  `copy_into`, `send`; for the chunk step `MixedGraphs.stage`, with its extra inputs). On the CPU the
+  "device" buffer is a host tensor, so `send` is a memcpy here, not a copy launch.
+
+    python benchmarks/experiments/stage_host.py [--quick] [--iterations 20000] [--repeats 5] [--out FILE]
+"""
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
+from common import RESULTS, print_table, write_json  # noqa: E402
+
+from slora import step_batch  # noqa: E402
+from slora.adapters.packing import AdapterDescriptor  # noqa: E402
+from slora.cuda_graphs import DecodeGraphs, GraphLimits  # noqa: E402
+from slora.mixed_graphs import BucketGraph, MixedGraphs  # noqa: E402
+from slora.sampling_params import SamplingParams  # noqa: E402
+from slora.scheduler import ScheduledSeq  # noqa: E402
+from slora.sequence import AdapterRef, BlockTable, Sequence  # noqa: E402
+
+PAGE_SIZE = 16
+DECODES, ADAPTERS, ADAPTER_PAGES = 64, 8, 40          # 40 pages: a rank-16 adapter on all 7 projections
+PROMPT_LEN, CHUNK = 1920, 448
+LAYERS, MODULES = 32, 7
+LIMITS = GraphLimits(max_batch=72, max_blocks=PROMPT_LEN // PAGE_SIZE + 1, max_adapter_pages=ADAPTER_PAGES,
+                     max_lora_rank=16, num_layers=LAYERS, num_lora_modules=MODULES, max_loras=32,
+                     lora_side_stream=False, mixed_tokens=512)
+
+
+def decoding(seq_id: int) -> ScheduledSeq:
+    """A decode row: a 100-600 token context over its own pages, on one of the adapters."""
+    context = 100 + 8 * seq_id
+    pages = range(seq_id * 64, seq_id * 64 + context // PAGE_SIZE + 1)
+    seq = Sequence(seq_id, f"d{seq_id}", list(range(context)), SamplingParams(max_tokens=512),
+                   block_table=BlockTable(list(pages)), adapter=AdapterRef(f"v{seq_id % ADAPTERS}", ADAPTER_PAGES))
+    seq.num_computed_tokens = context - 1
+    return ScheduledSeq(seq, 1)
+
+
+def chunk() -> ScheduledSeq:
+    """The third 448-token chunk of a 1,920-token prompt, its whole table allocated."""
+    seq = Sequence(999, "chunk", list(range(PROMPT_LEN)), SamplingParams(max_tokens=16),
+                   block_table=BlockTable(list(range(5000, 5000 + PROMPT_LEN // PAGE_SIZE))),
+                   adapter=AdapterRef("v0", ADAPTER_PAGES))
+    seq.num_computed_tokens = 2 * CHUNK
+    return ScheduledSeq(seq, CHUNK)
+
+
+def step_adapters() -> step_batch.StepAdapters:
+    ones = torch.ones(LAYERS, MODULES, dtype=torch.int32)
+    return {f"v{i}": (AdapterDescriptor(ones * 16, ones.long() * i, ones.long() * i, ones.float()),
+                      list(range(i * ADAPTER_PAGES, (i + 1) * ADAPTER_PAGES))) for i in range(ADAPTERS)}
+
+
+def per_call_us(call: Callable[[], object], iterations: int, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iterations):
+            call()
+        best = min(best, (time.perf_counter() - start) / iterations)
+    return best * 1e6
+
+
+def cases() -> dict[str, Callable[[], object]]:
+    """Per row, the call timed."""
+    cpu, adapters, tables = torch.device("cpu"), step_adapters(), step_batch.LoraTables()
+    decode_rows = [decoding(i) for i in range(DECODES)]
+    chunk_rows = [*decode_rows, chunk()]
+    decode_host = step_batch.build(decode_rows, adapters, PAGE_SIZE, tables)
+    chunk_host = step_batch.build(chunk_rows, adapters, PAGE_SIZE, tables)
+    decode_graphs = DecodeGraphs(torch.nn.Module(), torch.zeros(1), None, None, PAGE_SIZE, LIMITS)
+    views = decode_graphs.batch(DECODES, with_lora=True)
+    mixed = MixedGraphs(torch.nn.Module(), torch.zeros(1), None, None, PAGE_SIZE, LIMITS)
+    bucket = mixed.bucket_for(DECODES + CHUNK, with_lora=True)
+    assert bucket == 512 and mixed.fits(chunk_host, len(chunk_rows)) == bucket, "the chunk step needs its bucket"
+    captured = BucketGraph(None, mixed.staged.views(mixed._sizes(bucket), with_lora=True), torch.zeros(0))
+    assert cpu == decode_graphs.staged.device.input_ids.device
+
+    def stage_decode() -> None:
+        decode_host.copy_into(decode_graphs.staged.begin(views).batch)
+        decode_graphs.staged.send()
+    return {"decode step: build": lambda: step_batch.build(decode_rows, adapters, PAGE_SIZE, tables),
+            "decode step: stage": stage_decode,
+            "chunk step: build": lambda: step_batch.build(chunk_rows, adapters, PAGE_SIZE, tables),
+            "chunk step: stage": lambda: mixed.stage(captured, chunk_host, None)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few calls (CI)")
+    parser.add_argument("--iterations", type=int, default=None, help="calls per run (default 20000; quick 20)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per row (default 5; quick 1)")
+    parser.add_argument("--out", default=None, help="JSON file (default: results/stage_host.json)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    iterations = args.iterations or (20 if args.quick else 20000)
+    repeats = args.repeats or (1 if args.quick else 5)
+    if iterations < 1 or repeats < 1:
+        raise SystemExit("--iterations and --repeats must be >= 1")
+    rows = [{"call": name, "us_per_call": per_call_us(call, iterations, repeats)} for name, call in cases().items()]
+    print_table(rows)
+    write_json(Path(args.out or RESULTS / "stage_host.json"),
+               {"benchmark": "stage_host", "decodes": DECODES, "adapters": ADAPTERS, "chunk_tokens": CHUNK,
+                "prompt_len": PROMPT_LEN, "iterations": iterations, "repeats": repeats, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
