@@ -1,12 +1,14 @@
 """What the benchmark scripts share: output (machine, JSON, tables, plots), the Llama-3-8B shape and random
-PEFT adapters, the model set-up of the end-to-end runs, the Llama-3-8B layer's LoRA on the GPU, and the
-occupancy arithmetic of compiled kernels. No script imports another script: what two need lives here.
+PEFT adapters, the model set-up of the end-to-end runs, host-side calls timed in a loop, the Llama-3-8B
+layer's LoRA on the GPU, and the occupancy arithmetic of compiled kernels. No script imports another
+script: what two need lives here.
 
 torch, triton and safetensors are imported inside the functions that use them, so that the simulator
 scripts (simulate.py, ablation.py), which share this module, stay torch-free.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import platform
@@ -219,6 +221,43 @@ def make_prompts(trace: list[Request], vocab_size: int, seed: int) -> list[list[
     generator = torch.Generator().manual_seed(seed)
     high = min(vocab_size, 128000) - 1
     return [torch.randint(3, high, (r.prompt_len,), generator=generator).tolist() for r in trace]
+
+
+# ---- host-side calls timed in a loop (experiments/page_alloc.py, experiments/stage_host.py) ----------------------
+class CallTiming(NamedTuple):
+    """How a host-side experiment times a call: `iterations` calls a run, the best of `repeats` runs."""
+    iterations: int
+    repeats: int
+
+
+def parse_call_timing(parser: argparse.ArgumentParser, argv: list[str] | None, iterations: int,
+                      quick_iterations: int) -> tuple[argparse.Namespace, CallTiming]:
+    """Add --quick, --iterations and --repeats to an experiment's parser, parse `argv`, start logging, and
+    give the arguments and the timing (validated)."""
+    parser.add_argument("--quick", action="store_true", help="few calls, one run (CI)")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help=f"calls per run (default {iterations}; quick {quick_iterations})")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per row (default 5; quick 1)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    timing = CallTiming(args.iterations or (quick_iterations if args.quick else iterations),
+                        args.repeats or (1 if args.quick else 5))
+    if timing.iterations < 1 or timing.repeats < 1:
+        raise SystemExit("--iterations and --repeats must be >= 1")
+    return args, timing
+
+
+def best_us_per_call(make: Callable[[], Callable[[], object]], timing: CallTiming) -> float:
+    """The best of `timing.repeats` runs of `timing.iterations` calls, each run of a call from `make` (made fresh
+    per run, untimed), in µs a call."""
+    best = float("inf")
+    for _ in range(timing.repeats):
+        call = make()
+        start = time.perf_counter()
+        for _ in range(timing.iterations):
+            call()
+        best = min(best, (time.perf_counter() - start) / timing.iterations)
+    return best * 1e6
 
 
 # ---- the Llama-3-8B layer's LoRA on the GPU (kernel_bench.py and the kernel experiments) -----------------------

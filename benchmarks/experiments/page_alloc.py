@@ -10,14 +10,12 @@ runs (microseconds per call). Any machine: the allocator is plain Python.
 """
 import argparse
 import hashlib
-import logging
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
-from common import RESULTS, print_table, write_json  # noqa: E402
+from common import RESULTS, best_us_per_call, parse_call_timing, print_table, write_json  # noqa: E402
 
 from slora.page_pool import PageAllocator  # noqa: E402
 
@@ -35,18 +33,6 @@ def cached_pool(num_pages: int) -> PageAllocator:
     allocator.register_hashes(pages, [page_hash(page) for page in pages])
     allocator.release_kv_pages(pages)
     return allocator
-
-
-def per_call_us(make: Callable[[], Callable[[], object]], iterations: int, repeats: int) -> float:
-    """The best of `repeats` runs of `iterations` calls, each run on a fresh pool from `make`, in µs a call."""
-    best = float("inf")
-    for _ in range(repeats):
-        call = make()
-        start = time.perf_counter()
-        for _ in range(iterations):
-            call()
-        best = min(best, (time.perf_counter() - start) / iterations)
-    return best * 1e6
 
 
 def cases(pages: int, iterations: int) -> dict[str, Callable[[], Callable[[], object]]]:
@@ -77,23 +63,16 @@ def cases(pages: int, iterations: int) -> dict[str, Callable[[], Callable[[], ob
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="few calls (CI)")
     parser.add_argument("--pages", type=int, default=28, help="pages of a chunk (default 28: 448 tokens)")
-    parser.add_argument("--iterations", type=int, default=None, help="calls per run (default 5000; quick 50)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per row (default 5; quick 1)")
     parser.add_argument("--out", default=None, help="JSON file (default: results/page_alloc.json)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    iterations = args.iterations or (50 if args.quick else 5000)
-    repeats = args.repeats or (1 if args.quick else 5)
-    if args.pages < 1 or iterations < 1 or repeats < 1:
-        raise SystemExit("--pages, --iterations and --repeats must be >= 1")
-    rows = [{"call": name, "us_per_call": per_call_us(make, iterations, repeats)}
-            for name, make in cases(args.pages, iterations).items()]
+    args, timing = parse_call_timing(parser, argv, iterations=5000, quick_iterations=50)
+    if args.pages < 1:
+        raise SystemExit("--pages must be >= 1")
+    rows = [{"call": name, "us_per_call": best_us_per_call(make, timing)}
+            for name, make in cases(args.pages, timing.iterations).items()]
     print_table(rows)
     write_json(Path(args.out or RESULTS / "page_alloc.json"),
-               {"benchmark": "page_alloc", "pages": args.pages, "iterations": iterations, "repeats": repeats,
-                "rows": rows})
+               {"benchmark": "page_alloc", "pages": args.pages, **timing._asdict(), "rows": rows})
 
 
 if __name__ == "__main__":

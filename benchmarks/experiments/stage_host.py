@@ -13,16 +13,14 @@ Per row, `--iterations` calls, the best of `--repeats` runs, in µs a call:
     python benchmarks/experiments/stage_host.py [--quick] [--iterations 20000] [--repeats 5] [--out FILE]
 """
 import argparse
-import logging
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
-from common import RESULTS, print_table, write_json  # noqa: E402
+from common import RESULTS, best_us_per_call, parse_call_timing, print_table, write_json  # noqa: E402
 
 from slora import step_batch  # noqa: E402
 from slora.adapters.packing import AdapterDescriptor  # noqa: E402
@@ -66,16 +64,6 @@ def step_adapters() -> step_batch.StepAdapters:
                       list(range(i * ADAPTER_PAGES, (i + 1) * ADAPTER_PAGES))) for i in range(ADAPTERS)}
 
 
-def per_call_us(call: Callable[[], object], iterations: int, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iterations):
-            call()
-        best = min(best, (time.perf_counter() - start) / iterations)
-    return best * 1e6
-
-
 def cases() -> dict[str, Callable[[], object]]:
     """Per row, the call timed."""
     cpu, adapters, tables = torch.device("cpu"), step_adapters(), step_batch.LoraTables()
@@ -102,21 +90,14 @@ def cases() -> dict[str, Callable[[], object]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="few calls (CI)")
-    parser.add_argument("--iterations", type=int, default=None, help="calls per run (default 20000; quick 20)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per row (default 5; quick 1)")
     parser.add_argument("--out", default=None, help="JSON file (default: results/stage_host.json)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    iterations = args.iterations or (20 if args.quick else 20000)
-    repeats = args.repeats or (1 if args.quick else 5)
-    if iterations < 1 or repeats < 1:
-        raise SystemExit("--iterations and --repeats must be >= 1")
-    rows = [{"call": name, "us_per_call": per_call_us(call, iterations, repeats)} for name, call in cases().items()]
+    args, timing = parse_call_timing(parser, argv, iterations=20000, quick_iterations=20)
+    rows = [{"call": name, "us_per_call": best_us_per_call(lambda call=call: call, timing)}
+            for name, call in cases().items()]
     print_table(rows)
     write_json(Path(args.out or RESULTS / "stage_host.json"),
                {"benchmark": "stage_host", "decodes": DECODES, "adapters": ADAPTERS, "chunk_tokens": CHUNK,
-                "prompt_len": PROMPT_LEN, "iterations": iterations, "repeats": repeats, "rows": rows})
+                "prompt_len": PROMPT_LEN, **timing._asdict(), "rows": rows})
 
 
 if __name__ == "__main__":
