@@ -7,10 +7,12 @@ and the same step with a 448-token chunk of a 1,920-token prompt beside it (a 51
 Per row, `--iterations` calls, the best of `--repeats` runs, in µs a call:
 - build: `step_batch.build`, what `ModelRunner.inputs_for` runs (adapter tables from its cache);
 - stage: the step written into a host twin of its graph's static inputs and sent (`StagedBatch.begin`,
-  `copy_into`, `send`; for the chunk step `MixedGraphs.stage`, with its extra inputs). On the CPU the
-  "device" buffer is a host tensor, so `send` is a memcpy here, not a copy launch.
+  `copy_into`, `send`; for the chunk step `MixedGraphs.stage`, with its extra inputs). With `--device cpu`
+  the "device" buffer is a host tensor, so `send` is a memcpy, not a copy launch; with `--device cuda` the
+  twins are pinned and each send launches the copy and records its event (the GPU is otherwise idle).
 
-    python benchmarks/experiments/stage_host.py [--quick] [--iterations 20000] [--repeats 5] [--out FILE]
+    python benchmarks/experiments/stage_host.py [--quick] [--device cpu|cuda] [--iterations 20000] [--repeats 5]
+                                                [--out FILE]
 """
 import argparse
 import sys
@@ -64,20 +66,20 @@ def step_adapters() -> step_batch.StepAdapters:
                       list(range(i * ADAPTER_PAGES, (i + 1) * ADAPTER_PAGES))) for i in range(ADAPTERS)}
 
 
-def cases() -> dict[str, Callable[[], object]]:
-    """Per row, the call timed."""
-    cpu, adapters, tables = torch.device("cpu"), step_adapters(), step_batch.LoraTables()
+def cases(device: torch.device) -> dict[str, Callable[[], object]]:
+    """Per row, the call timed, with the static buffers on `device`."""
+    adapters, tables = step_adapters(), step_batch.LoraTables()
     decode_rows = [decoding(i) for i in range(DECODES)]
     chunk_rows = [*decode_rows, chunk()]
     decode_host = step_batch.build(decode_rows, adapters, PAGE_SIZE, tables)
     chunk_host = step_batch.build(chunk_rows, adapters, PAGE_SIZE, tables)
-    decode_graphs = DecodeGraphs(torch.nn.Module(), torch.zeros(1), None, None, PAGE_SIZE, LIMITS)
+    pool = torch.zeros(1, device=device)          # where the graphs' static buffers go
+    decode_graphs = DecodeGraphs(torch.nn.Module(), pool, None, None, PAGE_SIZE, LIMITS)
     views = decode_graphs.batch(DECODES, with_lora=True)
-    mixed = MixedGraphs(torch.nn.Module(), torch.zeros(1), None, None, PAGE_SIZE, LIMITS)
+    mixed = MixedGraphs(torch.nn.Module(), pool, None, None, PAGE_SIZE, LIMITS)
     bucket = mixed.bucket_for(DECODES + CHUNK, with_lora=True)
     assert bucket == 512 and mixed.fits(chunk_host, len(chunk_rows)) == bucket, "the chunk step needs its bucket"
     captured = BucketGraph(None, mixed.staged.views(mixed._sizes(bucket), with_lora=True), torch.zeros(0))
-    assert cpu == decode_graphs.staged.device.input_ids.device
 
     def stage_decode() -> None:
         decode_host.copy_into(decode_graphs.staged.begin(views).batch)
@@ -90,14 +92,17 @@ def cases() -> dict[str, Callable[[], object]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the static buffers are")
     parser.add_argument("--out", default=None, help="JSON file (default: results/stage_host.json)")
     args, timing = parse_call_timing(parser, argv, iterations=20000, quick_iterations=20)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU here")
     rows = [{"call": name, "us_per_call": best_us_per_call(lambda call=call: call, timing)}
-            for name, call in cases().items()]
+            for name, call in cases(torch.device(args.device)).items()]
     print_table(rows)
     write_json(Path(args.out or RESULTS / "stage_host.json"),
-               {"benchmark": "stage_host", "decodes": DECODES, "adapters": ADAPTERS, "chunk_tokens": CHUNK,
-                "prompt_len": PROMPT_LEN, **timing._asdict(), "rows": rows})
+               {"benchmark": "stage_host", "device": args.device, "decodes": DECODES, "adapters": ADAPTERS,
+                "chunk_tokens": CHUNK, "prompt_len": PROMPT_LEN, **timing._asdict(), "rows": rows})
 
 
 if __name__ == "__main__":
