@@ -89,7 +89,7 @@ class LoraStep:
     instead of being added into the projection's output after its GEMM. side_stream (with deltas): the
     delta is computed on it while the GEMM runs on the current stream."""
 
-    def __init__(self, tables: StepLora, kernels: LoraKernels, backend: "LoraBackend", deltas: bool = False,
+    def __init__(self, tables: StepLora[Tensor], kernels: LoraKernels, backend: "LoraBackend", deltas: bool = False,
                  side_stream: torch.cuda.Stream | None = None) -> None:
         self.tables, self.kernels, self.deltas, self.side_stream = tables, kernels, deltas, side_stream
         self._backend = backend
@@ -141,7 +141,7 @@ class LoraStep:
 
 
 class LoraBackend(Protocol):
-    def step(self, tables: StepLora, deltas: bool = False,
+    def step(self, tables: StepLora[Tensor], deltas: bool = False,
              side_stream: torch.cuda.Stream | None = None) -> LoraStep: ...
 
 
@@ -153,7 +153,7 @@ class _ReferenceKernels:
 class ReferenceLora:
     """The torch reference kernels (CPU engines)."""
 
-    def step(self, tables: StepLora, deltas: bool = False,
+    def step(self, tables: StepLora[Tensor], deltas: bool = False,
              side_stream: torch.cuda.Stream | None = None) -> LoraStep:
         return LoraStep(tables, _ReferenceKernels(), self, deltas, side_stream)
 
@@ -166,7 +166,7 @@ class TritonLora:
         from slora.kernels import lora
         self._lora, self.pdl, self.policy = lora, pdl, policy
 
-    def step(self, tables: StepLora, deltas: bool = False,
+    def step(self, tables: StepLora[Tensor], deltas: bool = False,
              side_stream: torch.cuda.Stream | None = None) -> LoraStep:
         """The segments are computed here, once per step, so that the kernels may read them before the
         previous kernel ends (pdl)."""

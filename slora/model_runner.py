@@ -226,10 +226,10 @@ def profile_activation_bytes(model: CausalLM, shape: PoolShape, num_tokens: int,
     pages = -(-num_tokens // shape.page_size)
     runner = ModelRunner(model, PoolShape(shape.num_layers, pages, shape.page_size, shape.num_kv_heads,
                                           shape.head_dim), dtype, device)
-    positions = np.arange(num_tokens)
+    positions = np.arange(num_tokens, dtype=np.int64)
     host: HostBatch = StepBatch(np.zeros(num_tokens, dtype=np.int64), positions, positions.copy(),
                                 np.arange(pages, dtype=np.int32)[None], np.array([0, num_tokens], dtype=np.int32),
-                                np.array([num_tokens], dtype=np.int32), np.array([num_tokens - 1]),
+                                np.array([num_tokens], dtype=np.int32), np.array([num_tokens - 1], dtype=np.int64),
                                 shape.page_size, num_tokens, num_tokens, None)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)

@@ -89,7 +89,7 @@ class BatchViews(NamedTuple):
 class Twin(NamedTuple):
     """The host twin a step is written into, between `StagedBatch.begin` and `send`."""
     batch: HostArrays                  # the graph's views of it
-    extras: Mapping[str, np.ndarray]   # its extra tensors, whole
+    extras: Mapping[str, np.ndarray]   # numpy views of its extra tensors, whole
 
 
 class StagedBatch:

@@ -79,7 +79,7 @@ class StepBatch(Generic[Array]):
 
     def to(self: "HostBatch", device: torch.device) -> "StepBatch[Tensor]":
         """A host batch's tensors on `device` (copies that do not block the host)."""
-        return _map_tensors(self, lambda array, _: to_device(torch.from_numpy(array), device))
+        return _map_tensors(self, lambda array, spec: to_device(_as_tensor(array, spec), device))
 
     def copy_into(self: "HostBatch", target: "HostArrays") -> None:
         """Copy a host step into a host twin of a graph's static views (each at least as large), given as
@@ -175,6 +175,14 @@ def _map_tensors(batch: Any, fn: Callable[[Any, _FieldSpec], Any]) -> Any:
     if isinstance(batch, StepBatch) and batch.lora is not None:
         changes["lora"] = _map_tensors(batch.lora, fn)
     return dataclasses.replace(batch, **changes)
+
+
+def _as_tensor(array: np.ndarray, spec: _FieldSpec) -> Tensor:
+    """A host field as a tensor of its declared dtype (copy_into casts into the static buffers' dtypes, so a
+    wrong one would go unseen there and reach the eager path alone)."""
+    tensor = torch.from_numpy(array)
+    assert tensor.dtype == spec.dtype, f"host field {spec.name} is {tensor.dtype}, not {spec.dtype}"
+    return tensor
 
 
 def _host_fields(batch: HostBatch) -> Iterator[tuple[_FieldSpec, np.ndarray]]:

@@ -11,8 +11,15 @@ import torch
 from slora import step_batch
 from slora.config import CudaConfig
 from slora.cuda_graphs import DecodeGraphs, GraphLimits
-from slora.mixed_graphs import (ATTENTION_INPUTS, BucketGraph, MixedGraphs, attention_inputs, buckets_worth_keeping,
-                                split_attention_inputs, token_buckets)
+from slora.mixed_graphs import (
+    ATTENTION_INPUTS,
+    BucketGraph,
+    MixedGraphs,
+    attention_inputs,
+    buckets_worth_keeping,
+    split_attention_inputs,
+    token_buckets,
+)
 
 LIMITS = GraphLimits(max_batch=8, max_blocks=4, max_adapter_pages=3, max_lora_rank=16, num_layers=2,
                      num_lora_modules=7, max_loras=2, mixed_tokens=200)

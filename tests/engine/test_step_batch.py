@@ -1,4 +1,6 @@
 """StepBatch's derived copies: the graphs' static buffers, their views and the copy of a step into them."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -14,9 +16,9 @@ def _step(n: int, slots: int, width: int) -> step_batch.HostBatch:
     lora = step_batch.StepLora(torch.arange(n, dtype=torch.int32) % slots, torch.full((slots, 2), 5, dtype=torch.int32),
                                tables.int(), tables.long(), tables.long(), tables.float(), 16, [[True] * 7] * 2)
     return step_batch.as_host(step_batch.StepBatch(
-        torch.arange(n) + 100, torch.arange(n) + 200, torch.arange(n) + 300, torch.full((n, width), 7, dtype=torch.int32),
-        torch.arange(n + 1, dtype=torch.int32), torch.arange(n, dtype=torch.int32) + 1, torch.arange(n), 16, 1, width * 16,
-        lora))
+        torch.arange(n) + 100, torch.arange(n) + 200, torch.arange(n) + 300,
+        torch.full((n, width), 7, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32),
+        torch.arange(n, dtype=torch.int32) + 1, torch.arange(n), 16, 1, width * 16, lora))
 
 
 def _dirty(batch: step_batch.StepBatch) -> None:
@@ -62,10 +64,13 @@ def test_copy_into_a_view_pads_what_the_step_leaves_and_keeps_the_aranges():
 def test_to_moves_every_tensor_and_a_view_without_lora_has_none():
     host = _step(n=2, slots=1, width=1)
     moved = host.to(torch.device("cpu"))
-    assert moved.lora is not None and host.lora is not None and isinstance(moved.lora.ranks, torch.Tensor)
-    assert isinstance(moved.input_ids, torch.Tensor) and moved.input_ids.tolist() == [100, 101]
-    assert np.array_equal(moved.lora.ranks, host.lora.ranks)
+    assert moved is not host and moved.lora is not None and host.lora is not None
+    assert moved.input_ids.tolist() == [100, 101] and moved.lora.ranks.tolist() == host.lora.ranks.tolist()
     static = step_batch.empty(LARGEST, torch.device("cpu"), page_size=16, max_rank=16)
+    for name, tensor in step_batch.tensors_of(moved).items():     # each field a tensor of its declared dtype
+        assert isinstance(tensor, torch.Tensor) and tensor.dtype == step_batch.tensors_of(static)[name].dtype, name
+    with pytest.raises(AssertionError, match="host field positions is torch.int32"):
+        dataclasses.replace(host, positions=host.positions.astype(np.int32)).to(torch.device("cpu"))
     base = step_batch.view(static, {"tokens": 2, "seqs": 2}, with_lora=False)
     assert base.lora is None and base.block_tables.shape == (2, 4)            # unnamed dims stay whole
 

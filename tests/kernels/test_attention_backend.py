@@ -7,8 +7,8 @@ import pytest
 import torch
 from kernel_helpers import assert_close, make_generator, make_paged_kv, randn, take_new_kv
 
-from slora.attention_backend import ReferenceAttention, TritonAttention, row_queries
 from slora import step_batch
+from slora.attention_backend import ReferenceAttention, TritonAttention, row_queries
 from slora.step_batch import StepBatch
 
 
