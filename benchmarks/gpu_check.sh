@@ -15,7 +15,8 @@
 # the host's work per decode step and per chunked-prefill step beside the same decodes; $STEP_HOST_ARGS, e.g.
 # "--idle-ms 20"), "graph_launch" (experiments/graph_launch.py: host µs of graph replays; $GRAPH_LAUNCH_GROUPS,
 # default "gate_up"), "stage_host" (experiments/stage_host.py --device cuda: host µs of a graphed step's build and
-# staging; "stage_host_before" runs this tree's script over the .device-before tree's installed package), and
+# staging, $STAGE_HOST_ARGS; "stage_host_before" runs this tree's script over the .device-before tree's installed
+# package), and
 # "engine_throughput_before" (the same on the tree `make device-before REV=...` extracted into .device-before,
 # before this tree's run, for a before/after pair in one command), and "serving_before" (serving.py there). At
 # most 8 files come back
@@ -83,7 +84,7 @@ if has engine_throughput_before || has serving_before || has stage_host_before; 
     --out "$OUT/serving_cuda_before.json"
   # This tree's script (the before tree may lack it), over the before tree's package.
   has stage_host_before && run stage_host_before python ../benchmarks/experiments/stage_host.py "${quick[@]}" \
-    --device cuda --out "$OUT/stage_host_before.json"
+    --device cuda ${STAGE_HOST_ARGS:-} --out "$OUT/stage_host_before.json"
   cd .. && python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 fi
 # shellcheck disable=SC2086
@@ -92,8 +93,9 @@ has engine_throughput && run engine_throughput python benchmarks/engine_throughp
 # shellcheck disable=SC2086
 has step_host && run step_host python benchmarks/step_host.py "${quick[@]}" --device cuda ${STEP_HOST_ARGS:-} \
   --out "$OUT/step_host.json"
+# shellcheck disable=SC2086
 has stage_host && run stage_host python benchmarks/experiments/stage_host.py "${quick[@]}" --device cuda \
-  --out "$OUT/stage_host.json"
+  ${STAGE_HOST_ARGS:-} --out "$OUT/stage_host.json"
 has graph_launch && run graph_launch python benchmarks/experiments/graph_launch.py \
   --groups "${GRAPH_LAUNCH_GROUPS:-gate_up}" --out "$OUT/graph_launch.json"
 # shellcheck disable=SC2086
