@@ -117,7 +117,16 @@ def test_after_idle_sleeps_before_the_call_and_passes_its_result_on(monkeypatch)
 
 def test_idle_ms_reaches_the_scenario_and_a_negative_one_is_refused():
     step_host = load_benchmark("step_host.py", "step_host_idle_args")
-    assert step_host.scenario_of(step_host.parse_args(["--quick", "--idle-ms", "5"])).idle_ms == 5
-    assert step_host.scenario_of(step_host.parse_args(["--quick"])).idle_ms == 0
+    assert step_host.scenario_of(step_host.parse_args(["--quick", "--idle-ms", "5"]), "cpu").idle_ms == 5
+    assert step_host.scenario_of(step_host.parse_args(["--quick"]), "cpu").idle_ms == 0
     with pytest.raises(SystemExit, match="--idle-ms >= 0"):
-        step_host.scenario_of(step_host.parse_args(["--idle-ms", "-1"]))
+        step_host.scenario_of(step_host.parse_args(["--idle-ms", "-1"]), "cpu")
+
+
+def test_the_full_prompt_fits_the_cpu_models_context():
+    """slora-tiny-llama's context is 2,048 tokens: the full scenario's prompt and its output token must fit it
+    on the CPU, and the GPU's 8B shape keeps the 2,048-token prompt of earlier sessions."""
+    step_host = load_benchmark("step_host.py", "step_host_full_prompt")
+    assert step_host.scenario_of(step_host.parse_args([]), "cpu").prompt_len + 1 <= 2048
+    assert step_host.scenario_of(step_host.parse_args([]), "cuda").prompt_len == 2048
+    assert step_host.scenario_of(step_host.parse_args(["--prompt-len", "1000"]), "cpu").prompt_len == 1000
