@@ -152,6 +152,21 @@ def block_ratios(results: dict[str, list[tuple[int, tuple[float, float]]]]) -> l
     return [ratio for ratio in ratios if ratio is not None]
 
 
+@contextmanager
+def host_work_only(vocab: int, max_rows: int) -> Iterator[None]:
+    """The model's forward replaced by zero logits (zero_logits_forward), and torch on one thread, while the
+    context is open. The sampler's argmax over those logits is the one torch op left on the CPU, and on more
+    threads it wakes torch's thread pool, which after an idle host costs a chunk step far more than the
+    argmax: a cost the host does not have when the GPU samples."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with zero_logits_forward(vocab, max_rows):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def zero_logits_forward(vocab: int, max_rows: int) -> contextlib.AbstractContextManager:
     """The model runner's eager forward returns zero logits `[sampled rows, vocab]` without running the model,
     while the context is open: the steps then time the host's own work alone. The rows are a view of one
@@ -327,7 +342,7 @@ def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool 
     with tempfile.TemporaryDirectory(prefix="slora-step-host-") as tmp:
         setup = prepare_model(device, Path(tmp))
         llm, adapters = build_llm(setup, scenario, extra, Path(tmp))
-        with zero_logits_forward(setup.vocab_size, scenario.step_tokens) if host_only else contextlib.nullcontext():
+        with host_work_only(setup.vocab_size, scenario.step_tokens) if host_only else contextlib.nullcontext():
             passes = all_passes(llm.engine, scenario, adapters, setup.vocab_size, device, clock)
     by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles, list(clock.phases))
     medians = {kind: row["median_ms"] for kind, row in by_kind.items()}

@@ -130,3 +130,19 @@ def test_the_full_prompt_fits_the_cpu_models_context():
     assert step_host.scenario_of(step_host.parse_args([]), "cpu").prompt_len + 1 <= 2048
     assert step_host.scenario_of(step_host.parse_args([]), "cuda").prompt_len == 2048
     assert step_host.scenario_of(step_host.parse_args(["--prompt-len", "1000"]), "cpu").prompt_len == 1000
+
+
+def test_host_work_only_runs_torch_on_one_thread_and_restores_it():
+    import torch
+
+    from slora.model_runner import ModelRunner
+
+    step_host = load_benchmark("step_host.py", "step_host_one_thread")
+    threads, original = torch.get_num_threads(), ModelRunner.forward
+    torch.set_num_threads(2)
+    try:
+        with step_host.host_work_only(vocab=7, max_rows=4):
+            assert torch.get_num_threads() == 1 and ModelRunner.forward is not original
+        assert torch.get_num_threads() == 2 and ModelRunner.forward is original
+    finally:
+        torch.set_num_threads(threads)
