@@ -18,9 +18,9 @@
 # staging, $STAGE_HOST_ARGS; "stage_host_before" runs this tree's script over the .device-before tree's installed
 # package), and
 # "engine_throughput_before" (the same on the tree `make device-before REV=...` extracted into .device-before,
-# before this tree's run, for a before/after pair in one command), and "serving_before" (serving.py there). At
-# most 8 files come back
-# from the device tool: pick steps to fit.
+# before this tree's run, for a before/after pair in one command), "serving_before" (serving.py there) and
+# "step_host_before" (this tree's step_host.py over the .device-before tree's package). At most 8 files come
+# back from the device tool: pick steps to fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu}"
@@ -74,7 +74,7 @@ has throughput && run throughput python benchmarks/throughput.py --device cuda $
 # The same workloads (and the serving rates) on the tree of `make device-before` first, then this tree is
 # installed again.
 # shellcheck disable=SC2086
-if has engine_throughput_before || has serving_before || has stage_host_before; then
+if has engine_throughput_before || has serving_before || has step_host_before || has stage_host_before; then
   [ -d .device-before ] || { echo "!! the *_before steps need .device-before (make device-before)"; exit 1; }
   OUT="$(cd "$OUT" && pwd)"                      # absolute: these steps run inside .device-before
   cd .device-before && python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
@@ -82,7 +82,9 @@ if has engine_throughput_before || has serving_before || has stage_host_before; 
     "${quick[@]}" --device cuda ${ENGINE_THROUGHPUT_ARGS:-} --out "$OUT/engine_throughput_before.json"
   has serving_before && run serving_before python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} \
     --out "$OUT/serving_cuda_before.json"
-  # This tree's script (the before tree may lack it), over the before tree's package.
+  # This tree's scripts (the before tree may lack them or their options), over the before tree's package.
+  has step_host_before && run step_host_before python ../benchmarks/step_host.py "${quick[@]}" --device cuda \
+    ${STEP_HOST_ARGS:-} --out "$OUT/step_host_before.json"
   has stage_host_before && run stage_host_before python ../benchmarks/experiments/stage_host.py "${quick[@]}" \
     --device cuda ${STAGE_HOST_ARGS:-} --out "$OUT/stage_host_before.json"
   cd .. && python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1

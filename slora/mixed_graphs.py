@@ -9,8 +9,10 @@ context length only on the step's decode rows (the others cost it nothing), then
 `seqs` sequences, of which the decode ones and those past the step are empty.
 """
 import logging
+import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
@@ -42,6 +44,9 @@ Packed = TypeVar("Packed", Tensor, np.ndarray)
 # rows: benchmarks/experiments/graph_launch.py); the margin keeps timing noise from dropping buckets.
 SLOWER_BUCKET_MARGIN = 1.10
 TIMED_REPLAYS = 5
+# cuBLAS's workspace size as torch reads it, at every GEMM (torch 2.11's CublasHandlePool): ":0:0" is none.
+CUBLAS_WORKSPACE_CONFIG = "CUBLAS_WORKSPACE_CONFIG"
+NO_WORKSPACE = ":0:0"
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -69,6 +74,29 @@ def write_attention_inputs(host: HostBatch, packed: np.ndarray) -> None:
     starts.fill(step_starts[count])
     starts[:decodes + 1] = step_starts[decodes]
     starts[decodes + 1:count + 1] = step_starts[decodes + 1:]
+
+
+@contextmanager
+def cublas_without_workspace() -> Iterator[None]:
+    """cuBLAS GEMMs launched inside the context run without a workspace; outside it, with the one set before.
+
+    With its workspace, cuBLAS zeroes a 4-byte counter in it before each of some GEMMs (on an H200, the
+    Llama-3-8B gate/up projection from 320 rows up). Captured, each zeroing is a memset node, and a graph's
+    replay pays the host for each one: 32 of them made a 512-token mixed-step graph's replay cost 0.16 against
+    0.05 ms. Without the workspace cuBLAS picks kernels without the counter, for 0.5-0.8% more GPU time on that
+    GEMM (benchmarks/experiments/graph_launch.py). The decode graphs keep the workspace: they have no such
+    memset. Torch allocates a (handle, stream)'s workspace at its first GEMM, at the size then set, and later
+    tells cuBLAS the size set at each GEMM: a stream first used inside the context must never run a GEMM
+    outside it. Not thread-safe: no other thread may launch GEMMs while the context is open."""
+    previous = os.environ.get(CUBLAS_WORKSPACE_CONFIG)
+    os.environ[CUBLAS_WORKSPACE_CONFIG] = NO_WORKSPACE
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[CUBLAS_WORKSPACE_CONFIG]
+        else:
+            os.environ[CUBLAS_WORKSPACE_CONFIG] = previous
 
 
 def buckets_worth_keeping(seconds: dict[int, float], margin: float = SLOWER_BUCKET_MARGIN) -> list[int]:
@@ -197,11 +225,12 @@ class MixedGraphs:
         return {**self.limits.sizes(self.seqs(tokens), self.lora_slots(tokens)), "tokens": tokens}
 
     def capture(self) -> None:
-        """Capture every bucket, with and without LoRA, largest first, sharing one memory pool."""
-        mempool = torch.cuda.graph_pool_handle()
+        """Capture every bucket, with and without LoRA, largest first, sharing one memory pool and one capture
+        stream of their own: only their captures run GEMMs on it, all without cuBLAS's workspace."""
+        mempool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.pool.device)
         for tokens in reversed(self.buckets):
             for with_lora in (False, True):
-                self.graphs[(tokens, with_lora)] = self._capture(tokens, with_lora, mempool)
+                self.graphs[(tokens, with_lora)] = self._capture(tokens, with_lora, mempool, stream)
         torch.cuda.synchronize(self.pool.device)
         logger.info("captured %d mixed-step graphs for steps of up to %s tokens", len(self.graphs),
                     self.buckets[-1])
@@ -219,14 +248,14 @@ class MixedGraphs:
                 logger.info("mixed-step buckets %s (LoRA %s) replay slower than a larger bucket (largest: %.2f ms):"
                             " their steps pad to it", dropped, with_lora, seconds[self.buckets[-1]] * 1e3)
 
-    def _capture(self, tokens: int, with_lora: bool, mempool: "MemPool") -> BucketGraph:
+    def _capture(self, tokens: int, with_lora: bool, mempool: "MemPool", stream: torch.cuda.Stream) -> BucketGraph:
         views = self.staged.views(self._sizes(tokens), with_lora)
         packed = self.staged.device_extra(ATTENTION_INPUTS)[:packed_length(self.seqs(tokens))]
         inputs = split_attention_inputs(packed)
         self._record(views.device, inputs)          # compiles the kernels outside the capture
         torch.cuda.synchronize(self.pool.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=mempool):
+        with cublas_without_workspace(), torch.cuda.graph(graph, pool=mempool, stream=stream):
             logits = self._record(views.device, inputs)
         return BucketGraph(graph, views, logits)
 

@@ -2,7 +2,9 @@
 steps the graphs take, what a step is staged as, and the switch. Capture and replay against eager steps:
 tests/e2e/test_gpu_engine.py; the recorded forward, uncaptured, on the CPU: tests/e2e/test_triton_backend_cpu.py.
 Also the decode graphs' (slora.cuda_graphs) choice of the steps they take."""
+import contextlib
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -13,10 +15,12 @@ from slora.config import CudaConfig
 from slora.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.mixed_graphs import (
     ATTENTION_INPUTS,
+    CUBLAS_WORKSPACE_CONFIG,
     BucketGraph,
     MixedGraphs,
     attention_inputs,
     buckets_worth_keeping,
+    cublas_without_workspace,
     split_attention_inputs,
     token_buckets,
 )
@@ -57,6 +61,56 @@ def test_mixed_graph_tokens_is_validated():
     assert CudaConfig(mixed_graph_tokens=0).mixed_graph_tokens == 0  # the switch
     with pytest.raises(ValueError, match="mixed_graph_tokens must be >= 0"):
         CudaConfig(mixed_graph_tokens=-1)
+
+
+@pytest.mark.parametrize("before", [None, ":4096:8"])
+def test_the_workspace_setting_is_restored_after_the_captures(monkeypatch, before):
+    """Inside, cuBLAS is told no workspace; after it (an error too), the setting is what it was, or unset."""
+    if before is None:
+        monkeypatch.delenv(CUBLAS_WORKSPACE_CONFIG, raising=False)
+    else:
+        monkeypatch.setenv(CUBLAS_WORKSPACE_CONFIG, before)
+    with cublas_without_workspace():
+        assert os.environ[CUBLAS_WORKSPACE_CONFIG] == ":0:0"
+    assert os.environ.get(CUBLAS_WORKSPACE_CONFIG) == before
+    with pytest.raises(RuntimeError, match="capture failed"), cublas_without_workspace():
+        raise RuntimeError("capture failed")
+    assert os.environ.get(CUBLAS_WORKSPACE_CONFIG) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gemm_captured_without_the_workspace_has_no_memset():
+    """The Llama-3-8B gate/up GEMM at 512 rows: cuBLAS (torch 2.11, H200) zeroes a counter in its workspace
+    first, a memset node in a graph; captured inside the context on a stream of its own, it has none, and
+    its product is the same."""
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(28672, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    with_workspace, out = _captured_gemm(x, weight, torch.cuda.Stream(), contextlib.nullcontext())
+    without, out_without = _captured_gemm(x, weight, torch.cuda.Stream(), cublas_without_workspace())
+    assert _memsets(with_workspace) > 0, "cuBLAS no longer zeroes a workspace counter here: the context is moot"
+    assert _memsets(without) == 0
+    torch.testing.assert_close(out_without, out, rtol=1e-2, atol=1e-2)
+
+
+def _captured_gemm(x: torch.Tensor, weight: torch.Tensor, stream: torch.cuda.Stream,
+                   context: contextlib.AbstractContextManager) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of `x @ weight.T` captured on `stream` inside `context`, replayed once; and its output."""
+    graph = torch.cuda.CUDAGraph()
+    with context, torch.cuda.graph(graph, stream=stream):
+        out = torch.nn.functional.linear(x, weight)                      # [rows, out features]
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def _memsets(graph: torch.cuda.CUDAGraph) -> int:
+    """The memsets on the device in one replay of the graph."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return sum(event.device_type == torch.autograd.DeviceType.CUDA and "memset" in event.name.lower()
+               for event in prof.events())
 
 
 def _graphs() -> MixedGraphs:
