@@ -13,7 +13,8 @@ run within a fraction of a second of each other, so the host's drift over second
 A second pass runs with a timer around each of the engine's phases (PHASES: each timed without the phases
 it calls; --fine-phases adds FINE_PHASES, the chunk's parts of scheduling and sampling), whose means add up
 to the step's; a third runs under cProfile, whose functions by own time say where each phase's time goes.
---host-only (CPU) replaces the model's forward by zero logits: the steps then time the host's own work alone.
+--host-only (CPU) replaces the model's forward by zero logits, with torch on one thread: the steps then time the
+host's own work alone.
 
     python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8] [--prompt-len N]
                                    [--idle-ms MS] [--host-only] [--fine-phases] [--engine-arg KEY=VALUE ...]
