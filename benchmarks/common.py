@@ -182,6 +182,11 @@ class ModelSetup:
     def vocab_size(self) -> int:
         return int(self.raw["vocab_size"])
 
+    @property
+    def context(self) -> int:
+        """The tokens a sequence may hold, prompt and output (config.json's max_position_embeddings)."""
+        return int(self.raw["max_position_embeddings"])
+
 
 def prepare_model(device: str, workdir: Path) -> ModelSetup:
     import torch

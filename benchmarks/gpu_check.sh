@@ -15,12 +15,11 @@
 # the host's work per decode step and per chunked-prefill step beside the same decodes; $STEP_HOST_ARGS, e.g.
 # "--idle-ms 20"), "graph_launch" (experiments/graph_launch.py: host µs of graph replays; $GRAPH_LAUNCH_GROUPS,
 # default "gate_up"), "stage_host" (experiments/stage_host.py --device cuda: host µs of a graphed step's build and
-# staging, $STAGE_HOST_ARGS; "stage_host_before" runs this tree's script over the .device-before tree's installed
-# package), and
-# "engine_throughput_before" (the same on the tree `make device-before REV=...` extracted into .device-before,
-# before this tree's run, for a before/after pair in one command), "serving_before" (serving.py there) and
-# "step_host_before" (this tree's step_host.py over the .device-before tree's package). At most 8 files come
-# back from the device tool: pick steps to fit.
+# staging, $STAGE_HOST_ARGS; "stage_host_before" runs this tree's script over the .device-before tree's
+# installed package), and "engine_throughput_before" (the same on the tree `make device-before REV=...`
+# extracted into .device-before, before this tree's run, for a before/after pair in one command),
+# "serving_before" (serving.py there) and "step_host_before" (this tree's step_host.py over the .device-before
+# tree's package). At most 8 files come back from the device tool: pick steps to fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu}"

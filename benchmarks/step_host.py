@@ -91,10 +91,23 @@ FULL_CPU = FULL._replace(prompt_len=1920)
 QUICK = Scenario(batch=4, adapters=2, prompts=2, prompt_len=96, step_tokens=32, decode_steps=3, rounds=2)
 
 
+def context_needed(scenario: Scenario) -> int:
+    """The longest sequence of a run: a decoder's prompt and outputs, or a chunked prompt and its output token."""
+    return max(DECODE_PROMPT + decode_len(scenario), scenario.prompt_len + 1)
+
+
+def check_fits(scenario: Scenario, setup: ModelSetup) -> None:
+    """Refuses, before any engine is built, a scenario whose sequences overrun the model's context."""
+    if context_needed(scenario) > setup.context:
+        raise SystemExit(f"the scenario needs sequences of {context_needed(scenario)} tokens (--prompt-len "
+                         f"{scenario.prompt_len} plus its output token, or the decoders' outputs); the model's "
+                         f"context is {setup.context}")
+
+
 def engine_kwargs(setup: ModelSetup, scenario: Scenario, extra: dict[str, Any]) -> dict[str, Any]:
     return {**model_kwargs(setup), "max_num_seqs": scenario.batch + scenario.prompts, "max_loras": 32,
             "max_lora_rank": 16, "max_num_batched_tokens": scenario.step_tokens, "seed": 42,
-            "max_model_len": max(DECODE_PROMPT + decode_len(scenario), scenario.prompt_len + 1), **extra}
+            "max_model_len": context_needed(scenario), **extra}
 
 
 def build_llm(setup: ModelSetup, scenario: Scenario, extra: dict[str, Any], root: Path) -> tuple[Any, list]:
@@ -342,6 +355,7 @@ def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool 
     clock = PhaseClock({**PHASES, **FINE_PHASES} if fine_phases else PHASES)
     with tempfile.TemporaryDirectory(prefix="slora-step-host-") as tmp:
         setup = prepare_model(device, Path(tmp))
+        check_fits(scenario, setup)
         llm, adapters = build_llm(setup, scenario, extra, Path(tmp))
         with host_work_only(setup.vocab_size, scenario.step_tokens) if host_only else contextlib.nullcontext():
             passes = all_passes(llm.engine, scenario, adapters, setup.vocab_size, device, clock)

@@ -68,7 +68,7 @@ def step_adapters() -> step_batch.StepAdapters:
 
 def cases(device: torch.device) -> dict[str, Callable[[], object]]:
     """Per row, the call timed, with the static buffers on `device`. Only calls that older trees have too
-    (gpu_check's stage_host_before runs this script over 6c5b526's package): the decode step is staged as
+    (gpu_check's stage_host_before runs this script over an older tree's package): the decode step is staged as
     DecodeGraphs.replay stages it, and the bucket's views are made as MixedGraphs._capture makes them."""
     adapters, tables = step_adapters(), step_batch.LoraTables()
     decode_rows = [decoding(i) for i in range(DECODES)]

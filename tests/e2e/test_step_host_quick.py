@@ -132,6 +132,17 @@ def test_the_full_prompt_fits_the_cpu_models_context():
     assert step_host.scenario_of(step_host.parse_args(["--prompt-len", "1000"]), "cpu").prompt_len == 1000
 
 
+def test_a_prompt_past_the_models_context_is_refused_before_the_engine_is_built(tmp_path):
+    """Checked against slora-tiny-llama's own config: the CPU's default fits, one token more than the context
+    holds is refused with the lengths named (before, the request check raised deep inside the first pass)."""
+    step_host = load_benchmark("step_host.py", "step_host_check_fits")
+    setup = step_host.prepare_model("cpu", tmp_path)
+    step_host.check_fits(step_host.scenario_of(step_host.parse_args([]), "cpu"), setup)
+    too_long = step_host.scenario_of(step_host.parse_args(["--prompt-len", str(setup.context)]), "cpu")
+    with pytest.raises(SystemExit, match=f"sequences of {setup.context + 1} tokens .*context is {setup.context}"):
+        step_host.check_fits(too_long, setup)
+
+
 def test_host_work_only_runs_torch_on_one_thread_and_restores_it():
     import torch
 
