@@ -162,7 +162,7 @@ def write_peft_adapter(folder: Path, raw: dict, rank: int, targets: tuple[str, .
     return folder
 
 
-# ---- the model of the end-to-end runs (throughput.py, serving.py) ---------------------------------------------
+# ---- the model of the end-to-end runs (throughput.py, serving.py, engine_throughput.py, step_host.py) -------
 SLORA_LENGTHS = (8, 512)       # S-LoRA's input and output length range
 LOAD_THREADS = 8               # threads that write adapter files, and that prepare them for slora
 
@@ -217,6 +217,23 @@ def write_adapters(root: Path, setup: ModelSetup, ranks: list[int], targets: tup
                               enumerate(ranks)))
     log.info("wrote %d adapters in %.1f s", len(paths), time.perf_counter() - start)
     return paths
+
+
+def parse_engine_arg(text: str) -> tuple[str, Any]:
+    """KEY=VALUE, the value read as JSON where it parses (true, 8192, 0.5) and as a string otherwise."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def add_engine_arg(parser: argparse.ArgumentParser, example: str) -> None:
+    """The repeatable `--engine-arg KEY=VALUE` option: an EngineConfig or CudaConfig field for the engine."""
+    parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
+                        help=f"an EngineConfig or CudaConfig field for the engine, e.g. {example} (repeatable)")
 
 
 def make_prompts(trace: list[Request], vocab_size: int, seed: int) -> list[list[int]]:

@@ -26,7 +26,6 @@ CPU (or the 8B shape on CUDA), a few short requests per workload and 4 / 8 adapt
 """
 import argparse
 import cProfile
-import json
 import logging
 import pstats
 import statistics
@@ -47,6 +46,7 @@ from common import (
     RESULTS,
     SLORA_LENGTHS,
     ModelSetup,
+    add_engine_arg,
     make_prompts,
     prepare_model,
     print_table,
@@ -486,17 +486,6 @@ def run(settings: Settings, out: Path) -> dict[str, Any]:
     return data
 
 
-def parse_engine_arg(text: str) -> tuple[str, Any]:
-    """KEY=VALUE, the value read as JSON where it parses (true, 8192, 0.5) and as a string otherwise."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
-
-
 def parse_windows(text: str) -> tuple[int, int]:
     """SKIP,STEPS: steps skipped, then steps per profile window."""
     parts = text.split(",")
@@ -521,8 +510,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
                         help="the trace's power-law exponent of adapter popularity (1: uniform)")
-    parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra LLM keyword (EngineConfig or CudaConfig field), e.g. enforce_eager=true")
+    add_engine_arg(parser, "enforce_eager=true")
     parser.add_argument("--profile", nargs="?", type=parse_windows, const=PROFILE_WINDOWS, default=None,
                         metavar="SKIP,STEPS",
                         help="after each workload, profile its steps: wall, GPU busy and host time; SKIP steps "

@@ -21,7 +21,12 @@ CPU mode (default without CUDA): slora-tiny-llama, lengths scaled down to [8, 64
 rates 2, 4, 8, 16, 24 req/s with 30 s of arrivals each (at most 480 requests), about 3 minutes (stated in
 the JSON). The client shares the machine with the server. GPU mode: lengths [8, 512], 100 adapters.
 
-    python benchmarks/serving.py [--quick] [--device cpu|cuda] [--rates 1,2,4] [--url URL] [--out FILE]
+`--engine-arg KEY=VALUE` (repeatable) sets an EngineConfig or CudaConfig field of the server started here:
+`--engine-arg async_scheduling=false --engine-arg mixed_graph_tokens=0` serves with the synchronous engine
+and eager mixed steps, for a before and after of those two on one machine.
+
+    python benchmarks/serving.py [--quick] [--device cpu|cuda] [--rates 1,2,4] [--url URL]
+                                 [--engine-arg KEY=VALUE ...] [--out FILE]
 """
 import argparse
 import asyncio
@@ -50,6 +55,7 @@ from common import (
     SLORA_LENGTHS,
     ModelSetup,
     adapter_name,
+    add_engine_arg,
     bandwidth_columns,
     make_prompts,
     prepare_model,
@@ -87,6 +93,7 @@ class Settings:
     cv: float = 1.0
     alpha: float = 1.0
     seed: int = 42
+    engine_args: tuple[tuple[str, Any], ...] = ()     # (EngineConfig or CudaConfig field, value) for the server
 
     def num_requests(self, rate: float) -> int:
         return max(1, min(self.max_requests, round(rate * self.duration_s)))
@@ -94,6 +101,8 @@ class Settings:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     import torch
+    if args.url and args.engine_arg:
+        raise ValueError("--engine-arg configures the server this script starts; a --url server has its own")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device != "cpu"
     if args.quick:
@@ -110,7 +119,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     targets = ATTENTION + MLP if args.targets == "all" else tuple(args.targets.split(","))
     return Settings(device, rates, args.duration or duration, args.max_requests or cap, args.time_limit or limit,
                     args.num_adapters or adapters, lengths, args.rank_mix, targets,
-                    args.max_num_seqs or (16 if args.quick else 64), args.slo_ttft, args.quick, args.url)
+                    args.max_num_seqs or (16 if args.quick else 64), args.slo_ttft, args.quick, args.url,
+                    engine_args=tuple(args.engine_arg))
 
 
 # ---- the server ---------------------------------------------------------------------------------------------
@@ -133,9 +143,23 @@ def server_command(setup: ModelSetup, settings: Settings, port: int, adapter_roo
               str(max(64 if settings.rank_mix else 8, 8 if setup.dummy else 16)),
               "--max-model-len", str(2 * settings.length_range[1] + 16), "--shutdown-timeout", "5"]
     if not setup.dummy:
-        return [sys.executable, "-m", "slora.cli", "serve", "--model", TINY_MODEL, *common]
+        return [sys.executable, "-m", "slora.cli", "serve", "--model", TINY_MODEL, *common,
+                *cli_options(settings.engine_args)]
     # The CLI cannot serve random weights (no --load-format): this script's child mode does.
-    return [sys.executable, str(Path(__file__).resolve()), "--serve-child", "--model", str(setup.folder), *common]
+    return [sys.executable, str(Path(__file__).resolve()), "--serve-child", "--model", str(setup.folder), *common,
+            *(f"--engine-arg={key}={json.dumps(value)}" for key, value in settings.engine_args)]
+
+
+def cli_options(engine_args: tuple[tuple[str, Any], ...]) -> list[str]:
+    """Engine options as `slora serve`'s flags: a bool as --name or --no-name, any other value as --name VALUE."""
+    flags: list[str] = []
+    for key, value in engine_args:
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            flags += [f"--{flag}", str(value)]
+    return flags
 
 
 def wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
@@ -454,7 +478,8 @@ def payload(settings: Settings, setup: ModelSetup, rows: list[dict[str, Any]], s
         "adapters": {"count": settings.num_adapters, "targets": list(settings.targets),
                      "ranks": "mixed {8,16,32,64}" if settings.rank_mix else 8,
                      "loaded_through": "POST /v1/adapters"},
-        "max_num_seqs": settings.max_num_seqs, "time_limit_per_rate_s": settings.time_limit_s,
+        "max_num_seqs": settings.max_num_seqs, "engine_args": dict(settings.engine_args),
+        "time_limit_per_rate_s": settings.time_limit_s,
         "slo_ttft_s": settings.slo_ttft_s,
         "method": {
             "client": "asyncio + httpx, one streaming POST /v1/completions per request sent at its arrival time "
@@ -477,13 +502,13 @@ def serve_child(args: argparse.Namespace) -> int:
     from slora.api.server import serve
     from slora.api.settings import ServerSettings
 
-    from slora.config import EngineConfig
+    from slora.config import engine_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = ServerSettings(host=args.host, port=args.port, adapter_root=args.adapter_root,
                               shutdown_timeout_s=args.shutdown_timeout)
-    config = EngineConfig(model=args.model, device=args.device, load_format="dummy", max_num_seqs=args.max_num_seqs,
-                          max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len)
+    config = engine_config(model=args.model, device=args.device, load_format="dummy", max_num_seqs=args.max_num_seqs,
+                           max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len, **dict(args.engine_arg))
     return serve(settings, config)
 
 
@@ -502,6 +527,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--targets", default=",".join(ATTENTION), help="comma-separated modules, or 'all'")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--slo-ttft", type=float, default=6.0)
+    add_engine_arg(parser, "async_scheduling=false")
     parser.add_argument("--out", default=None)
     child = parser.add_argument_group("internal: the CUDA server child")
     child.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)

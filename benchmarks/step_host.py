@@ -38,14 +38,22 @@ from typing import Any, NamedTuple, TypeVar
 from unittest import mock
 
 import torch
-from common import PROJECTIONS, RESULTS, ModelSetup, make_prompts, prepare_model, write_adapters, write_json
+from common import (
+    PROJECTIONS,
+    RESULTS,
+    ModelSetup,
+    add_engine_arg,
+    make_prompts,
+    prepare_model,
+    write_adapters,
+    write_json,
+)
 from engine_throughput import (
     calls_by_kind,
     kind_rows,
     load_adapters,
     model_kwargs,
     new_llm,
-    parse_engine_arg,
     profiled_call,
     timed_call,
 )
@@ -422,8 +430,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="CPU only: zero logits in place of the model's forward, the host's work alone")
     parser.add_argument("--fine-phases", action="store_true",
                         help="also time the chunk's parts of scheduling and sampling (FINE_PHASES) as phases")
-    parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra LLM keyword, e.g. async_scheduling=false")
+    add_engine_arg(parser, "async_scheduling=false")
     parser.add_argument("--out", default=None, help="JSON file (default: results/step_host_<device>.json)")
     return parser.parse_args(argv)
 

@@ -1,4 +1,5 @@
 """Engine configuration, validated once at construction."""
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,3 +134,15 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+
+CUDA_FIELDS = frozenset(f.name for f in dataclasses.fields(CudaConfig))
+
+
+def engine_config(**options: Any) -> EngineConfig:
+    """An EngineConfig from flat keyword options, EngineConfig's fields and CudaConfig's alike
+    (`mixed_graph_tokens=0` for `cuda=CudaConfig(mixed_graph_tokens=0)`), as LLM and the benchmarks take them."""
+    cuda = {name: options.pop(name) for name in CUDA_FIELDS if name in options}
+    if cuda:
+        options["cuda"] = dataclasses.replace(options.get("cuda") or CudaConfig(), **cuda)
+    return EngineConfig(**options)

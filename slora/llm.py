@@ -1,11 +1,10 @@
 """The offline API (DESIGN §6): `LLM(...).generate(prompts, params, adapters=...)`."""
-import dataclasses
 import itertools
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
-from slora.config import CudaConfig, EngineConfig
+from slora.config import engine_config
 from slora.engine import Engine
 from slora.outputs import RequestOutput
 from slora.sampling_params import SamplingParams
@@ -15,7 +14,6 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
 Prompt = str | list[int]
-CUDA_FIELDS = frozenset(f.name for f in dataclasses.fields(CudaConfig))
 Conversation = Seq[dict[str, str]]          # [{"role": "user", "content": "..."}, ...]
 
 
@@ -24,10 +22,7 @@ class LLM:
     of its CudaConfig (`gpu_memory_utilization=0.5` for `cuda=CudaConfig(gpu_memory_utilization=0.5)`)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        cuda = {name: kwargs.pop(name) for name in CUDA_FIELDS if name in kwargs}
-        if cuda:
-            kwargs["cuda"] = dataclasses.replace(kwargs.get("cuda") or CudaConfig(), **cuda)
-        self.config = EngineConfig(model=model, **kwargs)
+        self.config = engine_config(model=model, **kwargs)
         self.engine = Engine(self.config)
         self._ids = itertools.count()
 
