@@ -18,7 +18,8 @@
 # staging, $STAGE_HOST_ARGS; "stage_host_before" runs this tree's script over the .device-before tree's
 # installed package), and "engine_throughput_before" (the same on the tree `make device-before REV=...`
 # extracted into .device-before, before this tree's run, for a before/after pair in one command),
-# "serving_before" (serving.py there) and "step_host_before" (this tree's step_host.py over the .device-before
+# "serving_switches" (serving.py with issue 22's two switches on and off, alternated), "serving_before"
+# (serving.py there) and "step_host_before" (this tree's step_host.py over the .device-before
 # tree's package). At most 8 files come back from the device tool: pick steps to fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,4 +102,16 @@ has graph_launch && run graph_launch python benchmarks/experiments/graph_launch.
   --groups "${GRAPH_LAUNCH_GROUPS:-gate_up}" --out "$OUT/graph_launch.json"
 # shellcheck disable=SC2086
 has serving && run serving python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} --out "$OUT/serving_cuda.json"
+# Issue 22's two switches off (the synchronous engine, eager mixed steps) against the defaults, alternated for
+# $SERVING_ROUNDS rounds (default 2) on one machine; $SERVING_ARGS as above.
+if has serving_switches; then
+  for round in $(seq "${SERVING_ROUNDS:-2}"); do
+    # shellcheck disable=SC2086
+    run "serving_on_$round" python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} \
+      --out "$OUT/serving_on_$round.json"
+    # shellcheck disable=SC2086
+    run "serving_off_$round" python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} \
+      --engine-arg async_scheduling=false --engine-arg mixed_graph_tokens=0 --out "$OUT/serving_off_$round.json"
+  done
+fi
 exit $status
