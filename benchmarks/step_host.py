@@ -11,8 +11,8 @@ hold every decode beside their chunk, and the block's last steps are decode step
 (engine_throughput.calls_by_kind). Each block gives its own chunk / decode ratio: the two kinds of steps
 run within a fraction of a second of each other, so the host's drift over seconds does not tell between them.
 A second pass runs with a timer around each of the engine's phases (PHASES: each timed without the phases
-it calls; --fine-phases adds FINE_PHASES, the chunk's parts of scheduling and sampling), whose means add up
-to the step's; a third runs under cProfile, whose functions by own time say where each phase's time goes.
+it calls; --fine-phases adds FINE_PHASES: the chunk's parts of scheduling and sampling, and the device copies),
+whose means add up to the step's; a third runs under cProfile, whose functions by own time say where each phase's time goes.
 --host-only (CPU) replaces the model's forward by zero logits, with torch on one thread: the steps then time the
 host's own work alone.
 
@@ -243,8 +243,10 @@ def timed_with_gc(call: Callable[[], object]) -> tuple[float, float]:
     return seconds, clock.seconds
 
 
-# phase -> (module, class, function) of the engine step's parts that a phase timer wraps.
-PHASES = {
+# phase -> (module, class or None for a module's function, function) of the engine step's parts that a phase
+# timer wraps.
+Where = tuple[str, str | None, str]
+PHASES: dict[str, Where] = {
     "schedule": ("slora.scheduler", "Scheduler", "schedule"),
     "move_pages": ("slora.model_runner", "ModelRunner", "move_pages"),
     "build_inputs": ("slora.model_runner", "ModelRunner", "inputs_for"),
@@ -258,13 +260,18 @@ PHASES = {
 }
 # --fine-phases: the parts of scheduling and sampling that a chunk step does more of (its pages, their hashes,
 # admissions), timed apart from the phases that call them. None of them runs outside engine.step() here: the
-# prompt's hashing on arrival (Scheduler.add) would be charged to the next step, so it is not one of them.
-FINE_PHASES = {
+# prompt's hashing on arrival (Scheduler.add) would be charged to the next step, so it is not one of them. And
+# each of the step's device copies but the staged one (stage_send): the sampled ids fed into the next step's
+# input ids, the sampled ids' copy to the host, and the sampler's work on the device around the latter.
+FINE_PHASES: dict[str, Where] = {
     "admit": ("slora.scheduler", "Scheduler", "_admit_waiting"),
     "allocate_kv_pages": ("slora.page_pool", "PageAllocator", "allocate_kv_pages"),
     "release_kv_pages": ("slora.page_pool", "PageAllocator", "release_kv_pages"),
     "on_computed": ("slora.scheduler", "Scheduler", "on_computed"),
     "register_hashes": ("slora.page_pool", "PageAllocator", "register_hashes"),
+    "feed_tokens": ("slora.step_batch", None, "feed_tokens"),
+    "sample_on_device": ("slora.sampler", "Sampler", "on_device"),
+    "copy_sampled": ("slora.in_flight", "HostCopy", "__init__"),
 }
 
 
@@ -272,8 +279,8 @@ class PhaseClock:
     """Seconds per phase of the calls made while it is installed, each phase's own: the time of the phases
     it calls is theirs."""
 
-    def __init__(self, phases: dict[str, tuple[str, str, str]]) -> None:
-        self.phases = phases                  # phase -> (module, class, function), as PHASES
+    def __init__(self, phases: dict[str, Where]) -> None:
+        self.phases = phases                  # phase -> (module, class or None, function), as PHASES
         self.seconds: dict[str, float] = defaultdict(float)
         self._nested: list[float] = []        # per open phase call: seconds of the phase calls inside it
 
@@ -301,16 +308,17 @@ def phase_timers(clock: PhaseClock) -> Iterator[None]:
     """Every function of the clock's phases wrapped by its timer while the context is open."""
     originals = []
     for phase, (module, owner, name) in clock.phases.items():
-        cls = getattr(importlib.import_module(module), owner)
-        original = inspect.getattr_static(cls, name)
-        wrapped = clock.wrap(phase, getattr(cls, name))
-        setattr(cls, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
-        originals.append((cls, name, original))
+        imported = importlib.import_module(module)
+        holder = imported if owner is None else getattr(imported, owner)
+        original = inspect.getattr_static(holder, name)
+        wrapped = clock.wrap(phase, getattr(holder, name))
+        setattr(holder, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+        originals.append((holder, name, original))
     try:
         yield
     finally:
-        for cls, name, original in originals:
-            setattr(cls, name, original)
+        for holder, name, original in originals:
+            setattr(holder, name, original)
 
 
 def phased_call(clock: PhaseClock, call: Callable[[], object]) -> dict[str, float]:

@@ -51,20 +51,37 @@ def test_quick_run_charges_the_chunk_steps_and_the_decode_steps_to_their_kinds(t
 
 
 def test_fine_phases_time_the_chunks_pages_and_hashes_apart(tmp_path):
-    """--fine-phases adds the scheduler's and the allocator's parts as phases: a chunk step takes pages and
-    registers their hashes (28-token chunks fill pages of 16), and its phases still add up to the step's."""
+    """--fine-phases adds the scheduler's and the allocator's parts as phases, and the sampled ids' ways: a
+    chunk step takes pages and registers their hashes (28-token chunks fill pages of 16), feeds the ids the
+    step before sampled and samples its own; its phases still add up to the step's."""
     out = tmp_path / "step_host.json"
     command = [sys.executable, str(BENCHMARKS / "step_host.py"), "--quick", "--device", "cpu", "--fine-phases",
                "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
-    fine = ["admit", "allocate_kv_pages", "release_kv_pages", "on_computed", "register_hashes"]
+    fine = ["admit", "allocate_kv_pages", "release_kv_pages", "on_computed", "register_hashes", "feed_tokens",
+            "sample_on_device", "copy_sampled"]
     assert result["phases_timed"][-len(fine):] == fine and "schedule" in result["phases_timed"]
     chunk = result["host_ms_by_kind"]["mixed, eager (> 0 tokens)"]["phase_mean_ms"]
     assert list(chunk) == [*result["phases_timed"], "other"]
     assert chunk["allocate_kv_pages"] > 0 and chunk["register_hashes"] > 0 and chunk["on_computed"] > 0
     assert chunk["schedule"] > 0 and chunk["other"] >= 0
+    assert chunk["feed_tokens"] > 0 and chunk["sample_on_device"] > 0 and chunk["copy_sampled"] > 0
+
+
+def test_phase_timers_wrap_a_modules_function_and_put_it_back():
+    """A phase may be a module's function (owner None), which its callers reach through the module."""
+    step_host = load_benchmark("step_host.py", "step_host_module_phase")
+    from slora import step_batch
+
+    original = step_batch.feed_tokens
+    clock = step_host.PhaseClock({"feed_tokens": ("slora.step_batch", None, "feed_tokens")})
+    with step_host.phase_timers(clock):
+        assert step_batch.feed_tokens is not original
+        step_batch.feed_tokens(None, None)                 # no feed: nothing written
+    assert step_batch.feed_tokens is original
+    assert set(clock.take()) == {"feed_tokens"}
 
 
 def test_block_ratios_divide_each_blocks_chunk_median_by_its_decode_median():
