@@ -12,7 +12,8 @@ hold every decode beside their chunk, and the block's last steps are decode step
 run within a fraction of a second of each other, so the host's drift over seconds does not tell between them.
 A second pass runs with a timer around each of the engine's phases (PHASES: each timed without the phases
 it calls; --fine-phases adds FINE_PHASES: the chunk's parts of scheduling and sampling, and the device copies),
-whose means add up to the step's; a third runs under cProfile, whose functions by own time say where each phase's time goes.
+whose means add up to the step's; a third runs under cProfile, whose functions by own time say where each
+phase's time goes.
 --host-only (CPU) replaces the model's forward by zero logits, with torch on one thread: the steps then time the
 host's own work alone.
 
