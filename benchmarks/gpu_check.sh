@@ -18,8 +18,9 @@
 # staging, $STAGE_HOST_ARGS; "stage_host_before" runs this tree's script over the .device-before tree's
 # installed package), and "engine_throughput_before" (the same on the tree `make device-before REV=...`
 # extracted into .device-before, before this tree's run, for a before/after pair in one command),
-# "serving_switches" (serving.py with issue 22's two switches on and off, alternated), "serving_before"
-# (serving.py there) and "step_host_before" (this tree's step_host.py over the .device-before
+# "copy_host" (experiments/copy_host.py: host µs of a step's device copies, back to back, after a synchronize
+# and after an idle), "serving_switches" (serving.py with issue 22's two switches on and off, alternated),
+# "serving_before" (serving.py there) and "step_host_before" (this tree's step_host.py over the .device-before
 # tree's package). At most 8 files come back from the device tool: pick steps to fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,6 +99,7 @@ has step_host && run step_host python benchmarks/step_host.py "${quick[@]}" --de
 # shellcheck disable=SC2086
 has stage_host && run stage_host python benchmarks/experiments/stage_host.py "${quick[@]}" --device cuda \
   ${STAGE_HOST_ARGS:-} --out "$OUT/stage_host.json"
+has copy_host && run copy_host python benchmarks/experiments/copy_host.py "${quick[@]}" --out "$OUT/copy_host.json"
 has graph_launch && run graph_launch python benchmarks/experiments/graph_launch.py \
   --groups "${GRAPH_LAUNCH_GROUPS:-gate_up}" --out "$OUT/graph_launch.json"
 # shellcheck disable=SC2086

@@ -30,3 +30,17 @@ def test_prefill_layer_summary_counts_the_engines_rows_not_their_namesakes():
     assert summary["layer_gemm_us"] == 500.0 + 390.0 + 2800.0 + 1440.0
     assert summary["layer_other_us"] == 2 * 30.0 + 70.0 + 175.0 + 210.0
     assert summary["step_ms"] == pytest.approx(32 * (5130.0 + 515.0) / 1e3)
+
+
+def test_copy_host_refuses_without_a_gpu_and_bad_sizes(monkeypatch):
+    """experiments/copy_host.py times CUDA copies: on a machine without one it says so, and it refuses byte
+    counts that are not positive before it looks."""
+    import argparse
+
+    copy_host = load_benchmark("experiments/copy_host.py", "bench_copy_host")
+    assert copy_host.parse_sizes("4096, 65536") == (4096, 65536)
+    with pytest.raises(argparse.ArgumentTypeError, match="positive byte counts"):
+        copy_host.parse_sizes("4096,0")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit, match="it needs a GPU"):
+        copy_host.main(["--quick"])
