@@ -15,7 +15,7 @@ on the device, as `feed_tokens`) and `to_host` (64 int64 ids into pinned memory,
 as `HostCopy`); and `empty_launch` (an empty-tensor `add_`, a kernel-free op) for the cost of any first call.
 Each row gives the median and p90 µs over `--calls` calls, CUDA only.
 
-    python benchmarks/experiments/copy_host.py [--quick] [--calls 400] [--idle-ms 20]
+    python benchmarks/experiments/copy_host.py [--quick] [--calls 200] [--idle-ms 20]
                                                [--sizes 4096,65536,262144,1048576] [--out FILE]
 """
 import argparse
@@ -124,7 +124,7 @@ def rows_of(calls: dict[str, Callable[[], None]], count: int, idle_s: float) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="20 calls a row, 1 ms idle")
-    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--idle-ms", type=float, default=20.0)
     parser.add_argument("--sizes", type=parse_sizes, default=(4096, 65536, 262144, 1048576))
     parser.add_argument("--out", default=None, help="JSON file (default: results/copy_host.json)")
