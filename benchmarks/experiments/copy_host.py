@@ -69,16 +69,21 @@ def timed_us(call: Callable[[], object], before: Callable[[], None], calls: int)
     return samples
 
 
-def send_call(nbytes: int) -> Callable[[], None]:
-    """A pinned host buffer copied to the device with an event recorded after it (StagedBuffers.send)."""
-    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def copy_with_event(target: torch.Tensor, source: torch.Tensor) -> Callable[[], None]:
+    """`source` copied into `target`, non-blocking, with an event recorded after it (StagedBuffers.send and
+    HostCopy both record one)."""
     event = torch.cuda.Event()
 
-    def send() -> None:
-        device.copy_(host, non_blocking=True)
+    def copy() -> None:
+        target.copy_(source, non_blocking=True)
         event.record()
-    return send
+    return copy
+
+
+def send_call(nbytes: int) -> Callable[[], None]:
+    """A pinned host buffer copied to the device (StagedBuffers.send)."""
+    return copy_with_event(torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+                           torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True))
 
 
 def feed_call() -> Callable[[], None]:
@@ -89,15 +94,9 @@ def feed_call() -> Callable[[], None]:
 
 
 def to_host_call() -> Callable[[], None]:
-    """Ids copied into pinned host memory with an event recorded after them (HostCopy)."""
-    ids = torch.zeros(IDS, dtype=torch.int64, device="cuda")
-    host = torch.empty(IDS, dtype=torch.int64, pin_memory=True)
-    event = torch.cuda.Event()
-
-    def to_host() -> None:
-        host.copy_(ids, non_blocking=True)
-        event.record()
-    return to_host
+    """Ids copied into pinned host memory (HostCopy)."""
+    return copy_with_event(torch.empty(IDS, dtype=torch.int64, pin_memory=True),
+                           torch.zeros(IDS, dtype=torch.int64, device="cuda"))
 
 
 def empty_launch_call() -> Callable[[], None]:
