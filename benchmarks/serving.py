@@ -30,6 +30,7 @@ and eager mixed steps, for a before and after of those two on one machine.
 """
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -103,6 +104,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     import torch
     if args.url and args.engine_arg:
         raise ValueError("--engine-arg configures the server this script starts; a --url server has its own")
+    check_engine_args(args.engine_arg)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device != "cpu"
     if args.quick:
@@ -150,15 +152,40 @@ def server_command(setup: ModelSetup, settings: Settings, port: int, adapter_roo
             *(f"--engine-arg={key}={json.dumps(value)}" for key, value in settings.engine_args)]
 
 
+# EngineConfig fields the script sets from its own options (or for the model it serves).
+SCRIPT_ENGINE_FIELDS = ("model", "device", "load_format", "max_num_seqs", "max_lora_rank", "max_model_len")
+
+
+def engine_defaults() -> dict[str, Any]:
+    """The default of every EngineConfig and CudaConfig field a served engine may be given."""
+    from slora.config import CudaConfig, EngineConfig
+    fields = [*dataclasses.fields(EngineConfig), *dataclasses.fields(CudaConfig)]
+    return {f.name: f.default for f in fields if f.name != "cuda"}
+
+
+def check_engine_args(engine_args: list[tuple[str, Any]]) -> None:
+    """Refuse, before any server starts, an --engine-arg that is no engine field, that this script sets
+    itself, or that has no value."""
+    defaults = engine_defaults()
+    for key, value in engine_args:
+        if key not in defaults:
+            raise ValueError(f"--engine-arg {key}: not an EngineConfig or CudaConfig field")
+        if key in SCRIPT_ENGINE_FIELDS:
+            raise ValueError(f"--engine-arg {key}: set by this script (its own options, or the model it serves)")
+        if value is None:
+            raise ValueError(f"--engine-arg {key}: give a value (null leaves the field at its default)")
+
+
 def cli_options(engine_args: tuple[tuple[str, Any], ...]) -> list[str]:
-    """Engine options as `slora serve`'s flags: a bool as --name or --no-name, any other value as --name VALUE."""
-    flags: list[str] = []
+    """Engine options as `slora serve`'s flags: a bool field has one flag, --name when its default is False
+    and --no-name when it is True, and none when the value is the default; any other value is --name VALUE."""
+    defaults, flags = engine_defaults(), []
     for key, value in engine_args:
         flag = key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(f"--{flag}" if value else f"--no-{flag}")
-        else:
+        if not isinstance(value, bool):
             flags += [f"--{flag}", str(value)]
+        elif value != defaults[key]:
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
     return flags
 
 
