@@ -2,18 +2,19 @@
 
 In step_host.py's engine the staged send (one pinned host-to-device copy) cost the H200's host 103-191 µs a
 step, while stage_host.py's loop staged a whole step in 40 µs. The loop sends back to back; the engine
-sends once per step, after the host waited for the GPU, and in step_host.py after a sleep too. This script
-times one call at a time, on an otherwise idle GPU, under three regimes:
+sends once per step, after the host waited for the GPU, and in step_host.py's `--idle-ms` after a sleep too.
+This script times one call at a time, on an otherwise idle GPU, under three regimes:
 - `loop`: calls back to back (as stage_host.py's loop);
-- `after_sync`: each call after `torch.cuda.synchronize()` (as the engine, whose host waits for a step's
-  sampled ids);
+- `after_sync`: each call after `torch.cuda.synchronize()`, which returns at once on the idle GPU: it does
+  not reproduce a wait for queued GPU work, as the engine's for a step's sampled ids;
 - `after_idle`: each call after a synchronize and a sleep of `--idle-ms` (as step_host.py `--idle-ms`).
 
 The calls are the step's three copies: `send` (a pinned host buffer of each `--sizes` byte count to the
 device, non-blocking, with an event recorded after it, as `StagedBuffers.send`), `feed` (64 int64 ids copied
-on the device, as `feed_tokens`) and `to_host` (64 int64 ids into pinned memory, non-blocking, with an event,
-as `HostCopy`); and `empty_launch` (an empty-tensor `add_`, a kernel-free op) for the cost of any first call.
-Each row gives the median and p90 µs over `--calls` calls, CUDA only.
+on the device, as `feed_tokens`) and `to_host` (64 int64 ids into pinned memory, non-blocking, with an event
+recorded after them: `HostCopy` also makes a new event and takes its buffer per step, which this reuses); and
+`empty_launch` (an empty tensor's `add_`, which launches nothing) for the cost of any first call. Each row
+gives the median and p90 µs over `--calls` calls, CUDA only.
 
     python benchmarks/experiments/copy_host.py [--quick] [--calls 200] [--idle-ms 20]
                                                [--sizes 4096,65536,262144,1048576] [--out FILE]
@@ -40,6 +41,13 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"--sizes takes positive byte counts, got {text!r}")
     return sizes
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--calls must be >= 1, got {value}")
+    return value
 
 
 def before_call(regime: str, idle_s: float) -> Callable[[], None]:
@@ -123,7 +131,7 @@ def rows_of(calls: dict[str, Callable[[], None]], count: int, idle_s: float) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="20 calls a row, 1 ms idle")
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--calls", type=positive_int, default=200)
     parser.add_argument("--idle-ms", type=float, default=20.0)
     parser.add_argument("--sizes", type=parse_sizes, default=(4096, 65536, 262144, 1048576))
     parser.add_argument("--out", default=None, help="JSON file (default: results/copy_host.json)")

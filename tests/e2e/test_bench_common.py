@@ -44,3 +44,10 @@ def test_copy_host_refuses_without_a_gpu_and_bad_sizes(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="it needs a GPU"):
         copy_host.main(["--quick"])
+
+
+def test_copy_host_refuses_a_count_of_calls_below_one():
+    copy_host = load_benchmark("experiments/copy_host.py", "bench_copy_host_calls")
+    with pytest.raises(SystemExit) as refused:
+        copy_host.main(["--calls", "0"])
+    assert refused.value.code == 2                  # argparse's refusal, before any look for a GPU
