@@ -262,8 +262,8 @@ PHASES: dict[str, Where] = {
 # --fine-phases: the parts of scheduling and sampling that a chunk step does more of (its pages, their hashes,
 # admissions), timed apart from the phases that call them. None of them runs outside engine.step() here: the
 # prompt's hashing on arrival (Scheduler.add) would be charged to the next step, so it is not one of them. And
-# each of the step's device copies but the staged one (stage_send): the sampled ids fed into the next step's
-# input ids, the sampled ids' copy to the host, and the sampler's work on the device around the latter.
+# the step's device work besides the staged send and the replay: the ids the step before sampled, fed into
+# this step's input ids; the sampler's work on the device; then the sampled ids' copy to the host.
 FINE_PHASES: dict[str, Where] = {
     "admit": ("slora.scheduler", "Scheduler", "_admit_waiting"),
     "allocate_kv_pages": ("slora.page_pool", "PageAllocator", "allocate_kv_pages"),
