@@ -306,16 +306,17 @@ class PhaseClock:
 
 @contextmanager
 def phase_timers(clock: PhaseClock) -> Iterator[None]:
-    """Every function of the clock's phases wrapped by its timer while the context is open."""
+    """Every function of the clock's phases wrapped by its timer while the context is open; should a phase
+    not be found, those wrapped before it are put back."""
     originals = []
-    for phase, (module, owner, name) in clock.phases.items():
-        imported = importlib.import_module(module)
-        holder = imported if owner is None else getattr(imported, owner)
-        original = inspect.getattr_static(holder, name)
-        wrapped = clock.wrap(phase, getattr(holder, name))
-        setattr(holder, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
-        originals.append((holder, name, original))
     try:
+        for phase, (module, owner, name) in clock.phases.items():
+            imported = importlib.import_module(module)
+            holder = imported if owner is None else getattr(imported, owner)
+            original = inspect.getattr_static(holder, name)
+            wrapped = clock.wrap(phase, getattr(holder, name))
+            setattr(holder, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+            originals.append((holder, name, original))
         yield
     finally:
         for holder, name, original in originals:

@@ -174,3 +174,15 @@ def test_host_work_only_runs_torch_on_one_thread_and_restores_it():
         assert torch.get_num_threads() == 2 and ModelRunner.forward is original
     finally:
         torch.set_num_threads(threads)
+
+
+def test_phase_timers_put_back_what_they_wrapped_when_a_phase_is_missing():
+    step_host = load_benchmark("step_host.py", "step_host_missing_phase")
+    from slora import step_batch
+
+    original = step_batch.feed_tokens
+    clock = step_host.PhaseClock({"feed_tokens": ("slora.step_batch", None, "feed_tokens"),
+                                  "missing": ("slora.step_batch", None, "no_such_function")})
+    with pytest.raises(AttributeError), step_host.phase_timers(clock):
+        pass
+    assert step_batch.feed_tokens is original
