@@ -30,7 +30,6 @@ and eager mixed steps, for a before and after of those two on one machine.
 """
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -44,7 +43,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import httpx
@@ -69,6 +68,9 @@ from common import (
 from workloads import Request, adapter_ranks, slora_trace
 
 from slora.builtin_models import TINY_MODEL
+
+if TYPE_CHECKING:
+    from slora.config import EngineConfig
 
 logger = logging.getLogger("benchmarks.serving")
 LOOPBACK = "127.0.0.1"
@@ -140,13 +142,14 @@ def check_loopback(url: str) -> str:
 
 
 def server_command(setup: ModelSetup, settings: Settings, port: int, adapter_root: Path) -> list[str]:
+    from slora.cli import engine_flags
     common = ["--host", LOOPBACK, "--port", str(port), "--adapter-root", str(adapter_root), "--device",
               setup.device, "--max-num-seqs", str(settings.max_num_seqs), "--max-lora-rank",
               str(max(64 if settings.rank_mix else 8, 8 if setup.dummy else 16)),
               "--max-model-len", str(2 * settings.length_range[1] + 16), "--shutdown-timeout", "5"]
     if not setup.dummy:
         return [sys.executable, "-m", "slora.cli", "serve", "--model", TINY_MODEL, *common,
-                *cli_options(settings.engine_args)]
+                *engine_flags(dict(settings.engine_args))]
     # The CLI cannot serve random weights (no --load-format): this script's child mode does.
     return [sys.executable, str(Path(__file__).resolve()), "--serve-child", "--model", str(setup.folder), *common,
             *(f"--engine-arg={key}={json.dumps(value)}" for key, value in settings.engine_args)]
@@ -156,37 +159,17 @@ def server_command(setup: ModelSetup, settings: Settings, port: int, adapter_roo
 SCRIPT_ENGINE_FIELDS = ("model", "device", "load_format", "max_num_seqs", "max_lora_rank", "max_model_len")
 
 
-def engine_defaults() -> dict[str, Any]:
-    """The default of every EngineConfig and CudaConfig field a served engine may be given."""
-    from slora.config import CudaConfig, EngineConfig
-    fields = [*dataclasses.fields(EngineConfig), *dataclasses.fields(CudaConfig)]
-    return {f.name: f.default for f in fields if f.name != "cuda"}
-
-
 def check_engine_args(engine_args: list[tuple[str, Any]]) -> None:
-    """Refuse, before any server starts, an --engine-arg that is no engine field, that this script sets
-    itself, or that has no value."""
-    defaults = engine_defaults()
-    for key, value in engine_args:
-        if key not in defaults:
-            raise ValueError(f"--engine-arg {key}: not an EngineConfig or CudaConfig field")
+    """Refuse, before any server starts, an --engine-arg that this script sets itself, that is no engine
+    option, or that has no value (slora.cli.engine_flags)."""
+    from slora.cli import engine_flags
+    for key, _ in engine_args:
         if key in SCRIPT_ENGINE_FIELDS:
             raise ValueError(f"--engine-arg {key}: set by this script (its own options, or the model it serves)")
-        if value is None:
-            raise ValueError(f"--engine-arg {key}: give a value (null leaves the field at its default)")
-
-
-def cli_options(engine_args: tuple[tuple[str, Any], ...]) -> list[str]:
-    """Engine options as `slora serve`'s flags: a bool field has one flag, --name when its default is False
-    and --no-name when it is True, and none when the value is the default; any other value is --name VALUE."""
-    defaults, flags = engine_defaults(), []
-    for key, value in engine_args:
-        flag = key.replace("_", "-")
-        if not isinstance(value, bool):
-            flags += [f"--{flag}", str(value)]
-        elif value != defaults[key]:
-            flags.append(f"--{flag}" if value else f"--no-{flag}")
-    return flags
+    try:
+        engine_flags(dict(engine_args))
+    except ValueError as error:
+        raise ValueError(f"--engine-arg {error}") from None
 
 
 def wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
@@ -529,14 +512,18 @@ def serve_child(args: argparse.Namespace) -> int:
     from slora.api.server import serve
     from slora.api.settings import ServerSettings
 
-    from slora.config import engine_config
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = ServerSettings(host=args.host, port=args.port, adapter_root=args.adapter_root,
                               shutdown_timeout_s=args.shutdown_timeout)
-    config = engine_config(model=args.model, device=args.device, load_format="dummy", max_num_seqs=args.max_num_seqs,
-                           max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len, **dict(args.engine_arg))
-    return serve(settings, config)
+    return serve(settings, child_engine_config(args))
+
+
+def child_engine_config(args: argparse.Namespace) -> "EngineConfig":
+    """The CUDA child's engine: the model's config with random weights, its --engine-arg fields on top."""
+    from slora.config import engine_config
+
+    return engine_config(model=args.model, device=args.device, load_format="dummy", max_num_seqs=args.max_num_seqs,
+                         max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len, **dict(args.engine_arg))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,7 +4,7 @@ import dataclasses
 import logging
 import sys
 import typing
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from slora.sampling_params import SamplingParams
 
@@ -20,12 +20,17 @@ def _config_fields(cls: type, skip: frozenset[str]) -> list[tuple[dataclasses.Fi
             for f in fields]
 
 
+def _flag(name: str, default: object, kind: type) -> str:
+    """A field's flag: a bool field has one, --name when its default is False and --no-name when True."""
+    negated = kind is bool and bool(default)
+    return ("--no-" if negated else "--") + name.replace("_", "-")
+
+
 def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field, kind: type) -> None:
-    flag = "--" + field.name.replace("_", "-")
+    flag = _flag(field.name, field.default, kind)
     shown = "" if field.default is None else f" (default: {field.default})"
     if kind is bool:
-        negated = "--no-" + field.name.replace("_", "-")
-        parser.add_argument(negated if field.default else flag, dest=field.name, default=field.default,
+        parser.add_argument(flag, dest=field.name, default=field.default,
                             action="store_false" if field.default else "store_true", help=field.metadata["help"])
         return
     parser.add_argument(flag, dest=field.name, type=kind, default=field.default, choices=field.metadata["choices"],
@@ -41,6 +46,27 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
     from slora.config import CudaConfig, EngineConfig  # imported in the functions, as the commands do
     for field, kind in _config_fields(EngineConfig, skip) + _config_fields(CudaConfig, skip):
         _add_option(parser, field, kind)
+
+
+def engine_flags(options: dict[str, Any]) -> list[str]:
+    """The flags that give these EngineConfig or CudaConfig fields these values (the inverse of
+    engine_kwargs): a bool that is its field's default needs no flag. Refuses a field that has no flag, or a
+    value of None, which no flag gives."""
+    from slora.config import CudaConfig, EngineConfig
+    fields = {f.name: (f, kind) for f, kind in _config_fields(EngineConfig, frozenset()) +
+              _config_fields(CudaConfig, frozenset())}
+    flags: list[str] = []
+    for name, value in options.items():
+        if name not in fields:
+            raise ValueError(f"{name}: not an EngineConfig or CudaConfig option")
+        if value is None:
+            raise ValueError(f"{name}: give a value (no flag sets None)")
+        field, kind = fields[name]
+        if kind is not bool:
+            flags += [_flag(name, field.default, kind), str(value)]
+        elif value != field.default:
+            flags.append(_flag(name, field.default, kind))
+    return flags
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

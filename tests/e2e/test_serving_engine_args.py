@@ -6,7 +6,7 @@ import pytest
 import torch
 from benchmark_modules import load_benchmark
 
-from slora.cli import build_parser, engine_kwargs
+from slora.cli import build_parser, engine_flags, engine_kwargs
 from slora.config import EngineConfig, engine_config
 
 SWITCHES = ["--engine-arg", "async_scheduling=false", "--engine-arg", "mixed_graph_tokens=0",
@@ -41,7 +41,7 @@ def test_engine_args_reach_the_cuda_child(serving):
     child = serving.parse_args(argv[2:])
     assert child.engine_arg == [("async_scheduling", False), ("mixed_graph_tokens", 0), ("enforce_eager", True),
                                 ("pdl", True), ("swap_space_gib", 0.5)]
-    assert_switched(engine_config(model=child.model, device="cpu", **dict(child.engine_arg)))
+    assert_switched(serving.child_engine_config(child))
 
 
 def test_no_engine_args_leave_the_server_at_its_defaults(serving):
@@ -63,14 +63,14 @@ def test_a_bool_either_way_becomes_a_flag_slora_serve_takes(serving, value):
     """Each bool field has one flag (--name for a False default, --no-name for a True one): a value equal to
     the default adds none."""
     for field in ("async_scheduling", "enforce_eager", "pdl", "enable_prefix_caching"):
-        flags = serving.cli_options(((field, value == "true"),))
+        flags = engine_flags({field: value == "true"})
         args = build_parser().parse_args(["serve", *flags])
         assert getattr(args, field) is (value == "true"), (field, flags)
 
 
 @pytest.mark.parametrize(("arg", "message"), [
     ("max_num_seqs=8", "set by this script"), ("device=cpu", "set by this script"),
-    ("no_such_field=1", "not an EngineConfig or CudaConfig field"), ("max_loras=null", "give a value")])
+    ("no_such_field=1", "not an EngineConfig or CudaConfig option"), ("max_loras=null", "give a value")])
 def test_engine_args_the_script_cannot_pass_are_refused_before_a_server_starts(serving, arg, message):
     with pytest.raises(ValueError, match=message):
         serving.settings_from_args(serving.parse_args(["--device", "cpu", "--engine-arg", arg]))
