@@ -391,18 +391,21 @@ def profiled_call(call: Callable[[], object]) -> cProfile.Profile:
     return profiler
 
 
-def calls_by_kind(engine: Any, steps: int, device: str, call: Callable[[], T]) -> dict[str, list[T]]:
-    """`steps` results of `call` (one `engine.step()` each, on an idle GPU) by the kind of step each
-    launched. Under overlapped scheduling call i launches step i and takes step i-1's tokens, which is when
-    step i-1's kind is recorded; call i's result goes to step i's kind (it holds step i-1's output work).
-    Steps with prefill rows are split by size: up to mixed_graph_tokens (graphed), and past them (eager)."""
+def calls_by_kind(engine: Any, steps: int, device: str, call: Callable[[], T],
+                  idle_gpu: bool = True) -> dict[str, list[T]]:
+    """`steps` results of `call` (one `engine.step()` each, on an idle GPU unless idle_gpu is False: then
+    each follows the one before at once, as in a serving loop) by the kind of step each launched. Under
+    overlapped scheduling call i launches step i and takes step i-1's tokens, which is when step i-1's kind
+    is recorded; call i's result goes to step i's kind (it holds step i-1's output work). Steps with prefill
+    rows are split by size: up to mixed_graph_tokens (graphed), and past them (eager)."""
     results: dict[str, list[T]] = {}
     previous: T | None = None
     cuda = engine.config.cuda
     graph_tokens = 0 if device == "cpu" or cuda.enforce_eager else cuda.mixed_graph_tokens
     for _ in range(steps):
         before_steps, before_tokens = dict(engine.step_stats.steps), dict(engine.step_stats.tokens)
-        synchronize(device)
+        if idle_gpu:
+            synchronize(device)
         result = call()
         recorded = [kind for kind, n in engine.step_stats.steps.items() if n > before_steps[kind]]
         if previous is not None and len(recorded) == 1:

@@ -7,8 +7,10 @@ requests decode (16-token prompts, long outputs, greedy, ignore_eos), on --adapt
 robin (0: the base model). A pass is --prompts blocks of steps. At a block's start one request of
 --prompt-len tokens and one output token arrives, on the decoders' first adapter; the steps that chunk it
 hold every decode beside their chunk, and the block's last steps are decode steps again. Each
-`engine.step()` starts on an idle GPU and is charged to the kind of step it launched
-(engine_throughput.calls_by_kind). Each block gives its own chunk / decode ratio: the two kinds of steps
+`engine.step()` starts on an idle GPU (--overlapped: right after the one before, the GPU still busy, as in a
+serving loop) and is charged to the kind of step it launched (engine_throughput.calls_by_kind); its time is its
+wall time less its wait for the tokens of the step before (the host's work), and a step that waited found the
+GPU busy (gpu_paced_share). Each block gives its own chunk / decode ratio: the two kinds of steps
 run within a fraction of a second of each other, so the host's drift over seconds does not tell between them.
 A second pass runs with a timer around each of the engine's phases (PHASES: each timed without the phases
 it calls; --fine-phases adds FINE_PHASES: the chunk's parts of scheduling and sampling, and the device copies),
@@ -18,7 +20,8 @@ phase's time goes.
 host's own work alone.
 
     python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8] [--prompt-len N]
-                                   [--idle-ms MS] [--host-only] [--fine-phases] [--engine-arg KEY=VALUE ...]
+                                   [--idle-ms MS | --overlapped] [--host-only] [--fine-phases]
+                                   [--engine-arg KEY=VALUE ...]
                                    [--out FILE]
 """
 import argparse
@@ -76,6 +79,9 @@ class Scenario(NamedTuple):
     # ms the host sleeps after the GPU is idle and before each step: both kinds then start from a like idle
     # host, not from a wait as long as the step before's GPU time (0: none).
     idle_ms: float = 0.0
+    # Each step follows the one before at once, the GPU still busy, as in a serving loop: no synchronize and
+    # no idle before it, so the host never sleeps between steps; it waits only for the tokens it reads.
+    overlapped: bool = False
 
 
 def steps_per_block(scenario: Scenario) -> int:
@@ -157,19 +163,19 @@ def one_pass(engine: Any, scenario: Scenario, adapters: list, vocab: int, seed: 
         if offset == 0:
             add_requests(engine, f"chunk-{seed}-{block}", [prompts[block]], 1, adapters[:1])
         return block, step()
-    return calls_by_kind(engine, steps_per_pass(scenario), device, step_in_block)
+    return calls_by_kind(engine, steps_per_pass(scenario), device, step_in_block, not scenario.overlapped)
 
 
 def without_blocks(results: dict[str, list[tuple[int, T]]]) -> dict[str, list[T]]:
     return {kind: [value for _, value in values] for kind, values in results.items()}
 
 
-def block_ratios(results: dict[str, list[tuple[int, tuple[float, float]]]]) -> list[float]:
+def block_ratios(results: dict[str, list[tuple[int, "StepTime"]]]) -> list[float]:
     """Per block of a timed pass that has both kinds: its chunk steps' median seconds over its decode steps'."""
     by_block: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for kind, values in results.items():
-        for block, (seconds, _) in values:
-            by_block[block][kind].append(seconds)
+        for block, step_time in values:
+            by_block[block][kind].append(step_time.seconds)
     ratios = (_chunk_over_decode({kind: statistics.median(s) for kind, s in kinds.items()})
               for _, kinds in sorted(by_block.items()))
     return [ratio for ratio in ratios if ratio is not None]
@@ -237,16 +243,60 @@ class GcClock:
             self.seconds += time.perf_counter() - self._started
 
 
-def timed_with_gc(call: Callable[[], object]) -> tuple[float, float]:
-    """(seconds of the call, seconds of garbage collection inside it)."""
+class WaitClock:
+    """Seconds spent in `holder.name` (a wait: the engine's wait for the tokens it reads) since the clock was
+    made, while it is installed."""
+
+    def __init__(self, holder: type, name: str) -> None:
+        self.seconds = 0.0
+        self._patch = mock.patch.object(holder, name, self._timed(getattr(holder, name)))
+
+    def _timed(self, function: Callable[..., T]) -> Callable[..., T]:
+        def timed(*args: Any, **kwargs: Any) -> T:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+    def __enter__(self) -> "WaitClock":
+        self._patch.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._patch.stop()
+
+
+def token_wait_clock() -> WaitClock:
+    """The engine's wait for a step's sampled tokens (HostCopy.result: the copy's CUDA event)."""
+    return WaitClock(torch.cuda.Event, "synchronize")
+
+
+class StepTime(NamedTuple):
+    seconds: float           # the call's own work: its wall time less its wait for the GPU
+    gc_seconds: float        # garbage collection inside the call
+    wait_seconds: float      # the call's wait for the tokens of the step before
+
+
+def timed_step(waits: WaitClock, call: Callable[[], object]) -> StepTime:
+    """The call's host work, apart from the time it waited for the GPU (a few µs of the event's check on an
+    idle GPU; in an overlapped loop, the rest of the step before's forward)."""
+    waited = waits.seconds
     with GcClock() as clock:
         seconds = timed_call(call)
-    return seconds, clock.seconds
+    waited = waits.seconds - waited
+    return StepTime(seconds - waited, clock.seconds, waited)
 
 
 # phase -> (module, class or None for a module's function, function) of the engine step's parts that a phase
 # timer wraps.
 Where = tuple[str, str | None, str]
+# The wait for the tokens of the step before: a phase, but not host work (PhaseClock.take's sum leaves it out).
+WAIT_PHASE = "wait_for_tokens"
+# A step whose wait for the tokens of the step before was longer than this found the GPU still busy: the GPU,
+# not the host, set its pace (an event already complete returns in a few µs).
+WAITED_S = 20e-6
 PHASES: dict[str, Where] = {
     "schedule": ("slora.scheduler", "Scheduler", "schedule"),
     "move_pages": ("slora.model_runner", "ModelRunner", "move_pages"),
@@ -258,6 +308,7 @@ PHASES: dict[str, Where] = {
     "eager_forward": ("slora.model_runner", "ModelRunner", "forward"),
     "sample": ("slora.engine", "Engine", "_sample_step"),
     "take_sampled": ("slora.engine", "Engine", "_take_sampled"),
+    WAIT_PHASE: ("torch.cuda", "Event", "synchronize"),
 }
 # --fine-phases: the parts of scheduling and sampling that a chunk step does more of (its pages, their hashes,
 # admissions), timed apart from the phases that call them. None of them runs outside engine.step() here: the
@@ -330,6 +381,11 @@ def phased_call(clock: PhaseClock, call: Callable[[], object]) -> dict[str, floa
     return {**phases, "other": seconds - sum(phases.values())}
 
 
+def host_phase_sum(phase_ms: dict[str, float]) -> float:
+    """A step's phases' ms without its wait for the GPU: its host work."""
+    return sum(ms for phase, ms in phase_ms.items() if phase != WAIT_PHASE)
+
+
 def phase_rows(phases: dict[str, list[dict[str, float]]], timed: list[str]) -> dict[str, dict[str, float]]:
     """Per step kind, the mean ms of each `timed` phase and of "other" over its steps (means, so that they add
     up to the step's)."""
@@ -338,20 +394,22 @@ def phase_rows(phases: dict[str, list[dict[str, float]]], timed: list[str]) -> d
             for kind, steps in phases.items()}
 
 
-def summary(times: dict[str, list[tuple[float, float]]], phases: dict[str, list[dict[str, float]]],
+def summary(times: dict[str, list[StepTime]], phases: dict[str, list[dict[str, float]]],
             profiles: dict[str, list], timed: list[str]) -> dict[str, dict[str, Any]]:
-    """kind_rows of the calls' seconds, with the garbage collector's ms per step and the `timed` phases beside
-    them."""
+    """kind_rows of the calls' host seconds, with the garbage collector's ms per step, the waits for the GPU,
+    and the `timed` phases beside them."""
     rows = kind_rows(_call_seconds(times), profiles, 30)
     by_phase = phase_rows(phases, timed)
-    return {kind: {**rows[kind], "gc_ms_per_step": 1e3 * statistics.fmean(g for _, g in values),
+    return {kind: {**rows[kind], "gc_ms_per_step": 1e3 * statistics.fmean(t.gc_seconds for t in values),
+                   "wait_ms_median": 1e3 * statistics.median(t.wait_seconds for t in values),
+                   "gpu_paced_share": statistics.fmean(t.wait_seconds > WAITED_S for t in values),
                    "phase_mean_ms": by_phase.get(kind, {})}
             for kind, values in times.items()}
 
 
 class Passes(NamedTuple):
     """What the passes after the warm-up gave, by step kind."""
-    rounds: list[dict[str, list[tuple[int, tuple[float, float]]]]]   # (block, (seconds, gc seconds))
+    rounds: list[dict[str, list[tuple[int, StepTime]]]]             # (block, its time)
     phases: dict[str, list[dict[str, float]]]
     profiles: dict[str, list]
 
@@ -359,8 +417,9 @@ class Passes(NamedTuple):
 def all_passes(engine: Any, scenario: Scenario, adapters: list, vocab: int, device: str, clock: PhaseClock) -> Passes:
     start_decoders(engine, scenario, adapters, vocab)
     one_pass(engine, scenario, adapters, vocab, 2, device, timed_call)       # warm-up: shapes, mixes
-    rounds = [one_pass(engine, scenario, adapters, vocab, 3 + i, device, timed_with_gc)
-              for i in range(scenario.rounds)]
+    with token_wait_clock() as waits:
+        rounds = [one_pass(engine, scenario, adapters, vocab, 3 + i, device, lambda call: timed_step(waits, call))
+                  for i in range(scenario.rounds)]
     seed = 3 + scenario.rounds
     with phase_timers(clock):
         phases = one_pass(engine, scenario, adapters, vocab, seed, device, lambda call: phased_call(clock, call))
@@ -379,11 +438,12 @@ def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool 
             passes = all_passes(llm.engine, scenario, adapters, setup.vocab_size, device, clock)
     by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles, list(clock.phases))
     medians = {kind: row["median_ms"] for kind, row in by_kind.items()}
-    phase_means = {kind: sum(row["phase_mean_ms"].values()) for kind, row in by_kind.items()}
+    phase_means = {kind: host_phase_sum(row["phase_mean_ms"]) for kind, row in by_kind.items()}
     blocks = [ratio for results in passes.rounds for ratio in block_ratios(results)]
     return {"benchmark": "step_host", "device": device, "model": setup.description, "host_only": host_only,
             "scenario": scenario._asdict(), "engine": engine_kwargs(setup, scenario, extra),
-            "method": "each engine.step() timed from an idle GPU and charged to the kind of step it launched, "
+            "method": f"each engine.step() timed {'right after the one before' if scenario.overlapped else 'from an idle GPU'}"
+                      ", less its wait for the GPU (wait_ms_median), and charged to the kind of step it launched, "
                       "over `rounds` passes of `prompts` blocks (medians pooled, per round and per block); then "
                       "a pass with the phases_timed timed (phase_mean_ms), and one under cProfile (top_own_time)",
             "phases_timed": list(clock.phases), "host_ms_by_kind": by_kind,
@@ -404,12 +464,12 @@ def pooled(rounds: list[dict[str, list[tuple[int, T]]]]) -> dict[str, list[T]]:
     return dict(kinds)
 
 
-def _call_seconds(times: dict[str, list[tuple[float, float]]]) -> dict[str, list[float]]:
-    """The calls' seconds by step kind, without their garbage collector's."""
-    return {kind: [t for t, _ in values] for kind, values in times.items()}
+def _call_seconds(times: dict[str, list[StepTime]]) -> dict[str, list[float]]:
+    """The calls' host seconds by step kind."""
+    return {kind: [t.seconds for t in values] for kind, values in times.items()}
 
 
-def round_medians(results: dict[str, list[tuple[int, tuple[float, float]]]]) -> dict[str, float]:
+def round_medians(results: dict[str, list[tuple[int, StepTime]]]) -> dict[str, float]:
     """Median ms of each step kind in one timed round (kind_rows', without profiles)."""
     return {kind: row["median_ms"]
             for kind, row in kind_rows(_call_seconds(without_blocks(results)), {}, 0).items()}
@@ -436,6 +496,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "model's context)")
     parser.add_argument("--idle-ms", type=float, default=None,
                         help="ms the host sleeps before each step, the GPU idle (default 0)")
+    parser.add_argument("--overlapped", action="store_true",
+                        help="each step right after the one before, the GPU still busy, as in a serving loop "
+                             "(no synchronize, no idle)")
     parser.add_argument("--host-only", action="store_true",
                         help="CPU only: zero logits in place of the model's forward, the host's work alone")
     parser.add_argument("--fine-phases", action="store_true",
@@ -450,7 +513,9 @@ def scenario_of(args: argparse.Namespace, device: str) -> Scenario:
     given = (("batch", args.batch), ("adapters", args.adapters), ("prompt_len", args.prompt_len),
              ("idle_ms", args.idle_ms))
     changes = {k: v for k, v in given if v is not None}
-    scenario = base._replace(**changes)
+    scenario = base._replace(**changes, overlapped=args.overlapped)
+    if scenario.overlapped and scenario.idle_ms:
+        raise SystemExit("--overlapped runs each step right after the one before: it takes no --idle-ms")
     if not 0 < scenario.batch < scenario.step_tokens or scenario.adapters < 0 or scenario.prompt_len < 1 \
             or scenario.idle_ms < 0:
         raise SystemExit(f"--batch must be in 1..{scenario.step_tokens - 1}, --adapters >= 0, --prompt-len >= 1, "
@@ -469,8 +534,9 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out or RESULTS / f"step_host_{'cpu' if device == 'cpu' else 'gpu'}.json")
     write_json(out, data)
     for kind, row in data["host_ms_by_kind"].items():
-        logger.info("%-32s %4d steps, median %.3f ms, mean %.3f ms, gc %.3f ms", kind, row["steps"],
-                    row["median_ms"], row["mean_ms"], row["gc_ms_per_step"])
+        logger.info("%-32s %4d steps, median %.3f ms, mean %.3f ms, gc %.3f ms, wait %.3f ms, GPU-paced %.2f",
+                    kind, row["steps"], row["median_ms"], row["mean_ms"], row["gc_ms_per_step"],
+                    row["wait_ms_median"], row["gpu_paced_share"])
         logger.info("    phases (mean ms): %s", ", ".join(f"{k} {v:.3f}" for k, v in row["phase_mean_ms"].items()))
     logger.info("chunk / decode: median %s (by round %s), block median %s, phase pass mean %s",
                 data["chunk_over_decode_median"], data["chunk_over_decode_median_by_round"],

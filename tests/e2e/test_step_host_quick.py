@@ -5,6 +5,7 @@ import logging
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -87,13 +88,68 @@ def test_phase_timers_wrap_a_modules_function_and_put_it_back():
 def test_block_ratios_divide_each_blocks_chunk_median_by_its_decode_median():
     step_host = load_benchmark("step_host.py", "step_host_blocks")
     chunk, decode = "mixed, graphed (<= 512 tokens)", "decode"
-    results = {chunk: [(0, (3.0, 0.0)), (0, (5.0, 0.0)), (1, (2.0, 0.0)), (2, (9.0, 0.0))],
-               decode: [(0, (2.0, 0.1)), (1, (4.0, 0.0)), (1, (1.0, 0.0)), (1, (3.0, 0.0))]}
+
+    def times(*blocks_and_seconds):
+        # The waits are not host work: a large one must not move a ratio.
+        return [(block, step_host.StepTime(seconds, 0.0, 50.0)) for block, seconds in blocks_and_seconds]
+    results = {chunk: times((0, 3.0), (0, 5.0), (1, 2.0), (2, 9.0)), decode: times((0, 2.0), (1, 4.0), (1, 1.0), (1, 3.0))}
     # Block 2 has no decode step: no ratio. Block 0: median 4 over 2; block 1: 2 over median 3.
     assert step_host.block_ratios(results) == pytest.approx([2.0, 2 / 3])
-    assert step_host.pooled([results, results])[decode] == [(2.0, 0.1), (4.0, 0.0), (1.0, 0.0), (3.0, 0.0)] * 2
+    assert [t.seconds for t in step_host.pooled([results, results])[decode]] == [2.0, 4.0, 1.0, 3.0] * 2
     with pytest.raises(AssertionError, match="chunk steps of several kinds"):
-        step_host.block_ratios({**results, "mixed, eager (> 512 tokens)": [(0, (1.0, 0.0))]})
+        step_host.block_ratios({**results, "mixed, eager (> 512 tokens)": times((0, 1.0))})
+
+
+class Waiter:
+    def __init__(self, events):
+        self.events = events
+
+    def wait(self, seconds):
+        self.events.append(seconds)
+        time.sleep(seconds)
+        return "done"
+
+
+def test_a_steps_time_leaves_out_its_wait_for_the_gpu():
+    """timed_step charges the call its own work only: the seconds it spent in the clock's wait are apart."""
+    step_host = load_benchmark("step_host.py", "step_host_wait_clock")
+    events, original = [], Waiter.wait
+    waiter = Waiter(events)
+    with step_host.WaitClock(Waiter, "wait") as waits:
+        assert Waiter.wait is not original
+        def call():
+            busy_until = time.perf_counter() + 0.01
+            while time.perf_counter() < busy_until:         # 10 ms of the host's own work
+                pass
+            assert waiter.wait(0.05) == "done"               # the wrapped wait passes its result on
+        step_time = step_host.timed_step(waits, call)
+    assert Waiter.wait is original                                   # put back
+    assert events == [0.05]
+    assert 0.05 <= step_time.wait_seconds < 1.0
+    # Its own work: the 10 ms busy loop, not the 50 ms wait (generous bounds for a loaded 2-core machine).
+    assert 0.01 <= step_time.seconds < 0.05
+    assert waits.seconds == pytest.approx(step_time.wait_seconds)
+
+
+def test_overlapped_runs_steps_back_to_back_and_reports_their_waits(tmp_path):
+    """--overlapped: no synchronize and no idle before a step. On the CPU nothing runs apart from the host, so
+    no step waits for a device and none is paced by one; the host's time is still charged by kind."""
+    out = tmp_path / "step_host.json"
+    command = [sys.executable, str(BENCHMARKS / "step_host.py"), "--quick", "--device", "cpu", "--overlapped",
+               "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["scenario"]["overlapped"] is True and "right after the one before" in result["method"]
+    kinds = result["host_ms_by_kind"]
+    assert {kind: row["steps"] for kind, row in kinds.items()} == {"mixed, eager (> 0 tokens)": 16, "decode": 10}
+    for row in kinds.values():
+        assert row["median_ms"] > 0 and row["wait_ms_median"] == 0 and row["gpu_paced_share"] == 0
+        assert row["phase_mean_ms"]["wait_for_tokens"] == 0
+    step_host = load_benchmark("step_host.py", "step_host_overlapped_args")
+    with pytest.raises(SystemExit, match="takes no --idle-ms"):
+        step_host.scenario_of(step_host.parse_args(["--quick", "--overlapped", "--idle-ms", "5"]), "cpu")
+    assert step_host.scenario_of(step_host.parse_args(["--quick"]), "cpu").overlapped is False
 
 
 def test_host_only_forward_returns_zero_logits_without_the_model_and_is_undone():
