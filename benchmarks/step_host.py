@@ -16,11 +16,12 @@ A second pass runs with a timer around each of the engine's phases (PHASES: each
 it calls; --fine-phases adds FINE_PHASES: the chunk's parts of scheduling and sampling, and the device copies),
 whose means add up to the step's; a third runs under cProfile, whose functions by own time say where each
 phase's time goes.
+--spin-wait polls the CUDA events the engine waits on (spin_waits), so that the host thread never sleeps in a wait.
 --host-only (CPU) replaces the model's forward by zero logits, with torch on one thread: the steps then time the
 host's own work alone.
 
     python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8] [--prompt-len N]
-                                   [--idle-ms MS | --overlapped] [--host-only] [--fine-phases]
+                                   [--idle-ms MS | --overlapped] [--spin-wait] [--host-only] [--fine-phases]
                                    [--engine-arg KEY=VALUE ...]
                                    [--out FILE]
 """
@@ -268,6 +269,17 @@ class WaitClock:
         self._patch.stop()
 
 
+@contextmanager
+def spin_waits() -> Iterator[None]:
+    """While open, a CUDA event's `synchronize` polls its `query` until it completes: the host thread keeps
+    running through its wait for the GPU instead of leaving it to the driver, which may yield the CPU."""
+    def spin(event: torch.cuda.Event) -> None:
+        while not event.query():
+            pass
+    with mock.patch.object(torch.cuda.Event, "synchronize", spin):
+        yield
+
+
 def token_wait_clock() -> WaitClock:
     """The engine's wait for a step's sampled tokens (HostCopy.result: the copy's CUDA event)."""
     return WaitClock(torch.cuda.Event, "synchronize")
@@ -294,8 +306,8 @@ def timed_step(waits: WaitClock, call: Callable[[], object]) -> StepTime:
 Where = tuple[str, str | None, str]
 # The wait for the tokens of the step before: a phase, but not host work (PhaseClock.take's sum leaves it out).
 WAIT_PHASE = "wait_for_tokens"
-# A step whose wait for the tokens of the step before was longer than this found the GPU still busy: the GPU,
-# not the host, set its pace (an event already complete returns in a few µs).
+# In an overlapped run, a step whose wait for the tokens of the step before was longer than this found the GPU
+# still busy: the GPU, not the host, set its pace (an event already complete returns in a few µs on a hot host).
 WAITED_S = 20e-6
 PHASES: dict[str, Where] = {
     "schedule": ("slora.scheduler", "Scheduler", "schedule"),
@@ -395,16 +407,23 @@ def phase_rows(phases: dict[str, list[dict[str, float]]], timed: list[str]) -> d
 
 
 def summary(times: dict[str, list[StepTime]], phases: dict[str, list[dict[str, float]]],
-            profiles: dict[str, list], timed: list[str]) -> dict[str, dict[str, Any]]:
-    """kind_rows of the calls' host seconds, with the garbage collector's ms per step, the waits for the GPU,
-    and the `timed` phases beside them."""
+            profiles: dict[str, list], timed: list[str], overlapped: bool) -> dict[str, dict[str, Any]]:
+    """kind_rows of the calls' host seconds, with the garbage collector's ms per step, the waits for the GPU
+    (and in an overlapped run the share of steps that found it busy), and the `timed` phases beside them."""
     rows = kind_rows(_call_seconds(times), profiles, 30)
     by_phase = phase_rows(phases, timed)
     return {kind: {**rows[kind], "gc_ms_per_step": 1e3 * statistics.fmean(t.gc_seconds for t in values),
                    "wait_ms_median": 1e3 * statistics.median(t.wait_seconds for t in values),
-                   "gpu_paced_share": statistics.fmean(t.wait_seconds > WAITED_S for t in values),
+                   "gpu_paced_share": gpu_paced_share(values) if overlapped else None,
                    "phase_mean_ms": by_phase.get(kind, {})}
             for kind, values in times.items()}
+
+
+def gpu_paced_share(times: list[StepTime]) -> float:
+    """The share of steps that waited for the tokens of the step before: the GPU was still busy when the host
+    had done this step's work, so that work was hidden behind the forward before. Only in an overlapped run:
+    on an idle GPU the wait is the event's check, which after an idle host takes tens of µs too."""
+    return statistics.fmean(t.wait_seconds > WAITED_S for t in times)
 
 
 class Passes(NamedTuple):
@@ -428,19 +447,21 @@ def all_passes(engine: Any, scenario: Scenario, adapters: list, vocab: int, devi
 
 
 def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool = False,
-        fine_phases: bool = False) -> dict[str, Any]:
+        fine_phases: bool = False, spin_wait: bool = False) -> dict[str, Any]:
     clock = PhaseClock({**PHASES, **FINE_PHASES} if fine_phases else PHASES)
     with tempfile.TemporaryDirectory(prefix="slora-step-host-") as tmp:
         setup = prepare_model(device, Path(tmp))
         check_fits(scenario, setup)
         llm, adapters = build_llm(setup, scenario, extra, Path(tmp))
-        with host_work_only(setup.vocab_size, scenario.step_tokens) if host_only else contextlib.nullcontext():
+        with host_work_only(setup.vocab_size, scenario.step_tokens) if host_only else contextlib.nullcontext(), \
+                spin_waits() if spin_wait else contextlib.nullcontext():
             passes = all_passes(llm.engine, scenario, adapters, setup.vocab_size, device, clock)
-    by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles, list(clock.phases))
+    by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles, list(clock.phases), scenario.overlapped)
     medians = {kind: row["median_ms"] for kind, row in by_kind.items()}
     phase_means = {kind: host_phase_sum(row["phase_mean_ms"]) for kind, row in by_kind.items()}
     blocks = [ratio for results in passes.rounds for ratio in block_ratios(results)]
     return {"benchmark": "step_host", "device": device, "model": setup.description, "host_only": host_only,
+            "spin_wait": spin_wait,
             "scenario": scenario._asdict(), "engine": engine_kwargs(setup, scenario, extra),
             "method": f"each engine.step() timed {'right after the one before' if scenario.overlapped else 'from an idle GPU'}"
                       ", less its wait for the GPU (wait_ms_median), and charged to the kind of step it launched, "
@@ -499,6 +520,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlapped", action="store_true",
                         help="each step right after the one before, the GPU still busy, as in a serving loop "
                              "(no synchronize, no idle)")
+    parser.add_argument("--spin-wait", action="store_true",
+                        help="wait for the GPU by polling the event, the host thread never leaving the CPU")
     parser.add_argument("--host-only", action="store_true",
                         help="CPU only: zero logits in place of the model's forward, the host's work alone")
     parser.add_argument("--fine-phases", action="store_true",
@@ -530,11 +553,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--host-only runs on the CPU: on CUDA the steps replay graphs, not the eager forward")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("slora").setLevel(logging.WARNING)
-    data = run(scenario_of(args, device), device, dict(args.engine_arg), args.host_only, args.fine_phases)
+    data = run(scenario_of(args, device), device, dict(args.engine_arg), args.host_only, args.fine_phases,
+               args.spin_wait)
     out = Path(args.out or RESULTS / f"step_host_{'cpu' if device == 'cpu' else 'gpu'}.json")
     write_json(out, data)
     for kind, row in data["host_ms_by_kind"].items():
-        logger.info("%-32s %4d steps, median %.3f ms, mean %.3f ms, gc %.3f ms, wait %.3f ms, GPU-paced %.2f",
+        logger.info("%-32s %4d steps, median %.3f ms, mean %.3f ms, gc %.3f ms, wait %.3f ms, GPU-paced %s",
                     kind, row["steps"], row["median_ms"], row["mean_ms"], row["gc_ms_per_step"],
                     row["wait_ms_median"], row["gpu_paced_share"])
         logger.info("    phases (mean ms): %s", ", ".join(f"{k} {v:.3f}" for k, v in row["phase_mean_ms"].items()))

@@ -31,6 +31,7 @@ def test_quick_run_charges_the_chunk_steps_and_the_decode_steps_to_their_kinds(t
     assert {kind: row["steps"] for kind, row in kinds.items()} == {"mixed, eager (> 0 tokens)": 16, "decode": 10}
     for row in kinds.values():
         assert 0 < row["median_ms"] and row["gc_ms_per_step"] >= 0
+        assert row["gpu_paced_share"] is None                       # an idle GPU paces nothing: not overlapped
         assert any("step" in r["function"] for r in row["top_cumulative"])       # engine.step, under cProfile
         phases = row["phase_mean_ms"]
         # Every CPU step is an eager forward after a schedule; no graph is replayed or staged.
@@ -242,3 +243,30 @@ def test_phase_timers_put_back_what_they_wrapped_when_a_phase_is_missing():
     with pytest.raises(AttributeError), step_host.phase_timers(clock):
         pass
     assert step_batch.feed_tokens is original
+
+
+def test_gpu_paced_share_counts_the_steps_that_waited_for_the_gpu():
+    step_host = load_benchmark("step_host.py", "step_host_paced")
+    times = [step_host.StepTime(0.002, 0.0, wait) for wait in (0.0, 5e-6, 0.007, 0.015)]
+    assert step_host.gpu_paced_share(times) == 0.5                 # the two waits of milliseconds
+
+
+class Event:
+    def __init__(self, polls_left):
+        self.polls_left = polls_left
+        self.polls = 0
+
+    def query(self):
+        self.polls += 1
+        return self.polls > self.polls_left
+
+
+def test_spin_waits_poll_the_event_until_it_completes_and_are_undone():
+    import torch
+
+    step_host = load_benchmark("step_host.py", "step_host_spin")
+    original, event = torch.cuda.Event.synchronize, Event(polls_left=3)
+    with step_host.spin_waits():
+        torch.cuda.Event.synchronize(event)
+    assert event.polls == 4                                         # three that found it busy, then done
+    assert torch.cuda.Event.synchronize is original
