@@ -16,12 +16,11 @@ A second pass runs with a timer around each of the engine's phases (PHASES: each
 it calls; --fine-phases adds FINE_PHASES: the chunk's parts of scheduling and sampling, and the device copies),
 whose means add up to the step's; a third runs under cProfile, whose functions by own time say where each
 phase's time goes.
---spin-wait polls the CUDA events the engine waits on (spin_waits), so that the host thread never sleeps in a wait.
 --host-only (CPU) replaces the model's forward by zero logits, with torch on one thread: the steps then time the
 host's own work alone.
 
     python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8] [--prompt-len N]
-                                   [--idle-ms MS | --overlapped] [--spin-wait] [--host-only] [--fine-phases]
+                                   [--idle-ms MS | --overlapped] [--host-only] [--fine-phases]
                                    [--engine-arg KEY=VALUE ...]
                                    [--out FILE]
 """
@@ -269,17 +268,6 @@ class WaitClock:
         self._patch.stop()
 
 
-@contextmanager
-def spin_waits() -> Iterator[None]:
-    """While open, a CUDA event's `synchronize` polls its `query` until it completes: the host thread keeps
-    running through its wait for the GPU instead of leaving it to the driver, which may yield the CPU."""
-    def spin(event: torch.cuda.Event) -> None:
-        while not event.query():
-            pass
-    with mock.patch.object(torch.cuda.Event, "synchronize", spin):
-        yield
-
-
 def token_wait_clock() -> WaitClock:
     """The engine's wait for a step's sampled tokens (HostCopy.result: the copy's CUDA event)."""
     return WaitClock(torch.cuda.Event, "synchronize")
@@ -447,21 +435,19 @@ def all_passes(engine: Any, scenario: Scenario, adapters: list, vocab: int, devi
 
 
 def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool = False,
-        fine_phases: bool = False, spin_wait: bool = False) -> dict[str, Any]:
+        fine_phases: bool = False) -> dict[str, Any]:
     clock = PhaseClock({**PHASES, **FINE_PHASES} if fine_phases else PHASES)
     with tempfile.TemporaryDirectory(prefix="slora-step-host-") as tmp:
         setup = prepare_model(device, Path(tmp))
         check_fits(scenario, setup)
         llm, adapters = build_llm(setup, scenario, extra, Path(tmp))
-        with host_work_only(setup.vocab_size, scenario.step_tokens) if host_only else contextlib.nullcontext(), \
-                spin_waits() if spin_wait else contextlib.nullcontext():
+        with host_work_only(setup.vocab_size, scenario.step_tokens) if host_only else contextlib.nullcontext():
             passes = all_passes(llm.engine, scenario, adapters, setup.vocab_size, device, clock)
     by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles, list(clock.phases), scenario.overlapped)
     medians = {kind: row["median_ms"] for kind, row in by_kind.items()}
     phase_means = {kind: host_phase_sum(row["phase_mean_ms"]) for kind, row in by_kind.items()}
     blocks = [ratio for results in passes.rounds for ratio in block_ratios(results)]
     return {"benchmark": "step_host", "device": device, "model": setup.description, "host_only": host_only,
-            "spin_wait": spin_wait,
             "scenario": scenario._asdict(), "engine": engine_kwargs(setup, scenario, extra),
             "method": f"each engine.step() timed {'right after the one before' if scenario.overlapped else 'from an idle GPU'}"
                       ", less its wait for the GPU (wait_ms_median), and charged to the kind of step it launched, "
@@ -520,8 +506,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlapped", action="store_true",
                         help="each step right after the one before, the GPU still busy, as in a serving loop "
                              "(no synchronize, no idle)")
-    parser.add_argument("--spin-wait", action="store_true",
-                        help="wait for the GPU by polling the event, the host thread never leaving the CPU")
     parser.add_argument("--host-only", action="store_true",
                         help="CPU only: zero logits in place of the model's forward, the host's work alone")
     parser.add_argument("--fine-phases", action="store_true",
@@ -553,8 +537,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--host-only runs on the CPU: on CUDA the steps replay graphs, not the eager forward")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("slora").setLevel(logging.WARNING)
-    data = run(scenario_of(args, device), device, dict(args.engine_arg), args.host_only, args.fine_phases,
-               args.spin_wait)
+    data = run(scenario_of(args, device), device, dict(args.engine_arg), args.host_only, args.fine_phases)
     out = Path(args.out or RESULTS / f"step_host_{'cpu' if device == 'cpu' else 'gpu'}.json")
     write_json(out, data)
     for kind, row in data["host_ms_by_kind"].items():
