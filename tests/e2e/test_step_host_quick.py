@@ -15,12 +15,18 @@ from benchmark_modules import SUBPROCESS_TIMEOUT_S, load_benchmark
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_quick_run_charges_the_chunk_steps_and_the_decode_steps_to_their_kinds(tmp_path):
+def quick_run(tmp_path: Path, *flags: str) -> dict:
+    """step_host.py --quick on the CPU with `flags`, in a process of its own; its JSON."""
     out = tmp_path / "step_host.json"
-    command = [sys.executable, str(BENCHMARKS / "step_host.py"), "--quick", "--device", "cpu", "--out", str(out)]
+    command = [sys.executable, str(BENCHMARKS / "step_host.py"), "--quick", "--device", "cpu", *flags,
+               "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_quick_run_charges_the_chunk_steps_and_the_decode_steps_to_their_kinds(tmp_path):
+    result = quick_run(tmp_path)
     scenario = result["scenario"]
     assert scenario["batch"] == 4 and scenario["step_tokens"] == 32 and result["engine"]["max_num_batched_tokens"] == 32
     kinds = result["host_ms_by_kind"]
@@ -56,12 +62,7 @@ def test_fine_phases_time_the_chunks_pages_and_hashes_apart(tmp_path):
     """--fine-phases adds the scheduler's and the allocator's parts as phases, and the sampled ids' ways: a
     chunk step takes pages and registers their hashes (28-token chunks fill pages of 16), feeds the ids the
     step before sampled and samples its own; its phases still add up to the step's."""
-    out = tmp_path / "step_host.json"
-    command = [sys.executable, str(BENCHMARKS / "step_host.py"), "--quick", "--device", "cpu", "--fine-phases",
-               "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = quick_run(tmp_path, "--fine-phases")
     fine = ["admit", "allocate_kv_pages", "release_kv_pages", "on_computed", "register_hashes", "feed_tokens",
             "sample_on_device", "copy_sampled"]
     assert result["phases_timed"][-len(fine):] == fine and "schedule" in result["phases_timed"]
@@ -135,12 +136,7 @@ def test_a_steps_time_leaves_out_its_wait_for_the_gpu():
 def test_overlapped_runs_steps_back_to_back_and_reports_their_waits(tmp_path):
     """--overlapped: no synchronize and no idle before a step. On the CPU nothing runs apart from the host, so
     no step waits for a device and none is paced by one; the host's time is still charged by kind."""
-    out = tmp_path / "step_host.json"
-    command = [sys.executable, str(BENCHMARKS / "step_host.py"), "--quick", "--device", "cpu", "--overlapped",
-               "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(out.read_text())
+    result = quick_run(tmp_path, "--overlapped")
     assert result["scenario"]["overlapped"] is True and "right after the one before" in result["method"]
     kinds = result["host_ms_by_kind"]
     assert {kind: row["steps"] for kind, row in kinds.items()} == {"mixed, eager (> 0 tokens)": 16, "decode": 10}
