@@ -14,8 +14,8 @@ GPU busy (gpu_paced_share). Each block gives its own chunk / decode ratio: the t
 run within a fraction of a second of each other, so the host's drift over seconds does not tell between them.
 A second pass runs with a timer around each of the engine's phases (PHASES: each timed without the phases
 it calls; --fine-phases adds FINE_PHASES: the chunk's parts of scheduling and sampling, and the device copies),
-whose means add up to the step's; a third runs under cProfile, whose functions by own time say where each
-phase's time goes.
+whose means add up to the step's (wait_for_tokens, the waits for the GPU, apart); a third runs under
+cProfile, whose functions by own time say where each phase's time goes.
 --host-only (CPU) replaces the model's forward by zero logits, with torch on one thread: the steps then time the
 host's own work alone.
 
@@ -163,7 +163,7 @@ def one_pass(engine: Any, scenario: Scenario, adapters: list, vocab: int, seed: 
         if offset == 0:
             add_requests(engine, f"chunk-{seed}-{block}", [prompts[block]], 1, adapters[:1])
         return block, step()
-    return calls_by_kind(engine, steps_per_pass(scenario), device, step_in_block, not scenario.overlapped)
+    return calls_by_kind(engine, steps_per_pass(scenario), device, step_in_block, idle_gpu=not scenario.overlapped)
 
 
 def without_blocks(results: dict[str, list[tuple[int, T]]]) -> dict[str, list[T]]:
@@ -269,19 +269,21 @@ class WaitClock:
 
 
 def token_wait_clock() -> WaitClock:
-    """The engine's wait for a step's sampled tokens (HostCopy.result: the copy's CUDA event)."""
+    """The step's waits for the GPU: every CUDA event's synchronize, which is the wait for the tokens of the
+    step before (HostCopy.result) and, a few µs where the copy is long done, for a staging twin to be free
+    again (StagedBuffers.begin). With async_scheduling off the tokens waited for are the step's own."""
     return WaitClock(torch.cuda.Event, "synchronize")
 
 
 class StepTime(NamedTuple):
     seconds: float           # the call's own work: its wall time less its wait for the GPU
     gc_seconds: float        # garbage collection inside the call
-    wait_seconds: float      # the call's wait for the tokens of the step before
+    wait_seconds: float      # the call's waits for the GPU, the tokens of the step before's above all
 
 
 def timed_step(waits: WaitClock, call: Callable[[], object]) -> StepTime:
-    """The call's host work, apart from the time it waited for the GPU (a few µs of the event's check on an
-    idle GPU; in an overlapped loop, the rest of the step before's forward)."""
+    """The call's host work, apart from the time it waited for the GPU (on an idle GPU the event's check: a few
+    µs on a hot host, tens after a sleep; in an overlapped loop, the rest of the step before's forward)."""
     waited = waits.seconds
     with GcClock() as clock:
         seconds = timed_call(call)
@@ -292,7 +294,7 @@ def timed_step(waits: WaitClock, call: Callable[[], object]) -> StepTime:
 # phase -> (module, class or None for a module's function, function) of the engine step's parts that a phase
 # timer wraps.
 Where = tuple[str, str | None, str]
-# The wait for the tokens of the step before: a phase, but not host work (PhaseClock.take's sum leaves it out).
+# The step's waits for the GPU (CUDA events'): a phase, but not host work (host_phase_sum leaves it out).
 WAIT_PHASE = "wait_for_tokens"
 # In an overlapped run, a step whose wait for the tokens of the step before was longer than this found the GPU
 # still busy: the GPU, not the host, set its pace (an event already complete returns in a few µs on a hot host).
@@ -388,7 +390,7 @@ def host_phase_sum(phase_ms: dict[str, float]) -> float:
 
 def phase_rows(phases: dict[str, list[dict[str, float]]], timed: list[str]) -> dict[str, dict[str, float]]:
     """Per step kind, the mean ms of each `timed` phase and of "other" over its steps (means, so that they add
-    up to the step's)."""
+    up to the step's wall time; host_phase_sum's, without the wait, to its host work)."""
     names = [*timed, "other"]
     return {kind: {name: 1e3 * statistics.fmean(step.get(name, 0.0) for step in steps) for name in names}
             for kind, steps in phases.items()}
@@ -443,14 +445,15 @@ def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool 
         llm, adapters = build_llm(setup, scenario, extra, Path(tmp))
         with host_work_only(setup.vocab_size, scenario.step_tokens) if host_only else contextlib.nullcontext():
             passes = all_passes(llm.engine, scenario, adapters, setup.vocab_size, device, clock)
-    by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles, list(clock.phases), scenario.overlapped)
+    by_kind = summary(pooled(passes.rounds), passes.phases, passes.profiles, list(clock.phases),
+                      scenario.overlapped)
     medians = {kind: row["median_ms"] for kind, row in by_kind.items()}
     phase_means = {kind: host_phase_sum(row["phase_mean_ms"]) for kind, row in by_kind.items()}
     blocks = [ratio for results in passes.rounds for ratio in block_ratios(results)]
     return {"benchmark": "step_host", "device": device, "model": setup.description, "host_only": host_only,
             "scenario": scenario._asdict(), "engine": engine_kwargs(setup, scenario, extra),
-            "method": f"each engine.step() timed {'right after the one before' if scenario.overlapped else 'from an idle GPU'}"
-                      ", less its wait for the GPU (wait_ms_median), and charged to the kind of step it launched, "
+            "method": f"each engine.step() timed {start_of_step(scenario)}, less its wait for the GPU "
+                      "(wait_ms_median), and charged to the kind of step it launched, "
                       "over `rounds` passes of `prompts` blocks (medians pooled, per round and per block); then "
                       "a pass with the phases_timed timed (phase_mean_ms), and one under cProfile (top_own_time)",
             "phases_timed": list(clock.phases), "host_ms_by_kind": by_kind,
@@ -460,6 +463,10 @@ def run(scenario: Scenario, device: str, extra: dict[str, Any], host_only: bool 
             "chunk_over_decode_by_block": blocks,
             "chunk_over_decode_block_median": statistics.median(blocks) if blocks else None,
             "chunk_over_decode_phase_pass_mean": _chunk_over_decode(phase_means)}
+
+
+def start_of_step(scenario: Scenario) -> str:
+    return "right after the one before" if scenario.overlapped else "from an idle GPU"
 
 
 def pooled(rounds: list[dict[str, list[tuple[int, T]]]]) -> dict[str, list[T]]:
@@ -501,11 +508,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=None,
                         help="tokens of a chunked prompt (default 2048, 1920 on the CPU; quick 96; under the "
                              "model's context)")
-    parser.add_argument("--idle-ms", type=float, default=None,
-                        help="ms the host sleeps before each step, the GPU idle (default 0)")
-    parser.add_argument("--overlapped", action="store_true",
-                        help="each step right after the one before, the GPU still busy, as in a serving loop "
-                             "(no synchronize, no idle)")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--idle-ms", type=float, default=None,
+                       help="ms the host sleeps before each step, the GPU idle (default 0)")
+    start.add_argument("--overlapped", action="store_true",
+                       help="each step right after the one before, the GPU still busy, as in a serving loop "
+                            "(no synchronize, no idle)")
     parser.add_argument("--host-only", action="store_true",
                         help="CPU only: zero logits in place of the model's forward, the host's work alone")
     parser.add_argument("--fine-phases", action="store_true",
@@ -521,8 +529,6 @@ def scenario_of(args: argparse.Namespace, device: str) -> Scenario:
              ("idle_ms", args.idle_ms))
     changes = {k: v for k, v in given if v is not None}
     scenario = base._replace(**changes, overlapped=args.overlapped)
-    if scenario.overlapped and scenario.idle_ms:
-        raise SystemExit("--overlapped runs each step right after the one before: it takes no --idle-ms")
     if not 0 < scenario.batch < scenario.step_tokens or scenario.adapters < 0 or scenario.prompt_len < 1 \
             or scenario.idle_ms < 0:
         raise SystemExit(f"--batch must be in 1..{scenario.step_tokens - 1}, --adapters >= 0, --prompt-len >= 1, "
