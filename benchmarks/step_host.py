@@ -243,62 +243,17 @@ class GcClock:
             self.seconds += time.perf_counter() - self._started
 
 
-class WaitClock:
-    """Seconds spent in `holder.name` (a wait: the engine's wait for the tokens it reads) since the clock was
-    made, while it is installed."""
-
-    def __init__(self, holder: type, name: str) -> None:
-        self.seconds = 0.0
-        self._patch = mock.patch.object(holder, name, self._timed(getattr(holder, name)))
-
-    def _timed(self, function: Callable[..., T]) -> Callable[..., T]:
-        def timed(*args: Any, **kwargs: Any) -> T:
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-        return timed
-
-    def __enter__(self) -> "WaitClock":
-        self._patch.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._patch.stop()
-
-
-def token_wait_clock() -> WaitClock:
-    """The step's waits for the GPU: every CUDA event's synchronize, which is the wait for the tokens of the
-    step before (HostCopy.result) and, a few µs where the copy is long done, for a staging twin to be free
-    again (StagedBuffers.begin). With async_scheduling off the tokens waited for are the step's own."""
-    return WaitClock(torch.cuda.Event, "synchronize")
-
-
-class StepTime(NamedTuple):
-    seconds: float           # the call's own work: its wall time less its wait for the GPU
-    gc_seconds: float        # garbage collection inside the call
-    wait_seconds: float      # the call's waits for the GPU, the tokens of the step before's above all
-
-
-def timed_step(waits: WaitClock, call: Callable[[], object]) -> StepTime:
-    """The call's host work, apart from the time it waited for the GPU (on an idle GPU the event's check: a few
-    µs on a hot host, tens after a sleep; in an overlapped loop, the rest of the step before's forward)."""
-    waited = waits.seconds
-    with GcClock() as clock:
-        seconds = timed_call(call)
-    waited = waits.seconds - waited
-    return StepTime(seconds - waited, clock.seconds, waited)
-
-
-# phase -> (module, class or None for a module's function, function) of the engine step's parts that a phase
-# timer wraps.
-Where = tuple[str, str | None, str]
-# The step's waits for the GPU (CUDA events'): a phase, but not host work (host_phase_sum leaves it out).
+# The step's waits for the GPU: every CUDA event's synchronize, which is the wait for the tokens of the step
+# before (HostCopy.result) and, a few µs where the copy is long done, for a staging twin to be free again
+# (StagedBuffers.begin); with async_scheduling off the tokens waited for are the step's own. A phase, but not
+# host work (timed_step and host_phase_sum leave it out).
 WAIT_PHASE = "wait_for_tokens"
 # In an overlapped run, a step whose wait for the tokens of the step before was longer than this found the GPU
 # still busy: the GPU, not the host, set its pace (an event already complete returns in a few µs on a hot host).
 WAITED_S = 20e-6
+# phase -> (module, class or None for a module's function, function) of the engine step's parts that a phase
+# timer wraps.
+Where = tuple[str, str | None, str]
 PHASES: dict[str, Where] = {
     "schedule": ("slora.scheduler", "Scheduler", "schedule"),
     "move_pages": ("slora.model_runner", "ModelRunner", "move_pages"),
@@ -376,6 +331,28 @@ def phase_timers(clock: PhaseClock) -> Iterator[None]:
             setattr(holder, name, original)
 
 
+class StepTime(NamedTuple):
+    seconds: float           # the call's own work: its wall time less its wait for the GPU
+    gc_seconds: float        # garbage collection inside the call
+    wait_seconds: float      # the call's waits for the GPU, the tokens of the step before's above all
+
+
+def wait_clock() -> PhaseClock:
+    """A clock of the step's waits for the GPU alone (WAIT_PHASE), for timed_step under phase_timers."""
+    return PhaseClock({WAIT_PHASE: PHASES[WAIT_PHASE]})
+
+
+def timed_step(waits: PhaseClock, call: Callable[[], object]) -> StepTime:
+    """The call's host work, apart from the time it waited for the GPU as `waits` times it (on an idle GPU the
+    event's check: a few µs on a hot host, tens after a sleep; in an overlapped loop, the rest of the step
+    before's forward)."""
+    waits.take()                                  # a wait before the call is not its own
+    with GcClock() as clock:
+        seconds = timed_call(call)
+    waited = waits.take().get(WAIT_PHASE, 0.0)
+    return StepTime(seconds - waited, clock.seconds, waited)
+
+
 def phased_call(clock: PhaseClock, call: Callable[[], object]) -> dict[str, float]:
     """The seconds of each phase of the call, and of the rest of it ("other")."""
     seconds = timed_call(call)
@@ -426,7 +403,8 @@ class Passes(NamedTuple):
 def all_passes(engine: Any, scenario: Scenario, adapters: list, vocab: int, device: str, clock: PhaseClock) -> Passes:
     start_decoders(engine, scenario, adapters, vocab)
     one_pass(engine, scenario, adapters, vocab, 2, device, timed_call)       # warm-up: shapes, mixes
-    with token_wait_clock() as waits:
+    waits = wait_clock()
+    with phase_timers(waits):
         rounds = [one_pass(engine, scenario, adapters, vocab, 3 + i, device, lambda call: timed_step(waits, call))
                   for i in range(scenario.rounds)]
     seed = 3 + scenario.rounds

@@ -20,6 +20,12 @@ def _config_fields(cls: type, skip: frozenset[str]) -> list[tuple[dataclasses.Fi
             for f in fields]
 
 
+def _engine_fields(skip: frozenset[str] = frozenset()) -> list[tuple[dataclasses.Field, type]]:
+    """The option fields of EngineConfig, then of its CudaConfig."""
+    from slora.config import CudaConfig, EngineConfig  # imported in the functions, as the commands do
+    return _config_fields(EngineConfig, skip) + _config_fields(CudaConfig, skip)
+
+
 def _flag(name: str, default: object, kind: type) -> str:
     """A field's flag: a bool field has one, --name when its default is False and --no-name when True."""
     negated = kind is bool and bool(default)
@@ -43,8 +49,7 @@ GENERATE_SKIPS = frozenset({"seed"})
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
     """One option per EngineConfig (and CudaConfig) field, its help and default the field's."""
-    from slora.config import CudaConfig, EngineConfig  # imported in the functions, as the commands do
-    for field, kind in _config_fields(EngineConfig, skip) + _config_fields(CudaConfig, skip):
+    for field, kind in _engine_fields(skip):
         _add_option(parser, field, kind)
 
 
@@ -52,9 +57,7 @@ def engine_flags(options: dict[str, Any]) -> list[str]:
     """The flags that give these EngineConfig or CudaConfig fields these values (the inverse of
     engine_kwargs): a bool that is its field's default needs no flag. Refuses a field that has no flag, or a
     value of None, which no flag gives."""
-    from slora.config import CudaConfig, EngineConfig
-    fields = {f.name: (f, kind) for f, kind in _config_fields(EngineConfig, frozenset()) +
-              _config_fields(CudaConfig, frozenset())}
+    fields = {f.name: (f, kind) for f, kind in _engine_fields()}
     flags: list[str] = []
     for name, value in options.items():
         if name not in fields:

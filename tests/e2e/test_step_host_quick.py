@@ -6,6 +6,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -113,13 +114,20 @@ class Waiter:
         return "done"
 
 
-def test_a_steps_time_leaves_out_its_wait_for_the_gpu():
-    """timed_step charges the call its own work only: the seconds it spent in the clock's wait are apart."""
+def test_a_steps_time_leaves_out_its_wait_for_the_gpu(monkeypatch):
+    """timed_step charges the call its own work only: the seconds it spent in the clock's wait are apart, and
+    a wait before the call is not charged to it."""
     step_host = load_benchmark("step_host.py", "step_host_wait_clock")
+    device = types.ModuleType("fake_device")
+    device.Waiter = Waiter
+    monkeypatch.setitem(sys.modules, "fake_device", device)
     events, original = [], Waiter.wait
     waiter = Waiter(events)
-    with step_host.WaitClock(Waiter, "wait") as waits:
+    waits = step_host.PhaseClock({step_host.WAIT_PHASE: ("fake_device", "Waiter", "wait")})
+    with step_host.phase_timers(waits):
         assert Waiter.wait is not original
+        waiter.wait(0.2)                                     # before the step: not its wait
+
         def call():
             busy_until = time.perf_counter() + 0.01
             while time.perf_counter() < busy_until:         # 10 ms of the host's own work
@@ -127,11 +135,11 @@ def test_a_steps_time_leaves_out_its_wait_for_the_gpu():
             assert waiter.wait(0.05) == "done"               # the wrapped wait passes its result on
         step_time = step_host.timed_step(waits, call)
     assert Waiter.wait is original                                   # put back
-    assert events == [0.05]
-    assert step_time.wait_seconds >= 0.05
+    assert events == [0.2, 0.05]
+    assert 0.05 <= step_time.wait_seconds < 0.2
     # Its own work: the 10 ms busy loop, not the 50 ms wait.
     assert 0.01 <= step_time.seconds < step_time.wait_seconds
-    assert waits.seconds == pytest.approx(step_time.wait_seconds)
+    assert waits.take() == {}                                # the clock's wait all went to the step
 
 
 def test_overlapped_runs_steps_back_to_back_and_reports_their_waits(tmp_path):
