@@ -73,7 +73,7 @@ def throttling(cgroup: Path) -> dict[str, int]:
     return {name: int(value) for name, value in fields if name.startswith(("nr_throttled", "throttled_"))}
 
 
-def host() -> dict[str, object]:
+def host() -> dict[str, str | int | float | None]:
     return {"python": sys.version, "python_config": sysconfig.get_config_var("CONFIG_ARGS"),
             "processor": platform.processor(), "cpu_mhz": cpu_mhz(), "cpu_count": os.cpu_count(),
             "usable_cores": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
