@@ -8,7 +8,7 @@ host_speed = load_benchmark("experiments/host_speed.py", "host_speed_script")
 
 def test_quick_run_times_every_unit_and_records_the_host(tmp_path):
     out = tmp_path / "host_speed.json"
-    host_speed.main(["--quick", "--out", str(out)])
+    host_speed.main(["--quick", "--repeats", "3", "--out", str(out)])
     result = json.loads(out.read_text())
     assert [row["unit"] for row in result["rows"]] == list(host_speed.UNITS)
     assert all(row["us"] > 0 for row in result["rows"])
