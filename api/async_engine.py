@@ -18,12 +18,15 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from slora.adapter_manager import PreparedAdapter
 from slora.engine import Engine
 from slora.outputs import EngineSnapshot, RequestOutput
 from slora.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from slora.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +54,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     tokenizer: Any            # a private copy for the API side (HF fast tokenizers are not thread-safe)
+    eos_token_ids: tuple[int, ...] = ()     # what ends an output: its structured-output grammars compile with them
 
 
 class RequestStream:
@@ -107,7 +111,7 @@ class AsyncEngine:
         self.info: EngineInfo | None = None
         self._engine: Engine | None = None          # touched on the engine thread only, except prepare_adapter
         self.snapshot: EngineSnapshot | None = None
-        self.step_started: float | None = None        # monotonic start of the step in progress
+        self.busy_since: float | None = None          # monotonic start of the step or command in progress
 
     # ---- lifecycle (event loop) ------------------------------------------------------------------------
     def start(self) -> None:
@@ -153,9 +157,9 @@ class AsyncEngine:
             return False, "the engine thread is not running"
         if self.state is not EngineState.READY:
             return False, self.state.value
-        started = self.step_started
+        started = self.busy_since
         if started is not None and time.monotonic() - started > stall_timeout_s:
-            return False, f"engine step running for more than {stall_timeout_s:.0f}s"
+            return False, f"engine step or command running for more than {stall_timeout_s:.0f}s"
         return True, "ok"
 
     @property
@@ -168,14 +172,17 @@ class AsyncEngine:
         return await asyncio.wrap_future(self._submit(command))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       adapter: str | None, owner: str | None) -> RequestStream:
-        """Add a request; raises what `Engine.add_request` raises (ValueError, UnknownAdapterError)."""
+                       adapter: str | None, owner: str | None,
+                       grammar: "CompiledGrammar | None" = None) -> RequestStream:
+        """Add a request (its structured output's `grammar` compiled already); raises what `Engine.add_request`
+        raises (ValueError, UnknownAdapterError)."""
         if not self.accepting:
             raise EngineUnavailable(self.state.value)
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         try:
-            await self.call(lambda engine: engine.add_request(request_id, prompt_token_ids, params, adapter, owner))
+            await self.call(lambda engine: engine.add_request(request_id, prompt_token_ids, params, adapter, owner,
+                                                              grammar=grammar))
         except asyncio.CancelledError:
             self.abort(request_id)            # the add may have run already: do not leave it generating
             raise
@@ -228,7 +235,7 @@ class AsyncEngine:
             engine = self._source() if callable(self._source) else self._source
             tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
             self.info = EngineInfo(engine.model_name, engine.max_model_len, engine.model_config.vocab_size,
-                                   tokenizer)
+                                   tokenizer, tuple(sorted(engine.eos_token_ids)))
             self._publish(engine, force=True)
             self._engine = engine
         except Exception:
@@ -244,9 +251,9 @@ class AsyncEngine:
         while not self._stop.is_set():
             ran_commands = self._run_commands(engine, block=not engine.has_unfinished())
             if engine.has_unfinished():
-                self.step_started = time.monotonic()
+                self.busy_since = time.monotonic()
                 outputs = engine.step()
-                self.step_started = None
+                self.busy_since = None
                 if outputs:
                     self._deliver(outputs)
             self._publish(engine, force=ran_commands or not engine.has_unfinished())
@@ -264,10 +271,13 @@ class AsyncEngine:
         for command, future in batch:
             if not future.set_running_or_notify_cancel():
                 continue
+            self.busy_since = time.monotonic()      # the stall check sees commands as it sees steps
             try:
                 future.set_result(command(engine))
             except Exception as exc:          # user errors (ValueError) and bugs alike go to the caller
                 future.set_exception(exc)
+            finally:
+                self.busy_since = None
         return True
 
     def _abort_on_engine(self, engine: Engine, request_id: str) -> None:

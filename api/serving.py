@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -29,9 +29,13 @@ from slora.api.protocol import ChatCompletionRequest, CompletionRequest, Samplin
 from slora.api.settings import ServerSettings
 from slora.api.streaming import ClientGone, EventStreamResponse, unless_disconnected
 from slora.api.tenants import Tenant
-from slora.outputs import ADAPTER_UNAVAILABLE, CompletionOutput, RequestError, RequestOutput
+from slora.grammar_service import GrammarLimitError, GrammarQueueFull, GrammarService
+from slora.outputs import ADAPTER_UNAVAILABLE, GRAMMAR_TOO_SLOW, CompletionOutput, RequestError, RequestOutput
 from slora.sampling_params import SamplingParams
 from slora.structured_output import StructuredOutput
+
+if TYPE_CHECKING:
+    from slora.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 # Tokens per sample reserved against a tenant's token rate when a request gives no max_tokens (then settled).
@@ -131,6 +135,7 @@ class Job:
     prompt_logprobs: int | None = None         # vLLM's prompt_logprobs in the answer
     tokens_as_ids: bool = False                # tokens in logprobs as "token_id:<id>"
     structured_param: str | None = None        # the field that asked for a structured output
+    grammar: "CompiledGrammar | None" = None   # that structured output, compiled
     prompt_param: str = "prompt"
     sent_tokens: dict[tuple[int, int], int] = field(default_factory=dict)   # streamed tokens per choice
     tool_parser: tool_calls.ToolParser | None = None   # chat: how calls are read out of the answer (None: not)
@@ -452,6 +457,8 @@ class GenerationService:
         self.tokenization = tokenization
         self.resolver = resolver                 # with --enable-lora-resolver
         self._token_texts: TokenTexts | None = None
+        self._grammars: GrammarService | None = None     # started by the first structured request
+        self._grammars_lock = asyncio.Lock()
 
     @property
     def token_texts(self) -> TokenTexts:
@@ -759,6 +766,8 @@ class GenerationService:
     async def _admitted(self, prepare: Callable[[], Awaitable[Job]]) -> Job:
         job = await prepare()
         self._require_ready()
+        if job.params.structured is not None:       # compiled before admission: waiting holds no seat, no page
+            job.grammar = await self._compiled(job, job.params.structured)
         self.admission.charge_tokens(job.tenant, job.reserved_tokens)
         try:
             await self.admission.acquire(job.tenant)
@@ -772,6 +781,39 @@ class GenerationService:
             self._close(job)
             raise
         return job
+
+    async def _compiled(self, job: Job, spec: StructuredOutput) -> CompiledGrammar:
+        """The job's structured output compiled by the grammar workers, off the engine's thread; a 400 naming the
+        limit it passes, a 429 while the tenant has too many compiles pending. A client that leaves abandons it."""
+        service = await self._grammar_service()
+        try:
+            future = service.submit(job.tenant.id, spec)
+        except GrammarQueueFull as exc:
+            raise rate_limited(str(exc), self.settings.retry_after_s) from None
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))     # shared with the tenant's other waiters
+        except asyncio.CancelledError:
+            service.abandon(future)
+            raise
+        except GrammarLimitError as exc:
+            raise bad_request(str(exc), param=job.structured_param, code="grammar_too_complex") from None
+        except ValueError as exc:
+            raise bad_request(str(exc), param=job.structured_param) from None
+
+    async def _grammar_service(self) -> GrammarService:
+        """The compile workers, started on first use (the tokenizer's tables take a moment to build)."""
+        async with self._grammars_lock:
+            if self._grammars is None:
+                info = self._info
+                if info.tokenizer is None:
+                    raise bad_request("structured output needs the model's tokenizer, and this model has none")
+                self._grammars = await asyncio.to_thread(GrammarService.for_tokenizer, info.tokenizer, info.vocab_size,
+                                                         info.eos_token_ids, self.settings.compile_limits())
+            return self._grammars
+
+    def close(self) -> None:
+        if self._grammars is not None:
+            self._grammars.close()
 
     async def _answer(self, job: Job, request: Request) -> Response:
         if job.stream:
@@ -811,11 +853,12 @@ class GenerationService:
         """One engine request of the job; an adapter the caller lacks is loaded by the resolver, then tried again."""
         try:
             return await self.engine.generate(job.request_id(index), prompt, job.params, job.adapter,
-                                              job.tenant.namespace)
+                                              job.tenant.namespace, job.grammar)
         except UnknownAdapterError:
             if job.adapter is None or not await self._resolved(job.tenant, job.adapter):
                 raise
-        return await self.engine.generate(job.request_id(index), prompt, job.params, job.adapter, job.tenant.namespace)
+        return await self.engine.generate(job.request_id(index), prompt, job.params, job.adapter, job.tenant.namespace,
+                                          job.grammar)
 
     async def _outputs(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, cumulative output) as they come, over all of the job's engine requests."""
@@ -857,6 +900,9 @@ class GenerationService:
         """What the client is told about an engine request that failed (the engine's message may name server
         paths or internals, so it goes to the log only)."""
         logger.warning("request %s failed in the engine (%s): %s", request_id, error.code, error.message)
+        if error.code == GRAMMAR_TOO_SLOW:
+            return APIError(400, error.message[:1].upper() + error.message[1:] + ".", code="grammar_too_slow",
+                            param=job.structured_param)
         if error.code == ADAPTER_UNAVAILABLE:
             return APIError(409, f"The adapter `{job.model}` can no longer be used: its files on the server changed "
                                  "or vanished since it was loaded. Its owner must load the adapter again.",

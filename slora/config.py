@@ -76,9 +76,16 @@ class EngineConfig:
     swap_space_gib: float = _option(1.0, "host swap space in swap mode")
     adapter_host_cache_gib: float | None = _option(None, "packed adapters kept in host memory, LRU by bytes "
                                                          "(default: a quarter of the machine's memory)")
+    grammar_token_budget_ms: float = _option(50.0, "a structured-output row's grammar work (accepting its token, "
+                                                    "filling its next mask) allowed per token")
+    grammar_slow_tokens: int = _option(4, "tokens in a row over --grammar-token-budget-ms that end a request with "
+                                          "an error naming its grammar")
     cuda: CudaConfig = field(default_factory=CudaConfig)
 
     def __post_init__(self) -> None:
+        if not self.grammar_token_budget_ms > 0 or self.grammar_slow_tokens < 1:
+            raise ValueError("grammar_token_budget_ms must be > 0 and grammar_slow_tokens >= 1, got "
+                             f"{self.grammar_token_budget_ms} and {self.grammar_slow_tokens}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device != "cpu" and not torch.cuda.is_available():

@@ -8,7 +8,7 @@ import os
 import random
 from collections.abc import Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -25,10 +25,18 @@ from slora.in_flight import ArrivingSample, HostCopy, InFlight, PinnedBuffers, R
 from slora.model_runner import ModelRunner
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
-from slora.outputs import ADAPTER_UNAVAILABLE, INTERNAL_ERROR, EngineSnapshot, RequestError, RequestOutput, TokenLogprob
+from slora.outputs import (
+    ADAPTER_UNAVAILABLE,
+    GRAMMAR_TOO_SLOW,
+    INTERNAL_ERROR,
+    EngineSnapshot,
+    RequestError,
+    RequestOutput,
+    TokenLogprob,
+)
 from slora.page_pool import PageAllocator
 from slora.request_state import RequestState, check_request, step_grammars
-from slora.sampler import Sampler, SampleResult
+from slora.sampler import GrammarMask, Sampler, SampleResult
 from slora.sampling_params import SamplingParams
 from slora.scheduler import ScheduledSeq, Scheduler
 from slora.sequence import AdapterRef, Sequence, SequenceStatus
@@ -36,6 +44,9 @@ from slora.step_batch import prompt_logits
 from slora.step_stats import StepStats, StepTimer
 from slora.stopping import append_token
 from slora.tokenizer import eos_token_ids, load_tokenizer
+
+if TYPE_CHECKING:
+    from slora.grammar import CompiledGrammar
 
 __all__ = ["Engine", "UnknownAdapterError"]
 
@@ -82,7 +93,8 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids)
         if config.device != "cpu":
             self.sampler.warm_up(self.model_config.vocab_size, config.torch_device)
-        self.grammars = EngineGrammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.grammars = EngineGrammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                       config.grammar_token_budget_ms / 1e3, config.grammar_slow_tokens)
         self.step_stats = StepStats()          # wall time of steps by kind (prefill, decode, mixed)
         self._decode_bytes = sizing.decode_bytes(self.adapters.weight_bytes)
         self._salt_secret = os.urandom(32)
@@ -123,10 +135,12 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    adapter: str | None = None, owner: str | None = None, stream: bool = True) -> None:
+                    adapter: str | None = None, owner: str | None = None, stream: bool = True,
+                    grammar: "CompiledGrammar | None" = None) -> None:
         """Queue a request. Raises ValueError (UnknownAdapterError for a bad adapter) on bad input.
         stream=False: the caller reads only the final output, so `step` returns the request only when it
-        ends, and unless a stop string needs it the text is decoded then, not token by token."""
+        ends, and unless a stop string needs it the text is decoded then, not token by token. `grammar`:
+        `params.structured` compiled already (a server compiles off this thread); without it, compiled here."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
@@ -135,7 +149,7 @@ class Engine:
         self.scheduler.check_fits(len(prompt_token_ids), ref)
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=self._seed_source.randrange(2 ** 62))
-        grammars = None if params.structured is None else [self.grammars.start(params.structured)]
+        grammars = None if params.structured is None else [self.grammars.start(params.structured, grammar)]
         if ref is not None:
             self.adapters.acquire(ref.version)
         parent = self._new_seq(request_id, prompt_token_ids, params, ref, 0, self.cache_salt(owner))
@@ -262,6 +276,8 @@ class Engine:
         masker = None if grammars is None else self.grammars
         try:
             sample = self.sampler.on_device(logits, seqs, grammars, masker)
+            if grammars is not None:
+                self._end_slow_grammars(seqs, grammars)
             return sample.token_ids, HostCopy(sample, self._sample_buffers)
         except Exception:
             logger.warning("sampling a batch of %d rows failed; sampling them one by one", len(seqs),
@@ -277,6 +293,17 @@ class Engine:
             except Exception:
                 self._fail_internal(seq, "sampling its next token")
         return tensor_on(tokens, torch.int64, logits.device), ReadySample(SampleResult(tokens, logprobs))
+
+    def _end_slow_grammars(self, seqs: list[Sequence], grammars: list[GrammarMask | None]) -> None:
+        """Fail the requests whose grammar went over its per-token budget too many tokens in a row: its work
+        runs inside every step, so one such grammar would slow every other request."""
+        budget_ms, tokens = self.grammars.token_budget_s * 1e3, self.grammars.slow_tokens
+        for row, kind in self.grammars.too_slow(grammars):
+            logger.warning("request %s: its %s took over %g ms per token for %d tokens; it is stopped",
+                           seqs[row].request_id, kind, budget_ms, tokens)
+            self._fail_request(seqs[row].request_id, RequestError(
+                GRAMMAR_TOO_SLOW, f"the structured output's {kind} took more than {budget_ms:g} ms per token "
+                                  f"for {tokens} tokens in a row, the server's limit; simplify it"))
 
     def _fail_internal(self, seq: Sequence, stage: str) -> None:
         """From an `except` around one request's work (a plain try/except: it runs per token): that request

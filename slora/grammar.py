@@ -9,6 +9,7 @@ EBNF, GBNF-like, whose start rule is `root`). JSON may hold whitespace between i
 models fall into under an any-whitespace grammar. Once the output is complete and nothing but the end may
 follow, only the EOS tokens are allowed.
 """
+import functools
 import json
 import logging
 import os
@@ -60,10 +61,17 @@ class GrammarState:
     are recomputed keeps its state and is not fed them again. Children of a prompt (n > 1) each take `fork()`
     of the state the prompt left (a fresh one)."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher, stop_words: Tensor) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, stop_words: Tensor, kind: str = "grammar") -> None:
         self._matcher = matcher
         self._stop_words = stop_words      # [words] int32: the bits of the EOS tokens
         self._pending: list[int] = []      # pushed, not yet taken by the matcher
+        self.kind = kind                   # the spec's kind, for the message of a grammar that is too slow
+        self.slow_tokens = 0               # tokens in a row whose accept and mask took longer than the budget
+
+    def note_token_time(self, seconds: float, budget_s: float) -> None:
+        """Count one token's grammar work against the per-token budget: a streak of slow tokens, reset by a
+        fast one."""
+        self.slow_tokens = self.slow_tokens + 1 if seconds > budget_s else 0
 
     def push(self, token_id: int) -> None:
         """`token_id` was appended to the output; the matcher takes it later (GrammarViolation then if it
@@ -105,7 +113,7 @@ class GrammarState:
     def fork(self) -> "GrammarState":
         """An independent copy of this state."""
         self.settle()
-        return GrammarState(self._matcher.fork(), self._stop_words)
+        return GrammarState(self._matcher.fork(), self._stop_words, self.kind)
 
     def _only_end_left(self) -> bool:
         words = torch.empty((1, self._stop_words.numel()), dtype=torch.int32)
@@ -116,20 +124,33 @@ class GrammarState:
 class GrammarCompiler:
     """Compiles specs against the engine's tokenizer (thread-safe, with an LRU cache of `cache_size`
     grammars), starts sequences' states, and masks a step's logits. `vocab_size` is the logits' width: ids
-    the tokenizer lacks (padding) are never allowed. The EOS tokens are the tokenizer's unless given."""
+    the tokenizer lacks (padding) are never allowed. The EOS tokens are the tokenizer's unless given. The
+    tokenizer's tables are built on the first compile only: a server's grammars come compiled from
+    `slora.grammar_service`, and starting or masking needs none. A row whose accepts and mask fill take
+    longer than `token_budget_s` counts a slow token on its state (`GrammarState.slow_tokens`)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
-                 eos_token_ids: Collection[int] | None = None, cache_size: int = 128) -> None:
-        stop = _stop_ids(tokenizer, eos_token_ids)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+                 eos_token_ids: Collection[int] | None = None, cache_size: int = 128,
+                 token_budget_s: float = float("inf")) -> None:
+        self._tokenizer = tokenizer
+        self.stop_ids = stop_ids(tokenizer, eos_token_ids)
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
-        self._stop_words = _token_words(stop, vocab_size)
+        self.token_budget_s = token_budget_s
+        self._stop_words = _token_words(self.stop_ids, vocab_size)
         self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._batch = xgr.BatchGrammarMatcher()          # threads: half the machine's cores
         self._buffer: Tensor | None = None
+
+    @functools.cached_property
+    def tokenizer_info(self) -> xgr.TokenizerInfo:
+        return tokenizer_info(self._tokenizer, self.vocab_size, self.stop_ids)
+
+    @functools.cached_property
+    def _compiler(self) -> xgr.GrammarCompiler:
+        return xgr.GrammarCompiler(self.tokenizer_info, max_threads=min(8, os.cpu_count() or 1),
+                                   cache_enabled=False)
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """The compiled grammar of `spec`, from the cache when it is there; ValueError for an invalid spec."""
@@ -137,7 +158,8 @@ class GrammarCompiler:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-        compiled = CompiledGrammar(spec, self._compile(spec))
+            xgr_compiler = self._compiler                 # built once, under the lock
+        compiled = CompiledGrammar(spec, compile_spec(xgr_compiler, spec))
         with self._lock:
             compiled = self._cache.setdefault(spec, compiled)     # a thread that compiled it meanwhile wins
             while len(self._cache) > self._cache_size:
@@ -146,27 +168,50 @@ class GrammarCompiler:
 
     def start(self, compiled: CompiledGrammar) -> GrammarState:
         """A sequence's state at the start of its output."""
-        return GrammarState(xgr.GrammarMatcher(compiled.grammar), self._stop_words)
+        return GrammarState(xgr.GrammarMatcher(compiled.grammar), self._stop_words, compiled.spec.kind)
 
     def mask(self, logits: Tensor, grammars: Sequence[_BitmaskFiller | None]) -> None:
         """Mask each row of `logits` `[rows, vocab]` to its grammar's next tokens; rows of None untouched.
-        The rows' masks are filled by the library's thread pool, into a reused (pinned, on CUDA) buffer."""
+        The rows' masks are filled by the library's thread pool, into a reused (pinned, on CUDA) buffer. Each
+        row's work (the accepts of its pushed tokens, then its fill) is timed against the token budget."""
         bitmask = self._bitmask(len(grammars), logits.device)
-        rows, live_rows, matchers = [], [], []
+        rows, live_rows, matchers, seconds = [], [], [], {}
         for row, grammar in enumerate(grammars):
             if grammar is None:
                 continue
             rows.append(row)
-            matcher = _matcher_of(grammar)
+            began = time.perf_counter()
+            matcher = _matcher_of(grammar)                     # settled: its pushed tokens accepted
+            seconds[row] = time.perf_counter() - began
             if matcher is None:                                # terminated: its EOS-only row
                 grammar.fill_bitmask(bitmask, row)
             else:
                 live_rows.append(row)
                 matchers.append(matcher)
         if matchers:
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
+            self._fill(bitmask, live_rows, matchers, seconds)
+        self._note_times(grammars, seconds)
         every_row = len(rows) == len(grammars)         # no index list to copy
         apply_bitmask(logits, bitmask, None if every_row else torch.tensor(rows, dtype=torch.int32))
+
+    def _fill(self, bitmask: Tensor, rows: list[int], matchers: list[xgr.GrammarMatcher],
+              seconds: dict[int, float]) -> None:
+        """The rows' masks in one batched fill. Only a batch slower than the budget is filled again row by
+        row, to find which rows took the time (the batch's pool gives no time per row)."""
+        began = time.perf_counter()
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        if time.perf_counter() - began <= self.token_budget_s:
+            return
+        for row, matcher in zip(rows, matchers):
+            began = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask, row)
+            seconds[row] += time.perf_counter() - began
+
+    def _note_times(self, grammars: Sequence[_BitmaskFiller | None], seconds: dict[int, float]) -> None:
+        for row, spent in seconds.items():
+            grammar = grammars[row]
+            if isinstance(grammar, GrammarState):
+                grammar.note_token_time(spent, self.token_budget_s)
 
     def _bitmask(self, rows: int, device: torch.device) -> Tensor:
         """`[rows, words]` of the step's bitmask buffer, all allowed; grown when a step has more rows. The
@@ -178,27 +223,33 @@ class GrammarCompiler:
         view.fill_(-1)
         return view
 
-    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
-        began = time.perf_counter()
-        try:
-            grammar = self._compile_kind(spec)
-        except (RuntimeError, UnicodeError) as e:   # xgrammar's for any invalid spec; a lone surrogate
-            raise ValueError(f"invalid {SPEC_NAMES[spec.kind]}: {_short(str(e))}") from None
-        logger.debug("compiled a %s grammar in %.1f ms", spec.kind, (time.perf_counter() - began) * 1e3)
-        return grammar
+def tokenizer_info(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """The tokenizer's tables as xgrammar compiles against them: `vocab_size` wide, `stop_ids` ending."""
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
 
-    def _compile_kind(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
-        if spec.kind == "json_schema":
-            return self._compiler.compile_json_schema(_json_text(str(spec.spec)),
-                                                      max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        if spec.kind == "json_object":
-            return self._compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                                      max_whitespace_cnt=JSON_MAX_WHITESPACE)
-        if spec.kind == "regex":
-            return self._compiler.compile_regex(str(spec.spec))
-        if spec.kind == "choice":
-            return self._compiler.compile_grammar(choice_grammar(tuple(spec.spec or ())))
-        return self._compiler.compile_grammar(str(spec.spec))
+
+def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    """`spec` compiled by `compiler`; ValueError naming the problem for an invalid spec."""
+    began = time.perf_counter()
+    try:
+        grammar = _compile_kind(compiler, spec)
+    except (RuntimeError, UnicodeError) as e:   # xgrammar's for any invalid spec; a lone surrogate
+        raise ValueError(f"invalid {SPEC_NAMES[spec.kind]}: {_short(str(e))}") from None
+    logger.debug("compiled a %s grammar in %.1f ms", spec.kind, (time.perf_counter() - began) * 1e3)
+    return grammar
+
+
+def _compile_kind(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    if spec.kind == "json_schema":
+        return compiler.compile_json_schema(_json_text(str(spec.spec)), max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if spec.kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                            max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if spec.kind == "regex":
+        return compiler.compile_regex(str(spec.spec))
+    if spec.kind == "choice":
+        return compiler.compile_grammar(choice_grammar(tuple(spec.spec or ())))
+    return compiler.compile_grammar(str(spec.spec))
 
 
 def _matcher_of(grammar: object) -> "xgr.GrammarMatcher | None":
@@ -237,7 +288,7 @@ def _token_words(token_ids: Collection[int], vocab_size: int) -> Tensor:
     return torch.from_numpy(words.view(np.int32))
 
 
-def _stop_ids(tokenizer: PreTrainedTokenizerBase, eos_token_ids: Collection[int] | None) -> list[int]:
+def stop_ids(tokenizer: PreTrainedTokenizerBase, eos_token_ids: Collection[int] | None) -> list[int]:
     stop = sorted(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
     if None in stop:
         raise ValueError("structured output needs EOS token ids, and the tokenizer has no EOS token")

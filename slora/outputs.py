@@ -25,19 +25,22 @@ class CompletionOutput:
 
 ADAPTER_UNAVAILABLE = "adapter_unavailable"
 INTERNAL_ERROR = "internal_error"
+GRAMMAR_TOO_SLOW = "grammar_too_slow"
 
 
 @dataclass(frozen=True)
 class RequestError:
     """Why the engine failed one request (finish_reason "error"); the other requests are unaffected.
-    `code` is "adapter_unavailable" (its adapter's files changed or vanished: the client's to fix) or
+    `code` is "adapter_unavailable" (its adapter's files changed or vanished: the client's to fix),
+    "grammar_too_slow" (its structured output's grammar went over the per-token budget: the client's to fix) or
     "internal_error" (a fault inside the engine while handling this request alone)."""
 
     code: str
     message: str
 
     def __post_init__(self) -> None:
-        assert self.code in (ADAPTER_UNAVAILABLE, INTERNAL_ERROR), f"unknown request error code {self.code!r}"
+        assert self.code in (ADAPTER_UNAVAILABLE, INTERNAL_ERROR, GRAMMAR_TOO_SLOW), \
+            f"unknown request error code {self.code!r}"
 
 
 @dataclass

@@ -140,6 +140,9 @@ def effective_top_k(seq: Sequence, vocab_size: int) -> int:
 class GrammarMask(Protocol):
     """One sequence's grammar: which tokens it allows next (slora.grammar's state)."""
 
+    kind: str                   # the spec's kind: json_schema, regex, ...
+    slow_tokens: int            # tokens in a row whose grammar work went over the per-token budget
+
     def fill_bitmask(self, bitmask: Tensor, row: int) -> None: ...
 
     def push(self, token_id: int) -> None: ...
