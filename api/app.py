@@ -117,6 +117,7 @@ class ServerContext:
     async def close(self) -> None:
         await self.engine.shutdown(self.settings.shutdown_timeout_s)
         self.tokenization.close()
+        self.generation.close()
         shutil.rmtree(self.upload_dir, ignore_errors=True)
 
     def count_error(self, status: int) -> None:

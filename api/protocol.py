@@ -61,6 +61,7 @@ MAX_NAME_CHARS = 256                        # model, user, message and adapter n
 MAX_PATH_CHARS = 4096
 MAX_SPEC_CHARS = 2 ** 18                    # a JSON schema (as text), regex or grammar
 MAX_GUIDED_CHOICES = 1024
+MAX_CHOICE_CHARS = 2 ** 16                  # characters of all choices together: each one is a branch to compile
 MAX_JSON_DEPTH = 64                         # nesting of a free-form JSON value (schemas, tool parameters)
 MAX_TOOLS = 128                             # OpenAI's bound on tools (and legacy functions)
 MAX_TOOL_CALLS = 128                        # tool calls of one assistant message
@@ -148,8 +149,22 @@ SchemaValue = Annotated[
                   custom_error_type="invalid_schema",
                   custom_error_message="must be a JSON schema: an object, or a string of JSON text of one"),
     AfterValidator(lambda value: schema_text(value) and value)]
+
+
+def _bounded_choices(choices: list[str]) -> list[str]:
+    """Refuse choices longer than MAX_CHOICE_CHARS together: their grammar grows with them (a 1 MiB list
+    compiled to 280 MB)."""
+    total = sum(len(choice) for choice in choices)
+    if total > MAX_CHOICE_CHARS:
+        raise ValueError(f"the choices hold {total} characters together; the limit is {MAX_CHOICE_CHARS}")
+    return choices
+
+
 GuidedChoices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), VALID_UNICODE]],
-                          Field(min_length=1, max_length=MAX_GUIDED_CHOICES)]
+                          Field(min_length=1, max_length=MAX_GUIDED_CHOICES,
+                                description=f"At most {MAX_GUIDED_CHOICES} strings of at most {MAX_STOP_CHARS} "
+                                            f"characters, {MAX_CHOICE_CHARS} characters together."),
+                          AfterValidator(_bounded_choices)]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
 # OpenAI sends logit_bias with token ids as JSON object keys, so as strings of digits.

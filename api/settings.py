@@ -4,6 +4,10 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slora.grammar_service import CompileLimits
 
 LOOPBACK_NAMES = ("localhost",)
 TOOL_CALL_PARSERS = ("hermes",)
@@ -88,6 +92,12 @@ class ServerSettings:
     served_model_names: tuple[str, ...] = ()  # the base model's names (the first is shown); default: its own
     enable_auto_tool_choice: bool = False     # parse tool calls out of chat answers (with tool_call_parser)
     tool_call_parser: str | None = None       # one of TOOL_CALL_PARSERS
+    grammar_compile_timeout_s: float = 5.0    # one structured-output compile (400 beyond)
+    grammar_max_bytes: int = 64 * 2 ** 20     # a compiled grammar's size (400 beyond)
+    grammar_max_compile_bytes: int = 2 ** 30  # a compile worker's growth while it compiles (400 beyond)
+    grammar_cache_bytes: int = 512 * 2 ** 20  # compiled grammars kept, shared fairly among tenants
+    grammar_workers: int = 2                  # compile worker processes
+    grammar_max_pending: int = 4              # one tenant's compiles queued or running (429 beyond)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -124,8 +134,16 @@ class ServerSettings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs a tool_call_parser "
                              f"(--tool-call-parser {'|'.join(TOOL_CALL_PARSERS)})")
+        self.compile_limits()
         self._check_served_names()
         self._check_lora_modules()
+
+    def compile_limits(self) -> "CompileLimits":
+        """The structured-output compile limits, checked by their owner."""
+        from slora.grammar_service import CompileLimits
+        return CompileLimits(timeout_s=self.grammar_compile_timeout_s, max_grammar_bytes=self.grammar_max_bytes,
+                             max_compile_bytes=self.grammar_max_compile_bytes, cache_bytes=self.grammar_cache_bytes,
+                             workers=self.grammar_workers, max_pending_per_tenant=self.grammar_max_pending)
 
     def _check_served_names(self) -> None:
         for name in self.served_model_names:

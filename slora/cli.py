@@ -131,6 +131,16 @@ SERVE_LIMITS = (
     ("--timeout-body-idle", "timeout_body_idle_s", float,
      "seconds a request body may pause before the connection is closed"),
     ("--max-connections", "max_connections", int, "open connections served (requests on more get 503)"),
+    ("--grammar-compile-timeout", "grammar_compile_timeout_s", float,
+     "seconds one structured-output spec may take to compile, in a worker process (400 beyond)"),
+    ("--grammar-max-bytes", "grammar_max_bytes", int, "bytes of one compiled structured-output grammar (400 beyond)"),
+    ("--grammar-max-compile-bytes", "grammar_max_compile_bytes", int,
+     "bytes a compile worker may grow by while it compiles one spec (400 beyond)"),
+    ("--grammar-cache-bytes", "grammar_cache_bytes", int,
+     "bytes of compiled grammars kept for reuse, all tenants together; the tenant holding most gives way first"),
+    ("--grammar-workers", "grammar_workers", int, "worker processes compiling structured-output specs"),
+    ("--grammar-max-pending", "grammar_max_pending", int,
+     "one tenant's structured-output compiles queued or running (429 beyond)"),
 )
 
 
