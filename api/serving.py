@@ -782,7 +782,7 @@ class GenerationService:
             raise
         return job
 
-    async def _compiled(self, job: Job, spec: StructuredOutput) -> CompiledGrammar:
+    async def _compiled(self, job: Job, spec: StructuredOutput) -> "CompiledGrammar":
         """The job's structured output compiled by the grammar workers, off the engine's thread; a 400 naming the
         limit it passes, a 429 while the tenant has too many compiles pending. A client that leaves abandons it."""
         service = await self._grammar_service()
