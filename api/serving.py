@@ -790,8 +790,11 @@ class GenerationService:
             future = service.submit(job.tenant.id, spec)
         except GrammarQueueFull as exc:
             raise rate_limited(str(exc), self.settings.retry_after_s) from None
+        waiting = asyncio.wrap_future(future)
+        # Read by nobody once this client leaves (the shield keeps the shared compile from being cancelled).
+        waiting.add_done_callback(lambda done: done.cancelled() or done.exception())
         try:
-            return await asyncio.shield(asyncio.wrap_future(future))     # shared with the tenant's other waiters
+            return await asyncio.shield(waiting)     # shared with the tenant's other waiters
         except asyncio.CancelledError:
             service.abandon(future)
             raise
