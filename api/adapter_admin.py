@@ -1,5 +1,5 @@
 """Adapter management over HTTP: where adapter folders may come from (the adapter root, uploads) and the
-list / load / unload operations.
+list / load / unload operations, recorded in the adapter store and restored at start.
 
 Loading reads, validates and packs on a worker thread (`AdapterManager.prepare`), then registers
 on the engine thread between two steps, so running requests keep streaming while an adapter loads. List
@@ -7,22 +7,23 @@ and unload are short commands on the engine thread.
 """
 import asyncio
 import errno
+import functools
 import logging
 import os
 import re
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, BinaryIO, TypeVar
 
-from slora.adapter_manager import PreparedAdapter, UnknownAdapterError
+from slora.adapter_manager import PreparedAdapter, UnknownAdapterError, folder_bytes
 from slora.adapters.errors import AdapterError
 from slora.adapters.registry import AdapterEntry
 from slora.adapters.weights import PICKLE_SUFFIXES, WEIGHTS_FILE
+from slora.api.adapter_store import AdapterStore, StoredAdapter, utc_now
 from slora.api.async_engine import AsyncEngine, EngineUnavailable
 from slora.api.errors import APIError, adapter_not_found, bad_request, unavailable
 from slora.api.metrics import ServerMetrics
@@ -120,9 +121,9 @@ def choose_upload_files(files: list[UploadedFile]) -> dict[str, UploadedFile]:
     return chosen
 
 
-def write_upload(upload_dir: Path, namespace: str, name: str, files: dict[str, UploadedFile]) -> Path:
-    """Copy the chosen files into a fresh folder, a MiB at a time; nothing of it is left if the copy fails."""
-    folder = upload_dir / namespace / f"{name}-{uuid.uuid4().hex[:12]}"
+def write_upload(folder: Path, files: dict[str, UploadedFile]) -> Path:
+    """Copy the chosen files into `folder` (made here), a MiB at a time; nothing of it is left if the copy
+    fails."""
     try:
         folder.mkdir(parents=True)
         for filename, item in files.items():
@@ -132,10 +133,13 @@ def write_upload(upload_dir: Path, namespace: str, name: str, files: dict[str, U
     except BaseException as exc:
         shutil.rmtree(folder, ignore_errors=True)
         if isinstance(exc, OSError):      # a full disk, above all
-            raise APIError(507, f"the upload could not be stored: {os_problem(exc)}",
-                           code="insufficient_storage", error_type="server_error") from None
+            raise _insufficient_storage("the upload could not be stored", exc) from None
         raise
     return folder
+
+
+def _insufficient_storage(what: str, exc: OSError) -> APIError:
+    return APIError(507, f"{what}: {os_problem(exc)}", code="insufficient_storage", error_type="server_error")
 
 
 def _upload_target(field: str, filename: str) -> str | None:
@@ -153,30 +157,67 @@ def _sanitize(message: str, hidden: list[Path]) -> str:
     return message
 
 
-def describe(engine: Engine, entry: AdapterEntry) -> dict[str, Any]:
-    """One adapter as the list route shows it (runs on the engine thread)."""
-    info = engine.adapters.describe(entry)._asdict()
-    info["target_modules"] = list(info["target_modules"])
-    return info
+def stat_bytes(folder: Path) -> int:
+    """The bytes of an adapter folder's two files, from their sizes on disk: nothing of them is read."""
+    try:
+        return folder_bytes(folder)
+    except OSError as exc:
+        raise bad_request(f"adapter path cannot be used: {os_problem(exc)}", param="path") from None
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a load's files come from, and so what the adapter store records of it."""
+
+    kind: str                         # UPLOAD, PATH or MODULE (--lora-modules: loaded at each start, not recorded)
+    where: str | None = None          # UPLOAD: the folder, relative to the store; PATH: relative to the root
+
+    @property
+    def owns_files(self) -> bool:
+        return self.kind == UPLOAD
+
+
+UPLOAD, PATH, MODULE = "upload", "path", "module"
+
+
+class Unrestorable(Exception):
+    """A stored adapter that cannot be served again; the message says why."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What the engine thread returns of a registration: the answer, and the folder the version is read
+    back from (an upload's own, or the one an identical upload left before)."""
+
+    info: dict[str, Any]
+    source: Path | None
 
 
 class AdapterService:
     """The adapter routes' logic, with tenant rules: a tenant manages only its own namespace; an admin may
     name another tenant's (`owner`) and mark adapters public. A namespace holds at most `max_adapters` names
-    and `max_adapter_bytes` of adapter files (AdapterManager.disk_bytes: uploads and path loads alike)."""
+    and `max_adapter_bytes` of adapter files (AdapterManager.disk_bytes: uploads and path loads alike).
+
+    Every adapter loaded through the API is recorded in the adapter store (api/adapter_store.py) and served
+    again after a restart (`restore`). Registrations and unloads, with their store writes, run one at a time
+    (`_commit_lock`), so that the store's registry follows the engine's names in the same order."""
 
     def __init__(self, engine: AsyncEngine, tenants: TenantDirectory, metrics: ServerMetrics,
-                 adapter_root: Path | None, upload_dir: Path, default_byte_quota: int | None = None,
+                 adapter_root: Path | None, store: AdapterStore, default_byte_quota: int | None = None,
                  served_names: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.tenants = tenants
         self.metrics = metrics
         self.adapter_root = adapter_root
-        self.upload_dir = upload_dir
+        self.store = store
         self.default_byte_quota = default_byte_quota
         self.served_names = served_names                 # ServerSettings.served_model_names
+        self.started_at = utc_now()                      # loaded_at of the engine's built-in adapters
+        self._loaded_at: dict[tuple[str | None, str], str] = {}   # read and written on the engine thread only
         self._uploading: dict[str | None, int] = {}      # bytes of uploads being stored, by namespace
+        self._receiving: dict[str | None, int] = {}      # declared bytes of upload bodies being received
         self._resolving: dict[tuple[str | None, str], asyncio.Future[bool]] = {}   # resolver loads under way
+        self._commit_lock = asyncio.Lock()
 
     @property
     def base_names(self) -> tuple[str, ...]:
@@ -202,51 +243,84 @@ class AdapterService:
         own = tenant.max_adapter_bytes if tenant is not None else None
         return own if own is not None else self.default_byte_quota
 
-    def check_declared_upload(self, tenant: Tenant, declared: int | None) -> None:
-        """Refuse, before its body is read, an upload larger than the caller's whole byte quota. An admin's
-        upload may be for another namespace, named in the form: it is checked once the form is read."""
+    # ---- uploads being received -------------------------------------------------------------------------
+    def reserve_upload(self, tenant: Tenant, declared: int | None) -> Callable[[], None]:
+        """Before an upload's body is read: refuse it if it is larger than what the caller's byte quota
+        leaves beside its other uploads being received, else count its declared length until the returned
+        function is called (once the upload is stored or refused), so that concurrent uploads of one tenant
+        together spool at most its quota to disk. An admin's upload may be for another namespace, named in
+        the form: it is checked once the form is read."""
         quota = self.byte_quota(tenant.namespace)
         if quota is None or tenant.is_admin:
-            return
+            return lambda: None
         if declared is None:      # else up to max_upload_bytes would be spooled to disk before the check
             raise APIError(411, "an adapter upload needs a Content-Length header: this tenant has a byte quota "
                            f"of {quota} bytes (max_adapter_bytes)", code="length_required")
+        namespace = tenant.namespace
         if declared > quota:
-            raise _over_byte_quota(tenant.namespace, quota, f"this upload of {declared} bytes")
+            raise _over_byte_quota(namespace, quota, f"this upload of {declared} bytes")
+        pending = self._receiving.get(namespace, 0)
+        if pending + declared > quota:
+            raise _over_byte_quota(namespace, quota, f"this upload of {declared} bytes, beside the {pending} bytes "
+                                   "of its uploads being received,", retry="retry once they are stored")
+        self._receiving[namespace] = pending + declared
+        return functools.partial(self._release_upload, namespace, declared)
 
+    def _release_upload(self, namespace: str | None, declared: int) -> None:
+        self._receiving[namespace] -= declared
+        if not self._receiving[namespace]:
+            del self._receiving[namespace]
+
+    # ---- list ---------------------------------------------------------------------------------------------
     async def list_adapters(self, tenant: Tenant) -> list[dict[str, Any]]:
         def command(engine: Engine) -> list[dict[str, Any]]:
             if tenant.is_admin:
-                return [describe(engine, e) for e in engine.adapters.all_entries()]
-            described = [describe(engine, e) for e in engine.adapters.visible_to(tenant.namespace)]
+                return [self._describe(engine, e, tenant) for e in engine.adapters.all_entries()]
+            described = [self._describe(engine, e, tenant) for e in engine.adapters.visible_to(tenant.namespace)]
             for info in described:            # other tenants' ids are not shown to a tenant
                 if info["owner"] != tenant.namespace:
                     info["owner"] = None
             return described
         return await self._call(command)
 
+    def _describe(self, engine: Engine, entry: AdapterEntry, viewer: Tenant | None) -> dict[str, Any]:
+        """One adapter as the routes show it (engine thread). A tenant sees the residency of a version it
+        has not used as a fresh load's, not as others' use of the same weights made it (an admin sees all)."""
+        isolated = viewer is not None and not viewer.is_admin
+        info = engine.adapters.describe(entry, viewer.namespace if viewer is not None else None,
+                                        isolated)._asdict()
+        info["target_modules"] = list(info["target_modules"])
+        info["loaded_at"] = self._loaded_at.get((entry.owner, entry.name), self.started_at)
+        return info
+
+    # ---- load ---------------------------------------------------------------------------------------------
     async def load_path(self, tenant: Tenant, name: str, user_path: str, public: bool = False,
                         owner: str | None = None, param: str = "path") -> dict[str, Any]:
         namespace = self.namespace_for(tenant, owner)
         self._check_load(tenant, name, public)
         folder = await asyncio.to_thread(resolve_in_root, self.adapter_root, user_path, param)
-        # A tenant at its quota is refused before the server reads and packs anything.
-        await self._call(lambda engine: self._check_quota(engine, namespace, name))
-        return await self._load(name, folder, namespace, public, owns_files=False)
+        # Refused before the server reads anything: at its names quota, or over its byte quota by the files'
+        # sizes (checked again with what was read, at registration).
+        size = await asyncio.to_thread(stat_bytes, folder)
+        await self._call(lambda engine: self._check_room(engine, namespace, name, size))
+        assert self.adapter_root is not None, "resolve_in_root refuses path loads without an adapter root"
+        where = folder.relative_to(self.adapter_root.resolve()).as_posix()
+        return await self._load(name, folder, namespace, public, Origin(PATH, where), tenant)
 
     async def load_module(self, name: str, folder: Path) -> dict[str, Any]:
         """Load a `--lora-modules` adapter at start: public, in no tenant's namespace, through the checks of
-        a path load (its name and folder were checked by ServerSettings)."""
+        a path load (its name and folder were checked by ServerSettings). Not recorded in the store: the
+        command line loads it at every start."""
         check_adapter_name(name, self.base_names)
-        return await self._load(name, folder, None, public=True, owns_files=False)
+        return await self._load(name, folder, None, True, Origin(MODULE), None)
 
     async def resolve(self, tenant: Tenant, name: str) -> bool:
         """vLLM's filesystem LoRA resolver: load `<adapter root>/<name>` for a request that names an adapter
         the caller does not have, into the caller's namespace (a tenant's own, within its quotas), through
-        `load_path`, the admin route's load. False, with nothing loaded, when there is no such folder (or the
-        name could not be one: an invalid name, one with '..', a symbolic link out of the root); APIError
-        when the folder holds no valid adapter or the tenant is at its quota. Concurrent first requests for
-        one name share one load."""
+        `load_path`, the admin route's load. False, with nothing loaded, for anything the caller may not load
+        (no such folder, a name that could not be one, invalid files, over a quota), so that its answer is the
+        404 of any unknown model and the root's contents stay unknown to it: the reason goes to the log (and
+        to an admin caller, as its error). Concurrent first requests for one name share one load."""
         if self.adapter_root is None or not _NAME.fullmatch(name) or name in self.base_names:
             return False
         key = (tenant.namespace, name)
@@ -270,22 +344,30 @@ class AdapterService:
         try:
             await self.load_path(tenant, name, name, param="model")
         except APIError as error:
-            if error.param in ("adapter", "path"):
+            if error.status >= 500:         # the server's state (the engine stopping), not the folder's
+                raise
+            logger.warning("resolver: adapter %s not loaded for %s: %s", name, tenant.namespace or "local",
+                           error.message)
+            if not tenant.is_admin:
+                return False
+            if error.param in ("adapter", "path", "files"):
                 error.param = "model"       # the adapter the request's model names is what was refused
             raise
         return True
 
     async def load_upload(self, tenant: Tenant, name: str, files: list[UploadedFile], public: bool = False,
                           owner: str | None = None) -> dict[str, Any]:
-        """Store an upload in a folder of its own, which the engine owns (and deletes) once registered."""
+        """Store an upload in a folder of its own in the adapter store, which the engine owns (and deletes)
+        once registered."""
         namespace = self.namespace_for(tenant, owner)
         self._check_load(tenant, name, public)
         chosen = choose_upload_files(files)
         with self._reserving(namespace, sum(item.size for item in chosen.values())):
             pending = self._uploading[namespace]       # this upload's bytes and those of others being stored
             await self._call(lambda engine: self._check_room(engine, namespace, name, pending))
-            folder = await asyncio.to_thread(write_upload, self.upload_dir, namespace or "_local", name, chosen)
-            return await self._load(name, folder, namespace, public, owns_files=True)
+            target = self.store.new_upload_folder(namespace, name)
+            folder = await asyncio.to_thread(write_upload, target, chosen)
+            return await self._load(name, folder, namespace, public, Origin(UPLOAD), tenant)
 
     @contextmanager
     def _reserving(self, namespace: str | None, size: int) -> Iterator[None]:
@@ -299,12 +381,12 @@ class AdapterService:
             if not self._uploading[namespace]:
                 del self._uploading[namespace]
 
-    async def _load(self, name: str, folder: Path, namespace: str | None, public: bool,
-                    owns_files: bool) -> dict[str, Any]:
+    async def _load(self, name: str, folder: Path, namespace: str | None, public: bool, origin: Origin,
+                    viewer: Tenant | None) -> dict[str, Any]:
         started = time.perf_counter()
         try:
-            prepared = await self._prepare(folder, owns_files)
-            info = await self._register(name, prepared, namespace, public, owns_files)
+            prepared = await self._prepare(folder, origin.owns_files)
+            info = await self._commit(name, prepared, namespace, public, origin, utc_now(), viewer)
         except AdapterError as exc:
             raise bad_request(_sanitize(str(exc), self._hidden()), param="adapter") from None
         elapsed = time.perf_counter() - started
@@ -322,26 +404,43 @@ class AdapterService:
                 shutil.rmtree(folder, ignore_errors=True)
             raise
 
+    async def _commit(self, name: str, prepared: PreparedAdapter, namespace: str | None, public: bool,
+                      origin: Origin, loaded_at: str, viewer: Tenant | None, checked: bool = True) -> dict[str, Any]:
+        """Register and record, one commit at a time. Shielded: once started, the commit decides what becomes
+        of the folder and the store, even if this request is cancelled meanwhile; its outcome is then read by
+        nobody, which the callback says is fine."""
+        commit = asyncio.ensure_future(self._commit_now(name, prepared, namespace, public, origin, loaded_at,
+                                                        viewer, checked))
+        commit.add_done_callback(lambda task: task.cancelled() or task.exception())
+        return await asyncio.shield(commit)
+
+    async def _commit_now(self, name: str, prepared: PreparedAdapter, namespace: str | None, public: bool,
+                          origin: Origin, loaded_at: str, viewer: Tenant | None, checked: bool) -> dict[str, Any]:
+        async with self._commit_lock:
+            registered = await self._register(name, prepared, namespace, public, origin, loaded_at, viewer,
+                                              checked)
+            if origin.kind != MODULE:
+                await self._record(name, namespace, public, origin, loaded_at, registered)
+            return registered.info
+
     async def _register(self, name: str, prepared: PreparedAdapter, namespace: str | None, public: bool,
-                        owns_files: bool) -> dict[str, Any]:
-        # Shielded: once queued, the command decides what becomes of the folder, even if this request is
-        # cancelled meanwhile; its outcome is then read by nobody, which the callback says is fine.
-        registration = asyncio.ensure_future(self.engine.call(
-            lambda engine: self._register_now(engine, name, prepared, namespace, public, owns_files)))
-        registration.add_done_callback(lambda task: task.cancelled() or task.exception())
+                        origin: Origin, loaded_at: str, viewer: Tenant | None, checked: bool) -> Registration:
         try:
-            return await asyncio.shield(registration)
+            return await self.engine.call(lambda engine: self._register_now(
+                engine, name, prepared, namespace, public, origin.owns_files, loaded_at, viewer, checked))
         except EngineUnavailable as exc:
-            if owns_files:                    # the engine stopped before the command ran
+            if origin.owns_files:             # the engine stopped before the command ran
                 assert prepared.path is not None, "an owned folder is the one the adapter was prepared from"
                 shutil.rmtree(prepared.path, ignore_errors=True)
             raise unavailable(f"the engine is {exc}; retry later") from None
 
     def _register_now(self, engine: Engine, name: str, prepared: PreparedAdapter, namespace: str | None,
-                      public: bool, owns_files: bool) -> dict[str, Any]:
+                      public: bool, owns_files: bool, loaded_at: str, viewer: Tenant | None,
+                      checked: bool) -> Registration:
         """On the engine thread, so that two concurrent loads cannot both take the last free name or bytes."""
         try:
-            self._check_room(engine, namespace, name, prepared.disk_bytes)
+            if checked:
+                self._check_room(engine, namespace, name, prepared.disk_bytes)
         except APIError:
             if owns_files:
                 assert prepared.path is not None, "an owned folder is the one the adapter was prepared from"
@@ -350,7 +449,32 @@ class AdapterService:
         # From here the engine owns an uploaded folder: it deletes it if it refuses the adapter, and once the
         # version is dropped (unloaded or replaced, after its last request).
         entry = engine.adapters.register(name, prepared, owner=namespace, public=public, owns_files=owns_files)
-        return describe(engine, entry)
+        self._loaded_at[(namespace, name)] = loaded_at
+        return Registration(self._describe(engine, entry, viewer), engine.adapters.source_folder(entry.version))
+
+    async def _record(self, name: str, namespace: str | None, public: bool, origin: Origin, loaded_at: str,
+                      registered: Registration) -> None:
+        """Write the registration into the store (unless it holds it already, as at restore). An upload is
+        recorded by the folder its version is read back from, which stays while any name points at it. If
+        the store cannot be written, the name is unloaded again: what was answered 200 survives restarts."""
+        where = origin.where
+        if origin.kind == UPLOAD:
+            assert registered.source is not None, "an upload's version is read back from an owned folder"
+            where = self.store.relative(registered.source)
+        stored = StoredAdapter(name, namespace, public, registered.info["version"], loaded_at,
+                               where if origin.kind == UPLOAD else None, where if origin.kind == PATH else None)
+        if self.store.entries.get(stored.key) == stored:
+            return
+        try:
+            await asyncio.to_thread(self.store.record, stored)
+        except OSError as exc:
+            logger.error("adapter store: cannot record adapter %s of %s: %s", name, namespace or "local", exc)
+            await self._call(lambda engine: self._unregister(engine, name, namespace))
+            raise _insufficient_storage("the adapter could not be recorded in the adapter store", exc) from None
+
+    def _unregister(self, engine: Engine, name: str, namespace: str | None) -> None:
+        engine.adapters.unload(name, owner=namespace)
+        self._loaded_at.pop((namespace, name), None)
 
     async def _call(self, command: Callable[[Engine], T]) -> T:
         try:
@@ -381,7 +505,7 @@ class AdapterService:
             return
         held = engine.adapters.disk_bytes(namespace) - engine.adapters.replaced_bytes(namespace, name)
         if held + new_bytes > quota:
-            raise _over_byte_quota(namespace, quota, f"{new_bytes} more bytes under {name!r}", held)
+            raise _over_byte_quota(namespace, quota, f"{new_bytes} more bytes under {name!r}", held=held)
 
     def _check_load(self, tenant: Tenant, name: str, public: bool) -> None:
         if self.engine.info is not None:
@@ -389,9 +513,10 @@ class AdapterService:
         if public and not tenant.is_admin:
             raise APIError(403, "only admins may publish adapters", param="public")
 
+    # ---- unload -------------------------------------------------------------------------------------------
     async def unload(self, tenant: Tenant, name: str, owner: str | None = None) -> dict[str, Any]:
-        """Forget the name now (new requests get 404); in-flight requests finish, then pages are freed and
-        an uploaded folder is deleted."""
+        """Forget the name now (new requests get 404) and drop it from the store; in-flight requests finish,
+        then pages are freed and an uploaded folder is deleted."""
         namespace = self.namespace_for(tenant, owner)
 
         def command(engine: Engine) -> dict[str, Any]:
@@ -400,22 +525,93 @@ class AdapterService:
                 # An admin may unload a public adapter (possibly the built-in demos) by its plain name.
                 entry = engine.adapters.lookup(name, namespace)
                 target = entry.owner if entry is not None else namespace
-            engine.adapters.unload(name, owner=target)
+            self._unregister(engine, name, target)
             return {"name": name, "owner": target, "deleted": True}
-        try:
-            result = await self._call(command)
-        except UnknownAdapterError:
-            raise adapter_not_found(name) from None
+        async with self._commit_lock:
+            try:
+                result = await self._call(command)
+            except UnknownAdapterError:
+                raise adapter_not_found(name) from None
+            await self._forget(result["owner"], name)
         logger.info("adapter %s unloaded for %s", name, result["owner"] or "local")
         return result
 
+    async def _forget(self, owner: str | None, name: str) -> None:
+        """Drop the name from the store. Unloaded it is, whatever the disk says: a failed write is logged, and
+        the next write of the registry leaves the name out."""
+        try:
+            await asyncio.to_thread(self.store.forget, owner, name)
+        except OSError as exc:
+            logger.error("adapter store: cannot drop adapter %s of %s from the registry: %s", name,
+                         owner or "local", exc)
+
+    # ---- restore ------------------------------------------------------------------------------------------
+    async def restore(self, entries: list[StoredAdapter]) -> None:
+        """Serve the store's adapters again, with their names, owners, versions and loaded_at. One that
+        cannot be (files gone or changed, now invalid) is logged and dropped from the store; one whose
+        tenant is no longer in the tenants file is kept, not loaded, until it is again."""
+        dropped: list[StoredAdapter] = []
+        prepared: dict[Path, PreparedAdapter] = {}       # one read of a folder that several entries name
+        for entry in entries:
+            who = f"adapter {entry.name!r} of {entry.owner or 'local'}"
+            if entry.owner is not None and self.tenants.get(entry.owner) is None:
+                logger.warning("adapter store: %s kept but not loaded: no such tenant in the tenants file", who)
+                continue
+            try:
+                await self._restore_one(entry, prepared)
+            except (Unrestorable, AdapterError, APIError) as exc:
+                if isinstance(exc, APIError) and exc.status >= 500:
+                    logger.error("adapter store: restore stopped at %s: %s", who, exc.message)
+                    break
+                reason = exc.message if isinstance(exc, APIError) else str(exc)
+                logger.error("adapter store: %s dropped, it cannot be restored: %s", who, reason)
+                dropped.append(entry)
+        await self._drop(dropped)
+        logger.info("adapter store: %d adapter(s) restored, %d dropped", len(entries) - len(dropped),
+                    len(dropped))
+
+    async def _restore_one(self, entry: StoredAdapter, prepared: dict[Path, PreparedAdapter]) -> None:
+        check_adapter_name(entry.name, self.base_names)
+        folder = await asyncio.to_thread(self._stored_folder, entry)
+        if folder not in prepared:
+            prepared[folder] = await self.engine.prepare_adapter(folder)
+        if prepared[folder].version != entry.version:
+            raise Unrestorable("its files changed since it was loaded")
+        origin = Origin(UPLOAD, entry.upload) if entry.upload else Origin(PATH, entry.path)
+        await self._commit(entry.name, prepared[folder], entry.owner, entry.public, origin, entry.loaded_at, None,
+                           checked=False)
+
+    def _stored_folder(self, entry: StoredAdapter) -> Path:
+        """The folder a stored adapter is read from: its upload folder inside the store, or its folder inside
+        the adapter root (the path load's checks)."""
+        if entry.path is not None:
+            if self.adapter_root is None:
+                raise Unrestorable("it was loaded by path, and the server has no --adapter-root")
+            try:
+                return resolve_in_root(self.adapter_root, entry.path, "path")
+            except APIError as exc:
+                raise Unrestorable(exc.message) from None
+        assert entry.upload is not None, "a stored adapter is an upload or a path load"
+        folder = (self.store.folder / entry.upload).resolve()
+        if not folder.is_relative_to(self.store.uploads.resolve()) or not folder.is_dir():
+            raise Unrestorable("its uploaded files are gone")
+        return folder
+
+    async def _drop(self, entries: list[StoredAdapter]) -> None:
+        if not entries:
+            return
+        try:
+            await asyncio.to_thread(self.store.drop, entries)
+        except OSError as exc:
+            logger.error("adapter store: cannot write the registry: %s", exc)
+
     def _hidden(self) -> list[Path]:
-        return [p for p in (self.adapter_root, self.upload_dir) if p is not None]
+        return [p for p in (self.adapter_root, self.store.folder) if p is not None]
 
 
-def _over_byte_quota(namespace: str | None, quota: int, what: str, held: int | None = None) -> APIError:
+def _over_byte_quota(namespace: str | None, quota: int, what: str, held: int | None = None,
+                     retry: str = "unload an adapter first") -> APIError:
     holder = f"tenant {namespace!r}" if namespace is not None else "the local namespace"
     holding = f" and holds {held}" if held is not None else ""
     return APIError(403, f"{holder} may hold at most {quota} bytes of adapter files (max_adapter_bytes)"
-                    f"{holding}: {what} would not fit; unload an adapter first", code="adapter_quota_exceeded",
-                    param="files")
+                    f"{holding}: {what} would not fit; {retry}", code="adapter_quota_exceeded", param="files")

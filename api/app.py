@@ -4,8 +4,6 @@ import contextlib
 import importlib.metadata
 import json
 import logging
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,10 +15,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from slora.api import protocol
 from slora.api.adapter_admin import AdapterService, UploadedFile
+from slora.api.adapter_store import AdapterStore, StoredAdapter
 from slora.api.async_engine import AsyncEngine, EngineSource, EngineState
 from slora.api.errors import (
     APIError,
@@ -71,30 +71,45 @@ class ServerContext:
         self.admission = Admission(settings.max_pending_requests, settings.retry_after_s)
         self.tokenization = Tokenization(settings.tokenizer_workers, settings.max_tokenize_pending,
                                          settings.retry_after_s)
-        # A folder of this run's own inside the upload dir: nothing reloads uploads after a restart, so they
-        # all go at shutdown, and two servers sharing an upload dir never touch each other's.
-        base = Path(settings.upload_dir) if settings.upload_dir else Path(tempfile.gettempdir())
-        base.mkdir(parents=True, exist_ok=True)
-        self.upload_dir = Path(tempfile.mkdtemp(prefix="slora-uploads-", dir=base))
+        # Opened (locked, read, cleaned of orphans) by open_store: at start, not when an app is only built.
+        self.store = AdapterStore(settings.adapter_store_folder)
+        self.stored: list[StoredAdapter] = []
         root = Path(settings.adapter_root) if settings.adapter_root else None
-        self.adapters = AdapterService(self.engine, self.tenants, self.metrics, root, self.upload_dir,
+        self.adapters = AdapterService(self.engine, self.tenants, self.metrics, root, self.store,
                                        settings.max_adapter_bytes, settings.served_model_names)
         resolver = self.adapters.resolve if settings.enable_lora_resolver else None
         self.generation = GenerationService(self.engine, settings, self.admission, self.metrics, self.tokenization,
                                             resolver)
         self.created = protocol.now()
-        # --lora-modules: the server serves once they are loaded; one refused stops the start (startup_error,
-        # then on_startup_failure, which `slora serve` sets to stop the server).
-        self.loading_modules = bool(settings.lora_modules)
+        # The server serves once the --lora-modules are loaded and the adapter store's adapters restored
+        # (`starting` says which it is doing); a refused module stops the start (startup_error, then
+        # on_startup_failure, which `slora serve` sets to stop the server).
+        self.starting: str | None = "loading its adapters"
         self.startup_error: str | None = None
         self.on_startup_failure: Callable[[], None] | None = None
 
-    async def load_lora_modules(self) -> None:
-        """Load the --lora-modules adapters once the engine is up, through the admin load's checks."""
+    def open_store(self) -> None:
+        """Take the adapter store (StoreError, a ValueError, if another server holds it) and read what it
+        holds; `slora serve` calls it before the model loads, the app's start otherwise."""
+        if not self.store.is_open:
+            self.stored = self.store.open()
+
+    async def load_startup_adapters(self) -> None:
+        """Once the engine is up: the --lora-modules, through the admin load's checks, then the adapters of the
+        adapter store, with their names, owners and versions."""
         while self.engine.info is None or self.engine.state is EngineState.STARTING:
             if self.engine.state in (EngineState.FAILED, EngineState.STOPPED):
                 return
             await asyncio.sleep(0.05)
+        if self.settings.lora_modules and not await self.load_lora_modules():
+            return
+        self.starting = "restoring the adapters of its adapter store"
+        await self.adapters.restore(self.stored)
+        self.starting = None
+
+    async def load_lora_modules(self) -> bool:
+        """Load the --lora-modules adapters; False (and the start fails) if one is refused."""
+        self.starting = "loading its --lora-modules adapters"
         for module in self.settings.lora_modules:
             try:
                 folder = await asyncio.to_thread(self.settings.lora_module_folder, module)
@@ -103,9 +118,9 @@ class ServerContext:
                 reason = exc.message if isinstance(exc, APIError) else str(exc)
                 prefix = f"--lora-modules {module.name!r}: "
                 self.fail_start(reason if reason.startswith(prefix) else prefix + reason)
-                return
-        self.loading_modules = False
+                return False
         logger.info("--lora-modules loaded: %s", ", ".join(m.name for m in self.settings.lora_modules))
+        return True
 
     def fail_start(self, message: str) -> None:
         logger.error("the server cannot start: %s", message)
@@ -118,7 +133,7 @@ class ServerContext:
         await self.engine.shutdown(self.settings.shutdown_timeout_s)
         self.tokenization.close()
         self.generation.close()
-        shutil.rmtree(self.upload_dir, ignore_errors=True)
+        self.store.close()          # its files stay: the next start serves them again
 
     def count_error(self, status: int) -> None:
         self.metrics.errors.inc(status=str(status))
@@ -126,9 +141,8 @@ class ServerContext:
     def require_engine(self) -> None:
         if self.engine.info is None or not self.engine.accepting:
             raise unavailable(f"the server is {self.engine.state.value}; retry later", self.settings.retry_after_s)
-        if self.loading_modules:
-            raise unavailable("the server is loading its --lora-modules adapters; retry later",
-                              self.settings.retry_after_s)
+        if self.starting is not None:
+            raise unavailable(f"the server is {self.starting}; retry later", self.settings.retry_after_s)
 
 
 class BodyLimit:
@@ -260,15 +274,15 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx.open_store()
         ctx.engine.start()
-        modules = asyncio.ensure_future(ctx.load_lora_modules()) if settings.lora_modules else None
+        adapters = asyncio.ensure_future(ctx.load_startup_adapters())
         try:
             yield
         finally:
-            if modules is not None:
-                modules.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await modules
+            adapters.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await adapters
             await ctx.close()
 
     app = FastAPI(title="slora", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
@@ -276,6 +290,7 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
     app.state.ctx = ctx
     app.router.redirect_slashes = False        # its redirect would echo the client's Host header back
     install_error_handlers(app, on_error=ctx.count_error)
+    _install_method_not_allowed(app, on_error=ctx.count_error)
     app.add_middleware(BodyLimit, max_body=settings.max_body_bytes, max_upload=settings.max_upload_bytes,
                        on_error=ctx.count_error)
     # Added last, so it runs first: the key is checked before the body limit or anything else looks further.
@@ -288,6 +303,27 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
     _add_ops_routes(app, ctx, caller)
     _add_tokenizer_routes(app, ctx, caller)
     return app
+
+
+def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """The methods of every route whose path matches the request's (Starlette's 405 names the first one's)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, Route) and route.methods and route.matches(scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
+
+
+def _install_method_not_allowed(app: FastAPI, on_error: Callable[[int], None]) -> None:
+    """A 405 is our error object, its Allow header every method of the path: Starlette's names only those
+    of the first route that matches (GET for /v1/adapters, which takes POST as well)."""
+    @app.exception_handler(405)
+    async def _method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
+        allowed = allowed_methods(app, request.scope)
+        on_error(405)
+        error = APIError(405, f"the method {request.method[:32]} is not allowed on this path; it takes "
+                         f"{', '.join(allowed)}", code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
+        return error.response()
 
 
 def _auth_dependency(tenants: TenantDirectory):  # noqa: ANN202 - a FastAPI dependency
@@ -382,17 +418,22 @@ class UploadForm(NamedTuple):
 
 
 async def _load_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> dict[str, Any]:
-    await _check_declared_upload(ctx, request, tenant)
-    form = await _read_form(request)
+    release = await _reserve_upload(ctx, request, tenant)
     try:
-        return await ctx.adapters.load_upload(tenant, *_upload_form(form))
+        form = await _read_form(request)
+        try:
+            return await ctx.adapters.load_upload(tenant, *_upload_form(form))
+        finally:
+            await form.close()
     finally:
-        await form.close()
+        release()
 
 
-async def _check_declared_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> None:
+async def _reserve_upload(ctx: ServerContext, request: Request, tenant: Tenant) -> Callable[[], None]:
+    """The upload's declared length, counted against the caller's byte quota while its body is spooled;
+    refused unread if it does not fit (AdapterService.reserve_upload)."""
     try:
-        ctx.adapters.check_declared_upload(tenant, declared_length(request.headers))
+        return ctx.adapters.reserve_upload(tenant, declared_length(request.headers))
     except APIError as error:
         await discard_body(request.receive, request.headers, ctx.settings.max_body_bytes)
         error.headers["Connection"] = "close"       # refused unparsed: nor is the rest of it read and dropped
@@ -427,8 +468,8 @@ def _add_ops_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
     @app.get("/health")
     async def health() -> Response:
         ok, reason = ctx.engine.health(ctx.settings.stall_timeout_s)
-        if ok and ctx.loading_modules:
-            ok, reason = False, "loading the --lora-modules adapters"
+        if ok and ctx.starting is not None:
+            ok, reason = False, ctx.starting
         if not ok:
             return unavailable(f"not healthy: {reason}", ctx.settings.retry_after_s).response()
         return JSONResponse({"status": "ok"})

@@ -1,24 +1,21 @@
 """`slora serve`: uvicorn with the app, graceful on SIGTERM (stop admitting, let in-flight requests finish
 within the shutdown timeout, abort the rest, exit 0), on a socket bound before the model loads, with the
-connection limits of ServerSettings: idle keep-alive, the time to send headers, pauses inside a body, and the
-number of open connections."""
-import asyncio
+connection limits of ServerSettings (api/connections.py): idle keep-alive, the time to send a request head,
+pauses and the rate inside a body, requests in progress (with a reserve for /health and keyed requests), and
+idle connections per client address and in all."""
 import functools
 import logging
 import os
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import FrameType
-from typing import Any
 
-import h11
 import uvicorn
 from fastapi import FastAPI
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from slora.api.app import create_app
+from slora.api.connections import ConnectionGate, ConnectionLimits, GuardedH11Protocol, ReadLimits, privileged_requests
 from slora.api.settings import ServerSettings
 from slora.config import EngineConfig
 from slora.engine import Engine
@@ -32,75 +29,6 @@ class ListenError(ValueError):
 
 class StartupError(ValueError):
     """The server stopped during its start: an adapter of --lora-modules could not be loaded."""
-
-
-@dataclass(frozen=True)
-class ReadTimeouts:
-    header_s: float         # from a connection's start, or a new request's first byte, to the end of its headers
-    body_idle_s: float      # the longest pause while a request body arrives
-
-
-class ReadTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with deadlines while a request is read. uvicorn 0.54 times a connection out only
-    after a response (timeout_keep_alive), so one that sends nothing, sends its headers a byte at a time or
-    stops inside a body stayed open for ever. The header deadline is not extended by bytes that trickle in;
-    the body timer restarts with every chunk, and waits while the pause is the server's (reading paused until
-    the app catches up, or a client waiting for 100 Continue)."""
-
-    def __init__(self, *args: Any, timeouts: ReadTimeouts, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._timeouts = timeouts
-        self._read_timer: asyncio.TimerHandle | None = None
-        self._awaiting_headers = False
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._expect_headers()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        self._follow_request()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _follow_request(self) -> None:
-        state = self.conn.their_state
-        if state is h11.IDLE:                 # headers incomplete: the deadline set at their first byte holds
-            if not self._awaiting_headers:
-                self._expect_headers()
-        elif state is h11.SEND_BODY:
-            self._arm(self._timeouts.body_idle_s, self._body_paused)
-        else:                                 # the request is in; the app (then keep-alive) takes over
-            self._disarm()
-
-    def _expect_headers(self) -> None:
-        self._arm(self._timeouts.header_s, self._headers_late)
-        self._awaiting_headers = True
-
-    def _headers_late(self) -> None:
-        logger.debug("closing a connection from %s: no complete request headers within %.1fs", self.client,
-                     self._timeouts.header_s)
-        self.transport.close()
-
-    def _body_paused(self) -> None:
-        if self.flow.read_paused or self.conn.they_are_waiting_for_100_continue:
-            self._arm(self._timeouts.body_idle_s, self._body_paused)     # the pause is the server's
-            return
-        logger.debug("closing a connection from %s: its request body paused for %.1fs", self.client,
-                     self._timeouts.body_idle_s)
-        self.transport.close()
-
-    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self._read_timer = self.loop.call_later(delay_s, callback)
-
-    def _disarm(self) -> None:
-        if self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer = None
-        self._awaiting_headers = False
 
 
 class _Server(uvicorn.Server):
@@ -143,27 +71,37 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def connection_gate(app: FastAPI, settings: ServerSettings) -> ConnectionGate:
+    """The connection accounting of one server: its keyed requests are those of the app's tenants."""
+    ctx = app.state.ctx
+    limits = ConnectionLimits(max_active=settings.max_connections, reserve=settings.reserved_connections,
+                              per_client=settings.max_connections_per_client, max_idle=settings.max_connections,
+                              retry_after_s=settings.retry_after_s, max_discard=settings.max_body_bytes)
+    return ConnectionGate(limits, privileged_requests(ctx.tenants), ctx.count_error)
+
+
 def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
-    timeouts = ReadTimeouts(settings.timeout_header_s, settings.timeout_body_idle_s)
+    read_limits = ReadLimits(settings.timeout_header_s, settings.timeout_body_idle_s, settings.min_body_rate)
+    protocol = functools.partial(GuardedH11Protocol, limits=read_limits, gate=connection_gate(app, settings))
     # The app aborts what still runs after shutdown_timeout_s (so clients get a proper 503 error event);
     # uvicorn's own timeout, which just cancels the connections' tasks, is only a backstop behind it.
-    # uvicorn answers 503 once `limit_concurrency` connections are open, counting the one asking: one more
-    # than max_connections, so that max_connections of them are served.
-    return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+    # No WebSocket: an upgraded connection would leave the protocol, and with it the gate's accounting.
+    return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", ws="none",
                           timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5,
                           # uvicorn annotates these narrower than it takes them: the keep-alive timeout is a
                           # call_later delay (any float), and `http` any factory of protocols.
                           timeout_keep_alive=settings.timeout_keep_alive_s,  # type: ignore[arg-type]
-                          limit_concurrency=settings.max_connections + 1,
-                          http=functools.partial(ReadTimeoutH11Protocol, timeouts=timeouts))  # type: ignore[arg-type]
+                          http=protocol)  # type: ignore[arg-type]
 
 
 def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
-    """Run the server until SIGTERM or SIGINT; returns the exit status. Raises ListenError, and StartupError
-    when the start fails (a --lora-modules adapter refused), once the server has shut down."""
+    """Run the server until SIGTERM or SIGINT; returns the exit status. Raises ListenError, StoreError (the
+    adapter store is another server's), and StartupError when the start fails (a --lora-modules adapter
+    refused), once the server has shut down."""
     with listen(settings.host, settings.port) as sock:
         app = create_app(lambda: Engine(engine_config), settings)
         ctx = app.state.ctx
+        ctx.open_store()        # held by another server: a one-line error (StoreError) before the model loads
         server = _Server(uvicorn_config(app, settings), lambda: ctx.engine.begin_drain(settings.shutdown_timeout_s))
         ctx.on_startup_failure = lambda: setattr(server, "should_exit", True)
         logger.info("listening on http://%s:%d", settings.host, sock.getsockname()[1])

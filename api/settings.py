@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
 LOOPBACK_NAMES = ("localhost",)
 TOOL_CALL_PARSERS = ("hermes",)
+ADAPTER_STORE_NAME = "adapter-store"     # the default adapter store's folder in the slora cache
 MAX_SERVED_NAME_CHARS = 256               # protocol.MAX_NAME_CHARS: a longer `model` is refused anyway
 _LORA_MODULE_KEYS = frozenset({"name", "path", "base_model_name"})
 
@@ -65,7 +66,8 @@ class ServerSettings:
     port: int = 8000
     tenants_file: str | None = None           # TOML; None = single-user mode (no keys)
     adapter_root: str | None = None           # folder that path loads must stay inside
-    upload_dir: str | None = None             # where uploaded adapters are kept; default: a temporary folder
+    adapter_store: str | None = None          # adapters loaded through the API, kept across restarts;
+                                              # default: <slora cache>/adapter-store (ADAPTER_STORE_NAME)
     allow_unauthenticated: bool = False       # single-user mode on a non-loopback address
     max_n: int = 16                           # samples per prompt
     max_choices: int = 64                     # prompts x n per request
@@ -85,7 +87,10 @@ class ServerSettings:
     timeout_keep_alive_s: float = 5.0         # an idle connection is closed this long after its last response
     timeout_header_s: float = 10.0            # a client has this long to send a request's headers
     timeout_body_idle_s: float = 30.0         # the longest pause allowed while a client sends a request body
-    max_connections: int = 1000               # open connections served; requests on more get 503
+    max_connections: int = 1000               # requests in progress at once; beyond, 503 (api/connections.py)
+    connection_reserve: int | None = None     # of those, kept for /health and keyed requests; default 10%, >= 1
+    max_connections_per_client: int = 64      # idle connections of one client address (its oldest closed beyond)
+    min_body_rate: int = 1024                 # bytes/s a request body must keep up after timeout_body_idle_s; 0: off
     metrics_require_key: bool = False         # /metrics answers only with an admin tenant's key
     lora_modules: tuple[LoraModule, ...] = ()  # adapters loaded at start, public; a bad one stops the start
     enable_lora_resolver: bool = False        # a request naming an unloaded adapter loads <adapter_root>/<name>
@@ -106,6 +111,10 @@ class ServerSettings:
             raise ValueError(f"tenants file not found: {self.tenants_file}")
         if self.adapter_root is not None and not Path(self.adapter_root).is_dir():
             raise ValueError(f"adapter root is not a folder: {self.adapter_root}")
+        if self.adapter_store is not None and (not self.adapter_store or
+                                               Path(self.adapter_store).exists() and
+                                               not Path(self.adapter_store).is_dir()):
+            raise ValueError(f"adapter store is not a folder: {self.adapter_store!r}")
         if self.tenants_file is None and not self.allow_unauthenticated and not is_loopback(self.host):
             # Without tenants there are no keys: anyone who can reach the port could load adapters.
             raise ValueError(f"refusing to serve without a tenants file on {self.host}, which is not a loopback "
@@ -123,6 +132,7 @@ class ServerSettings:
         for name in ("timeout_keep_alive_s", "timeout_header_s", "timeout_body_idle_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self._check_connection_limits()
         if self.metrics_require_key and self.tenants_file is None:
             raise ValueError("metrics_require_key needs a tenants file: without one there are no keys")
         if self.enable_lora_resolver and self.adapter_root is None:
@@ -144,6 +154,23 @@ class ServerSettings:
         return CompileLimits(timeout_s=self.grammar_compile_timeout_s, max_grammar_bytes=self.grammar_max_bytes,
                              max_compile_bytes=self.grammar_max_compile_bytes, cache_bytes=self.grammar_cache_bytes,
                              workers=self.grammar_workers, max_pending_per_tenant=self.grammar_max_pending)
+
+    def _check_connection_limits(self) -> None:
+        if self.max_connections_per_client < 1:
+            raise ValueError(f"max_connections_per_client must be >= 1, got {self.max_connections_per_client}")
+        if self.min_body_rate < 0:
+            raise ValueError(f"min_body_rate must be >= 0 (0: not checked), got {self.min_body_rate}")
+        if self.connection_reserve is not None and not 0 <= self.connection_reserve < self.max_connections:
+            raise ValueError(f"connection_reserve must be in [0, max_connections), got {self.connection_reserve} "
+                             f"with max_connections {self.max_connections}")
+
+    @property
+    def reserved_connections(self) -> int:
+        """Request slots only /health and keyed requests may take: connection_reserve, by default 10% of
+        max_connections and at least 1 (none when max_connections is 1)."""
+        if self.connection_reserve is not None:
+            return self.connection_reserve
+        return min(max(1, self.max_connections // 10), self.max_connections - 1)
 
     def _check_served_names(self) -> None:
         for name in self.served_model_names:
@@ -192,6 +219,15 @@ class ServerSettings:
         """What the base model answers to: the served_model_names if any (its own name then no longer), else
         its own name. The first is the one /v1/models lists and answers echo."""
         return self.served_model_names or (model_name,)
+
+    @property
+    def adapter_store_folder(self) -> Path:
+        """Where the adapter store is: adapter_store, else a folder of the slora cache ($SLORA_CACHE or
+        ~/.cache/slora), as the converted models."""
+        if self.adapter_store is not None:
+            return Path(self.adapter_store).expanduser()
+        from slora.model_cache import cache_root
+        return cache_root() / ADAPTER_STORE_NAME
 
     @property
     def single_user(self) -> bool:

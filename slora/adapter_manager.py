@@ -87,6 +87,7 @@ class AdapterVersion:
     disk_bytes: int = 0                    # the folder's two files (per-tenant byte quotas)
     owns_files: bool = False               # the engine deletes `path` once the version is dropped
     files_namespace: str | None = None     # with owns_files: whose upload the folder is (its byte quota)
+    used_by: set[str | None] = dataclasses.field(default_factory=set)   # namespaces that ran or first loaded it
     refs: int = 0                          # names pointing at it + live requests on it
     requests: int = 0                      # of refs, the live requests
     last_used: int = 0                     # host-cache clock, for LRU
@@ -188,7 +189,10 @@ class AdapterManager(AdapterResidency):
         engine's from this call on, deleted once the version is dropped, or at once if it is refused."""
         with _removed_if_refused(prepared.path, owns_files):
             self._check_registrable(name, prepared)
+        fresh = prepared.version not in self.versions
         stored = self._store(prepared)
+        if fresh:       # loaded first by this namespace: what becomes of it is its own doing
+            stored.used_by.add(owner)
         self._take_folder(stored, prepared.path, owns_files, owner)
         entry = AdapterEntry(name, prepared.version, owner, public)
         stored.refs += 1
@@ -230,15 +234,16 @@ class AdapterManager(AdapterResidency):
 
     def _take_folder(self, stored: AdapterVersion, folder: Path | None, owns_files: bool,
                      namespace: str | None) -> None:
-        """Take over an owned folder, the upload of `namespace`. A version is read back from the folder it
-        was first stored from, so another folder of the same content (the same upload made twice) is never
-        read: it goes at once."""
+        """Take over an owned folder, the upload of `namespace`. A version is read back from one owned folder
+        once it has one: another folder of the same content (the same upload made twice) is never read and
+        goes at once. A version known so far from a folder the engine does not own (a path load) is read back
+        from the upload from now on, whose files cannot change under it."""
         if not owns_files or folder is None:
             return
-        if stored.path is not None and stored.path.resolve() == folder.resolve():
-            stored.owns_files, stored.files_namespace = True, namespace
-        else:
+        if stored.owns_files and stored.path is not None and stored.path.resolve() != folder.resolve():
             _remove_folder(folder)
+        elif not stored.owns_files:
+            stored.path, stored.owns_files, stored.files_namespace = folder, True, namespace
 
     # ---- requests -----------------------------------------------------------------------------------
     def resolve(self, name: str, owner: str | None) -> AdapterRef:
@@ -246,7 +251,9 @@ class AdapterManager(AdapterResidency):
         entry = self.names.resolve(name, owner)
         if entry is None:
             raise UnknownAdapterError(f"adapter {name!r} does not exist")
-        return AdapterRef(entry.version, self.versions[entry.version].num_pages)
+        stored = self.versions[entry.version]
+        stored.used_by.add(owner)
+        return AdapterRef(entry.version, stored.num_pages)
 
     def acquire(self, version: str) -> None:
         """A request on `version` starts: the version stays known until it is released."""
@@ -391,11 +398,21 @@ class AdapterManager(AdapterResidency):
     def names_in(self, namespace: str | None) -> int:
         return len(self.names.owned_by(namespace))
 
-    def describe(self, entry: AdapterEntry) -> AdapterInfo:
+    def describe(self, entry: AdapterEntry, viewer: str | None = None, isolated: bool = False) -> AdapterInfo:
+        """The entry as `viewer`'s namespace sees it. isolated: a version the viewer neither loaded first nor
+        ran shows the residency a fresh load has, so that its true residency (another tenant's use of the same
+        weights) is not told."""
         stored = self.versions[entry.version]
-        residency = "pool" if self.is_resident(entry.version) else stored.tier
+        if isolated and viewer not in stored.used_by:
+            residency = "host" if stored.num_bytes <= self.host_cache_bytes else "disk"
+        else:
+            residency = "pool" if self.is_resident(entry.version) else stored.tier
         return AdapterInfo(entry.name, entry.version, entry.owner, entry.public, residency, stored.max_rank,
                            stored.config.target_modules, stored.num_pages, stored.num_bytes)
+
+    def source_folder(self, version: str) -> Path | None:
+        """The folder a version is read back from (an upload's owned folder once it has one)."""
+        return self.versions[version].path
 
     def disk_bytes(self, namespace: str | None) -> int:
         """Bytes on disk of the adapter folders behind the names in `namespace`, and of its uploads whose

@@ -130,7 +130,18 @@ SERVE_LIMITS = (
      "seconds a client has to send a request's headers, from the connection's start or the request's first byte"),
     ("--timeout-body-idle", "timeout_body_idle_s", float,
      "seconds a request body may pause before the connection is closed"),
-    ("--max-connections", "max_connections", int, "open connections served (requests on more get 503)"),
+    ("--max-connections", "max_connections", int,
+     "requests in progress at once (503 beyond); also the bound on idle connections of all clients, beyond which "
+     "the oldest idle connection of the client address holding the most is closed"),
+    ("--connection-reserve", "connection_reserve", int,
+     "of --max-connections, the request slots kept for /health and requests with a valid key (every request in "
+     "single-user mode); other requests get 503 once the rest are taken (default: 10%%, at least 1)"),
+    ("--max-connections-per-client", "max_connections_per_client", int,
+     "idle connections (none sent yet, or keep-alive between requests) of one client address; beyond, its "
+     "oldest idle one is closed. Behind a proxy every client has the proxy's address"),
+    ("--min-body-rate", "min_body_rate", int,
+     "bytes/s a request body must keep up, per window of --timeout-body-idle from its start; a slower one is "
+     "answered 408 and its connection closed (0: not checked)"),
     ("--grammar-compile-timeout", "grammar_compile_timeout_s", float,
      "seconds one structured-output spec may take to compile, in a worker process (400 beyond)"),
     ("--grammar-max-bytes", "grammar_max_bytes", int, "bytes of one compiled structured-output grammar (400 beyond)"),
@@ -154,8 +165,10 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="tenants TOML (API key hashes, roles, limits); without it: single-user mode, loopback only")
     serve.add_argument("--adapter-root", default=None, metavar="DIR",
                        help="folder that adapters loaded by path must be inside")
-    serve.add_argument("--upload-dir", default=None, metavar="DIR",
-                       help="where uploaded adapters are kept while the server runs (default: a temporary folder)")
+    serve.add_argument("--adapter-store", default=None, metavar="DIR",
+                       help="where the adapters loaded through the API are kept (uploads' files; path loads by "
+                            "their path in --adapter-root) and restored from at start; one server at a time "
+                            "(default: adapter-store in the slora cache, $SLORA_CACHE or ~/.cache/slora)")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="allow single-user mode (no API keys) on a non-loopback address")
     serve.add_argument("--metrics-require-key", action="store_true",
@@ -193,7 +206,7 @@ def serve_settings(args: argparse.Namespace) -> "ServerSettings":
     from slora.api.settings import ServerSettings, parse_lora_module
     limits = {field: getattr(args, field) for _, field, _, _ in SERVE_LIMITS if hasattr(args, field)}
     return ServerSettings(host=args.host, port=args.port, tenants_file=args.tenants, adapter_root=args.adapter_root,
-                          upload_dir=args.upload_dir, allow_unauthenticated=args.allow_unauthenticated,
+                          adapter_store=args.adapter_store, allow_unauthenticated=args.allow_unauthenticated,
                           metrics_require_key=args.metrics_require_key,
                           lora_modules=tuple(parse_lora_module(item) for item in args.lora_modules),
                           enable_lora_resolver=args.enable_lora_resolver,

@@ -89,10 +89,21 @@ def write_tenants(folder: Path, tenants: dict[str, dict]) -> Path:
     return path
 
 
+def adapter_files(adapter_root: Path, source: str) -> dict:
+    """The two PEFT files of a test adapter, as the `files` of an upload."""
+    folder = adapter_root / source
+    return {"adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
+            "adapter_model": ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes())}
+
+
 def start_server(log_dir: Path, *args: str, model: str | None = BASE_MODEL) -> Server:
-    """`slora serve` of `model` (None: the default model) with `args`, once it answers /health."""
+    """`slora serve` of `model` (None: the default model) with `args`, once it answers /health. Unless `args`
+    name one, the server has an adapter store of its own in `log_dir`, never the user's cache: no test
+    shares adapters with another, or with a server of the user's."""
     port = free_port()
     model_args = [] if model is None else ["--model", model]
+    if "--adapter-store" not in args:
+        args = (*args, "--adapter-store", str(log_dir / f"adapter-store-{port}"))
     log_path = log_dir / f"server-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:

@@ -471,7 +471,7 @@ def test_cancelled_work_stops_between_prompts():
 
 # ---- engine failures of one request --------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def failing_app():
+def failing_app(tmp_path_factory):
     """An in-process server whose engine fails every request it runs with `mode["code"]` (as the engine does
     when an adapter's files changed, or a fault hits one request); None lets requests run normally."""
     engine = Engine(EngineConfig(TINY_MODEL, num_pages=64))
@@ -484,7 +484,8 @@ def failing_app():
             return outputs
         return [fail(engine, out, mode["code"]) for out in outputs]
     engine.step = step
-    with TestClient(create_app(engine, ServerSettings()), raise_server_exceptions=False) as client:
+    settings = ServerSettings(adapter_store=str(tmp_path_factory.mktemp("adapter-store")))
+    with TestClient(create_app(engine, settings), raise_server_exceptions=False) as client:
         yield client, mode, engine
 
 

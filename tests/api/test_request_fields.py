@@ -32,7 +32,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(tmp_path_factory):
     """(client, records, engine): records gets (prompt ids, SamplingParams) of every engine request."""
     engine = Engine(EngineConfig(TINY_MODEL, num_pages=64))
     engine.tokenizer.chat_template = TEMPLATE
@@ -43,7 +43,8 @@ def app():
         records.append((list(prompt), params))
         return real_add(request_id, prompt, params, *args, **kwargs)
     engine.add_request = add_request
-    with TestClient(create_app(engine, ServerSettings()), raise_server_exceptions=False) as client:
+    settings = ServerSettings(adapter_store=str(tmp_path_factory.mktemp("adapter-store")))
+    with TestClient(create_app(engine, settings), raise_server_exceptions=False) as client:
         yield client, records, engine
 
 

@@ -22,7 +22,7 @@ MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
 @pytest.fixture(scope="module")
-def app():
+def app(tmp_path_factory):
     """(client, finals, engine): finals maps engine request ids to their final RequestOutput."""
     engine = Engine(EngineConfig(TINY_MODEL, num_pages=128))
     finals: dict = {}
@@ -33,7 +33,8 @@ def app():
         finals.update((out.request_id, out) for out in outputs if out.finished)
         return outputs
     engine.step = step
-    with TestClient(create_app(engine, ServerSettings()), raise_server_exceptions=False) as client:
+    settings = ServerSettings(adapter_store=str(tmp_path_factory.mktemp("adapter-store")))
+    with TestClient(create_app(engine, settings), raise_server_exceptions=False) as client:
         yield client, finals, engine
 
 

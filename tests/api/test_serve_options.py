@@ -161,12 +161,24 @@ def test_resolver_refuses_what_is_not_a_folder_inside_the_root(server):
         response = post(server, "acme", model)
         assert response.status_code == 404, (model, response.text)
         assert response.json()["error"]["code"] == "model_not_found"
-    broken = post(server, "acme", "broken")
-    assert broken.status_code == 400 and broken.json()["error"]["param"] == "model", broken.text
-    assert "999" in broken.json()["error"]["message"]
-    assert_error_shape(broken.json(), 400)
     assert registrations(server) == before
     assert not {"escape", "broken"} & set(names(server, "ops", "/v1/adapters"))
+
+
+def test_resolver_answers_a_tenant_one_404_and_tells_the_reason_to_admins_and_the_log(server):
+    """A tenant cannot tell a folder with invalid files from no folder at all: the root's contents stay unknown to
+    it. An admin gets the reason, and so does the log."""
+    missing, broken = post(server, "acme", "no-such-adapter"), post(server, "acme", "broken")
+    assert missing.status_code == broken.status_code == 404, broken.text
+    assert broken.json()["error"]["code"] == missing.json()["error"]["code"] == "model_not_found"
+    assert broken.json()["error"]["message"] == missing.json()["error"]["message"].replace("no-such-adapter", "broken")
+    assert "999" not in broken.text
+    as_admin = post(server, "ops", "broken")
+    assert as_admin.status_code == 400 and as_admin.json()["error"]["param"] == "model", as_admin.text
+    assert "999" in as_admin.json()["error"]["message"]
+    assert_error_shape(as_admin.json(), 400)
+    assert "resolver: adapter broken not loaded for acme" in server.log()
+    assert "broken" not in names(server, "ops", "/v1/adapters")
 
 
 def test_resolved_adapters_are_the_tenants_own(server, root):
@@ -184,9 +196,10 @@ def test_resolved_adapters_are_the_tenants_own(server, root):
 def test_resolver_keeps_the_tenants_adapter_quota(server):
     assert post(server, "globex", "quota-one").status_code == 200
     refused = post(server, "globex", "quota-two")
-    assert refused.status_code == 403, refused.text
-    assert refused.json()["error"]["code"] == "adapter_quota_exceeded"
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found", refused.text
+    assert "max_adapters" not in refused.text
     assert "quota-two" not in names(server, "globex", "/v1/adapters")
+    assert "resolver: adapter quota-two not loaded for globex" in server.log()
 
 
 def test_concurrent_first_requests_load_the_adapter_once(server, offline):

@@ -6,7 +6,9 @@ Every request opens a connection of its own (httpx.request, or a raw socket for 
 so that no idle keep-alive connection of one test counts against the connection cap of another."""
 import dataclasses
 import http.client
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import BASE_MODEL, assert_error_shape, start_server, write_tenants
+from conftest import BASE_MODEL, adapter_files, assert_error_shape, start_server, write_tenants
 from slora.api.settings import ServerSettings
 from slora.api.tenants import hash_key
 from slora.cli import SERVE_LIMITS, build_parser, serve_settings
@@ -35,24 +37,27 @@ PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
-def upload_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("uploads")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("adapter-store")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, adapter_root, upload_dir):
+def server(tmp_path_factory, adapter_root, store):
     folder = tmp_path_factory.mktemp("limits")
     tenants = write_tenants(folder, {"ops": {"key": KEYS["ops"], "role": "admin"},
                                      "acme": {"key": KEYS["acme"], "max_adapter_bytes": ACME_QUOTA},
                                      "tiny": {"key": KEYS["tiny"], "max_adapter_bytes": TINY_QUOTA}})
-    srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root), "--upload-dir",
-                       str(upload_dir), "--metrics-require-key", "--max-body-bytes", str(MAX_BODY),
+    srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root), "--adapter-store",
+                       str(store), "--metrics-require-key", "--max-body-bytes", str(MAX_BODY),
                        "--max-upload-bytes", str(MAX_UPLOAD), "--max-adapter-bytes", str(SERVER_QUOTA),
                        "--timeout-header", str(HEADER_S), "--timeout-body-idle", str(BODY_IDLE_S),
                        "--timeout-keep-alive", str(KEEP_ALIVE_S), "--max-connections", str(MAX_CONNECTIONS))
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
-    assert list(upload_dir.iterdir()) == []          # this run's uploads went with it
+    # The uploads still loaded stay for the next start, each named by the store's registry; no other is left.
+    registry = json.loads((store / "registry.json").read_text())["adapters"]
+    on_disk = {folder.relative_to(store).as_posix() for folder in store.glob("uploads/*/*")}
+    assert on_disk == {entry["upload"] for entry in registry if entry["upload"]} and on_disk
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
@@ -99,18 +104,13 @@ def closed_within(sock: socket.socket, limit_s: float, drip: bytes | None = None
     raise AssertionError(f"the server kept the connection open for {limit_s} s")
 
 
-def adapter_files(adapter_root: Path, source: str) -> dict:
-    folder = adapter_root / source
-    return {"adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
-            "adapter_model": ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes())}
-
-
 def upload(server, key: str, name: str, adapter_root: Path, source: str) -> httpx.Response:
     return call(server, "POST", "/v1/adapters", key, data={"name": name}, files=adapter_files(adapter_root, source))
 
 
-def folders(upload_dir: Path, namespace: str) -> list[Path]:
-    return sorted(upload_dir.glob(f"slora-uploads-*/{namespace}/*"))
+def folders(store: Path, namespace: str) -> list[Path]:
+    """The namespace's upload folders in the adapter store."""
+    return sorted(store.glob(f"uploads/{namespace}/*"))
 
 
 def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
@@ -186,20 +186,20 @@ def test_a_bad_key_is_refused_before_the_body_is_read(server):
 
 
 # ---- 2. uploaded folders are deleted; per-tenant byte quotas ---------------------------------------------------
-def test_uploaded_folders_are_deleted_on_delete_and_replace(server, adapter_root, upload_dir):
+def test_uploaded_folders_are_deleted_on_delete_and_replace(server, adapter_root, store):
     assert upload(server, KEYS["ops"], "kept", adapter_root, "mlp-r8").status_code == 200
-    [first] = folders(upload_dir, "ops")
+    [first] = folders(store, "ops")
     assert upload(server, KEYS["ops"], "kept", adapter_root, "all-r16").status_code == 200   # a new version
     wait_until(lambda: not first.exists(), "the replaced version's folder to go")
-    [second] = folders(upload_dir, "ops")
+    [second] = folders(store, "ops")
     assert second != first and (second / "adapter_model.safetensors").is_file()
     assert call(server, "DELETE", "/v1/adapters/kept", KEYS["ops"]).status_code == 200
-    wait_until(lambda: folders(upload_dir, "ops") == [], "the deleted adapter's folder to go")
+    wait_until(lambda: folders(store, "ops") == [], "the deleted adapter's folder to go")
 
 
-def test_a_deleted_adapters_folder_stays_until_its_last_request_ends(server, adapter_root, upload_dir):
+def test_a_deleted_adapters_folder_stays_until_its_last_request_ends(server, adapter_root, store):
     assert upload(server, KEYS["ops"], "streaming", adapter_root, "attn-r4").status_code == 200
-    [folder] = folders(upload_dir, "ops")
+    [folder] = folders(store, "ops")
     body = {"model": "streaming", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEYS['ops']}"},
@@ -211,37 +211,78 @@ def test_a_deleted_adapters_folder_stays_until_its_last_request_ends(server, ada
     wait_until(lambda: not folder.exists(), "the folder to go once the stream was closed")
 
 
-def test_byte_quota_per_tenant(server, adapter_root, upload_dir):
+def test_byte_quota_per_tenant(server, adapter_root, store):
     assert upload(server, KEYS["acme"], "one", adapter_root, "attn-r4").status_code == 200     # 67,840 B
     assert upload(server, KEYS["acme"], "two", adapter_root, "mlp-r8").status_code == 200      # 224,722 B in all
     over = error_of(upload(server, KEYS["acme"], "three", adapter_root, "attn-r4"), 403)
     assert over["code"] == "adapter_quota_exceeded"
     assert f"at most {ACME_QUOTA} bytes" in over["message"] and "max_adapter_bytes" in over["message"]
-    assert len(folders(upload_dir, "acme")) == 2                    # the refused upload left nothing
+    assert len(folders(store, "acme")) == 2                    # the refused upload left nothing
     by_path = call(server, "POST", "/v1/adapters", KEYS["acme"], json={"name": "four", "path": "attn-r4"})
     assert error_of(by_path, 403)["code"] == "adapter_quota_exceeded"       # path loads count as well
     # Replacing an adapter frees its bytes: mlp-r8 -> attn-r4 under "two" fits.
     assert upload(server, KEYS["acme"], "two", adapter_root, "attn-r4").status_code == 200
-    wait_until(lambda: len(folders(upload_dir, "acme")) == 1, "the replaced folder (and the duplicate) to go")
+    wait_until(lambda: len(folders(store, "acme")) == 1, "the replaced folder (and the duplicate) to go")
     listed = {a["name"] for a in call(server, "GET", "/v1/adapters", KEYS["acme"]).json()["data"]}
     assert {"one", "two"} <= listed and "three" not in listed
 
 
-def test_an_upload_declared_over_the_quota_is_refused_unread(server, upload_dir):
+def test_an_upload_declared_over_the_quota_is_refused_unread(server, store):
     status, headers, body = raw_request(server, head("POST", "/v1/adapters", KEYS["tiny"],
                                                      "multipart/form-data; boundary=x", 70_000))
     assert status == 403 and b"max_adapter_bytes" in body and str(TINY_QUOTA).encode() in body
     assert headers["connection"] == "close"
-    assert folders(upload_dir, "tiny") == []
+    assert folders(store, "tiny") == []
 
 
-def test_an_upload_without_a_length_is_411_for_a_tenant_with_a_byte_quota(server, upload_dir):
+def test_an_upload_without_a_length_is_411_for_a_tenant_with_a_byte_quota(server, store):
     """Without a Content-Length the whole upload (up to max_upload_bytes) would be spooled to disk before the
     quota could be checked; a tenant with a quota must say its size first."""
     request = head("POST", "/v1/adapters", KEYS["tiny"], "multipart/form-data; boundary=x", None)
     status, _, body = raw_request(server, request.replace("\n\n", "\nTransfer-Encoding: chunked\n\n"))
     assert status == 411 and b"Content-Length" in body and b"length_required" in body
-    assert folders(upload_dir, "tiny") == []
+    assert folders(store, "tiny") == []
+
+
+def test_a_path_load_over_the_quota_by_its_file_sizes_is_refused_before_reading(server, adapter_root):
+    """The quota is checked from the files' sizes on disk: a sparse 64 GiB weights file would take minutes to
+    read (and then be refused); it is refused at once."""
+    huge = adapter_root / "sparse-huge"
+    huge.mkdir()
+    try:
+        (huge / "adapter_config.json").write_bytes((adapter_root / "attn-r4" / "adapter_config.json").read_bytes())
+        with open(huge / "adapter_model.safetensors", "wb") as weights:
+            weights.truncate(64 * 2 ** 30)
+        began = time.monotonic()
+        refused = call(server, "POST", "/v1/adapters", KEYS["acme"], json={"name": "huge", "path": "sparse-huge"})
+        assert time.monotonic() - began < SLACK_S
+        assert error_of(refused, 403)["code"] == "adapter_quota_exceeded"
+        assert str(ACME_QUOTA) in refused.json()["error"]["message"]
+    finally:
+        shutil.rmtree(huge)
+
+
+def test_concurrent_uploads_of_one_tenant_spool_at_most_its_quota(server):
+    """Each upload's declared length counts against the tenant's quota while its body arrives: two uploads that
+    fit alone but not together cannot both spool to disk."""
+    half = ACME_QUOTA * 3 // 5
+    with socket.create_connection(address(server), timeout=60) as first:
+        first.sendall(head("POST", "/v1/adapters", KEYS["acme"], "multipart/form-data; boundary=x", half).encode()
+                      + b"--x\r\n")
+        def second() -> tuple[int, bytes]:
+            status, _, body = raw_request(server, head("POST", "/v1/adapters", KEYS["acme"],
+                                                       "multipart/form-data; boundary=x", half))
+            return status, body
+        wait_until(lambda: second()[0] == 403, "the first upload to be counted")
+        status, body = second()
+        assert b"being received" in body and str(ACME_QUOTA).encode() in body, body
+    junk = b'--x\r\nContent-Disposition: form-data; name="junk"\r\n\r\n'
+    form = junk + b"a" * (half - len(junk) - 9) + b"\r\n--x--\r\n"
+
+    def after() -> int:           # the first one's count is released once the server sees it gone
+        return raw_request(server, head("POST", "/v1/adapters", KEYS["acme"], "multipart/form-data; boundary=x",
+                                        len(form)), form)[0]
+    wait_until(lambda: after() == 400, "the first upload's bytes to be released")
 
 
 # ---- 3. path errors are 400s -----------------------------------------------------------------------------------
@@ -345,7 +386,7 @@ def test_a_taken_port_is_a_clear_error_before_the_model_loads():
 
 # ---- 9. a CLI flag for every limit ---------------------------------------------------------------------------
 def test_every_server_setting_has_a_flag_forwarded_into_the_settings(tmp_path):
-    not_limits = {"host", "port", "tenants_file", "adapter_root", "upload_dir", "allow_unauthenticated",
+    not_limits = {"host", "port", "tenants_file", "adapter_root", "adapter_store", "allow_unauthenticated",
                   "metrics_require_key", "lora_modules", "enable_lora_resolver", "served_model_names",
                   "enable_auto_tool_choice", "tool_call_parser"}
     fields = {f.name: f for f in dataclasses.fields(ServerSettings)}
