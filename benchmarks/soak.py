@@ -3,8 +3,10 @@
 The mix: completions and chats on the base model and on adapters (streamed or not, n > 1, stop strings,
 seeds), clients that leave in the middle of a stream or before the answer, adapters loaded and unloaded while
 requests use them, and hostile requests (out-of-range numbers, huge lists, broken JSON, lone surrogates, other
-tenants' adapters, bad keys, path traversal). It counts answers by status and asserts nothing itself; the
-test (tests/api/test_chaos.py) and the command line report read the result:
+tenants' adapters, bad keys, path traversal, structured-output compile bombs, choice bombs and ambiguous
+grammars), and beside it a flood of connections that send nothing from 127.0.0.2 (IdleFlood). It counts
+answers by status and asserts nothing itself; the test (tests/api/test_chaos.py) and the command line report
+read the result:
 
     python benchmarks/soak.py --url http://127.0.0.1:8000 --requests 2000 --adapters attn-r4,mlp-r8 \
         --adapter-path attn-r4 --key KEY --admin-key ADMIN_KEY
@@ -14,14 +16,20 @@ its idle counts afterwards is a failure; the exit status says whether there was 
 """
 import argparse
 import asyncio
+import contextlib
+import errno
 import json
 import logging
 import random
+import selectors
+import socket
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -57,6 +65,22 @@ def _many(kind: str, count: int) -> str:
                        "messages": [{"role": "user", "content": "a"}] * count})
 
 
+def _structured(kind: str) -> str:
+    """A structured-output attack: a regex that compiles for minutes (cut off by the compile timeout), a choice
+    list over the byte bound, and a grammar whose per-token work grows as the cube of the output (ended by the
+    per-token budget once min_tokens makes it grow)."""
+    body: dict = {"model": "%(model)s", "prompt": "hi", "max_tokens": 2}
+    if kind == "compile-bomb":
+        body["structured_outputs"] = {"regex": "(a*)" * 1000}
+    elif kind == "choice-bomb":
+        body["structured_outputs"] = {"choice": [f"{i:04d}" + "x" * 1020 for i in range(80)]}
+    else:
+        body.update(max_tokens=300, min_tokens=300,
+                    structured_outputs={"grammar": 'root ::= s\ns ::= s s s | s s | "a" | "aa" | ""'})
+    return json.dumps(body)
+
+
+HOSTILE_BODIES += [(kind, _structured(kind)) for kind in ("compile-bomb", "choice-bomb", "ambiguous-grammar")]
 HOSTILE_BODIES += [("many-prompts", _many("prompts", 50_000)), ("many-stop-ids", _many("stop_token_ids", 100_000)),
                    ("nested-json", _many("nested", 50_000)), ("many-messages", _many("messages", 50_000))]
 
@@ -73,6 +97,7 @@ class SoakConfig:
     concurrency: int = 12
     request_timeout_s: float = 300.0       # an answer later than this counts as a hang
     seed: int = 0
+    idle_flood: int = 96                   # connections from 127.0.0.2 that send nothing, during the soak (IdleFlood)
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.concurrency < 1:
@@ -89,6 +114,7 @@ class SoakResult:
     hangs: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     idle_pool: dict[str, float] = field(default_factory=dict)
+    idle_flood: dict[str, int] = field(default_factory=dict)   # IdleFlood.stats() of the flood beside the soak
 
     @property
     def requests(self) -> int:
@@ -98,7 +124,7 @@ class SoakResult:
         return {"requests": self.requests, "wall_s": round(self.wall_s, 2), "server_errors": self.server_errors,
                 "hangs": self.hangs, "statuses": dict(sorted(self.statuses.items())),
                 "hostile_cases": dict(sorted(self.hostile_cases.items())),
-                "idle_pool": self.idle_pool}
+                "idle_pool": self.idle_pool, "idle_flood": self.idle_flood}
 
 
 def _headers(key: str | None) -> dict[str, str]:
@@ -262,8 +288,99 @@ def wait_idle(url: str, key: str | None, timeout_s: float) -> dict[str, float] |
     return None
 
 
+class IdleFlood:
+    """Connections that send nothing, `per_source` from each of `sources` (addresses of 127/8, which Linux routes
+    over loopback, so the server sees other clients than 127.0.0.1), each reopened as soon as the server closes
+    it, at most `max_rate` opens a second (None: as fast as it can), on a thread of its own while the with block
+    runs. The server must keep serving its other clients as if nothing happened."""
+
+    def __init__(self, url: str, sources: list[str], per_source: int, max_rate: float | None = None) -> None:
+        parts = urlsplit(url)
+        self.address = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self.sources = sources
+        self.per_source = per_source
+        self.max_rate = max_rate
+        self.counts = Counter({"opened": 0, "closed_by_server": 0, "failed": 0})
+        self._open: Counter = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="idle-flood", daemon=True)
+        self._budget, self._refilled = 0.0, time.monotonic()
+
+    def __enter__(self) -> "IdleFlood":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counts, "open": sum(self._open.values())}
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        try:
+            while not self._stop.is_set():
+                self._top_up(selector)
+                for key, _ in selector.select(timeout=0.02):
+                    self._read(selector, key.fileobj, key.data)
+        finally:
+            for key in list(selector.get_map().values()):
+                key.fileobj.close()
+            selector.close()
+
+    def _top_up(self, selector: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        if self.max_rate is not None:
+            self._budget = min(self.max_rate, self._budget + (now - self._refilled) * self.max_rate)
+            self._refilled = now
+        for source in self.sources:
+            while self._open[source] < self.per_source and (self.max_rate is None or self._budget >= 1):
+                self._budget -= 1
+                self._connect(selector, source)
+
+    def _connect(self, selector: selectors.BaseSelector, source: str) -> None:
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            sock.bind((source, 0))
+            error = sock.connect_ex(self.address)
+        except OSError:
+            error = -1
+        if error not in (0, errno.EINPROGRESS):
+            sock.close()
+            self.counts["failed"] += 1
+            return
+        selector.register(sock, selectors.EVENT_READ, source)
+        self._open[source] += 1
+        self.counts["opened"] += 1
+
+    def _read(self, selector: selectors.BaseSelector, sock: socket.socket, source: str) -> None:
+        try:
+            if sock.recv(4096):
+                return                                 # an answer: read on until the server closes
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        selector.unregister(sock)
+        sock.close()
+        self._open[source] -= 1
+        self.counts["closed_by_server"] += 1
+
+
+def _flood_beside(config: SoakConfig) -> IdleFlood | contextlib.nullcontext:
+    """The idle flood that runs beside the soak's clients: from 127.0.0.2 against a server on 127.0.0.1, more
+    connections than one address may hold idle (64 by default), reopened at most 200 times a second."""
+    if config.idle_flood < 1 or urlsplit(config.url).hostname != "127.0.0.1":
+        return contextlib.nullcontext()
+    return IdleFlood(config.url, ["127.0.0.2"], config.idle_flood, max_rate=200)
+
+
 def soak(config: SoakConfig, idle_timeout_s: float = 120.0) -> SoakResult:
-    result = asyncio.run(Soak(config).run())
+    with _flood_beside(config) as flood:
+        result = asyncio.run(Soak(config).run())
+    result.idle_flood = flood.stats() if flood is not None else {}
     idle = wait_idle(config.url, config.admin_key or config.keys[0], idle_timeout_s)
     result.idle_pool = {} if idle is None else {k: v for k, v in idle.items() if k.startswith("slora_pool")}
     return result
@@ -280,12 +397,14 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--idle-flood", type=int, default=96,
+                        help="connections from 127.0.0.2 that send nothing, held during the soak (server on 127.0.0.1)")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     config = SoakConfig(args.url, args.key or [None], args.admin_key, args.base_model,
                         [a for a in args.adapters.split(",") if a], args.adapter_path, args.requests,
-                        args.concurrency, seed=args.seed)
+                        args.concurrency, seed=args.seed, idle_flood=args.idle_flood)
     result = soak(config)
     report = result.as_dict()
     if args.out:

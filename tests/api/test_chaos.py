@@ -1,9 +1,11 @@
 """A bounded chaos soak (benchmarks/soak.py) against a real server with tenants: base and adapter requests,
-random client aborts, n and stop, adapter loads and unloads, and hostile requests, all at once. No answer
-may be a server error, none may hang, and the pool must return to its idle counts."""
+random client aborts, n and stop, adapter loads and unloads, hostile requests (structured-output attacks among
+them) and a flood of idle connections, all at once. No answer may be a server error, none may hang, the pool
+must return to its idle counts, and the server's memory must not keep what the attacks made it hold."""
 import json
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,6 +14,16 @@ from conftest import BASE_MODEL, SOAK, TEST_ADAPTERS, start_server, write_tenant
 
 KEYS = {"ops": "chaos-admin-key", "alpha": "chaos-alpha-key", "beta": "chaos-beta-key"}
 SOAK_REQUESTS = 500
+MAX_RSS_GROWTH = 300 * 2 ** 20
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of the server's own process (the grammar compile workers are processes of their own,
+    recycled after a compile over budget)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +32,8 @@ def server(tmp_path_factory, adapter_root):
     tenants = write_tenants(folder, {"ops": {"key": KEYS["ops"], "role": "admin"},
                                      "alpha": {"key": KEYS["alpha"], "max_concurrent": 4, "max_queued": 64},
                                      "beta": {"key": KEYS["beta"]}})
-    srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root))
+    srv = start_server(folder, "--tenants", str(tenants), "--adapter-root", str(adapter_root),
+                       "--grammar-compile-timeout", "2")
     with srv.http(KEYS["ops"]) as admin:            # adapters every tenant may use
         for name in TEST_ADAPTERS:
             response = admin.post("/v1/adapters", json={"name": name, "path": name, "public": True})
@@ -30,7 +43,17 @@ def server(tmp_path_factory, adapter_root):
 
 
 @pytest.fixture(scope="module")
-def soak_result(server):
+def rss_before(server) -> int:
+    """The server's memory before the soak, once warm: the first requests build caches that stay anyway."""
+    with server.http(KEYS["beta"]) as http:
+        for body in ({"prompt": "hi"}, {"prompt": "hi", "structured_outputs": {"choice": ["yes", "no"]}}):
+            response = http.post("/v1/completions", json={"model": BASE_MODEL, "max_tokens": 2, **body})
+            assert response.status_code == 200, response.text
+    return rss_bytes(server.process.pid)
+
+
+@pytest.fixture(scope="module")
+def soak_result(server, rss_before):
     config = SOAK.SoakConfig(server.url, [KEYS["alpha"], KEYS["beta"]], KEYS["ops"], BASE_MODEL, TEST_ADAPTERS,
                              TEST_ADAPTERS[:2], requests=SOAK_REQUESTS, seed=7)
     return SOAK.soak(config)
@@ -58,6 +81,19 @@ def test_pool_returns_to_idle_and_server_still_serves(server, soak_result):
         assert response.status_code == 200, response.text
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
     assert "Traceback" not in server.log()
+
+
+def test_structured_attacks_and_the_idle_flood_ran_and_were_refused(soak_result):
+    cases = soak_result.hostile_cases
+    for attack in ("compile-bomb", "choice-bomb", "ambiguous-grammar"):
+        seen = {key: n for key, n in cases.items() if key.startswith(f"{attack}:")}
+        assert seen and all(400 <= int(key.split(":")[1]) < 500 for key in seen), (attack, seen)
+    assert soak_result.idle_flood["opened"] >= 96 and soak_result.idle_flood["failed"] == 0, soak_result.idle_flood
+
+
+def test_server_memory_after_the_soak_stays_near_before(server, rss_before, soak_result):
+    grown = rss_bytes(server.process.pid) - rss_before
+    assert grown < MAX_RSS_GROWTH, f"the server kept {grown / 2 ** 20:.0f} MiB after the soak"
 
 
 def test_a_bad_key_with_a_body_still_arriving_gets_a_readable_401(server):
