@@ -5,6 +5,10 @@ FastAPI documents only what it parses itself, so the schema it builds lacks the 
 this server never gives: validation errors are 400s) and the media types of answers built by hand (server-sent
 events, Prometheus text). The table below says, per operation, what it answers; `install_openapi` merges it
 into the generated schema once, on the first request for it.
+
+The request models' schemas are pydantic's own, which replace FastAPI's copies: FastAPI writes bounds as floats
+(a seed's int64 bound 2**63 - 1 becomes 9.223372036854776e18, which is 2**63), and pydantic's carry the rules
+across fields (each model's allOf, from its schema_rules) exactly as api/protocol.py states them.
 """
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,10 +24,14 @@ from slora.api.adapter_admin import CONFIG_FILE, WEIGHTS_FILE
 from slora.api.protocol import (
     AdapterLoadRequest,
     AdapterName,
+    ChatCompletionRequest,
+    CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     Name,
     TokenizeChatRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 
 REF = "#/components/schemas/{model}"
@@ -266,8 +274,9 @@ _KEYED = _ANY + (401,)
 _PARSED = _KEYED + (400,)
 _GENERATION = _PARSED + (404, 409, 429)
 _METRICS = ("get", "/metrics")
-# /tokenize takes a prompt or chat messages (told apart by `messages`).
-_TOKENIZE_BODY = MappingProxyType({"anyOf": [{"$ref": REF.format(model=model.__name__)}
+# /tokenize takes a prompt or chat messages, told apart by `messages` (the prompt form's schema refuses it): one
+# form, never both.
+_TOKENIZE_BODY = MappingProxyType({"oneOf": [{"$ref": REF.format(model=model.__name__)}
                                              for model in (TokenizeRequest, TokenizeChatRequest)]})
 OPERATIONS: Mapping[tuple[str, str], OperationDoc] = MappingProxyType({
     ("post", "/v1/completions"): OperationDoc(_GENERATION, ((JSON, Completion), (SSE, ServerSentEvent))),
@@ -310,7 +319,8 @@ _RETRY_AFTER = MappingProxyType({"Retry-After": {"description": "seconds to wait
                                                  "schema": {"type": "integer"}}})
 _DOC_MODELS = (ErrorResponse, Completion, ChatCompletion, ServerSentEvent, ModelList, AdapterList, AdapterDeleted,
                Health, AdapterLoadRequest, AdapterUpload, TokenizeRequest, TokenizeChatRequest, DetokenizeRequest,
-               Tokenized, Detokenized, TokenizerInfo, Version)
+               Tokenized, Detokenized, TokenizerInfo, Version, CompletionRequest, ChatCompletionRequest,
+               LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
 _UPLOAD_ENCODING = MappingProxyType({CONFIG_FILE: {"contentType": JSON},
                                      WEIGHTS_FILE: {"contentType": "application/octet-stream"}})
 

@@ -34,11 +34,20 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
 from slora.api import tool_calls
 from slora.outputs import TokenLogprob
-from slora.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED, MAX_TOP_K, MIN_SEED
+from slora.sampling_params import (
+    FLOAT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_SEED,
+    MAX_TOP_K,
+    MIN_SEED,
+)
 from slora.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -124,6 +133,14 @@ def schema_text(value: Any) -> str:  # noqa: ANN401 - a JSON schema given as an 
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+def _keys_matching(pattern: str) -> Callable[[JsonDict], None]:
+    """json_schema_extra of a dict whose keys match `pattern`: pydantic states a key pattern only as
+    patternProperties, which admit keys that do not match it (validation refuses them)."""
+    def extra(schema: JsonDict) -> None:
+        schema["propertyNames"] = {"pattern": pattern}
+    return extra
+
+
 VALID_UNICODE = BeforeValidator(_valid_unicode)
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), VALID_UNICODE]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), VALID_UNICODE]
@@ -136,18 +153,22 @@ AdapterName = Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN,
 AdapterPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS), VALID_UNICODE]
 PromptText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS), VALID_UNICODE]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), VALID_UNICODE]
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+IN_VOCABULARY = "below the model's vocabulary size (vocab_size of /tokenizer_info), known only at run time"
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX, description=f"A token id {IN_VOCABULARY}.")]
 TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
 NEUTRAL_ONLY = "Not supported yet: only the neutral value shown is accepted."
 IGNORED = "Accepted and ignored: it does not change the answer."
 Spec = Annotated[str, Field(min_length=1, max_length=MAX_SPEC_CHARS), VALID_UNICODE]
-JsonObject = Annotated[dict[str, Any], AfterValidator(_bounded_json)]
+JsonObject = Annotated[dict[str, Any], Field(description=f"Nested at most {MAX_JSON_DEPTH} levels deep."),
+                       AfterValidator(_bounded_json)]
 # A JSON schema: an object, or (vLLM's guided_json) JSON text of one.
 SchemaValue = Annotated[
     Annotated[JsonObject, Tag("object")] | Annotated[Spec, Tag("string")],
     Discriminator(lambda v: "object" if isinstance(v, dict) else "string" if isinstance(v, str) else None,
                   custom_error_type="invalid_schema",
                   custom_error_message="must be a JSON schema: an object, or a string of JSON text of one"),
+    Field(description=f"A JSON schema: an object, or a string of JSON text of one; nested at most {MAX_JSON_DEPTH} "
+                      "levels deep."),
     AfterValidator(lambda value: schema_text(value) and value)]
 
 
@@ -168,9 +189,10 @@ GuidedChoices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
 # OpenAI sends logit_bias with token ids as JSON object keys, so as strings of digits.
-LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+TOKEN_ID_KEY = r"^[0-9]{1,10}$"
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)],
                            Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]],
-                      Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
+                      Field(max_length=MAX_LOGIT_BIAS_ENTRIES, json_schema_extra=_keys_matching(TOKEN_ID_KEY))]
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64), VALID_UNICODE],
                           Annotated[str, Field(max_length=512), VALID_UNICODE]], Field(max_length=MAX_METADATA)]
 
@@ -210,6 +232,37 @@ Stop = Annotated[
                   custom_error_message="must be a string or a list of strings")]
 
 
+# ---- rules across fields, stated in the schema ------------------------------------------------------------
+# The validators below and the service (api/serving.py) refuse some combinations of fields. The schema states
+# each one JSON Schema can express as an entry of the model's allOf, described in plain words, so that a client
+# generated from the schema sends none of them; the rest (those that compare two values, or depend on the
+# model or the server's settings) are stated in the fields' descriptions.
+def given(field: str, value: dict[str, Any] | None = None) -> dict[str, Any]:
+    """JSON Schema of a body with `field` present and not null (and matching `value`, when given)."""
+    return {"required": [field], "properties": {field: {"not": {"type": "null"}} if value is None else value}}
+
+
+def never_both(first: dict[str, Any], second: dict[str, Any], description: str) -> dict[str, Any]:
+    """The rule that no body matches both `first` and `second`."""
+    return {"description": description, "not": {"allOf": [first, second]}}
+
+
+def implies(condition: dict[str, Any], consequence: dict[str, Any], description: str) -> dict[str, Any]:
+    """The rule that a body matching `condition` matches `consequence`. The condition must require its fields
+    (as given() does): `properties` alone holds for a body without them."""
+    return {"description": description, "if": condition, "then": consequence}
+
+
+def at_most_one(conditions: list[dict[str, Any]], description: str) -> dict[str, Any]:
+    """oneOf holds for exactly one branch: none of the conditions, or one of them, never two."""
+    return {"description": description, "oneOf": [{"not": {"anyOf": conditions}}, *conditions]}
+
+
+def _stated_rules(schema: JsonDict, model: type[Any]) -> None:
+    """json_schema_extra of the request models: their schema_rules() as the allOf of their schema."""
+    schema["allOf"] = model.schema_rules()
+
+
 class Tolerant(BaseModel):
     """A request body whose unknown fields are ignored, with a warning naming them (as vLLM does): a client
     that sends a field newer than this server still works, and the log says what was not understood."""
@@ -237,12 +290,17 @@ class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: Name = "response"
     description: Text | None = None
-    schema_: SchemaValue | None = Field(None, alias="schema")
+    schema_: SchemaValue | None = Field(None, alias="schema", description="Without it, any JSON object.")
     strict: bool | None = None
 
 
+def _response_format_rules(schema: JsonDict) -> None:
+    schema["allOf"] = [implies(given("type", {"const": "json_schema"}), given("json_schema"),
+                               'type "json_schema" needs json_schema')]
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_response_format_rules)
     type: Annotated[Literal["text", "json_object", "json_schema"],
                     _not_supported('"text", "json_object" or "json_schema"')]
     json_schema: JsonSchemaFormat | None = None
@@ -255,8 +313,8 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object. Backend options
-    (disable_any_whitespace, ...) are ignored."""
+    """vLLM's `structured_outputs`: at most one of json, regex, choice, grammar and json_object (true), and not
+    with another structured output of the request. Backend options (disable_any_whitespace, ...) are ignored."""
 
     model_config = ConfigDict(extra="ignore")
     json_: SchemaValue | None = Field(None, alias="json")
@@ -276,38 +334,55 @@ def structured_output(kind: str, spec: Any) -> StructuredOutput:  # noqa: ANN401
     return StructuredOutput(kind, spec)  # type: ignore[arg-type]  # kind is one of STRUCTURED_KINDS here
 
 
+STRUCTURED_FIELDS = ("response_format (json_object or json_schema), guided_json, guided_regex, guided_choice, "
+                     "guided_grammar, structured_outputs' json, regex, choice, grammar or json_object (true)")
+# What the descriptions say of the limits the server's settings set (api/settings.py, `slora serve` flags).
+MAX_TOKENS_RULE = ("At most the server's --max-tokens-limit, and the prompt's tokens plus max_tokens at most the "
+                   "model's context (max_model_len of /v1/models).")
+
+
 class SamplingRequest(Tolerant):
     """Fields shared by completions and chat completions."""
 
+    # The allOf of the schema states the rules across fields (schema_rules).
+    model_config = ConfigDict(json_schema_extra=_stated_rules)
     model: ModelName
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="0: the prompt only (with echo and "
-                                                                          "logprobs, its loglikelihood).")
-    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="Wins over max_tokens.")
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+                                                                          "logprobs, its loglikelihood). "
+                                                                          + MAX_TOKENS_RULE)
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS,
+                                              description="Wins over max_tokens. " + MAX_TOKENS_RULE)
+    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1, le=MAX_N, description="At most the server's --max-n; the prompts times n (or best_of) at "
+                                                  "most its --max-choices.")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="That many samples run; the n with the highest "
-                                                                  "cumulative logprob are returned. Not with stream.")
-    stop: Stop | None = None
+                                                                  "cumulative logprob are returned. At least n, at "
+                                                                  "most the server's --max-n; with stream, at most "
+                                                                  "n.")
+    stop: Stop | None = Field(None, description="At most the server's --max-stop-sequences sequences of at most "
+                                                "--max-stop-length characters.")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
-                             description="Sample i of n uses seed + i, so seed + n - 1 must fit in int64 too.")
+                             description="Sample i uses seed + i, so seed + (best_of or n) - 1 must fit in int64 "
+                                         "too.")
     user: Name | None = None
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="Only with stream true.")
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: LogitBias | None = Field(None, description="Token id (as a string) -> bias added to its logit.")
+    logit_bias: LogitBias | None = Field(None, description="Token id (as a string) -> bias added to its logit. "
+                                                           f"The ids {IN_VOCABULARY}.")
     response_format: ResponseFormat | None = None
     # Extensions shared with vLLM.
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="0 or -1: no top-k filter.")
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False,
                                              description="1: none.")
-    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="At most max_tokens.")
     ignore_eos: bool | None = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     prompt_logprobs: Logprobs | None = Field(None, description="vLLM: logprobs of the prompt's tokens. Not with "
-                                                                "stream.")
+                                                                "stream true.")
     return_token_ids: bool | None = False    # add `token_ids` (and `prompt_token_ids`) to the choices
     return_tokens_as_token_ids: bool | None = Field(False, description='Tokens in logprobs as "token_id:<id>".')
     add_special_tokens: bool | None = Field(None, description="Default: true for completions, false for chat.")
@@ -337,6 +412,34 @@ class SamplingRequest(Tolerant):
     cache_salt: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
     kv_transfer_params: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
     vllm_xargs: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+
+    @classmethod
+    def schema_rules(cls) -> list[dict[str, Any]]:
+        """The rules across fields that the schema states: those checked of any body, and those checked
+        before generating."""
+        return [*cls.request_rules(), *cls.generation_rules()]
+
+    @classmethod
+    def request_rules(cls) -> list[dict[str, Any]]:
+        """Rules checked of every body (the validators, GenerationService.check_request)."""
+        streamed = given("stream", {"const": True})
+        return [implies(given("stream_options"), streamed, "stream_options only with stream true"),
+                never_both(streamed, given("prompt_logprobs"), "prompt_logprobs not with stream true")]
+
+    @classmethod
+    def generation_rules(cls) -> list[dict[str, Any]]:
+        """Rules checked only before generating (GenerationService's structured-output check)."""
+        return [at_most_one(cls.structured_sources(), f"At most one structured output: {STRUCTURED_FIELDS}")]
+
+    @classmethod
+    def structured_sources(cls) -> list[dict[str, Any]]:
+        """JSON Schema of each way of asking for a structured output, as structured_outputs_given finds them."""
+        response_format = {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
+        outputs = [given(name) for name in ("json", "regex", "choice", "grammar")]
+        outputs.append(given("json_object", {"const": True}))
+        return [given("response_format", response_format),
+                *(given(f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")),
+                *(given("structured_outputs", {"type": "object", **output}) for output in outputs)]
 
     @field_validator("best_of")
     @classmethod
@@ -390,9 +493,14 @@ class SamplingRequest(Tolerant):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Prompt
+    """A completion: its rules across fields are the allOf of this schema. Strings must be valid Unicode: a lone
+    surrogate (a \\ud800 escape without its pair) is refused."""
+
+    prompt: Prompt = Field(description=f"Token ids {IN_VOCABULARY}. Each prompt shorter than the model's context; "
+                                       "text at most the server's --max-prompt-chars characters together.")
     max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS, description="0: the prompt only (with echo and "
-                                                                        "logprobs, its loglikelihood).")
+                                                                        "logprobs, its loglikelihood). "
+                                                                        + MAX_TOKENS_RULE)
     echo: bool | None = Field(False, description="The prompt comes first in the text (and in logprobs).")
     logprobs: Logprobs | None = Field(None, description="Each token's logprob, and the this many most likely "
                                                         "tokens at each position.")
@@ -545,8 +653,10 @@ FunctionChoice = Annotated[
                   custom_error_message='must be "none", "auto" or {"name": ...}')]
 Document = Annotated[dict[Annotated[str, Field(max_length=MAX_NAME_CHARS)], Text],
                      Field(max_length=MAX_DOCUMENT_FIELDS)]
-TemplateKwargs = Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")], Any],
-                           Field(max_length=MAX_TEMPLATE_KWARGS), AfterValidator(_bounded_json)]
+TEMPLATE_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+TemplateKwargs = Annotated[dict[Annotated[str, Field(pattern=TEMPLATE_NAME)], Any],
+                           Field(max_length=MAX_TEMPLATE_KWARGS, json_schema_extra=_keys_matching(TEMPLATE_NAME)),
+                           AfterValidator(_bounded_json)]
 
 
 class Prediction(BaseModel):
@@ -557,8 +667,33 @@ class Prediction(BaseModel):
     content: Content
 
 
+def _forced_tool_choice() -> dict[str, Any]:
+    """JSON Schema of a chat body whose answer must be a call: tool_choice "required" or a named function, or
+    the legacy function_call a named function."""
+    return {"anyOf": [given("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]}),
+                      given("function_call", {"type": "object"})]}
+
+
+def _tool_rules() -> list[dict[str, Any]]:
+    """GenerationService's checks of tools: each legacy field instead of its new one, a forced call with tools."""
+    some_tools = {"anyOf": [given(field, {"type": "array", "minItems": 1}) for field in ("tools", "functions")]}
+    return [never_both(given("tools"), given("functions"),
+                       "tools and functions not both: functions is the deprecated form of tools"),
+            never_both(given("tool_choice"), given("function_call"),
+                       "tool_choice and function_call not both: function_call is the deprecated form of tool_choice"),
+            implies(_forced_tool_choice(), some_tools,
+                    'tool_choice "required" or a named function (or function_call a named function) needs tools '
+                    "(or functions)")]
+
+
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    """A chat completion: its rules across fields are the allOf of this schema. Strings must be valid Unicode: a
+    lone surrogate (a \\ud800 escape without its pair) is refused."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES,
+                                        description="Rendered shorter than the model's context; at most the "
+                                                    "server's --max-prompt-chars characters of text together (with "
+                                                    "tools, documents and chat_template_kwargs).")
     logprobs: bool | None = Field(False, description="Each output token's logprob.")
     top_logprobs: Logprobs | None = Field(None, description="With logprobs: this many most likely tokens per "
                                                             "position.")
@@ -569,11 +704,13 @@ class ChatCompletionRequest(SamplingRequest):
                           "tool_calls with --enable-auto-tool-choice.")
     tool_choice: ToolChoice | None = Field(
         None, description='"required" or a named function: the answer is made a call (structured output), '
-                          "returned in tool_calls; not with another structured output.")
+                          "returned in tool_calls; not with another structured output, and only with tools (or "
+                          "functions), among which a named function must be.")
     functions: Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="Legacy form of tools: taken as tools of type function.")
     function_call: FunctionChoice | None = Field(
-        None, description="Legacy form of tool_choice; the answer's call is also in message.function_call.")
+        None, description="Legacy form of tool_choice; the answer's call is also in message.function_call. A named "
+                          "function must be among the functions (or tools).")
     parallel_tool_calls: bool | None = Field(None, description='false: tool_choice "required" makes one call.')
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
         None, description="Passed to the chat template, which may use it.")
@@ -594,15 +731,35 @@ class ChatCompletionRequest(SamplingRequest):
     moderation: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
     # vLLM extensions.
     add_generation_prompt: bool = True
-    continue_final_message: bool | None = Field(False, description="The last message is left open for the model "
-                                                                   "to continue (add_generation_prompt false).")
-    chat_template_kwargs: TemplateKwargs | None = Field(None, description="More variables for the chat template.")
+    continue_final_message: bool | None = Field(False, description="The last message, which must be the "
+                                                                   "assistant's, is left open for the model to "
+                                                                   "continue (add_generation_prompt false).")
+    chat_template_kwargs: TemplateKwargs | None = Field(
+        None, description="More variables for the chat template; none may be named as a parameter of the template "
+                          "call itself (messages, tools, documents, tokenize, add_generation_prompt, "
+                          "continue_final_message, chat_template, ... and the tokenizer's apply_chat_template's).")
     documents: Annotated[list[Document], Field(max_length=MAX_DOCUMENTS)] | None = Field(
         None, description="Passed to the chat template (for retrieval-augmented templates).")
     include_reasoning: bool | None = Field(True, description=IGNORED)
     chat_template: Annotated[None, Field(description=NEUTRAL_ONLY + " The model's own template is used."),
                              _not_supported("null")] = None
     mm_processor_kwargs: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+
+    @classmethod
+    def request_rules(cls) -> list[dict[str, Any]]:
+        """SamplingRequest's, top_logprobs' validator and GenerationService's checks of chats and tools."""
+        return [*super().request_rules(),
+                implies(given("top_logprobs", {"type": "integer", "minimum": 1}), given("logprobs", {"const": True}),
+                        "top_logprobs above 0 needs logprobs true"),
+                implies(given("continue_final_message", {"const": True}),
+                        given("add_generation_prompt", {"const": False}),
+                        "continue_final_message true needs add_generation_prompt false"),
+                *_tool_rules()]
+
+    @classmethod
+    def structured_sources(cls) -> list[dict[str, Any]]:
+        """SamplingRequest's, and a forced tool choice: its call is a structured output of its own."""
+        return [*super().structured_sources(), _forced_tool_choice()]
 
     @field_validator("top_logprobs")
     @classmethod
@@ -683,11 +840,17 @@ class ChatCompletionRequest(SamplingRequest):
         return [*given, (self.tool_choice_param, structured_output("json_schema", schema))]
 
 
-class TokenizeRequest(Tolerant):
-    """vLLM's `POST /tokenize` body with a prompt."""
+def _prompt_form_rules(schema: JsonDict) -> None:
+    schema["allOf"] = [{"description": "Without messages: a body with messages is the chat form",
+                        "not": {"required": ["messages"]}}]
 
+
+class TokenizeRequest(Tolerant):
+    """vLLM's `POST /tokenize` body with a prompt (and without messages, which make it the chat form)."""
+
+    model_config = ConfigDict(json_schema_extra=_prompt_form_rules)
     model: ModelName | None = None
-    prompt: Text
+    prompt: Text = Field(description="At most the server's --max-prompt-chars characters.")
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
@@ -700,12 +863,19 @@ class TokenizeChatRequest(ChatCompletionRequest):
     model: ModelName | None = None  # type: ignore[assignment]
     return_token_strs: bool | None = False
 
+    @classmethod
+    def schema_rules(cls) -> list[dict[str, Any]]:
+        """Only the rules checked of every body: nothing is generated, so the structured output is not looked at
+        (as vLLM's /tokenize ignores it)."""
+        return cls.request_rules()
+
 
 class DetokenizeRequest(Tolerant):
-    """vLLM's `POST /detokenize` body."""
+    """vLLM's `POST /detokenize` body; model is optional (the tokenizer is the base model's)."""
 
     model: ModelName | None = None
-    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)] = Field(
+        description=f"Token ids {IN_VOCABULARY}.")
 
 
 class AdapterLoadRequest(BaseModel):

@@ -1,9 +1,14 @@
 """The OpenAPI schema at /openapi.json: plain checks of what it documents, and a bounded Schemathesis run of
 every operation against a real server, with an admin key, a tenant key and no key."""
+import copy
+import functools
+import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema_rs
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -45,7 +50,17 @@ def document(server) -> dict:
 
 @pytest.fixture(scope="module")
 def api_schema(server, document):
-    return schemathesis.openapi.from_dict(document)
+    return schemathesis.openapi.from_dict(without_rules(document))
+
+
+def without_rules(document: dict) -> dict:
+    """The document without the request models' rules across fields (their allOf), for Schemathesis: with them
+    its canonicalizer (jsonschema_rs) gives up on the chat body ("outgrew_intersections") and generates nothing.
+    The rules have tests of their own; a generated body that breaks one gets a documented 400."""
+    copied = copy.deepcopy(document)
+    for model in copied["components"]["schemas"].values():
+        model.pop("allOf", None)
+    return copied
 
 
 def public_operations(document: dict) -> set[tuple[str, str]]:
@@ -129,7 +144,7 @@ def test_tokenizer_routes_and_version_are_documented(document):
     ref = "#/components/schemas/{}".format
     tokenize = paths["/tokenize"]["post"]
     assert tokenize["requestBody"]["content"]["application/json"]["schema"] == {
-        "anyOf": [{"$ref": ref("TokenizeRequest")}, {"$ref": ref("TokenizeChatRequest")}]}
+        "oneOf": [{"$ref": ref("TokenizeRequest")}, {"$ref": ref("TokenizeChatRequest")}]}
     assert paths["/detokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": ref("DetokenizeRequest")}
     answers = {("post", "/tokenize"): "Tokenized", ("post", "/detokenize"): "Detokenized",
@@ -164,6 +179,279 @@ def test_docs_page_is_served_without_a_key(server):
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/html")
     assert "/openapi.json" in response.text
+
+
+# ---- the rules the server enforces, as the schema states them ---------------------------------------------
+# Every rule that refuses a body for a reason across fields or a range is either a keyword of the schema (a
+# body that breaks it fails the schema, and the same body with the rule kept passes it) or, where JSON Schema
+# cannot state it (it compares two values, or depends on the model or the server's settings), words of a
+# description. Either way the server answers the breaking body 400, naming the field.
+COMPLETIONS, CHATS, TOKENIZE, DETOKENIZE = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+HELLO = [{"role": "user", "content": "Hello"}]
+HELLO_AND_ANSWER = [*HELLO, {"role": "assistant", "content": "Hi"}]
+CLOCK_TOOL = {"type": "function", "function": {"name": "get_time"}}
+OUTSIDE_VOCABULARY = 100_000          # within the schema's int32 bound, past the tiny model's 512 tokens
+BASE_BODIES = {COMPLETIONS: {"model": BASE_MODEL, "prompt": "Hello", "max_tokens": 2},
+               CHATS: {"model": BASE_MODEL, "messages": HELLO, "max_tokens": 2},
+               TOKENIZE: {}, DETOKENIZE: {}}
+
+
+@dataclass(frozen=True)
+class Rule:
+    path: str
+    broken: dict            # fields added to the path's base body that break the rule
+    kept: dict | None       # the same with the rule kept: the schema admits it and the server serves it
+    param: str              # the field the 400 names
+    statement: str          # how the allOf entry's description starts, or words of the description that states it
+
+
+KEYWORD_RULES = {
+    "tools-and-functions": Rule(CHATS, {"tools": [CLOCK_TOOL], "functions": [{"name": "get_time"}]},
+                                {"tools": [CLOCK_TOOL], "functions": None}, "functions",
+                                "tools and functions not both"),
+    "tool_choice-and-function_call": Rule(CHATS, {"tools": [CLOCK_TOOL], "tool_choice": "auto",
+                                                  "function_call": "none"},
+                                          {"tools": [CLOCK_TOOL], "tool_choice": "auto"}, "function_call",
+                                          "tool_choice and function_call not both"),
+    "forced-tool_choice-without-tools": Rule(CHATS, {"tool_choice": "required", "tools": []},
+                                             {"tool_choice": "auto", "tools": []}, "tool_choice",
+                                             'tool_choice "required" or a named function'),
+    "forced-function_call-without-functions": Rule(CHATS, {"function_call": {"name": "get_time"}},
+                                                   {"function_call": "auto"}, "function_call",
+                                                   'tool_choice "required" or a named function'),
+    "two-guided-fields": Rule(COMPLETIONS, {"guided_regex": "a+", "guided_choice": ["yes", "no"]},
+                              {"guided_choice": ["yes", "no"]}, "guided_choice", "At most one structured output"),
+    "guided-and-structured_outputs": Rule(CHATS, {"guided_json": {"type": "object"},
+                                                  "structured_outputs": {"choice": ["yes", "no"]}},
+                                          {"guided_json": None, "structured_outputs": {"choice": ["yes", "no"]}},
+                                          "structured_outputs.choice", "At most one structured output"),
+    "guided-and-response_format": Rule(COMPLETIONS, {"response_format": {"type": "json_object"},
+                                                     "guided_choice": ["yes", "no"]},
+                                       {"response_format": {"type": "text"}, "guided_choice": ["yes", "no"]},
+                                       "guided_choice", "At most one structured output"),
+    "two-structured_outputs-kinds": Rule(COMPLETIONS, {"structured_outputs": {"choice": ["yes"], "json_object": True}},
+                                         {"structured_outputs": {"choice": ["yes"], "json_object": False}},
+                                         "structured_outputs.json_object", "At most one structured output"),
+    "forced-tool_choice-and-guided": Rule(CHATS, {"tools": [CLOCK_TOOL], "tool_choice": "required",
+                                                  "guided_choice": ["yes"]},
+                                          {"tools": [CLOCK_TOOL], "tool_choice": "auto", "guided_choice": ["yes"]},
+                                          "guided_choice", "At most one structured output"),
+    "json_schema-without-its-json_schema": Rule(CHATS, {"response_format": {"type": "json_schema"}},
+                                                {"response_format": {"type": "json_schema", "json_schema": {
+                                                    "name": "answer", "schema": {"type": "object"}}}},
+                                                "response_format", 'type "json_schema" needs json_schema'),
+    "continue_final_message-and-add_generation_prompt": Rule(
+        CHATS, {"messages": HELLO_AND_ANSWER, "continue_final_message": True},
+        {"messages": HELLO_AND_ANSWER, "continue_final_message": True, "add_generation_prompt": False},
+        "continue_final_message", "continue_final_message true needs add_generation_prompt false"),
+    "top_logprobs-without-logprobs": Rule(CHATS, {"top_logprobs": 2}, {"top_logprobs": 2, "logprobs": True},
+                                          "top_logprobs", "top_logprobs above 0 needs logprobs true"),
+    "stream_options-without-stream": Rule(COMPLETIONS, {"stream_options": {"include_usage": True}},
+                                          {"stream_options": {"include_usage": True}, "stream": True},
+                                          "stream_options", "stream_options only with stream true"),
+    "prompt_logprobs-with-stream": Rule(COMPLETIONS, {"stream": True, "prompt_logprobs": 1}, {"prompt_logprobs": 1},
+                                        "prompt_logprobs", "prompt_logprobs not with stream true"),
+    "tokenize-prompt-with-messages": Rule(TOKENIZE, {"prompt": "Hello", "messages": None}, {"prompt": "Hello"},
+                                          "messages", "Without messages: a body with messages is the chat form"),
+}
+# Keywords of single fields that pydantic's schema lacked, with the rule they state.
+FIELD_KEYWORD_RULES = {
+    "logit_bias-key-not-a-token-id": (Rule(COMPLETIONS, {"logit_bias": {"abc": 1}}, {"logit_bias": {"5": 1}},
+                                           "logit_bias", "propertyNames"), "logit_bias"),
+    "chat_template_kwargs-key-not-a-name": (Rule(CHATS, {"chat_template_kwargs": {"1st": 1}},
+                                                 {"chat_template_kwargs": {"first": 1}}, "chat_template_kwargs",
+                                                 "propertyNames"), "chat_template_kwargs"),
+    "temperature-past-float32": (Rule(COMPLETIONS, {"temperature": 1e39}, {"temperature": 100.0}, "temperature",
+                                      "maximum"), "temperature"),
+    "seed-past-int64": (Rule(COMPLETIONS, {"seed": 2 ** 63}, {"seed": 2 ** 63 - 1}, "seed", "maximum"), "seed"),
+}
+DESCRIBED_RULES = {   # rule: (the rule, where its description is: the component and the path in it)
+    "best_of-below-n": (Rule(COMPLETIONS, {"n": 2, "best_of": 1}, None, "best_of", "At least n"),
+                        ("CompletionRequest", "properties", "best_of")),
+    "best_of-above-n-with-stream": (Rule(COMPLETIONS, {"best_of": 2, "stream": True}, None, "best_of",
+                                         "with stream, at most n"), ("CompletionRequest", "properties", "best_of")),
+    "seed-of-the-last-sample-past-int64": (Rule(COMPLETIONS, {"seed": 2 ** 63 - 1, "n": 2}, None, "seed",
+                                                "seed + (best_of or n) - 1 must fit in int64"),
+                                           ("CompletionRequest", "properties", "seed")),
+    "n-above-max-n": (Rule(COMPLETIONS, {"n": 17}, None, "n", "--max-n"), ("CompletionRequest", "properties", "n")),
+    "choices-above-max-choices": (Rule(COMPLETIONS, {"prompt": ["Hello"] * 5, "n": 16}, None, "n", "--max-choices"),
+                                  ("CompletionRequest", "properties", "n")),
+    "stops-above-max-stop-sequences": (Rule(COMPLETIONS, {"stop": ["a", "b", "c", "d", "e"]}, None, "stop",
+                                            "--max-stop-sequences"), ("CompletionRequest", "properties", "stop")),
+    "max_tokens-above-limit": (Rule(COMPLETIONS, {"max_tokens": 17}, None, "max_tokens", "--max-tokens-limit"),
+                               ("CompletionRequest", "properties", "max_tokens")),
+    "min_tokens-above-max_tokens": (Rule(COMPLETIONS, {"min_tokens": 3}, None, "min_tokens", "At most max_tokens"),
+                                    ("CompletionRequest", "properties", "min_tokens")),
+    "prompt-past-the-context": (Rule(COMPLETIONS, {"prompt": [5] * 4096}, None, "prompt",
+                                     "shorter than the model's context"),
+                                ("CompletionRequest", "properties", "prompt")),
+    "prompt-token-id-outside-vocabulary": (Rule(COMPLETIONS, {"prompt": [5, OUTSIDE_VOCABULARY]}, None, "prompt",
+                                                "below the model's vocabulary size"),
+                                           ("CompletionRequest", "properties", "prompt")),
+    "logit_bias-token-id-outside-vocabulary": (Rule(COMPLETIONS, {"logit_bias": {str(OUTSIDE_VOCABULARY): 1}}, None,
+                                                    "logit_bias", "below the model's vocabulary size"),
+                                               ("CompletionRequest", "properties", "logit_bias")),
+    "stop_token_ids-outside-vocabulary": (Rule(COMPLETIONS, {"stop_token_ids": [OUTSIDE_VOCABULARY]}, None,
+                                               "stop_token_ids", "below the model's vocabulary size"),
+                                          ("CompletionRequest", "properties", "stop_token_ids")),
+    "detokenize-token-id-outside-vocabulary": (Rule(DETOKENIZE, {"tokens": [5, OUTSIDE_VOCABULARY]}, None, "tokens",
+                                                    "below the model's vocabulary size"),
+                                               ("DetokenizeRequest", "properties", "tokens")),
+    "named-tool-not-among-tools": (Rule(CHATS, {"tools": [CLOCK_TOOL], "tool_choice": {
+                                       "type": "function", "function": {"name": "get_weather"}}}, None, "tool_choice",
+                                        "among which a named function must be"),
+                                   ("ChatCompletionRequest", "properties", "tool_choice")),
+    "continue_final_message-after-a-user-message": (Rule(CHATS, {"continue_final_message": True,
+                                                                 "add_generation_prompt": False}, None,
+                                                         "continue_final_message", "must be the assistant's"),
+                                                    ("ChatCompletionRequest", "properties", "continue_final_message")),
+    "chat_template_kwargs-naming-a-call-parameter": (Rule(CHATS, {"chat_template_kwargs": {"tokenize": False}}, None,
+                                                          "chat_template_kwargs", "parameter of the template call"),
+                                                     ("ChatCompletionRequest", "properties", "chat_template_kwargs")),
+    "json-nested-too-deep": (Rule(CHATS, {"guided_json": functools.reduce(lambda inner, _: {"a": inner}, range(70),
+                                                                          {})}, None, "guided_json",
+                                  "Nested at most 64 levels deep"), ("ChatCompletionRequest", "properties",
+                                                                     "guided_json")),
+    "guided_json-text-not-a-schema": (Rule(COMPLETIONS, {"guided_json": "not JSON"}, None, "guided_json",
+                                           "a string of JSON text of one"),
+                                      ("CompletionRequest", "properties", "guided_json")),
+}
+
+
+def body_of(rule: Rule, fields: dict) -> dict:
+    return {**BASE_BODIES[rule.path], **fields}
+
+
+@pytest.fixture(scope="module")
+def body_schemas(document) -> dict[str, jsonschema_rs.Draft202012Validator]:
+    """A validator of each route's request body, as the served schema documents it."""
+    def validator(path: str) -> jsonschema_rs.Draft202012Validator:
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        return jsonschema_rs.Draft202012Validator({**body, "components": document["components"]})
+    return {path: validator(path) for path in BASE_BODIES}
+
+
+def descriptions(schema: object) -> list[str]:
+    """Every description in a schema and the schemas within it."""
+    if isinstance(schema, list):
+        return [text for item in schema for text in descriptions(item)]
+    if not isinstance(schema, dict):
+        return []
+    own = [schema["description"]] if isinstance(schema.get("description"), str) else []
+    return own + [text for key, value in schema.items() if key != "description" for text in descriptions(value)]
+
+
+def stated_rules(document: dict) -> set[str]:
+    """The descriptions of the rules across fields: the allOf entries of the components."""
+    return {entry["description"] for model in document["components"]["schemas"].values()
+            for entry in model.get("allOf", [])}
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    with server.http(KEYS["tenant"]) as http:
+        return http.post(path, json=body)
+
+
+def assert_refused_naming(response: httpx.Response, param: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    # stop_token_ids outside the vocabulary is refused by the engine, whose 400 names the field in its message.
+    assert (error["param"] or "").startswith(param) or param in error["message"], error
+
+
+@pytest.mark.parametrize("name", sorted(KEYWORD_RULES))
+def test_rule_across_fields_is_a_schema_keyword(document, body_schemas, name):
+    """The allOf entry is there, and it is the one that refuses: the body that keeps the rule passes."""
+    rule = KEYWORD_RULES[name]
+    schema = body_schemas[rule.path]
+    assert not schema.is_valid(body_of(rule, rule.broken)), name
+    assert schema.is_valid(body_of(rule, rule.kept)), list(schema.iter_errors(body_of(rule, rule.kept)))
+    assert any(text.startswith(rule.statement) for text in stated_rules(document)), rule.statement
+
+
+@pytest.mark.parametrize("name", sorted(FIELD_KEYWORD_RULES))
+def test_field_rule_is_a_schema_keyword(document, body_schemas, name):
+    rule, field = FIELD_KEYWORD_RULES[name]
+    schema = body_schemas[rule.path]
+    assert not schema.is_valid(body_of(rule, rule.broken)), name
+    assert schema.is_valid(body_of(rule, rule.kept)), list(schema.iter_errors(body_of(rule, rule.kept)))
+    model = "CompletionRequest" if rule.path == COMPLETIONS else "ChatCompletionRequest"
+    assert rule.statement in json.dumps(document["components"]["schemas"][model]["properties"][field])
+
+
+@pytest.mark.parametrize("name", sorted(DESCRIBED_RULES))
+def test_rule_json_schema_cannot_state_is_described(document, body_schemas, name):
+    """The schema admits the body (the rule is beyond its keywords), and the field's description states it."""
+    rule, (model, *path) = DESCRIBED_RULES[name]
+    assert body_schemas[rule.path].is_valid(body_of(rule, rule.broken)), name
+    described = functools.reduce(lambda schema, key: schema[key], path, document["components"]["schemas"][model])
+    assert any(rule.statement in text for text in descriptions(described)), descriptions(described)
+
+
+ALL_RULES = {**KEYWORD_RULES, **{name: rule for name, (rule, _) in FIELD_KEYWORD_RULES.items()},
+             **{name: rule for name, (rule, _) in DESCRIBED_RULES.items()}}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_RULES))
+def test_server_refuses_a_body_that_breaks_a_stated_rule(server, name):
+    rule = ALL_RULES[name]
+    assert_refused_naming(post(server, rule.path, body_of(rule, rule.broken)), rule.param)
+
+
+@pytest.mark.parametrize("name", sorted(name for name, rule in ALL_RULES.items() if rule.kept is not None))
+def test_server_serves_the_body_that_keeps_the_rule(server, name):
+    """The keywords are no stricter than the server: the body they admit is served."""
+    rule = ALL_RULES[name]
+    response = post(server, rule.path, body_of(rule, rule.kept))
+    assert response.status_code == 200, response.text
+
+
+def test_every_rule_across_fields_of_the_schema_has_its_test(document):
+    statements = {rule.statement for rule in KEYWORD_RULES.values()}
+    for text in stated_rules(document):
+        assert any(text.startswith(statement) for statement in statements), text
+
+
+# ---- /tokenize and /detokenize take what their schema admits, and only that -------------------------------
+# As vLLM: /tokenize takes a prompt body or a chat body (with messages), /detokenize a model or none.
+TOKENIZER_BODIES_ADMITTED = (
+    (TOKENIZE, {"prompt": "Hello"}),
+    (TOKENIZE, {"model": BASE_MODEL, "prompt": "Hello", "add_special_tokens": False, "return_token_strs": True}),
+    (TOKENIZE, {"model": None, "prompt": ""}),
+    (TOKENIZE, {"messages": HELLO}),
+    (TOKENIZE, {"model": BASE_MODEL, "messages": HELLO_AND_ANSWER, "continue_final_message": True,
+                "add_generation_prompt": False}),
+    # Nothing is generated, so the structured outputs are not looked at (as vLLM's /tokenize ignores them).
+    (TOKENIZE, {"messages": HELLO, "guided_regex": "a+", "guided_choice": ["yes"]}),
+    (DETOKENIZE, {"tokens": [5, 6]}),
+    (DETOKENIZE, {"model": BASE_MODEL, "tokens": [5]}),
+    (DETOKENIZE, {"model": None, "tokens": []}),
+)
+TOKENIZER_BODIES_REFUSED = (    # (route, body, the field the 400 names)
+    (TOKENIZE, {}, "prompt"),
+    (TOKENIZE, {"prompt": "Hello", "messages": None}, "messages"),
+    (TOKENIZE, {"prompt": "Hello", "messages": "Hello"}, "messages"),
+    (TOKENIZE, {"messages": []}, "messages"),
+    (TOKENIZE, {"model": "", "prompt": "Hello"}, "model"),
+    (TOKENIZE, {"messages": HELLO_AND_ANSWER, "continue_final_message": True}, "continue_final_message"),
+    (TOKENIZE, {"messages": HELLO, "tools": [CLOCK_TOOL], "functions": [{"name": "get_time"}]}, "functions"),
+    (DETOKENIZE, {"model": BASE_MODEL}, "tokens"),
+    (DETOKENIZE, {"model": 5, "tokens": [5]}, "model"),
+    (DETOKENIZE, {"tokens": [-1]}, "tokens"),
+)
+
+
+@pytest.mark.parametrize("path,body", TOKENIZER_BODIES_ADMITTED, ids=lambda part: json.dumps(part)[:60])
+def test_tokenizer_routes_take_what_their_schema_admits(server, body_schemas, path, body):
+    assert body_schemas[path].is_valid(body), list(body_schemas[path].iter_errors(body))
+    response = post(server, path, body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path,body,param", TOKENIZER_BODIES_REFUSED, ids=lambda part: json.dumps(part)[:60])
+def test_tokenizer_routes_refuse_what_their_schema_refuses(server, body_schemas, path, body, param):
+    assert not body_schemas[path].is_valid(body), body
+    assert_refused_naming(post(server, path, body), param)
 
 
 STREAMED = {"stream": True, "stream_options": {"include_usage": True}}
