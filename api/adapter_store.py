@@ -73,6 +73,7 @@ class StoredAdapter:
         strings = {key: item.get(key) for key in ("name", "version", "loaded_at")}
         if not all(isinstance(value, str) and value for value in strings.values()):
             raise ValueError("name, version and loaded_at must be strings")
+        name, version, loaded_at = (str(strings[key]) for key in ("name", "version", "loaded_at"))
         where = [item.get(key) for key in ("upload", "path")]
         if sum(isinstance(value, str) and bool(value) for value in where) != 1 or \
                 not all(value is None or isinstance(value, str) for value in where):
@@ -80,8 +81,7 @@ class StoredAdapter:
         if not (item.get("owner") is None or isinstance(item.get("owner"), str)) or \
                 not isinstance(item.get("public"), bool):
             raise ValueError("owner must be a string or null, public a boolean")
-        return cls(strings["name"], item.get("owner"), item["public"], strings["version"], strings["loaded_at"],
-                   where[0], where[1])
+        return cls(name, item.get("owner"), item["public"], version, loaded_at, where[0], where[1])
 
 
 class AdapterStore:

@@ -187,3 +187,29 @@ def test_concurrent_loads_and_unloads_keep_the_registry_equal_to_the_names(setup
     _, store, _ = setup
     registry = json.loads((store / "registry.json").read_text())["adapters"]
     assert {e["name"] for e in registry if e["name"].startswith("churn-")} == listed == {f"churn-{i}" for i in range(4)}
+
+
+# ---- the registry file ----------------------------------------------------------------------------------------
+def test_a_registry_that_is_not_json_stops_the_start_and_deletes_nothing(tmp_path):
+    """Taken for empty, it would make every upload an orphan to delete."""
+    from slora.api.adapter_store import AdapterStore, StoreError
+    upload = tmp_path / "uploads" / "acme" / "kept-0123456789ab"
+    upload.mkdir(parents=True)
+    (tmp_path / "registry.json").write_text('{"adapters": [')
+    with pytest.raises(StoreError, match="not valid JSON"):
+        AdapterStore(tmp_path).open()
+    assert upload.is_dir()
+
+
+def test_a_malformed_entry_is_left_out_and_the_others_are_kept(tmp_path):
+    from slora.api.adapter_store import AdapterStore
+    good = {"name": "kept", "owner": "acme", "public": False, "version": "v1", "loaded_at": "2026-12-06T00:00:00Z",
+            "upload": "uploads/acme/kept-0123456789ab", "path": None}
+    both = {**good, "name": "both", "path": "attn-r4"}                 # an upload and a path at once
+    (tmp_path / "uploads" / "acme" / "kept-0123456789ab").mkdir(parents=True)
+    (tmp_path / "registry.json").write_text(json.dumps({"format": 1, "adapters": [good, both, 7]}))
+    store = AdapterStore(tmp_path)
+    try:
+        assert [entry.name for entry in store.open()] == ["kept"]
+    finally:
+        store.close()
