@@ -160,6 +160,26 @@ def test_engine_loop_failure_and_stall_are_unhealthy():
     asyncio.run(scenario())
 
 
+def test_a_long_engine_command_is_a_stall_too():
+    """Commands (adapter registration, listings, anything run on the engine thread) hold up every step as a
+    slow step does: /health must see them."""
+    engine = Engine(EngineConfig(TINY_MODEL, num_pages=64))
+
+    async def scenario():
+        front = AsyncEngine(engine)
+        front.start()
+        while front.state.value == "starting":
+            await asyncio.sleep(0.01)
+        command = asyncio.ensure_future(front.call(lambda _: time.sleep(0.8)))
+        await asyncio.sleep(0.5)
+        ok, reason = front.health(stall_timeout_s=0.2)
+        assert not ok and "more than" in reason
+        await command
+        assert front.health(stall_timeout_s=0.2) == (True, "ok")
+        await front.shutdown(1)
+    asyncio.run(scenario())
+
+
 def test_token_bucket_refills_at_its_rate():
     from slora.api.limits import TokenBucket
     bucket = TokenBucket(capacity=120, tokens=120, updated=0.0)
