@@ -96,6 +96,15 @@ def adapter_files(adapter_root: Path, source: str) -> dict:
             "adapter_model": ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes())}
 
 
+def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Poll `condition()` until it holds; AssertionError naming `what` once `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 def start_server(log_dir: Path, *args: str, model: str | None = BASE_MODEL) -> Server:
     """`slora serve` of `model` (None: the default model) with `args`, once it answers /health. Unless `args`
     name one, the server has an adapter store of its own in `log_dir`, never the user's cache: no test

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from conftest import BASE_MODEL, SOAK, assert_error_shape, start_server, write_tenants
+from conftest import BASE_MODEL, SOAK, assert_error_shape, start_server, wait_until, write_tenants
 
 KEYS = {"alpha": "conn-alpha-key", "beta": "conn-beta-key"}
 MAX_CONNECTIONS = 100
@@ -123,14 +123,6 @@ def holders(server, count: int, first: int) -> Iterator[list[socket.socket]]:
         feeder.join()
         for sock in socks:
             sock.close()
-
-
-def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 # ---- idle connections ----------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import BASE_MODEL, adapter_files, assert_error_shape, start_server, write_tenants
+from conftest import BASE_MODEL, adapter_files, assert_error_shape, start_server, wait_until, write_tenants
 from slora.api.settings import ServerSettings
 from slora.api.tenants import hash_key
 from slora.cli import SERVE_LIMITS, build_parser, serve_settings
@@ -111,14 +111,6 @@ def upload(server, key: str, name: str, adapter_root: Path, source: str) -> http
 def folders(store: Path, namespace: str) -> list[Path]:
     """The namespace's upload folders in the adapter store."""
     return sorted(store.glob(f"uploads/{namespace}/*"))
-
-
-def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def temp_files_open(server) -> list[str]:
