@@ -1,154 +1,127 @@
-"""Prometheus metrics in the text exposition format (version 0.0.4), written without a client library.
+"""Prometheus metrics of one server, kept and written by prometheus_client.
 
-Request-level counters and histograms are updated on the event loop thread; engine-level values are
-read from the snapshot the engine thread publishes, so a scrape never waits for a step.
+Each server has a registry of its own (never the library's global one), so that two apps in one process, as
+in the tests, count apart. Request-level counters and histograms are updated on the event loop thread;
+engine-level values are read at scrape time from the snapshot the engine thread publishes, so a scrape never
+waits for a step. The library writes a `_created` series beside each counter and histogram (when it started,
+which lets Prometheus tell a restart from a reset); PROMETHEUS_DISABLE_CREATED_SERIES=True in the server's
+environment leaves them out.
 """
-import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from slora.api.async_engine import AsyncEngine
 from slora.outputs import EngineSnapshot
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-Labels = tuple[tuple[str, str], ...]
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+POOL_OWNERS = ("free", "kv", "cached", "adapter")
 
 
-def _labels(labels: Labels) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels) + "}"
+class LabelledCounter:
+    """A counter whose label values come with each increment (`errors.inc(status="404")`), the call the
+    services make, so that they need not know prometheus_client's `labels(...)` step."""
 
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
-def _header(name: str, kind: str, help_text: str) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-
-
-@dataclass
-class Counter:
-    name: str                     # without the _total suffix
-    help: str
-    values: dict[Labels, float] = field(default_factory=dict)
+    def __init__(self, name: str, help_text: str, label: str, registry: CollectorRegistry) -> None:
+        self._counter = Counter(name, help_text, (label,), registry=registry)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-    def render(self) -> list[str]:
-        lines = _header(self.name, "counter", self.help)
-        values = self.values or {(): 0.0}
-        lines += [f"{self.name}_total{_labels(k)} {_number(v)}" for k, v in sorted(values.items())]
-        return lines
+        self._counter.labels(**labels).inc(amount)
 
 
-@dataclass
-class Histogram:
-    name: str
-    help: str
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
+class SnapshotCollector(Collector):
+    """The engine snapshot's values, as metric families built at each scrape from the latest snapshot (the
+    engine counts them itself: nothing here keeps a total)."""
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
+    def __init__(self) -> None:
+        self.latest: EngineSnapshot | None = None      # set by ServerMetrics.render just before it collects
 
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = _header(self.name, "histogram", self.help)
-        for bound, cumulative in zip(self.buckets, self.counts):
-            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_number(self.total)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
-
-
-def gauge(name: str, help_text: str, samples: Iterable[tuple[Labels, float]]) -> list[str]:
-    return _header(name, "gauge", help_text) + [f"{name}{_labels(k)} {_number(v)}" for k, v in samples]
-
-
-def snapshot_counter(name: str, help_text: str, value: float) -> list[str]:
-    return _header(name, "counter", help_text) + [f"{name}_total {_number(value)}"]
-
-
-def labelled_counter(name: str, help_text: str, label: str, values: Mapping[str, float]) -> list[str]:
-    return _header(name, "counter", help_text) + [f"{name}_total{_labels(((label, key),))} {_number(value)}"
-                                                  for key, value in sorted(values.items())]
+    def collect(self) -> Iterator[Metric]:
+        if self.latest is not None:
+            yield from snapshot_families(self.latest)
 
 
 class ServerMetrics:
     """All metrics of one server (one per app: no module-level state)."""
 
     def __init__(self) -> None:
-        self.requests = Counter("slora_requests", "Finished HTTP generation requests by outcome.")
-        self.prompt_tokens = Counter("slora_prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = Counter("slora_generation_tokens", "Generated tokens of finished requests.")
-        self.errors = Counter("slora_http_errors", "Error responses by HTTP status.")
-        self.adapter_registrations = Counter("slora_adapter_registrations", "Adapters loaded through the API.")
-        self.ttft = Histogram("slora_time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = LabelledCounter("slora_requests", "Finished HTTP generation requests by outcome.",
+                                        "outcome", registry)
+        self.prompt_tokens = Counter("slora_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=registry)
+        self.generation_tokens = Counter("slora_generation_tokens", "Generated tokens of finished requests.",
+                                         registry=registry)
+        self.errors = LabelledCounter("slora_http_errors", "Error responses by HTTP status.", "status", registry)
+        self.adapter_registrations = Counter("slora_adapter_registrations", "Adapters loaded through the API.",
+                                             registry=registry)
+        self.ttft = Histogram("slora_time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS,
+                              registry=registry)
         self.tpot = Histogram("slora_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", TOKEN_LATENCY_BUCKETS)
-        self.e2e = Histogram("slora_e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+                              "Mean time per output token after the first, per request.",
+                              buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram("slora_e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=LATENCY_BUCKETS, registry=registry)
         self.adapter_load = Histogram("slora_adapter_load_seconds",
-                                      "Time to read, validate, pack and register an adapter.", LOAD_BUCKETS)
+                                      "Time to read, validate, pack and register an adapter.", buckets=LOAD_BUCKETS,
+                                      registry=registry)
+        self.engine_up = Gauge("slora_engine_up", "1 while the engine loop is serving.", registry=registry)
+        self.inflight = Gauge("slora_requests_inflight", "HTTP requests admitted and not finished.",
+                              registry=registry)
+        self.queued = Gauge("slora_requests_queued", "HTTP requests waiting for a tenant slot.", registry=registry)
+        self.snapshot = SnapshotCollector()
+        registry.register(self.snapshot)
 
     def render(self, engine: AsyncEngine, queued: int, inflight: int) -> str:
-        lines: list[str] = []
-        for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.errors,
-                       self.adapter_registrations, self.ttft, self.tpot, self.e2e, self.adapter_load):
-            lines += metric.render()
-        lines += gauge("slora_engine_up", "1 while the engine loop is serving.",
-                       [((), 1.0 if engine.accepting else 0.0)])
-        lines += gauge("slora_requests_inflight", "HTTP requests admitted and not finished.", [((), inflight)])
-        lines += gauge("slora_requests_queued", "HTTP requests waiting for a tenant slot.", [((), queued)])
-        if engine.snapshot is not None:
-            lines += _snapshot_lines(engine.snapshot)
-        return "\n".join(lines) + "\n"
+        """The exposition text of every metric, the scrape-time values read now. Called on the event loop
+        thread only, so nothing runs between setting them and collecting them."""
+        self.engine_up.set(1.0 if engine.accepting else 0.0)
+        self.inflight.set(inflight)
+        self.queued.set(queued)
+        self.snapshot.latest = engine.snapshot
+        return generate_latest(self.registry).decode()
 
 
-def _snapshot_lines(snap: EngineSnapshot) -> list[str]:
+def snapshot_families(snap: EngineSnapshot) -> list[Metric]:
     pool = snap.pool
-    lines = gauge("slora_pool_pages", "Pages of the unified pool by owner.",
-                  [((("owner", owner),), pool.get(f"{owner}_pages", 0))
-                   for owner in ("free", "kv", "cached", "adapter")])
-    lines += gauge("slora_pool_capacity_pages", "Pages in the unified pool.", [((), pool.get("total_pages", 0))])
-    lines += gauge("slora_sequences_running", "Sequences in the running batch.", [((), snap.sequences_running)])
-    lines += gauge("slora_sequences_waiting", "Sequences waiting to be scheduled.", [((), snap.sequences_waiting)])
-    lines += gauge("slora_engine_requests", "Requests inside the engine.", [((), snap.requests)])
-    lines += snapshot_counter("slora_preemptions", "Sequences preempted for lack of pages.", snap.preemptions)
-    lines += snapshot_counter("slora_adapter_pool_loads", "Adapter versions copied into the pool.",
-                              snap.adapter_pool_loads)
-    lines += snapshot_counter("slora_adapter_pool_evictions", "Idle adapter versions evicted from the pool.",
-                              snap.adapter_pool_evictions)
-    lines += labelled_counter("slora_engine_steps", "Engine steps by kind.", "kind", snap.steps)
-    lines += labelled_counter("slora_engine_step_seconds", "Wall time of engine steps by kind (forward and "
-                              "sampling included).", "kind", snap.step_seconds)
-    lines += snapshot_counter("slora_engine_decode_bytes", "Bytes the decode steps had to read: weights, live KV "
-                              "and each distinct adapter once per step (divide by the decode seconds for the "
-                              "achieved bandwidth).", snap.decode_bytes)
-    lines += gauge("slora_adapters", "Adapters per tier: registered names, versions in host memory, versions "
-                   "resident in the pool.", [((("tier", "registered"),), snap.adapters_registered),
-                                            ((("tier", "host"),), snap.adapters_host),
-                                            ((("tier", "pool"),), snap.adapters_pool)])
-    return lines
+    pages = GaugeMetricFamily("slora_pool_pages", "Pages of the unified pool by owner.", labels=("owner",))
+    for owner in POOL_OWNERS:
+        pages.add_metric((owner,), pool.get(f"{owner}_pages", 0))
+    adapters = GaugeMetricFamily("slora_adapters", "Adapters per tier: registered names, versions in host memory, "
+                                 "versions resident in the pool.", labels=("tier",))
+    for tier, count in (("registered", snap.adapters_registered), ("host", snap.adapters_host),
+                        ("pool", snap.adapters_pool)):
+        adapters.add_metric((tier,), count)
+    return [
+        pages,
+        GaugeMetricFamily("slora_pool_capacity_pages", "Pages in the unified pool.", value=pool.get("total_pages", 0)),
+        GaugeMetricFamily("slora_sequences_running", "Sequences in the running batch.", value=snap.sequences_running),
+        GaugeMetricFamily("slora_sequences_waiting", "Sequences waiting to be scheduled.",
+                          value=snap.sequences_waiting),
+        GaugeMetricFamily("slora_engine_requests", "Requests inside the engine.", value=snap.requests),
+        CounterMetricFamily("slora_preemptions", "Sequences preempted for lack of pages.", value=snap.preemptions),
+        CounterMetricFamily("slora_adapter_pool_loads", "Adapter versions copied into the pool.",
+                            value=snap.adapter_pool_loads),
+        CounterMetricFamily("slora_adapter_pool_evictions", "Idle adapter versions evicted from the pool.",
+                            value=snap.adapter_pool_evictions),
+        labelled_counter("slora_engine_steps", "Engine steps by kind.", "kind", snap.steps),
+        labelled_counter("slora_engine_step_seconds", "Wall time of engine steps by kind (forward and sampling "
+                         "included).", "kind", snap.step_seconds),
+        CounterMetricFamily("slora_engine_decode_bytes", "Bytes the decode steps had to read: weights, live KV and "
+                            "each distinct adapter once per step (divide by the decode seconds for the achieved "
+                            "bandwidth).", value=snap.decode_bytes),
+        adapters,
+    ]
+
+
+def labelled_counter(name: str, help_text: str, label: str, values: Mapping[str, float]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=(label,))
+    for key, value in sorted(values.items()):
+        family.add_metric((key,), value)
+    return family
