@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, BinaryIO, TypeVar
 
-from slora.adapter_manager import PreparedAdapter, UnknownAdapterError, folder_bytes
 from slora.adapters.errors import AdapterError
 from slora.adapters.registry import AdapterEntry
 from slora.adapters.weights import PICKLE_SUFFIXES, WEIGHTS_FILE
@@ -30,6 +29,7 @@ from slora.api.metrics import ServerMetrics
 from slora.api.protocol import ADAPTER_NAME_PATTERN
 from slora.api.tenants import Tenant, TenantDirectory
 from slora.engine import Engine
+from slora.execution.adapter_manager import PreparedAdapter, UnknownAdapterError, folder_bytes
 
 logger = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from slora.adapter_manager import PreparedAdapter
+from slora.core.outputs import EngineSnapshot, RequestOutput
 from slora.engine import Engine
-from slora.outputs import EngineSnapshot, RequestOutput
-from slora.sampling_params import SamplingParams
+from slora.execution.adapter_manager import PreparedAdapter
+from slora.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from slora.grammar import CompiledGrammar
+    from slora.sampling.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -38,8 +38,8 @@ from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
 from slora.api import tool_calls
-from slora.outputs import TokenLogprob
-from slora.sampling_params import (
+from slora.core.outputs import TokenLogprob
+from slora.sampling.params import (
     FLOAT32_MAX,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -48,7 +48,7 @@ from slora.sampling_params import (
     MAX_TOP_K,
     MIN_SEED,
 )
-from slora.structured_output import StructuredOutput
+from slora.sampling.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 

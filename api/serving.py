@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from slora.adapter_manager import UnknownAdapterError
 from slora.api import protocol, tool_calls
 from slora.api.async_engine import AsyncEngine, EngineInfo, EngineUnavailable, RequestStream
 from slora.api.errors import APIError, bad_request, internal_error, model_not_found, rate_limited, unavailable
@@ -29,13 +28,14 @@ from slora.api.protocol import ChatCompletionRequest, CompletionRequest, Samplin
 from slora.api.settings import ServerSettings
 from slora.api.streaming import ClientGone, EventStreamResponse, unless_disconnected
 from slora.api.tenants import Tenant
-from slora.grammar_service import GrammarLimitError, GrammarQueueFull, GrammarService
-from slora.outputs import ADAPTER_UNAVAILABLE, GRAMMAR_TOO_SLOW, CompletionOutput, RequestError, RequestOutput
-from slora.sampling_params import SamplingParams
-from slora.structured_output import StructuredOutput
+from slora.core.outputs import ADAPTER_UNAVAILABLE, GRAMMAR_TOO_SLOW, CompletionOutput, RequestError, RequestOutput
+from slora.execution.adapter_manager import UnknownAdapterError
+from slora.sampling.grammar_service import GrammarLimitError, GrammarQueueFull, GrammarService
+from slora.sampling.params import SamplingParams
+from slora.sampling.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
-    from slora.grammar import CompiledGrammar
+    from slora.sampling.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 # Tokens per sample reserved against a tenant's token rate when a request gives no max_tokens (then settled).

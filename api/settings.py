@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from slora.grammar_service import CompileLimits
+    from slora.sampling.grammar_service import CompileLimits
 
 LOOPBACK_NAMES = ("localhost",)
 TOOL_CALL_PARSERS = ("hermes",)
@@ -150,7 +150,7 @@ class ServerSettings:
 
     def compile_limits(self) -> "CompileLimits":
         """The structured-output compile limits, checked by their owner."""
-        from slora.grammar_service import CompileLimits
+        from slora.sampling.grammar_service import CompileLimits
         return CompileLimits(timeout_s=self.grammar_compile_timeout_s, max_grammar_bytes=self.grammar_max_bytes,
                              max_compile_bytes=self.grammar_max_compile_bytes, cache_bytes=self.grammar_cache_bytes,
                              workers=self.grammar_workers, max_pending_per_tenant=self.grammar_max_pending)
@@ -226,7 +226,7 @@ class ServerSettings:
         ~/.cache/slora), as the converted models."""
         if self.adapter_store is not None:
             return Path(self.adapter_store).expanduser()
-        from slora.model_cache import cache_root
+        from slora.models.cache import cache_root
         return cache_root() / ADAPTER_STORE_NAME
 
     @property

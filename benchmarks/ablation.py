@@ -20,10 +20,11 @@ from typing import Any
 from common import RESULTS, print_table, pyplot, save_figure, write_rows
 from memsim import UNCAPPED_TOKENS, CostModel, PartitionedScheduler, StepMeter, sim_requests
 from workloads import slora_trace
-from slora.page_pool import PageAllocator
-from slora.scheduler import Scheduler, SchedulerConfig
-from slora.sequence import AdapterRef
-from slora.simulator import simulate
+
+from slora.core.page_pool import PageAllocator
+from slora.core.scheduler import Scheduler, SchedulerConfig
+from slora.core.sequence import AdapterRef
+from slora.core.simulator import simulate
 
 PAGE_SIZE = 16
 WATERMARK = 0.01

@@ -192,7 +192,7 @@ def prepare_model(device: str, workdir: Path) -> ModelSetup:
     import torch
 
     if device == "cpu":
-        from slora.tiny_model import ensure_tiny_model
+        from slora.models.tiny import ensure_tiny_model
         folder = ensure_tiny_model().model_dir
         raw = json.loads((folder / "config.json").read_text())
         return ModelSetup(folder, raw, device, torch.float32, False,

@@ -41,24 +41,24 @@ from slora.adapters.config import AdapterConfig
 from slora.adapters.packing import AdapterDescriptor, buffer_layout
 from slora.adapters.shapes import TargetShapes
 from slora.adapters.weights import LoadedAdapter, LoraWeights
-from slora.builtin_models import DEFAULT_MODEL, resolve_model
 from slora.config import CudaConfig
-from slora.cuda_graphs import GraphLimits
-from slora.engine_grammars import EngineGrammars
+from slora.core.page_pool import PageAllocator
+from slora.core.scheduler import ScheduledSeq
+from slora.core.sequence import AdapterRef, BlockTable, Sequence
+from slora.execution.cuda_graphs import GraphLimits
+from slora.execution.in_flight import HostCopy
+from slora.execution.lora_backend import LoraLaunchPolicy
+from slora.execution.model_runner import ModelRunner, PoolShape
 from slora.kernels.layout import cdiv
-from slora.lora_backend import LoraLaunchPolicy
-from slora.model_runner import ModelRunner, PoolShape
+from slora.models.builtin import DEFAULT_MODEL, resolve_model
 from slora.models.config import parse_model_config
 from slora.models.llama import LORA_LAYERS_PREFIX, LORA_MODULE_PATHS
 from slora.models.loader import random_model
-from slora.page_pool import PageAllocator
-from slora.in_flight import HostCopy
-from slora.sampler import Sampler
-from slora.sampling_params import SamplingParams
-from slora.scheduler import ScheduledSeq
-from slora.sequence import AdapterRef, BlockTable, Sequence
-from slora.structured_output import StructuredOutput
-from slora.tokenizer import eos_token_ids, load_tokenizer
+from slora.models.tokenizer import eos_token_ids, load_tokenizer
+from slora.sampling.engine_grammars import EngineGrammars
+from slora.sampling.params import SamplingParams
+from slora.sampling.sampler import Sampler
+from slora.sampling.structured_output import StructuredOutput
 
 BF16_FLOPS = 810e12
 CONTEXT, RANK = 1024, 16
@@ -380,7 +380,7 @@ def slora_tokens_per_s(folder: Path, adapters: list[Path], prompts: torch.Tensor
                        new_tokens: int) -> tuple[float, dict[str, object]]:
     """slora's tokens/s, and its step statistics (time by step kind) of the timed run."""
     from slora import LLM
-    from slora.step_stats import StepStats
+    from slora.core.step_stats import StepStats
 
     llm = LLM(str(folder), device="cuda", load_format="dummy", max_num_seqs=prompts.shape[0],
               max_lora_rank=RANK, max_model_len=1024)

@@ -202,7 +202,7 @@ def engine_kwargs(setup: ModelSetup, settings: Settings) -> dict[str, Any]:
 def new_llm(setup: ModelSetup, kwargs: dict[str, Any]) -> Any:
     """An LLM over `setup`'s model (its folder for the 8B shape, slora-tiny-llama on the CPU)."""
     from slora import LLM
-    from slora.builtin_models import TINY_MODEL
+    from slora.models.builtin import TINY_MODEL
 
     return LLM(str(setup.folder) if setup.dummy else TINY_MODEL, **kwargs)
 
@@ -263,7 +263,7 @@ def warm_up(llm: Any, load: Workload, sizes: Sizes, vocab_size: int) -> float:
 
 
 def run_workload(llm: Any, load: Workload, settings: Settings, vocab_size: int) -> dict[str, Any]:
-    from slora.step_stats import StepStats
+    from slora.core.step_stats import StepStats
 
     prompts = make_prompts(load.trace, vocab_size, prompt_seed(load.name, False))
     warm_s = warm_up(llm, load, settings.sizes, vocab_size)

@@ -37,8 +37,9 @@ from common import (
     lora_layer_step,
     time_us,
 )
-from slora.kernels import reference
 from torch import Tensor
+
+from slora.kernels import reference
 
 
 @dataclass

@@ -16,12 +16,12 @@ x 128 dims x K and V x 2 bytes = 131,072 bytes of KV per token.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from slora.adapter_residency import AdapterResidency
+from slora.core.adapter_residency import AdapterResidency
+from slora.core.page_pool import PageAllocator
+from slora.core.scheduler import Scheduler, SchedulerOutput
+from slora.core.sequence import AdapterRef, Sequence
+from slora.core.simulator import SimRequest
 from slora.kernels.layout import align_up
-from slora.page_pool import PageAllocator
-from slora.scheduler import Scheduler, SchedulerOutput
-from slora.sequence import AdapterRef, Sequence
-from slora.simulator import SimRequest
 
 UNCAPPED_TOKENS = 1 << 40              # max_num_batched_tokens when prefill is free
 
@@ -83,7 +83,7 @@ class CostModel:
 
 @dataclass
 class StepMeter:
-    """The step-cost function handed to `slora.simulator.simulate`; it also measures each step.
+    """The step-cost function handed to `slora.core.simulator.simulate`; it also measures each step.
 
     Called after `schedule()` and before the simulator advances the sequences, so a scheduled item
     that completes the sequence's last output token marks a sequence that finishes in this step."""

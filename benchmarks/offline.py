@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-
 from common import RESULTS, bandwidth_columns, machine, print_table, write_json
+
 from slora import LLM, SamplingParams
-from slora.builtin_models import DEFAULT_MODEL, resolve_model, shipped_demo_adapters
-from slora.step_stats import StepStats
+from slora.core.step_stats import StepStats
+from slora.models.builtin import DEFAULT_MODEL, resolve_model, shipped_demo_adapters
 
 
 def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = 42) -> list[list[int]]:

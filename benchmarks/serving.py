@@ -67,7 +67,7 @@ from common import (
 )
 from workloads import Request, adapter_ranks, slora_trace
 
-from slora.builtin_models import TINY_MODEL
+from slora.models.builtin import TINY_MODEL
 
 if TYPE_CHECKING:
     from slora.config import EngineConfig

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from common import RESULTS, print_table, write_json
+
 from slora import LLM, SamplingParams
-from slora.builtin_models import TINY_MODEL
+from slora.models.builtin import TINY_MODEL
 
 
 @dataclass

@@ -22,9 +22,10 @@ from typing import Any
 from common import RESULTS, print_table, pyplot, save_figure, write_rows
 from memsim import UNCAPPED_TOKENS, CostModel, ReservingScheduler, StepMeter, sim_requests
 from workloads import long_tail_trace
-from slora.page_pool import PageAllocator
-from slora.scheduler import Scheduler, SchedulerConfig
-from slora.simulator import simulate
+
+from slora.core.page_pool import PageAllocator
+from slora.core.scheduler import Scheduler, SchedulerConfig
+from slora.core.simulator import simulate
 
 MAX_LEN = 4096
 LOG = logging.getLogger("benchmarks.simulate")

@@ -201,7 +201,7 @@ def zero_logits_forward(vocab: int, max_rows: int) -> contextlib.AbstractContext
     while the context is open: the steps then time the host's own work alone. The rows are a view of one
     buffer, as a graph's logits are: a tensor allocated per step costs the CPU's allocator more in chunk steps
     than in decode steps, and that cost is not the engine's host work."""
-    from slora.model_runner import ModelRunner
+    from slora.execution.model_runner import ModelRunner
 
     logits = torch.zeros(max_rows, vocab)                 # [max_rows, vocab]: greedy sampling only reads it
 
@@ -255,14 +255,14 @@ WAITED_S = 20e-6
 # timer wraps.
 Where = tuple[str, str | None, str]
 PHASES: dict[str, Where] = {
-    "schedule": ("slora.scheduler", "Scheduler", "schedule"),
-    "move_pages": ("slora.model_runner", "ModelRunner", "move_pages"),
-    "build_inputs": ("slora.model_runner", "ModelRunner", "inputs_for"),
-    "stage_batch": ("slora.step_batch", "StepBatch", "copy_into"),
-    "stage_mixed_extras": ("slora.mixed_graphs", "MixedGraphs", "_stage_extras"),
-    "stage_send": ("slora.staging", "StagedBatch", "send"),
+    "schedule": ("slora.core.scheduler", "Scheduler", "schedule"),
+    "move_pages": ("slora.execution.model_runner", "ModelRunner", "move_pages"),
+    "build_inputs": ("slora.execution.model_runner", "ModelRunner", "inputs_for"),
+    "stage_batch": ("slora.execution.step_batch", "StepBatch", "copy_into"),
+    "stage_mixed_extras": ("slora.execution.mixed_graphs", "MixedGraphs", "_stage_extras"),
+    "stage_send": ("slora.execution.staging", "StagedBatch", "send"),
     "graph_replay": ("torch.cuda", "CUDAGraph", "replay"),
-    "eager_forward": ("slora.model_runner", "ModelRunner", "forward"),
+    "eager_forward": ("slora.execution.model_runner", "ModelRunner", "forward"),
     "sample": ("slora.engine", "Engine", "_sample_step"),
     "take_sampled": ("slora.engine", "Engine", "_take_sampled"),
     WAIT_PHASE: ("torch.cuda", "Event", "synchronize"),
@@ -273,14 +273,14 @@ PHASES: dict[str, Where] = {
 # the step's device work besides the staged send and the replay: the ids the step before sampled, fed into
 # this step's input ids; the sampler's work on the device; then the sampled ids' copy to the host.
 FINE_PHASES: dict[str, Where] = {
-    "admit": ("slora.scheduler", "Scheduler", "_admit_waiting"),
-    "allocate_kv_pages": ("slora.page_pool", "PageAllocator", "allocate_kv_pages"),
-    "release_kv_pages": ("slora.page_pool", "PageAllocator", "release_kv_pages"),
-    "on_computed": ("slora.scheduler", "Scheduler", "on_computed"),
-    "register_hashes": ("slora.page_pool", "PageAllocator", "register_hashes"),
-    "feed_tokens": ("slora.step_batch", None, "feed_tokens"),
-    "sample_on_device": ("slora.sampler", "Sampler", "on_device"),
-    "copy_sampled": ("slora.in_flight", "HostCopy", "__init__"),
+    "admit": ("slora.core.scheduler", "Scheduler", "_admit_waiting"),
+    "allocate_kv_pages": ("slora.core.page_pool", "PageAllocator", "allocate_kv_pages"),
+    "release_kv_pages": ("slora.core.page_pool", "PageAllocator", "release_kv_pages"),
+    "on_computed": ("slora.core.scheduler", "Scheduler", "on_computed"),
+    "register_hashes": ("slora.core.page_pool", "PageAllocator", "register_hashes"),
+    "feed_tokens": ("slora.execution.step_batch", None, "feed_tokens"),
+    "sample_on_device": ("slora.sampling.sampler", "Sampler", "on_device"),
+    "copy_sampled": ("slora.execution.in_flight", "HostCopy", "__init__"),
 }
 
 

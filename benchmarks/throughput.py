@@ -242,7 +242,7 @@ class SloraState:
 
     def load_up_to(self, target: int) -> float:
         from slora import LLM
-        from slora.builtin_models import TINY_MODEL
+        from slora.models.builtin import TINY_MODEL
 
         start = time.perf_counter()
         if self.llm is None:
@@ -288,7 +288,7 @@ class SloraState:
 def run_slora(llm: Any, load: "Workload", device: str) -> list[Run]:
     """One run per prompt set: every request submitted at once."""
     from slora import SamplingParams
-    from slora.step_stats import StepStats
+    from slora.core.step_stats import StepStats
 
     trace, names = load.trace, [adapter_name(r.adapter) for r in load.trace]
     warm = min(len(trace), llm.engine.config.max_num_seqs)                   # warm-up: a full batch, a few tokens

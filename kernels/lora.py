@@ -27,7 +27,7 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
   is bound by launch latency, not bytes). `lora_shrink(out=h)` instead adds every split into one
   caller-zeroed h with atomics, so the reduction can be split finer (up to 32) at no cost to expand; the
   float32 order of those additions is not fixed. The engine uses it for small steps
-  (slora.lora_backend.LoraLaunchPolicy).
+  (slora.execution.lora_backend.LoraLaunchPolicy).
 - Fused modules: the tables may be `[modules, slots]` for up to three modules that share an input
   (q/k/v, gate/up), so one shrink launch and one expand launch (into the fused qkv or gate_up output,
   `out_sizes` columns per module) serve them all: 8 launches per layer for seven projections.

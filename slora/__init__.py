@@ -24,9 +24,9 @@ def __getattr__(name: str) -> Any:
         from slora.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from slora.sampling_params import SamplingParams
+        from slora.sampling.params import SamplingParams
         return SamplingParams
     if name == "RequestOutput":
-        from slora.outputs import RequestOutput
+        from slora.core.outputs import RequestOutput
         return RequestOutput
     raise AttributeError(f"module 'slora' has no attribute {name!r}")

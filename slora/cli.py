@@ -6,7 +6,7 @@ import sys
 import typing
 from typing import TYPE_CHECKING, Any
 
-from slora.sampling_params import SamplingParams
+from slora.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from slora.api.settings import ServerSettings

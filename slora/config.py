@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from slora.scheduler import PREEMPTION_MODES, SchedulerConfig
+from slora.core.scheduler import PREEMPTION_MODES, SchedulerConfig
 
 LOAD_FORMATS = ("safetensors", "dummy")     # "dummy": random weights from config.json
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

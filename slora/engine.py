@@ -13,19 +13,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from slora.adapter_manager import AdapterFormat, AdapterManager, UnknownAdapterError
 from slora.adapters.errors import AdapterError
-from slora.builtin_models import resolve_model
 from slora.config import EngineConfig
-from slora.detokenizer import IncrementalDetokenizer
-from slora.device_copy import select_rows, tensor_on
-from slora.engine_grammars import EngineGrammars
-from slora.engine_sizing import EngineSizing
-from slora.in_flight import ArrivingSample, HostCopy, InFlight, PinnedBuffers, ReadySample
-from slora.model_runner import ModelRunner
-from slora.models.config import ModelConfig
-from slora.models.loader import load_model
-from slora.outputs import (
+from slora.core.outputs import (
     ADAPTER_UNAVAILABLE,
     GRAMMAR_TOO_SLOW,
     INTERNAL_ERROR,
@@ -34,19 +24,29 @@ from slora.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from slora.page_pool import PageAllocator
-from slora.request_state import RequestState, check_request, step_grammars
-from slora.sampler import GrammarMask, Sampler, SampleResult
-from slora.sampling_params import SamplingParams
-from slora.scheduler import ScheduledSeq, Scheduler
-from slora.sequence import AdapterRef, Sequence, SequenceStatus
-from slora.step_batch import prompt_logits
-from slora.step_stats import StepStats, StepTimer
-from slora.stopping import append_token
-from slora.tokenizer import eos_token_ids, load_tokenizer
+from slora.core.page_pool import PageAllocator
+from slora.core.scheduler import ScheduledSeq, Scheduler
+from slora.core.sequence import AdapterRef, Sequence, SequenceStatus
+from slora.core.step_stats import StepStats, StepTimer
+from slora.execution.adapter_manager import AdapterFormat, AdapterManager, UnknownAdapterError
+from slora.execution.device_copy import select_rows, tensor_on
+from slora.execution.in_flight import ArrivingSample, HostCopy, InFlight, PinnedBuffers, ReadySample
+from slora.execution.model_runner import ModelRunner
+from slora.execution.sizing import EngineSizing
+from slora.execution.step_batch import prompt_logits
+from slora.models.builtin import resolve_model
+from slora.models.config import ModelConfig
+from slora.models.loader import load_model
+from slora.models.tokenizer import eos_token_ids, load_tokenizer
+from slora.sampling.detokenizer import IncrementalDetokenizer
+from slora.sampling.engine_grammars import EngineGrammars
+from slora.sampling.params import SamplingParams
+from slora.sampling.request_state import RequestState, check_request, step_grammars
+from slora.sampling.sampler import GrammarMask, Sampler, SampleResult
+from slora.sampling.stopping import append_token
 
 if TYPE_CHECKING:
-    from slora.grammar import CompiledGrammar
+    from slora.sampling.grammar import CompiledGrammar
 
 __all__ = ["Engine", "UnknownAdapterError"]
 

@@ -5,9 +5,9 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
 from slora.config import engine_config
+from slora.core.outputs import RequestOutput
 from slora.engine import Engine
-from slora.outputs import RequestOutput
-from slora.sampling_params import SamplingParams
+from slora.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

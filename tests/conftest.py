@@ -4,8 +4,9 @@ import os
 import sys
 from pathlib import Path
 
-import slora  # noqa: F401 - first: it takes the repository root off sys.path (slora/__init__.py says why)
 import torch
+
+import slora  # noqa: F401 - first: it takes the repository root off sys.path (slora/__init__.py says why)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

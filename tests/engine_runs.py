@@ -4,8 +4,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from slora import LLM, SamplingParams
+from slora.core.outputs import RequestOutput
 from slora.engine import Engine
-from slora.outputs import RequestOutput
 
 ADAPTERS = ("attn-r4", "mlp-r8", "all-r16")
 

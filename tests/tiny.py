@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slora.tiny_model import build_demo_adapter, build_tiny_model
+from slora.models.tiny import build_demo_adapter, build_tiny_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, targets, alpha, seed, extra LoraConfig fields)
@@ -40,7 +40,7 @@ def make_adapters(model_dir: Path, root: Path, names: list[str] | None = None) -
 def force_lora_deltas(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make every step's LoRA a delta added by the op after each projection (LoraStep.deltas, as the CUDA
     decode graphs run it) instead of added after the GEMM; returns the layers of the deltas computed."""
-    from slora.lora_backend import LoraStep
+    from slora.execution.lora_backend import LoraStep
     init, delta = LoraStep.__init__, LoraStep.delta
     layers: list[int] = []
     monkeypatch.setattr(LoraStep, "__init__", lambda self, tables, kernels, backend, deltas=False, side_stream=None:
@@ -52,7 +52,7 @@ def force_lora_deltas(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def record_attention(monkeypatch: pytest.MonkeyPatch, backend: type | None = None) -> list[tuple[str, int]]:
     """(which call, query rows) of each attention of `backend` (default: the reference one) from now on: "all"
     the step's rows, or "rows" some of them (attend_rows)."""
-    from slora.attention_backend import ReferenceAttention
+    from slora.execution.attention_backend import ReferenceAttention
     backend = backend or ReferenceAttention
     attended: list[tuple[str, int]] = []
     attend, attend_rows = backend.attend, backend.attend_rows

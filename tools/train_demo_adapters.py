@@ -37,7 +37,7 @@ decoding and a fixed thread count (`--threads`, default 2): a rerun on the same 
 model folder writes byte-identical files. Floating-point results can differ with other thread counts or
 CPUs, and so can the files.
 
-Rerun (the default model folder comes from `slora.builtin_models`; `--model DIR` takes any HF folder of
+Rerun (the default model folder comes from `slora.models.builtin`; `--model DIR` takes any HF folder of
 SmolLM2-135M-Instruct):
 
     .venv/bin/python tools/train_demo_adapters.py [--model DIR] [--adapters demo-caps ...]
@@ -185,7 +185,7 @@ def configure_torch(threads: int) -> None:
 
 def default_model_folder() -> Path:
     """The project's SmolLM2-135M-Instruct folder; imported late so that `--model` needs no slora."""
-    from slora.builtin_models import smollm2_folder
+    from slora.models.builtin import smollm2_folder
     return smollm2_folder()
 
 
@@ -484,7 +484,7 @@ def check(folder: Path, adapter_dir: Path, names: Sequence[str]) -> bool:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None,
-                        help=f"HF folder of {MODEL_NAME} (default: slora.builtin_models' folder)")
+                        help=f"HF folder of {MODEL_NAME} (default: slora.models.builtin' folder)")
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="where the adapter folders go")
     parser.add_argument("--adapters", nargs="+", default=[s.name for s in SPECS],
                         choices=[s.name for s in SPECS], help="which adapters (default: all three)")

@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
 from common import LLAMA3_8B, PAGE_ELEMS, PROJECTIONS, RESULTS, print_table, write_json  # noqa: E402
-from slora.kernels import lora  # noqa: E402
 
-from slora.lora_backend import LoraStep, TritonLora  # noqa: E402
+from slora.execution.lora_backend import LoraStep, TritonLora  # noqa: E402
+from slora.execution.step_batch import StepLora  # noqa: E402
+from slora.kernels import lora  # noqa: E402
 from slora.models.config import parse_model_config  # noqa: E402
-from slora.step_batch import StepLora  # noqa: E402
 
 ADAPTER_PAGES = 40                     # pages of a rank-16 adapter on all seven projections
 RANK = 16

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
 from common import RESULTS, best_us_per_call, parse_call_timing, print_table, write_json  # noqa: E402
 
-from slora.page_pool import PageAllocator  # noqa: E402
+from slora.core.page_pool import PageAllocator  # noqa: E402
 
 PAGE_SIZE = 16
 

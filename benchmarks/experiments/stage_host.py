@@ -24,13 +24,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
 from common import RESULTS, best_us_per_call, parse_call_timing, print_table, write_json  # noqa: E402
 
-from slora import step_batch  # noqa: E402
 from slora.adapters.packing import AdapterDescriptor  # noqa: E402
-from slora.cuda_graphs import DecodeGraphs, GraphLimits  # noqa: E402
-from slora.mixed_graphs import BucketGraph, MixedGraphs  # noqa: E402
-from slora.sampling_params import SamplingParams  # noqa: E402
-from slora.scheduler import ScheduledSeq  # noqa: E402
-from slora.sequence import AdapterRef, BlockTable, Sequence  # noqa: E402
+from slora.core.scheduler import ScheduledSeq  # noqa: E402
+from slora.core.sequence import AdapterRef, BlockTable, Sequence  # noqa: E402
+from slora.execution import step_batch  # noqa: E402
+from slora.execution.cuda_graphs import DecodeGraphs, GraphLimits  # noqa: E402
+from slora.execution.mixed_graphs import BucketGraph, MixedGraphs  # noqa: E402
+from slora.sampling.params import SamplingParams  # noqa: E402
 
 PAGE_SIZE = 16
 DECODES, ADAPTERS, ADAPTER_PAGES = 64, 8, 40          # 40 pages: a rank-16 adapter on all 7 projections

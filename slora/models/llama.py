@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slora.adapters.shapes import TargetShapes
-from slora.attention_backend import AttentionBackend, RowQueries, row_queries
+from slora.execution.attention_backend import AttentionBackend, RowQueries, row_queries
+from slora.execution.lora_backend import LoraStep
+from slora.execution.step_batch import StepBatch
 from slora.kernels.reference import PagedKV
-from slora.lora_backend import LoraStep
 from slora.models import ops
 from slora.models.config import ModelConfig
 from slora.models.rope import RotaryEmbedding
-from slora.step_batch import StepBatch
 
 # The model's LoRA layout: the adapter tables' module axis, in this order, each module's path inside a
 # decoder layer `model.layers.{i}` (its Hugging Face name, which adapters' patterns and tensor names use), and

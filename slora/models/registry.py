@@ -6,11 +6,11 @@ import torch
 from torch import Tensor, nn
 
 from slora.adapters.shapes import TargetShapes
-from slora.attention_backend import AttentionBackend
-from slora.lora_backend import LoraStep
+from slora.execution.attention_backend import AttentionBackend
+from slora.execution.lora_backend import LoraStep
+from slora.execution.step_batch import StepBatch
 from slora.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 from slora.models.llama import LlamaForCausalLM
-from slora.step_batch import StepBatch
 
 
 class CausalLM(Protocol):

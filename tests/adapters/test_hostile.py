@@ -8,16 +8,16 @@ import time
 import pytest
 import torch
 from peft.utils.other import get_pattern_key
+from tiny import edit_config, edit_weights, first_key
 
 from slora import LLM
 from slora.adapters import config as adapter_config
 from slora.adapters.config import parse_adapter_config
 from slora.adapters.errors import AdapterError
 from slora.adapters.packing import pack_adapter
-from slora.adapters.weights import load_adapter
 from slora.adapters.shapes import TargetShapes
+from slora.adapters.weights import load_adapter
 from slora.models.llama import LORA_LAYERS_PREFIX, LORA_MODULE_PATHS, LORA_MODULES
-from tiny import edit_config, edit_weights, first_key
 
 # Exponential backtracking against every module name: none holds three digits in a row, so the engine
 # tries every way of splitting the name between the three loops before it fails.

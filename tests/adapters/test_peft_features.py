@@ -1,10 +1,10 @@
 """PEFT config features that change what an adapter computes: layers_to_transform, regex and
 all-linear targets. Each must match transformers + PEFT."""
 import pytest
+from tiny import oracle_greedy, random_prompts
 
 from slora import LLM, SamplingParams
-from slora.tiny_model import build_demo_adapter
-from tiny import oracle_greedy, random_prompts
+from slora.models.tiny import build_demo_adapter
 
 FEATURES = {
     "layers": dict(rank=6, targets=["q_proj", "v_proj", "down_proj"], layers_to_transform=[1]),

@@ -5,16 +5,10 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import edit_config, edit_weights, first_key, random_prompts
 
 from slora import LLM, SamplingParams
 from slora.adapters.errors import AdapterError
-from tiny import edit_config, edit_weights, first_key, random_prompts
-
-
-
-
-
-
 
 
 def set_first_a_nan(tensors):

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from benchmark_modules import load_benchmark
+
 from slora import LLM, SamplingParams
 
 BASE_MODEL = "slora-tiny-llama"
@@ -147,7 +147,7 @@ def wait_healthy(url: str, process: subprocess.Popen, log_path: Path,
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from slora.tiny_model import ensure_tiny_model
+    from slora.models.tiny import ensure_tiny_model
     return ensure_tiny_model()
 
 

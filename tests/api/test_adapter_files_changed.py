@@ -3,7 +3,6 @@ naming what happened (not a 503 that SDKs would retry for ever), and the server 
 import shutil
 
 import pytest
-
 from conftest import BASE_MODEL, assert_error_shape, start_server
 
 

@@ -8,8 +8,8 @@ import pytest
 from slora.adapters.errors import AdapterError
 from slora.config import EngineConfig
 from slora.engine import Engine
-from slora.sampling_params import SamplingParams
-from slora.builtin_models import TINY_MODEL
+from slora.models.builtin import TINY_MODEL
+from slora.sampling.params import SamplingParams
 
 
 def state(engine: Engine) -> dict:

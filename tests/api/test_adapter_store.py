@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import adapter_files, greedy, start_server, write_tenants
 
 KEYS = {"ops": "store-admin-key", "acme": "store-acme-key", "zeta": "store-zeta-key"}

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from conftest import BASE_MODEL, assert_error_shape, copy_adapter, greedy, start_server
 
 PROMPT = "Once upon a time"

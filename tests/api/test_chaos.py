@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import BASE_MODEL, SOAK, TEST_ADAPTERS, start_server, write_tenants
 
 KEYS = {"ops": "chaos-admin-key", "alpha": "chaos-alpha-key", "beta": "chaos-beta-key"}

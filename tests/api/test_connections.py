@@ -12,7 +12,6 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-
 from conftest import BASE_MODEL, SOAK, assert_error_shape, start_server, wait_until, write_tenants
 
 KEYS = {"alpha": "conn-alpha-key", "beta": "conn-beta-key"}

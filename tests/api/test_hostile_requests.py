@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from conftest import BASE_MODEL, assert_error_shape, start_server
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
-from conftest import BASE_MODEL, assert_error_shape, start_server
 from slora.api.app import create_app
 from slora.api.async_engine import EngineInfo
 from slora.api.errors import APIError
@@ -25,9 +25,9 @@ from slora.api.serving import GenerationService, Tokenization, TokenizationCance
 from slora.api.settings import ServerSettings
 from slora.api.tenants import Tenant
 from slora.config import EngineConfig
+from slora.core.outputs import RequestError, RequestOutput
 from slora.engine import Engine
-from slora.outputs import RequestError, RequestOutput
-from slora.builtin_models import TINY_MODEL
+from slora.models.builtin import TINY_MODEL
 
 MAX_TOKENS_LIMIT = 5
 MESSAGES = [{"role": "user", "content": "Hello there"}]

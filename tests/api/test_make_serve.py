@@ -6,7 +6,6 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from conftest import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]

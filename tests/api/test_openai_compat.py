@@ -6,7 +6,6 @@ import threading
 import httpx
 import openai
 import pytest
-
 from conftest import BASE_MODEL, assert_error_shape, chat_ids, greedy, start_server, stream_completion
 
 PROMPT = "Hello, how are you?"

@@ -11,16 +11,16 @@ import httpx
 import jsonschema_rs
 import pytest
 import schemathesis
+from conftest import BASE_MODEL, TEST_ADAPTERS, start_server, write_tenants
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
-from conftest import BASE_MODEL, TEST_ADAPTERS, start_server, write_tenants
 from slora.api.app import create_app
 from slora.api.openapi import OPERATIONS
-from slora.tiny_model import DEMO_ADAPTERS
+from slora.models.tiny import DEMO_ADAPTERS
 
 KEYS = {"admin": "openapi-admin-key", "tenant": "openapi-tenant-key"}
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]

@@ -6,15 +6,15 @@ import json
 import logging
 
 import pytest
+from conftest import BASE_MODEL, assert_error_shape
 from starlette.testclient import TestClient
 
-from conftest import BASE_MODEL, assert_error_shape
 from slora.api.app import create_app
 from slora.api.settings import ServerSettings
-from slora.builtin_models import TINY_MODEL
 from slora.config import EngineConfig
 from slora.engine import Engine
-from slora.structured_output import StructuredOutput
+from slora.models.builtin import TINY_MODEL
+from slora.sampling.structured_output import StructuredOutput
 
 # A chat template that shows everything the server passes it: tool calls and tool results in messages, tools,
 # documents and a variable from chat_template_kwargs.
@@ -363,7 +363,7 @@ def test_two_structured_output_fields_are_400_naming_both(app):
     ({"guided_grammar": "this is not ebnf"}, "guided_grammar"),
 ])
 def test_a_spec_the_engine_cannot_compile_is_400(app, fields, param):
-    """Needs the engine side (slora/grammar.py compiling at add_request)."""
+    """Needs the engine side (slora/sampling/grammar.py compiling at add_request)."""
     client, _, engine = app
     error = error_of(completion(client, **fields))
     assert error["param"] == param, error

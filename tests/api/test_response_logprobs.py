@@ -7,15 +7,15 @@ import math
 
 import openai
 import pytest
+from conftest import BASE_MODEL
 from starlette.testclient import TestClient
 
-from conftest import BASE_MODEL
 from slora.api.app import create_app
 from slora.api.protocol import LOGPROB_FLOOR, logprob_value
 from slora.api.settings import ServerSettings
-from slora.builtin_models import TINY_MODEL
 from slora.config import EngineConfig
 from slora.engine import Engine
+from slora.models.builtin import TINY_MODEL
 
 PROMPT = "Hello, how are you?"
 MESSAGES = [{"role": "user", "content": "Hello there"}]

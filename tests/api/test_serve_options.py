@@ -9,8 +9,8 @@ import sys
 import threading
 
 import pytest
-
 from conftest import BASE_MODEL, assert_error_shape, free_port, greedy, start_server, write_tenants
+
 from slora.api.settings import LoraModule, ServerSettings, parse_lora_module
 from slora.cli import main
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import BASE_MODEL, adapter_files, assert_error_shape, start_server, wait_until, write_tenants
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import BASE_MODEL, adapter_files, assert_error_shape, start_server, wait_until, write_tenants
 from slora.api.settings import ServerSettings
 from slora.api.tenants import hash_key
 from slora.cli import SERVE_LIMITS, build_parser, serve_settings

@@ -5,7 +5,6 @@ import time
 
 import httpx
 import openai
-
 from conftest import BASE_MODEL, greedy, start_server
 
 PROMPT = "Hello"

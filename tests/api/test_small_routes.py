@@ -4,7 +4,6 @@ import importlib.metadata
 import math
 
 import pytest
-
 from conftest import BASE_MODEL, TEST_ADAPTERS, assert_error_shape, chat_ids, start_server
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]

@@ -4,10 +4,10 @@ demo adapters (built in, and one hot-loaded through the API), each equal to the 
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import start_server
+
 from slora import SamplingParams
-from slora.builtin_models import DEFAULT_MODEL, resolve_model
+from slora.models.builtin import DEFAULT_MODEL, resolve_model
 
 DEMO_ADAPTERS = ["demo-pirate", "demo-caps", "demo-json"]
 QUESTION = "What is the capital of France?"

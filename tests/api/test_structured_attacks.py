@@ -8,7 +8,6 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-
 from conftest import BASE_MODEL, assert_error_shape, start_server, write_tenants
 
 KEYS = {"mallory": "attacker-key", "bob": "victim-key", "carol": "bystander-key"}

@@ -6,7 +6,6 @@ import threading
 import httpx
 import openai
 import pytest
-
 from conftest import BASE_MODEL, assert_error_shape, free_port, greedy, start_server, write_tenants
 
 PROMPT = "The quick brown fox"

@@ -3,8 +3,8 @@ unit tests, then the real chat route, whose answer guided_choice makes the tiny 
 import json
 
 import pytest
-
 from conftest import BASE_MODEL, start_server
+
 from slora.api.protocol import ChatCompletionRequest
 from slora.api.tool_calls import (
     ParsedAnswer,

@@ -16,8 +16,8 @@ from slora.api.settings import ServerSettings
 from slora.api.tenants import Tenant, hash_key, load_tenants
 from slora.config import EngineConfig
 from slora.engine import Engine
-from slora.sampling_params import SamplingParams
-from slora.builtin_models import TINY_MODEL
+from slora.models.builtin import TINY_MODEL
+from slora.sampling.params import SamplingParams
 
 
 def test_admission_queues_hands_over_and_refuses():
@@ -117,8 +117,8 @@ def test_stream_deltas_withhold_partial_characters_and_stop_prefixes():
 
 
 def test_default_chat_template_when_the_tokenizer_has_none():
-    from slora.tiny_model import ensure_tiny_model
-    from slora.tokenizer import load_tokenizer
+    from slora.models.tiny import ensure_tiny_model
+    from slora.models.tokenizer import load_tokenizer
     tokenizer = copy.deepcopy(load_tokenizer(ensure_tiny_model().model_dir))
     tokenizer.chat_template = None
     ids = render_chat(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)

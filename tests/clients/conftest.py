@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slora.builtin_models import DEFAULT_MODEL, resolve_model
+from slora.models.builtin import DEFAULT_MODEL, resolve_model
 
 if "api_server_helpers" not in sys.modules:
     _spec = importlib.util.spec_from_file_location("api_server_helpers",

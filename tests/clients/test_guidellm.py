@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from slora.builtin_models import DEFAULT_MODEL
+from slora.models.builtin import DEFAULT_MODEL
 
 pytest.importorskip("guidellm", reason="guidellm is not installed: pip install guidellm")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from slora import SamplingParams
-from slora.builtin_models import DEFAULT_MODEL
+from slora.models.builtin import DEFAULT_MODEL
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install 'lm-eval[api]'")
 pytest.importorskip("aiohttp", reason="lm-eval's API models need its [api] extra: pip install 'lm-eval[api]'")

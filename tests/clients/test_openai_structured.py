@@ -10,7 +10,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from slora.builtin_models import DEFAULT_MODEL
+from slora.models.builtin import DEFAULT_MODEL
 
 QUESTION = [{"role": "user", "content": "What colour is fresh grass? Answer in JSON."}]
 MAX_TOKENS = 64             # bounded: the JSON of the schema takes about 20 tokens

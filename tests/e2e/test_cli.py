@@ -3,10 +3,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slora import LLM, SamplingParams
-from slora.builtin_models import TINY_MODEL
-
 from benchmark_modules import SUBPROCESS_TIMEOUT_S
+
+from slora import LLM, SamplingParams
+from slora.models.builtin import TINY_MODEL
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

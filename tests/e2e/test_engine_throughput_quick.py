@@ -71,7 +71,7 @@ def test_host_time_by_kind_charges_each_call_to_the_step_it_launched():
     first call, which launched the prefill, is charged to the prefill, the next ones to decodes; the second
     pass (under cProfile) names the functions of its decode calls."""
     from slora import LLM, SamplingParams
-    from slora.builtin_models import TINY_MODEL
+    from slora.models.builtin import TINY_MODEL
 
     bench = load_benchmark("engine_throughput.py", "bench_engine_throughput")
     engine = LLM(TINY_MODEL).engine

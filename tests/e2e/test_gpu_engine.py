@@ -1,10 +1,10 @@
 """The CUDA path (Triton kernels, CUDA graphs) against the CPU engine and transformers + PEFT."""
 import pytest
 import torch
+from tiny import oracle_greedy, random_prompts
 
 from slora import LLM, SamplingParams
 from slora.config import CudaConfig
-from tiny import oracle_greedy, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -225,7 +225,7 @@ def test_mixed_step_graphs_match_eager_steps(tiny_llama, monkeypatch):
     """Mixed and prefill steps of up to mixed_graph_tokens tokens replay their bucket's graph: the same
     greedy tokens as eager steps (float32), with adapters of every rank and base rows beside them, decodes
     beside new prompts, and a 700-token prompt whose chunks go past the largest bucket (eager)."""
-    from slora.mixed_graphs import MixedGraphs
+    from slora.execution.mixed_graphs import MixedGraphs
     buckets = []
     replay = MixedGraphs.replay
     monkeypatch.setattr(MixedGraphs, "replay",
@@ -246,7 +246,7 @@ def test_steps_of_a_dropped_bucket_replay_the_next_bucket_kept(tiny_llama, monke
     """A bucket whose graph replays slower than a larger one's is dropped at start; here the timing rule's
     verdict drops every bucket under 256 tokens. Their steps pad to a bucket kept, with the same greedy
     tokens as eager steps."""
-    from slora import mixed_graphs
+    from slora.execution import mixed_graphs
     monkeypatch.setattr(mixed_graphs, "buckets_worth_keeping", lambda seconds: [b for b in sorted(seconds) if b >= 256])
     buckets = []
     replay = mixed_graphs.MixedGraphs.replay

@@ -1,12 +1,12 @@
 """benchmarks/memsim.py: the cost model's numbers and the two alternative memory policies, checked
 against the pool's invariants at every simulated step."""
 import pytest
-
 from benchmark_modules import load_benchmark
-from slora.page_pool import PageAllocator
-from slora.scheduler import SchedulerConfig
-from slora.sequence import AdapterRef
-from slora.simulator import SimRequest, simulate
+
+from slora.core.page_pool import PageAllocator
+from slora.core.scheduler import SchedulerConfig
+from slora.core.sequence import AdapterRef
+from slora.core.simulator import SimRequest, simulate
 
 
 @pytest.fixture(scope="module")

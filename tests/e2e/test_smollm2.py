@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slora import SamplingParams
-from slora.builtin_models import DEFAULT_MODEL, resolve_model
+from slora.models.builtin import DEFAULT_MODEL, resolve_model
 
 DEMO_ADAPTERS = ["demo-pirate", "demo-caps", "demo-json"]
 # Questions through the chat template (with its default system prompt); none is in the adapters' training set.

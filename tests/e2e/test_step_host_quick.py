@@ -77,10 +77,10 @@ def test_fine_phases_time_the_chunks_pages_and_hashes_apart(tmp_path):
 def test_phase_timers_wrap_a_modules_function_and_put_it_back():
     """A phase may be a module's function (owner None), which its callers reach through the module."""
     step_host = load_benchmark("step_host.py", "step_host_module_phase")
-    from slora import step_batch
+    from slora.execution import step_batch
 
     original = step_batch.feed_tokens
-    clock = step_host.PhaseClock({"feed_tokens": ("slora.step_batch", None, "feed_tokens")})
+    clock = step_host.PhaseClock({"feed_tokens": ("slora.execution.step_batch", None, "feed_tokens")})
     with step_host.phase_timers(clock):
         assert step_batch.feed_tokens is not original
         step_batch.feed_tokens(None, None)                 # no feed: nothing written
@@ -196,7 +196,7 @@ def test_host_phase_sum_leaves_the_wait_for_the_gpu_out():
 def test_host_only_forward_returns_zero_logits_without_the_model_and_is_undone():
     import torch
 
-    from slora.model_runner import ModelRunner
+    from slora.execution.model_runner import ModelRunner
 
     step_host = load_benchmark("step_host.py", "step_host_zero_logits")
     original = ModelRunner.forward
@@ -260,7 +260,7 @@ def test_a_prompt_past_the_models_context_is_refused_before_the_engine_is_built(
 def test_host_work_only_runs_torch_on_one_thread_and_restores_it():
     import torch
 
-    from slora.model_runner import ModelRunner
+    from slora.execution.model_runner import ModelRunner
 
     step_host = load_benchmark("step_host.py", "step_host_one_thread")
     threads, original = torch.get_num_threads(), ModelRunner.forward
@@ -275,11 +275,11 @@ def test_host_work_only_runs_torch_on_one_thread_and_restores_it():
 
 def test_phase_timers_put_back_what_they_wrapped_when_a_phase_is_missing():
     step_host = load_benchmark("step_host.py", "step_host_missing_phase")
-    from slora import step_batch
+    from slora.execution import step_batch
 
     original = step_batch.feed_tokens
-    clock = step_host.PhaseClock({"feed_tokens": ("slora.step_batch", None, "feed_tokens"),
-                                  "missing": ("slora.step_batch", None, "no_such_function")})
+    clock = step_host.PhaseClock({"feed_tokens": ("slora.execution.step_batch", None, "feed_tokens"),
+                                  "missing": ("slora.execution.step_batch", None, "no_such_function")})
     with pytest.raises(AttributeError), step_host.phase_timers(clock):
         pass
     assert step_batch.feed_tokens is original

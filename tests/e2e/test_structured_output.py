@@ -8,7 +8,7 @@ import re
 import pytest
 
 from slora import LLM, SamplingParams
-from slora.structured_output import StructuredOutput
+from slora.sampling.structured_output import StructuredOutput
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from benchmark_modules import load_benchmark, SUBPROCESS_TIMEOUT_S
+from benchmark_modules import SUBPROCESS_TIMEOUT_S, load_benchmark
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

@@ -9,17 +9,17 @@ import os
 import pytest
 import torch
 import triton.language as tl
+from tiny import force_lora_deltas, oracle_greedy, random_prompts
 from triton.runtime.interpreter import InterpretedFunction
 
 from slora import LLM, SamplingParams
-from slora.attention_backend import TritonAttention
-from slora.lora_backend import LoraLaunchPolicy, TritonLora
-from slora.cuda_graphs import GraphLimits
-from slora.mixed_graphs import BucketGraph
+from slora.execution.attention_backend import TritonAttention
+from slora.execution.cuda_graphs import GraphLimits
+from slora.execution.lora_backend import LoraLaunchPolicy, TritonLora
+from slora.execution.mixed_graphs import BucketGraph
+from slora.execution.model_runner import WARM_UP_STEPS, WarmUpStep
+from slora.execution.step_batch import step_max_rank
 from slora.kernels.layout import cdiv
-from slora.model_runner import WARM_UP_STEPS, WarmUpStep
-from slora.step_batch import step_max_rank
-from tiny import force_lora_deltas, oracle_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs Triton kernels in the interpreter, on CPU-only machines")
@@ -375,11 +375,11 @@ def test_chunk_steps_that_sample_no_row_match_peft_on_the_triton_kernels(tiny_ll
 
 
 def test_steps_through_a_buckets_recorded_forward_match_peft(tiny_llama, monkeypatch):
-    """What a mixed-step graph records (slora.mixed_graphs), run uncaptured on the CPU in place of every replay:
+    """What a mixed-step graph records (slora.execution.mixed_graphs), run uncaptured on the CPU in place of every replay:
     steps padded to their token bucket (16 or 24 tokens, 4 sequence slots), the attention over the bucket's
     grids, the last layer's sampled rows found in the staged query starts, the sampled rows past the step
     reading row 0. Decodes beside chunks of prompts on two adapters and none: the tokens are the oracle's."""
-    from slora.mixed_graphs import ATTENTION_INPUTS, MixedGraphs, packed_length, split_attention_inputs
+    from slora.execution.mixed_graphs import ATTENTION_INPUTS, MixedGraphs, packed_length, split_attention_inputs
     prompts, names = random_prompts([50, 3, 9], seed=43), [None, "all-r16", "rs-pattern"]
     expected = oracle_greedy(tiny_llama.model_dir, tiny_llama.adapters, prompts, names, 4)
     llm = LLM(str(tiny_llama.model_dir), num_pages=64, max_num_batched_tokens=24)

@@ -3,7 +3,6 @@ import math
 
 import numpy as np
 import pytest
-
 from benchmark_modules import load_benchmark
 
 

@@ -5,10 +5,10 @@ import threading
 import time
 
 import pytest
+from tiny import random_prompts
 
 from slora import LLM, SamplingParams
 from slora.config import EngineConfig, physical_memory_bytes
-from tiny import random_prompts
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 

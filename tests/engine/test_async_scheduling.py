@@ -7,10 +7,10 @@ from engine_runs import ADAPTERS, Outcome, Request, drive, make_llm
 from tiny import random_prompts
 
 from slora import LLM, SamplingParams
-from slora.scheduler import ScheduledSeq
-from slora.sequence import BlockTable, Sequence
-from slora.step_batch import build, feed_tokens, token_feed
-from slora.structured_output import StructuredOutput
+from slora.core.scheduler import ScheduledSeq
+from slora.core.sequence import BlockTable, Sequence
+from slora.execution.step_batch import build, feed_tokens, token_feed
+from slora.sampling.structured_output import StructuredOutput
 
 
 def both(tiny_llama, requests: list[Request], **config: object) -> tuple[dict[str, Outcome], dict[str, Outcome]]:  # noqa: ANN001
@@ -203,7 +203,7 @@ def test_a_bad_request_after_the_first_step_fails_generate_and_leaves_nothing_qu
 
 
 def test_pinned_buffers_alternate_and_grow_without_aliasing_the_other_buffer():
-    from slora.in_flight import PinnedBuffers
+    from slora.execution.in_flight import PinnedBuffers
 
     buffers = PinnedBuffers(pin=False)
     first, second = buffers.take(torch.Size([64]), torch.int64), buffers.take(torch.Size([65]), torch.int64)

@@ -4,8 +4,8 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from slora.detokenizer import IncrementalDetokenizer, fast_decoder
-from slora.tiny_model import ensure_tiny_model
+from slora.models.tiny import ensure_tiny_model
+from slora.sampling.detokenizer import IncrementalDetokenizer, fast_decoder
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import edit_weights, first_key, random_prompts
 
-import slora.stopping as stopping_module
+import slora.sampling.stopping as stopping_module
 from slora import LLM, SamplingParams
 from slora.adapters.errors import AdapterError
+from slora.core.outputs import RequestOutput
 from slora.engine import Engine
-from slora.outputs import RequestOutput
-from slora.sampler import DeviceSample
+from slora.sampling.sampler import DeviceSample
 
 VICTIM = "victim"
 FAULT_AT = 2                 # output tokens the victim's first sample has when the injected fault strikes

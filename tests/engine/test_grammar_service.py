@@ -1,4 +1,4 @@
-"""Grammar compiles off the engine's thread (slora.grammar_service) with the default model's tokenizer: a spec
+"""Grammar compiles off the engine's thread (slora.sampling.grammar_service) with the default model's tokenizer: a spec
 compiles in a worker process to the same grammar as in-process; a compile bomb is stopped at its time budget
 and the worker serves the next compile; an oversized grammar is refused by its size; a compile nobody waits
 for is stopped; tenants' compiles take turns; the cache is bounded by bytes, the largest holder giving way."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from slora.builtin_models import smollm2_folder
-from slora.grammar import GrammarCompiler
-from slora.grammar_service import (
+from slora.models.builtin import smollm2_folder
+from slora.sampling.grammar import GrammarCompiler
+from slora.sampling.grammar_service import (
     CompileLimits,
     GrammarLimitError,
     GrammarQueueFull,
@@ -20,7 +20,7 @@ from slora.grammar_service import (
     _Job,
     _TurnQueue,
 )
-from slora.structured_output import StructuredOutput
+from slora.sampling.structured_output import StructuredOutput
 
 VOCAB = 49152
 SCHEMA = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},

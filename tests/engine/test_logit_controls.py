@@ -3,12 +3,12 @@ presence / frequency / repetition penalties, min_p. On the sampler's batched pat
 different controls in one call), and through the engine for bias, min_tokens and the vocabulary check."""
 import pytest
 import torch
+from tiny import make_model
 
 from slora import LLM, SamplingParams
-from slora.logit_controls import apply_controls
-from slora.sampler import Sampler
-from slora.sequence import Sequence
-from tiny import make_model
+from slora.core.sequence import Sequence
+from slora.sampling.logit_controls import apply_controls
+from slora.sampling.sampler import Sampler
 
 EOS = 2
 VOCAB = 12

@@ -4,9 +4,9 @@ import os
 
 import pytest
 import torch
+from tiny import make_adapters, make_model, random_prompts, record_attention
 
 from slora import LLM, SamplingParams
-from tiny import make_adapters, make_model, random_prompts, record_attention
 
 TOLERANCE = 1e-4
 
@@ -67,7 +67,7 @@ def test_a_prompt_logprob_row_attended_as_a_decode_query_matches_transformers(mo
     """A 2-token prompt that asks for prompt logprobs, beside a 40-token prompt's first chunk that samples no
     row: the step samples 2 rows for 2 sequences, so its last layer attends those rows alone (attend_rows), and
     one of them is a prompt-logprob row inside a sequence, not at its end. Its logprobs are transformers'."""
-    from slora.attention_backend import ReferenceAttention, TritonAttention
+    from slora.execution.attention_backend import ReferenceAttention, TritonAttention
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernels on the CPU run in the interpreter")
     model_dir, _ = model

@@ -1,10 +1,10 @@
 """max_loras: at most that many distinct adapters in a batch; the order of work changes, outputs do not."""
 import pytest
+from tiny import random_prompts
 
 from slora import LLM, SamplingParams
 from slora.config import CudaConfig, EngineConfig
-from slora.cuda_graphs import GraphLimits
-from tiny import random_prompts
+from slora.execution.cuda_graphs import GraphLimits
 
 
 def test_max_loras_changes_the_order_not_the_outputs(tiny_llama):
@@ -73,7 +73,7 @@ def test_cli_engine_flags_reach_the_config():
 
 def test_llm_takes_cuda_settings_as_keywords():
     """LLM(...) keeps the flat keywords of the public contract: CudaConfig's fields go into config.cuda."""
-    from slora.builtin_models import TINY_MODEL
+    from slora.models.builtin import TINY_MODEL
     llm = LLM(TINY_MODEL, num_pages=16, gpu_memory_utilization=0.5, graph_few_adapters=2)
     assert llm.engine.config.cuda == CudaConfig(gpu_memory_utilization=0.5, graph_few_adapters=2)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

@@ -1,8 +1,8 @@
 """Outputs do not change when the pool forces preemption or adapter eviction; no page leaks."""
 import pytest
+from tiny import oracle_greedy, random_prompts
 
 from slora import LLM, SamplingParams
-from tiny import oracle_greedy, random_prompts
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 

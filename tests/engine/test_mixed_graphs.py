@@ -1,7 +1,7 @@
-"""The parts of the mixed-step graphs (slora.mixed_graphs) that need no GPU: the token buckets, which
+"""The parts of the mixed-step graphs (slora.execution.mixed_graphs) that need no GPU: the token buckets, which
 steps the graphs take, what a step is staged as, and the switch. Capture and replay against eager steps:
 tests/e2e/test_gpu_engine.py; the recorded forward, uncaptured, on the CPU: tests/e2e/test_triton_backend_cpu.py.
-Also the decode graphs' (slora.cuda_graphs) choice of the steps they take."""
+Also the decode graphs' (slora.execution.cuda_graphs) choice of the steps they take."""
 import contextlib
 import dataclasses
 import os
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from slora import step_batch
 from slora.config import CudaConfig
-from slora.cuda_graphs import DecodeGraphs, GraphLimits
-from slora.mixed_graphs import (
+from slora.execution import step_batch
+from slora.execution.cuda_graphs import DecodeGraphs, GraphLimits
+from slora.execution.mixed_graphs import (
     ATTENTION_INPUTS,
     CUBLAS_WORKSPACE_CONFIG,
     BucketGraph,
@@ -142,7 +142,7 @@ def test_steps_the_graphs_take_and_those_they_leave_to_eager():
 
 
 def test_the_decode_graphs_take_a_decode_step_whose_tables_fit_their_buffers():
-    """The decode graphs' (slora.cuda_graphs) counterpart of fits: the smallest batch bucket, unless the step's
+    """The decode graphs' (slora.execution.cuda_graphs) counterpart of fits: the smallest batch bucket, unless the step's
     block table or adapter tables outgrow the bucket's static buffers."""
     limits = dataclasses.replace(LIMITS, lora_side_stream=False)      # no side stream: no CUDA needed
     graphs = DecodeGraphs(torch.nn.Module(), torch.zeros(2, 10, 8), None, None, 16, limits)

@@ -3,13 +3,12 @@ import json
 
 import pytest
 import torch
-
-from slora.step_batch import StepLora
 from safetensors.torch import load_file, save_file
+from tiny import force_lora_deltas, make_adapters, make_model, oracle_greedy, random_prompts, record_attention
 
 from slora import LLM, SamplingParams
+from slora.execution.step_batch import StepLora
 from slora.models.config import UnsupportedModelError
-from tiny import force_lora_deltas, make_adapters, make_model, oracle_greedy, random_prompts, record_attention
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 THREE = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -100,14 +99,14 @@ def test_prompt_longer_than_context_is_refused(tiny_llama):
 @pytest.mark.parametrize("prompt", [[5, -1], [5, 512], [5, 2.0], [5, "6"], [5, None], [5, 2 ** 70], [[5], [6, 7]],
                                     [True, False]])
 def test_a_prompt_with_any_entry_not_a_token_id_is_refused(prompt):
-    from slora.request_state import check_prompt
+    from slora.sampling.request_state import check_prompt
 
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 512\)"):
         check_prompt(prompt, 512, 64)
 
 
 def test_a_prompt_of_token_ids_at_the_vocabulary_edges_is_taken():
-    from slora.request_state import check_prompt, ids_in_vocabulary
+    from slora.sampling.request_state import check_prompt, ids_in_vocabulary
 
     assert check_prompt([0, 511, 7], 512, 64) is None     # raises if it refuses them
     assert ids_in_vocabulary([0, 511, 7], 512) and not ids_in_vocabulary([0, 512, 7], 512)
@@ -139,7 +138,7 @@ def test_elementwise_ops_pass_pdl_to_the_cuda_kernels(monkeypatch):
 @pytest.mark.parametrize("asked", [True, False])
 def test_cuda_backends_use_pdl_only_where_asked_and_supported(monkeypatch, asked, supported):
     # Building the CUDA ops touches no GPU; whether the GPU has PDL is the stubbed answer.
-    from slora import attention_backend
+    from slora.execution import attention_backend
     from slora.kernels import pdl
     monkeypatch.setattr(pdl, "pdl_supported", lambda device: supported)
     attention, lora = attention_backend.backends_for(torch.device("cuda"), pdl=asked)
@@ -191,7 +190,7 @@ def test_a_step_of_prompt_logprobs_runs_its_last_layer_whole(tiny_llama, monkeyp
 def test_a_chunk_step_that_samples_nothing_runs_no_last_layer_rows(tiny_llama, monkeypatch):
     """A prompt chunked over steps of 16 tokens, alone: its first steps sample no row, so their last layer
     computes none past the attention (and no LoRA); the tokens are still the oracle's."""
-    from slora.lora_backend import LoraStep
+    from slora.execution.lora_backend import LoraStep
     from slora.models.llama import MLP
     seen: list[tuple[int, int]] = []
     forward, lora_rows = MLP.forward, LoraStep.rows

@@ -1,8 +1,8 @@
 """Greedy output of the engine equals transformers + PEFT token for token (float32, CPU)."""
 import pytest
+from tiny import TEST_ADAPTERS, force_lora_deltas, make_adapters, make_model, oracle_greedy, random_prompts
 
 from slora import LLM, SamplingParams
-from tiny import TEST_ADAPTERS, force_lora_deltas, make_adapters, make_model, oracle_greedy, random_prompts
 
 LENGTHS = [1, 7, 16, 17, 40, 64, 130, 200]
 NEW_TOKENS = 6

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from slora import SamplingParams  # noqa: E402
-from slora.structured_output import StructuredOutput  # noqa: E402
+from slora.sampling.structured_output import StructuredOutput  # noqa: E402
 
 VOCAB = 512                     # the tiny model's
 SAMPLING = (

@@ -1,12 +1,12 @@
 """Sampling: seeds, temperature, top-k/top-p, stop strings and stop ids, n."""
 import pytest
 import torch
+from tiny import random_prompts
 
 from slora import LLM, SamplingParams
-from slora.sampler import SamplingTensors, filter_logits, uniform_noise, unit_interval
-from slora.sampler import sample as sample_tokens
-from slora.builtin_models import TINY_MODEL
-from tiny import random_prompts
+from slora.models.builtin import TINY_MODEL
+from slora.sampling.sampler import SamplingTensors, filter_logits, uniform_noise, unit_interval
+from slora.sampling.sampler import sample as sample_tokens
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
 """The scheduler and page pool on their own, driven by a step-cost function (no model)."""
 import pytest
 
-from slora.page_pool import OutOfPages, PageAllocator, PageOwner
-from slora.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, decodes_first
-from slora.sequence import AdapterRef, Sequence
-from slora.sampling_params import SamplingParams
-from slora.simulator import SimRequest, simulate
+from slora.core.page_pool import OutOfPages, PageAllocator, PageOwner
+from slora.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, decodes_first
+from slora.core.sequence import AdapterRef, Sequence
+from slora.core.simulator import SimRequest, simulate
+from slora.sampling.params import SamplingParams
 
 
 def make_scheduler(num_pages: int, **config) -> Scheduler:
@@ -225,7 +225,7 @@ def test_tokens_between_equals_a_slice_of_all_tokens(start, end):
 
 @pytest.mark.parametrize("max_batch", [1, 3, 5, 8, 16, 20, 64, 100])
 def test_every_batch_size_has_a_cuda_graph_bucket(max_batch):
-    from slora.cuda_graphs import batch_buckets
+    from slora.execution.cuda_graphs import batch_buckets
 
     buckets = batch_buckets(max_batch)
     assert buckets == sorted(set(buckets)) and buckets[-1] == max_batch
@@ -340,7 +340,7 @@ def test_an_adapter_loaded_at_admission_keeps_off_the_cached_pages_the_prompt_ma
 def test_a_prompt_is_hashed_when_added_and_its_admission_hashes_nothing(monkeypatch):
     """The prompt's full pages are hashed on arrival (10 tokens: two pages of 4); the step that admits it
     and matches them against the cache hashes no page, nor does registering the computed pages."""
-    import slora.scheduler as scheduler_module
+    import slora.core.scheduler as scheduler_module
 
     scheduler = make_scheduler(64)
     first, second = seq(0, 10), seq(1, 10)

@@ -12,10 +12,10 @@ pytest.importorskip("hypothesis", reason="hypothesis is not installed (the GPU m
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from slora.page_pool import PageAllocator  # noqa: E402
-from slora.sampling_params import SamplingParams  # noqa: E402
-from slora.scheduler import Scheduler, SchedulerConfig, SchedulerOutput  # noqa: E402
-from slora.sequence import AdapterRef, Sequence, SequenceStatus  # noqa: E402
+from slora.core.page_pool import PageAllocator  # noqa: E402
+from slora.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput  # noqa: E402
+from slora.core.sequence import AdapterRef, Sequence, SequenceStatus  # noqa: E402
+from slora.sampling.params import SamplingParams  # noqa: E402
 
 VOCAB = 50                    # few token ids: outputs repeat, so decode pages get matched too
 MAX_STEPS = 3000

@@ -4,9 +4,9 @@ import shutil
 
 import numpy as np
 import pytest
+from tiny import random_prompts
 
 from slora import LLM, SamplingParams
-from tiny import random_prompts
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -184,7 +184,7 @@ def _page_hash(parent: bytes | None, token_ids: list[int], adapter_version: str 
 def test_extend_hashes_is_page_hash_chained_over_every_full_page():
     """The chain hashes the tokens packed once; each link is still the documented hash of its page (the digest
     kept), continued from a chain already known, and distinct for another adapter version or tenant salt."""
-    from slora.prefix_cache import extend_hashes
+    from slora.core.prefix_cache import extend_hashes
 
     rng = random.Random(7)
     tokens = [rng.randrange(200_000) for _ in range(70)]                   # 4 full pages and 6 tokens

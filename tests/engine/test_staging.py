@@ -1,9 +1,9 @@
-"""The graphs' staged inputs (slora.staging): one byte buffer's named views, filled from two host twins in
+"""The graphs' staged inputs (slora.execution.staging): one byte buffer's named views, filled from two host twins in
 turn. On the CPU the 'device' buffer is a host tensor; the GPU e2e tests replay graphs through it."""
 import torch
 
-from slora import step_batch
-from slora.staging import REGION_ALIGN, StagedBatch, StagedBuffers
+from slora.execution import step_batch
+from slora.execution.staging import REGION_ALIGN, StagedBatch, StagedBuffers
 
 CPU = torch.device("cpu")
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from slora import step_batch
+from slora.execution import step_batch
 
 LARGEST = {"tokens": 8, "seqs": 8, "pages": 4, "slots": 8, "adapter_pages": 3, "layers": 2, "modules": 7}
 
@@ -78,9 +78,9 @@ def test_to_moves_every_tensor_and_a_view_without_lora_has_none():
 def test_build_lays_out_decode_rows_prompt_rows_and_a_chunk():
     """A decode row (its last output token), a one-token item of a prompt (a chunk that ends it) and a
     three-token chunk in the middle of a prompt: ids, positions, slots through the block tables, sampled rows."""
-    from slora.sampling_params import SamplingParams
-    from slora.scheduler import ScheduledSeq
-    from slora.sequence import BlockTable, Sequence
+    from slora.core.scheduler import ScheduledSeq
+    from slora.core.sequence import BlockTable, Sequence
+    from slora.sampling.params import SamplingParams
 
     def seq(prompt: list[int], output: list[int], computed: int, table: list[int]) -> Sequence:
         s = Sequence(1, "r", prompt, SamplingParams(max_tokens=8), output_token_ids=output,
@@ -104,9 +104,9 @@ def test_build_gives_a_chunk_across_pages_each_pages_slots_and_pads_ragged_table
     """A nine-token chunk over three pages takes each page's run of slots; block tables of unequal widths
     are zero-padded to the widest; every token of a sequence takes its adapter's slot, -1 without one."""
     from slora.adapters.packing import AdapterDescriptor
-    from slora.sampling_params import SamplingParams
-    from slora.scheduler import ScheduledSeq
-    from slora.sequence import AdapterRef, BlockTable, Sequence
+    from slora.core.scheduler import ScheduledSeq
+    from slora.core.sequence import AdapterRef, BlockTable, Sequence
+    from slora.sampling.params import SamplingParams
 
     decoding = Sequence(1, "d", [1, 2, 3], SamplingParams(max_tokens=8), output_token_ids=[7],
                         block_table=BlockTable([8]))
@@ -128,7 +128,7 @@ def test_a_block_table_grows_reads_and_writes_pages_like_a_list():
     """Pages appended past the array's capacity keep the earlier ones; reads and writes, negative indices
     too, act on the list and the array alike; an index past the table raises, even where the array has
     room; `pages` is the table's length."""
-    from slora.sequence import BlockTable
+    from slora.core.sequence import BlockTable
 
     table = BlockTable([4, 9])
     for chunk in ([1], [2, 3, 5], list(range(10, 30)), [7]):       # the last leaves room in the array
@@ -153,9 +153,9 @@ def test_a_block_table_grows_reads_and_writes_pages_like_a_list():
 def test_a_recomputed_chunk_reads_its_prompt_and_output_tokens_in_order():
     """After a preemption a sequence's chunk may run past its prompt into its output: its ids are the
     prompt's then the output's, between the decode rows' and the next run's."""
-    from slora.sampling_params import SamplingParams
-    from slora.scheduler import ScheduledSeq
-    from slora.sequence import BlockTable, Sequence
+    from slora.core.scheduler import ScheduledSeq
+    from slora.core.sequence import BlockTable, Sequence
+    from slora.sampling.params import SamplingParams
 
     recomputed = Sequence(1, "p", [1, 2, 3], SamplingParams(max_tokens=8), output_token_ids=[7, 8],
                           block_table=BlockTable([4, 5]))
@@ -173,9 +173,9 @@ def test_a_recomputed_chunk_reads_its_prompt_and_output_tokens_in_order():
 def test_a_build_refuses_a_token_past_its_block_table():
     """A row whose table lacks the page of one of its positions would read the padding, page 0, which
     belongs to another sequence: the build stops there. The prompt's array is read-only."""
-    from slora.sampling_params import SamplingParams
-    from slora.scheduler import ScheduledSeq
-    from slora.sequence import BlockTable, Sequence
+    from slora.core.scheduler import ScheduledSeq
+    from slora.core.sequence import BlockTable, Sequence
+    from slora.sampling.params import SamplingParams
 
     short = Sequence(1, "s", list(range(10)), SamplingParams(max_tokens=8), block_table=BlockTable([3]))
     longer = Sequence(2, "l", list(range(10)), SamplingParams(max_tokens=8), block_table=BlockTable([4, 5, 6]))

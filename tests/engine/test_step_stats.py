@@ -1,8 +1,9 @@
 """Step statistics count every step by its kind and the tokens it ran."""
-from slora import LLM, SamplingParams
-from slora.step_stats import step_kind
-from slora.scheduler import ScheduledSeq
 from tiny import random_prompts
+
+from slora import LLM, SamplingParams
+from slora.core.scheduler import ScheduledSeq
+from slora.core.step_stats import step_kind
 
 
 def test_steps_are_counted_by_kind(tiny_llama):

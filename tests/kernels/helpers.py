@@ -8,8 +8,9 @@ never handed out and padding entries of block/page tables point at it.
 from dataclasses import dataclass
 
 import torch
-from slora.kernels.layout import align_up
 from torch import Tensor
+
+from slora.kernels.layout import align_up
 
 
 def has_pdl() -> bool:

@@ -7,9 +7,9 @@ import pytest
 import torch
 from kernel_helpers import assert_close, make_generator, make_paged_kv, randn, take_new_kv
 
-from slora import step_batch
-from slora.attention_backend import ReferenceAttention, TritonAttention, row_queries
-from slora.step_batch import StepBatch
+from slora.execution import step_batch
+from slora.execution.attention_backend import ReferenceAttention, TritonAttention, row_queries
+from slora.execution.step_batch import StepBatch
 
 
 def _batch(cases: list[tuple[int, int]], page_size: int, num_decodes: int, gen: torch.Generator,
@@ -73,10 +73,10 @@ def test_new_kv_min_tokens_must_not_be_negative():
     ([(5, 1), (0, 7), (11, 1)], 1),               # a one-token row after the first prefill row
 ])
 def test_attention_in_a_bucket_graph_reads_only_the_steps_rows(cases, num_decodes):
-    """A bucket's graph (slora.mixed_graphs) launches attention over the bucket's tokens and sequences, not
+    """A bucket's graph (slora.execution.mixed_graphs) launches attention over the bucket's tokens and sequences, not
     the step's: the rows and sequences past the step hold stale tables and NaN queries. The step's rows
     match the reference; the bucket's first `seqs` rows past them get zeros, the rest keep `out`'s zeros."""
-    from slora.mixed_graphs import attention_inputs
+    from slora.execution.mixed_graphs import attention_inputs
 
     gen = make_generator(20 + len(cases))
     batch, pool = _batch(cases, 8, num_decodes, gen, num_kv_heads=2, head_dim=16)

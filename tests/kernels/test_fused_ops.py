@@ -8,10 +8,11 @@ the GPU: the Triton interpreter truncates float32 -> bfloat16 casts instead of r
 import pytest
 import torch
 from kernel_helpers import has_pdl, make_generator, randn
+from torch import Tensor
+
 from slora.kernels import fused_ops, reference
 from slora.kernels.fused_ops import rms_norm, rotary_qk_, silu_and_mul
 from slora.kernels.reference import PagedKV
-from torch import Tensor
 
 CPU_DTYPES = [torch.float32, torch.float16]
 GPU_DTYPES = [torch.bfloat16, torch.float16]

@@ -2,6 +2,7 @@
 import pytest
 import torch
 from kernel_helpers import assert_close, make_generator, make_paged_kv, randn
+
 from slora.kernels import reference
 from slora.kernels.paged_attention import choose_num_splits, paged_attention
 

@@ -3,6 +3,7 @@ GPU that has it, the same numbers as without it when a chain of dependent kernel
 import pytest
 import torch
 from kernel_helpers import has_pdl, make_generator, make_paged_kv, randn
+
 from slora.kernels.fused_ops import rms_norm, rotary_qk_, silu_and_mul
 from slora.kernels.paged_attention import paged_attention
 from slora.kernels.reference import PagedKV

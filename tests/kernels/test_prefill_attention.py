@@ -2,6 +2,7 @@
 import pytest
 import torch
 from kernel_helpers import assert_close, make_generator, make_paged_kv, randn, take_new_kv
+
 from slora.kernels import reference
 from slora.kernels.prefill_attention import PrefillLaunch, prefill_attention
 

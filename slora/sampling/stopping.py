@@ -1,9 +1,9 @@
 """A sequence's new token: its logprob, its text, its grammar, and whether the sequence ends."""
 from dataclasses import dataclass
 
-from slora.outputs import TokenLogprob
-from slora.request_state import RequestState
-from slora.sequence import Sequence
+from slora.core.outputs import TokenLogprob
+from slora.core.sequence import Sequence
+from slora.sampling.request_state import RequestState
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,25 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from slora import step_batch
 from slora.adapters.packing import PackedAdapter
-from slora.attention_backend import TritonAttention, backends_for
-from slora.cuda_graphs import DecodeGraphs, GraphLimits
-from slora.device_copy import tensor_on, to_device
+from slora.core.scheduler import ScheduledSeq, SchedulerOutput
+from slora.execution import step_batch
+from slora.execution.attention_backend import TritonAttention, backends_for
+from slora.execution.cuda_graphs import DecodeGraphs, GraphLimits
+from slora.execution.device_copy import tensor_on, to_device
+from slora.execution.lora_backend import LoraLaunchPolicy, TritonLora
+from slora.execution.mixed_graphs import MixedGraphs
+from slora.execution.step_batch import (
+    RANK_ALIGN,
+    HostBatch,
+    LoraTables,
+    StepAdapters,
+    StepBatch,
+    TokenFeed,
+    step_max_rank,
+)
 from slora.kernels.layout import cdiv
-from slora.lora_backend import LoraLaunchPolicy, TritonLora
-from slora.mixed_graphs import MixedGraphs
 from slora.models.registry import CausalLM
-from slora.scheduler import ScheduledSeq, SchedulerOutput
-from slora.step_batch import RANK_ALIGN, HostBatch, LoraTables, StepAdapters, StepBatch, TokenFeed, step_max_rank
 
 
 class WarmUpStep(NamedTuple):

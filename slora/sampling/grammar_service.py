@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from slora.structured_output import StructuredOutput
+from slora.sampling.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 MIB = 2 ** 20
@@ -160,7 +160,7 @@ def _serve_compiles(conn: Connection, tokenizer_json: str, max_grammar_bytes: in
     ("invalid", message) or ("too_large", bytes). Ends when the pipe closes."""
     import xgrammar as xgr
 
-    from slora.grammar import compile_spec
+    from slora.sampling.grammar import compile_spec
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_json), max_threads=1,
                                    cache_enabled=False)
     conn.send(("ready", ""))
@@ -294,7 +294,7 @@ class GrammarService:
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int],  # noqa: ANN401
                       limits: CompileLimits) -> "GrammarService":
         """A service for a Hugging Face tokenizer, logits `vocab_size` wide, ending at `eos_token_ids`."""
-        from slora.grammar import stop_ids, tokenizer_info
+        from slora.sampling.grammar import stop_ids, tokenizer_info
         return cls(tokenizer_info(tokenizer, vocab_size, stop_ids(tokenizer, eos_token_ids)), limits)
 
     @property
@@ -305,7 +305,7 @@ class GrammarService:
     def submit(self, tenant: str, spec: StructuredOutput) -> Future:
         """A Future of `spec`'s CompiledGrammar for `tenant`: done at once from the cache, shared with the
         tenant's compile of the same spec in progress, or queued. GrammarQueueFull past the tenant's bound."""
-        from slora.grammar import CompiledGrammar
+        from slora.sampling.grammar import CompiledGrammar
         key = (tenant, spec)
         with self._lock:
             cached = self._cache.get(key)
@@ -375,7 +375,7 @@ class GrammarService:
         return xgr.CompiledGrammar.deserialize_json(payload, self._info)
 
     def _finish(self, job: _Job, result: Any = None, error: BaseException | None = None) -> None:  # noqa: ANN401
-        from slora.grammar import CompiledGrammar
+        from slora.sampling.grammar import CompiledGrammar
         with self._lock:
             self._jobs.pop(job.key, None)
             if result is not None:

@@ -3,7 +3,7 @@
 Every per-step input lives in a preallocated device buffer that the graphs read (a `StepBatch` of the
 largest size), so a replay with other sequences, other block tables and another adapter mix is correct:
 a step's `StepBatch` is written into a host twin of the buffers and sent in one copy before the replay
-(slora.staging). Padding rows have slot -1 (their K/V are not
+(slora.execution.staging). Padding rows have slot -1 (their K/V are not
 stored) and context length 0 (attention gives 0); adapter slots past the step's have rank 0.
 """
 import logging
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slora import step_batch
-from slora.attention_backend import AttentionBackend
-from slora.lora_backend import LoraBackend, LoraStep
+from slora.execution import step_batch
+from slora.execution.attention_backend import AttentionBackend
+from slora.execution.lora_backend import LoraBackend, LoraStep
+from slora.execution.staging import BatchViews, StagedBatch
+from slora.execution.step_batch import HostBatch, StepBatch, TokenFeed
 from slora.models.registry import CausalLM
-from slora.staging import BatchViews, StagedBatch
-from slora.step_batch import HostBatch, StepBatch, TokenFeed
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class GraphLimits:
     # projection adds (LoraStep.deltas).
     lora_side_stream: bool = True
     # Steps with prefill rows of at most this many tokens replay graphs of their token bucket
-    # (slora.mixed_graphs; 0: none).
+    # (slora.execution.mixed_graphs; 0: none).
     mixed_tokens: int = 0
 
     def lora_slots(self, batch_size: int, few: bool = False) -> int:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from slora.model_cache import build_once
+from slora.models.cache import build_once
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

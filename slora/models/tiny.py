@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from slora.model_cache import build_once, cache_root
+from slora.models.cache import build_once, cache_root
 
 logger = logging.getLogger(__name__)
 

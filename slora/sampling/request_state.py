@@ -7,12 +7,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from slora.detokenizer import IncrementalDetokenizer
-from slora.device_copy import tensor_on
-from slora.outputs import CompletionOutput, RequestError, RequestOutput, TokenLogprob
-from slora.sampler import GrammarMask, token_logprobs
-from slora.sampling_params import SamplingParams
-from slora.sequence import Sequence, SequenceStatus
+from slora.core.outputs import CompletionOutput, RequestError, RequestOutput, TokenLogprob
+from slora.core.sequence import Sequence, SequenceStatus
+from slora.execution.device_copy import tensor_on
+from slora.sampling.detokenizer import IncrementalDetokenizer
+from slora.sampling.params import SamplingParams
+from slora.sampling.sampler import GrammarMask, token_logprobs
 
 
 @dataclass

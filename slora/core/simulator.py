@@ -3,9 +3,9 @@ says (DESIGN §6). Used by tests and by `benchmarks/simulate.py`."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from slora.sampling_params import SamplingParams
-from slora.scheduler import Scheduler, SchedulerOutput
-from slora.sequence import AdapterRef, Sequence
+from slora.core.scheduler import Scheduler, SchedulerOutput
+from slora.core.sequence import AdapterRef, Sequence
+from slora.sampling.params import SamplingParams
 
 StepCost = Callable[[SchedulerOutput, Scheduler], float]
 

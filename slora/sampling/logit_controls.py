@@ -6,8 +6,8 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from slora.device_copy import tensor_on
-from slora.sequence import Sequence
+from slora.core.sequence import Sequence
+from slora.execution.device_copy import tensor_on
 
 
 def apply_controls(logits: Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> Tensor:

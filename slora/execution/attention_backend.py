@@ -4,13 +4,13 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from slora.execution.lora_backend import LoraBackend, LoraLaunchPolicy, ReferenceLora, TritonLora
+from slora.execution.step_batch import StepBatch
 from slora.kernels import reference
 from slora.kernels.layout import cdiv
-from slora.lora_backend import LoraBackend, LoraLaunchPolicy, ReferenceLora, TritonLora
-from slora.step_batch import StepBatch
 
 if TYPE_CHECKING:
-    from slora.mixed_graphs import AttentionInputs
+    from slora.execution.mixed_graphs import AttentionInputs
 
 
 class AttentionBackend(Protocol):
@@ -129,7 +129,7 @@ class TritonAttention:
 
     def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch[Tensor], inputs: "AttentionInputs",
                         num_kv_heads: int, scale: float, out: Tensor) -> Tensor:
-        """A step with prefill rows inside a bucket's CUDA graph (slora.mixed_graphs), every grid the
+        """A step with prefill rows inside a bucket's CUDA graph (slora.execution.mixed_graphs), every grid the
         bucket's: the decode kernel over its first `seqs` rows, with context only on the step's decode rows
         (zeros on the others, which the prefill kernel then overwrites where they are the step's), then the
         prefill kernel over its `seqs` sequences, of which the decode ones and those past the step are empty."""

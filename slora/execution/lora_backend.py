@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from slora.execution.step_batch import StepLora
 from slora.kernels import reference
-from slora.step_batch import StepLora
 
 if TYPE_CHECKING:
     from slora.kernels.lora import LoraSegments

@@ -4,7 +4,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
-from slora.structured_output import StructuredOutput
+from slora.sampling.structured_output import StructuredOutput
 
 # Seeds become int64 tensor elements in the sampler; a seed outside int64 would make the batched sampler
 # raise on the engine thread.

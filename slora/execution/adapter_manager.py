@@ -21,15 +21,15 @@ from typing import NamedTuple
 
 import torch
 
-from slora.adapter_residency import AdapterResidency
 from slora.adapters.config import AdapterConfig
 from slora.adapters.errors import AdapterError
 from slora.adapters.packing import AdapterDescriptor, PackedAdapter, pack_adapter
 from slora.adapters.registry import AdapterEntry, AdapterRegistry
 from slora.adapters.shapes import TargetShapes
 from slora.adapters.weights import WEIGHTS_FILE, LoadedAdapter, load_adapter
-from slora.page_pool import PageAllocator
-from slora.sequence import AdapterRef, Sequence
+from slora.core.adapter_residency import AdapterResidency
+from slora.core.page_pool import PageAllocator
+from slora.core.sequence import AdapterRef, Sequence
 
 logger = logging.getLogger(__name__)
 

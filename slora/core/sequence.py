@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from slora.sampling_params import SamplingParams
+from slora.sampling.params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -1,5 +1,5 @@
 """Turning logits into tokens for a whole batch at once: greedy, temperature, top-k, top-p, min-p, seeded,
-after the per-request controls (slora.logit_controls) and grammar masks; and the logprobs of the raw logits.
+after the per-request controls (slora.sampling.logit_controls) and grammar masks; and the logprobs of the raw logits.
 
 Random draws come from a counter-based hash of (seed, output position, vocabulary index), computed with
 tensor ops on the logits' device: no per-request generator, no host round trip per request, and the same
@@ -14,11 +14,11 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from slora.device_copy import to_device
+from slora.core.outputs import TokenLogprob
+from slora.core.sequence import Sequence
+from slora.execution.device_copy import to_device
 from slora.kernels import reference
-from slora.logit_controls import apply_controls
-from slora.outputs import TokenLogprob
-from slora.sequence import Sequence
+from slora.sampling.logit_controls import apply_controls
 
 _MASK64 = (1 << 64) - 1
 
@@ -138,7 +138,7 @@ def effective_top_k(seq: Sequence, vocab_size: int) -> int:
 
 
 class GrammarMask(Protocol):
-    """One sequence's grammar: which tokens it allows next (slora.grammar's state)."""
+    """One sequence's grammar: which tokens it allows next (slora.sampling.grammar's state)."""
 
     kind: str                   # the spec's kind: json_schema, regex, ...
     slow_tokens: int            # tokens in a row whose grammar work went over the per-token budget
@@ -151,7 +151,7 @@ class GrammarMask(Protocol):
 
 
 class Masker(Protocol):
-    """Applies the grammar masks of a step's rows to its logits (slora.grammar.GrammarCompiler)."""
+    """Applies the grammar masks of a step's rows to its logits (slora.sampling.grammar.GrammarCompiler)."""
 
     def mask(self, logits: Tensor, grammars: Rows[GrammarMask | None]) -> None: ...
 

@@ -1,7 +1,7 @@
 """One engine step's flat inputs, as the model reads them (DESIGN §3).
 
 A `StepBatch` of numpy arrays (a `HostBatch`) is built on the host, moved with `to(device)` for an eager
-step, or copied with `copy_into` into a host twin of the CUDA graphs' static buffers (slora.staging), which
+step, or copied with `copy_into` into a host twin of the CUDA graphs' static buffers (slora.execution.staging), which
 one copy then sends. The model reads a `StepBatch` of tensors. The static buffers are one too, made by
 `empty` at the largest size and cut per graph by `view`. All four are derived from the fields' metadata:
 an array field names its dimensions, its dtype and, where the kernels would misread leftovers, the value
@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from slora.adapters.packing import AdapterDescriptor
-from slora.device_copy import select_rows, to_device, write_rows
+from slora.core.scheduler import ScheduledSeq
+from slora.execution.device_copy import select_rows, to_device, write_rows
 from slora.kernels.layout import align_up
-from slora.scheduler import ScheduledSeq
 
 # Sizes a tensor dimension may name: "tokens", "seqs", "seqs+1", "pages" (block-table width), "slots"
 # (adapter slots of the step), "adapter_pages" (page-table width), "layers", "modules".

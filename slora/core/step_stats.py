@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from slora.scheduler import ScheduledSeq
+from slora.core.scheduler import ScheduledSeq
 
 STEP_KINDS = ("prefill", "decode", "mixed")
 

@@ -27,8 +27,8 @@ import xgrammar as xgr
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from slora.device_copy import to_device
-from slora.structured_output import StructuredOutput
+from slora.execution.device_copy import to_device
+from slora.sampling.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class GrammarCompiler:
     grammars), starts sequences' states, and masks a step's logits. `vocab_size` is the logits' width: ids
     the tokenizer lacks (padding) are never allowed. The EOS tokens are the tokenizer's unless given. The
     tokenizer's tables are built on the first compile only: a server's grammars come compiled from
-    `slora.grammar_service`, and starting or masking needs none. A row whose accepts and mask fill take
+    `slora.sampling.grammar_service`, and starting or masking needs none. A row whose accepts and mask fill take
     longer than `token_budget_s` counts a slow token on its state (`GrammarState.slow_tokens`)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,

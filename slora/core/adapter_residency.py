@@ -4,8 +4,8 @@ The scheduler asks this for residency; the engine's AdapterManager is one, with 
 """
 from dataclasses import dataclass, field
 
-from slora.page_pool import OutOfPages, PageAllocator
-from slora.sequence import AdapterRef
+from slora.core.page_pool import OutOfPages, PageAllocator
+from slora.core.sequence import AdapterRef
 
 
 @dataclass

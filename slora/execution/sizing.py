@@ -7,12 +7,12 @@ import torch
 
 from slora.adapters.shapes import TargetShapes
 from slora.config import EngineConfig
-from slora.cuda_graphs import GraphLimits
+from slora.core.step_stats import DecodeBytes
+from slora.execution.cuda_graphs import GraphLimits
+from slora.execution.model_runner import PoolShape, profile_activation_bytes
 from slora.kernels.checks import check_adapter_span
 from slora.kernels.layout import align_up
-from slora.model_runner import PoolShape, profile_activation_bytes
 from slora.models.registry import CausalLM
-from slora.step_stats import DecodeBytes
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 attention included.
 
 A bucket's graph holds the whole forward, from the embedding to the logits. Its inputs live in static
-buffers as in the decode graphs (`slora.cuda_graphs`): padding tokens have slot -1 (their K/V are not
+buffers as in the decode graphs (`slora.execution.cuda_graphs`): padding tokens have slot -1 (their K/V are not
 stored) and no adapter, and their rows are never sampled. Attention launches with grids that follow the
 bucket, not the step (AttentionInputs): the decode kernel over the bucket's first `seqs` rows, with a
 context length only on the step's decode rows (the others cost it nothing), then the prefill kernel over
@@ -20,13 +20,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from slora import step_batch
-from slora.attention_backend import AttentionBackend, RowQueries
-from slora.cuda_graphs import GraphLimits
-from slora.lora_backend import LoraBackend
+from slora.execution import step_batch
+from slora.execution.attention_backend import AttentionBackend, RowQueries
+from slora.execution.cuda_graphs import GraphLimits
+from slora.execution.lora_backend import LoraBackend
+from slora.execution.staging import BatchViews, StagedBatch
+from slora.execution.step_batch import HostArrays, HostBatch, StepBatch, TokenFeed
 from slora.models.registry import CausalLM
-from slora.staging import BatchViews, StagedBatch
-from slora.step_batch import HostArrays, HostBatch, StepBatch, TokenFeed
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as MemPool  # what torch.cuda.graph_pool_handle() returns
@@ -154,7 +154,7 @@ def attention_inputs(host: HostBatch, seqs: int) -> AttentionInputs:
 
 
 class BucketAttention(AttentionBackend, Protocol):
-    """The attention a bucket's graph is captured with (slora.attention_backend.TritonAttention): the model's,
+    """The attention a bucket's graph is captured with (slora.execution.attention_backend.TritonAttention): the model's,
     and its attention over a bucket's grids."""
 
     def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch[Tensor], inputs: AttentionInputs,

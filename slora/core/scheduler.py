@@ -13,11 +13,11 @@ from collections import deque
 from dataclasses import InitVar, dataclass, field
 from typing import NamedTuple
 
-from slora.adapter_residency import AdapterResidency
-from slora.page_pool import PageAllocator
-from slora.prefix_cache import extend_hashes
-from slora.sequence import AdapterRef, BlockTable, Sequence, SequenceStatus
-from slora.swap_space import SwapSpace
+from slora.core.adapter_residency import AdapterResidency
+from slora.core.page_pool import PageAllocator
+from slora.core.prefix_cache import extend_hashes
+from slora.core.sequence import AdapterRef, BlockTable, Sequence, SequenceStatus
+from slora.core.swap_space import SwapSpace
 
 PREEMPTION_MODES = ("recompute", "swap")
 

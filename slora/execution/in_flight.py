@@ -5,9 +5,9 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from slora.sampler import DeviceSample, SampleResult, host_result
-from slora.sequence import Sequence
-from slora.step_stats import StepTimer
+from slora.core.sequence import Sequence
+from slora.core.step_stats import StepTimer
+from slora.sampling.sampler import DeviceSample, SampleResult, host_result
 
 
 class ArrivingSample(Protocol):

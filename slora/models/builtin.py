@@ -10,9 +10,9 @@ import importlib.metadata
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slora.gguf_model import ModelFileError, converted_folder
-from slora.model_cache import cache_root
-from slora.tiny_model import ensure_tiny_model
+from slora.models.cache import cache_root
+from slora.models.gguf import ModelFileError, converted_folder
+from slora.models.tiny import ensure_tiny_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TINY_MODEL = "slora-tiny-llama"

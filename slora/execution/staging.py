@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from slora import step_batch
+from slora.execution import step_batch
+from slora.execution.step_batch import HostArrays, Sizes, StepBatch
 from slora.kernels.layout import align_up
-from slora.step_batch import HostArrays, Sizes, StepBatch
 
 # Every region starts on this many bytes, so that a view of any dtype is aligned.
 REGION_ALIGN = 16

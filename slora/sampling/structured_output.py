@@ -1,5 +1,5 @@
 """What a request's output must match: a JSON schema, any JSON object, a regex, one of some strings, or a
-grammar. Data only; `slora.grammar` compiles it and masks the logits."""
+grammar. Data only; `slora.sampling.grammar` compiles it and masks the logits."""
 from dataclasses import dataclass
 from typing import Literal
 

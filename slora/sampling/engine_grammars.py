@@ -1,7 +1,7 @@
 """The engine's grammars: compiled specs started per sequence, the masks of a step, and the per-token budget.
 The compiler is built on the first structured request: building the tokenizer's tables takes a while, most
 engines never need them, and xgrammar is imported only then. A server compiles its requests' specs off the
-engine's thread (`slora.grammar_service`) and hands them over compiled; the offline `LLM` compiles here."""
+engine's thread (`slora.sampling.grammar_service`) and hands them over compiled; the offline `LLM` compiles here."""
 import functools
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from slora.sampler import GrammarMask
-from slora.structured_output import StructuredOutput
+from slora.sampling.sampler import GrammarMask
+from slora.sampling.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
-    from slora.grammar import CompiledGrammar, GrammarCompiler
+    from slora.sampling.grammar import CompiledGrammar, GrammarCompiler
 
 
 class EngineGrammars:
@@ -27,7 +27,7 @@ class EngineGrammars:
     def compiler(self) -> "GrammarCompiler":
         if self._tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer, and this model has none")
-        from slora.grammar import GrammarCompiler
+        from slora.sampling.grammar import GrammarCompiler
         return GrammarCompiler(self._tokenizer, self._vocab_size, self._eos_token_ids,
                                token_budget_s=self.token_budget_s)
 

@@ -1,0 +1,1 @@
+"""From logits to output text: sampling parameters, sampler, logit controls, grammars, stopping."""
