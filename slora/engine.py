@@ -32,7 +32,6 @@ from slora.execution.adapter_manager import AdapterFormat, AdapterManager, Unkno
 from slora.execution.device_copy import select_rows, tensor_on
 from slora.execution.in_flight import ArrivingSample, HostCopy, InFlight, PinnedBuffers, ReadySample
 from slora.execution.model_runner import ModelRunner
-from slora.execution.sizing import EngineSizing
 from slora.execution.step_batch import prompt_logits
 from slora.models.builtin import resolve_model
 from slora.models.config import ModelConfig
@@ -44,6 +43,7 @@ from slora.sampling.params import SamplingParams
 from slora.sampling.request_state import RequestState, check_request, step_grammars
 from slora.sampling.sampler import GrammarMask, Sampler, SampleResult
 from slora.sampling.stopping import append_token
+from slora.sizing import EngineSizing
 
 if TYPE_CHECKING:
     from slora.sampling.grammar import CompiledGrammar

@@ -1,5 +1,5 @@
 """Attention behind the model (DESIGN §4): torch references on the CPU, Triton kernels on CUDA."""
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -9,8 +9,11 @@ from slora.execution.step_batch import StepBatch
 from slora.kernels import reference
 from slora.kernels.layout import cdiv
 
-if TYPE_CHECKING:
-    from slora.execution.mixed_graphs import AttentionInputs
+
+class AttentionInputs(NamedTuple):
+    """What a bucket's attention reads besides the step's batch, in static buffers."""
+    decode_context_lens: Tensor        # [seqs] int32: a decode row's context length, 0 on every other row
+    prefill_start_loc: Tensor          # [seqs + 1] int32: query_start_loc with the decode sequences empty
 
 
 class AttentionBackend(Protocol):
@@ -127,7 +130,7 @@ class TritonAttention:
         shapes = ((seqs, max(rows, cdiv(tokens, seqs))), (cdiv(tokens, short_each), short_each))
         return tuple((n, each) for n, each in shapes if n <= max_batch and each <= longest)
 
-    def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch[Tensor], inputs: "AttentionInputs",
+    def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch[Tensor], inputs: AttentionInputs,
                         num_kv_heads: int, scale: float, out: Tensor) -> Tensor:
         """A step with prefill rows inside a bucket's CUDA graph (slora.execution.mixed_graphs), every grid the
         bucket's: the decode kernel over its first `seqs` rows, with context only on the step's decode rows

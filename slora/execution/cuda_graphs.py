@@ -14,10 +14,10 @@ from torch import Tensor
 
 from slora.execution import step_batch
 from slora.execution.attention_backend import AttentionBackend
+from slora.execution.causal_lm import CausalLM
 from slora.execution.lora_backend import LoraBackend, LoraStep
 from slora.execution.staging import BatchViews, StagedBatch
 from slora.execution.step_batch import HostBatch, StepBatch, TokenFeed
-from slora.models.registry import CausalLM
 
 logger = logging.getLogger(__name__)
 

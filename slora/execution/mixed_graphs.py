@@ -14,19 +14,19 @@ import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from slora.execution import step_batch
-from slora.execution.attention_backend import AttentionBackend, RowQueries
+from slora.execution.attention_backend import AttentionBackend, AttentionInputs, RowQueries
+from slora.execution.causal_lm import CausalLM
 from slora.execution.cuda_graphs import GraphLimits
 from slora.execution.lora_backend import LoraBackend
 from slora.execution.staging import BatchViews, StagedBatch
 from slora.execution.step_batch import HostArrays, HostBatch, StepBatch, TokenFeed
-from slora.models.registry import CausalLM
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as MemPool  # what torch.cuda.graph_pool_handle() returns
@@ -53,12 +53,6 @@ def token_buckets(max_tokens: int) -> list[int]:
     """16, 32, 64, then multiples of 64, and max_tokens itself: every step up to max_tokens has a bucket."""
     candidates = [16, 32, *range(64, max_tokens, 64), max_tokens]
     return sorted({b for b in candidates if b <= max_tokens})
-
-
-class AttentionInputs(NamedTuple):
-    """What a bucket's attention reads besides the step's batch, in static buffers."""
-    decode_context_lens: Tensor        # [seqs] int32: a decode row's context length, 0 on every other row
-    prefill_start_loc: Tensor          # [seqs + 1] int32: query_start_loc with the decode sequences empty
 
 
 def write_attention_inputs(host: HostBatch, packed: np.ndarray) -> None:

@@ -12,6 +12,7 @@ from slora.adapters.packing import PackedAdapter
 from slora.core.scheduler import ScheduledSeq, SchedulerOutput
 from slora.execution import step_batch
 from slora.execution.attention_backend import TritonAttention, backends_for
+from slora.execution.causal_lm import CausalLM
 from slora.execution.cuda_graphs import DecodeGraphs, GraphLimits
 from slora.execution.device_copy import tensor_on, to_device
 from slora.execution.lora_backend import LoraLaunchPolicy, TritonLora
@@ -26,7 +27,6 @@ from slora.execution.step_batch import (
     step_max_rank,
 )
 from slora.kernels.layout import cdiv
-from slora.models.registry import CausalLM
 
 
 class WarmUpStep(NamedTuple):

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from slora.models.config import ModelConfig, UnsupportedModelError, load_model_config
-from slora.models.registry import CausalLM, build_model
+from slora.models.registry import ServedModel, build_model
 from slora.models.rope import RotaryEmbedding
 
 
@@ -36,7 +36,7 @@ DUMMY_RANGE = 1e-3
 
 
 def _seeded_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int,
-                  init: Callable[[str, torch.Tensor], None]) -> CausalLM:
+                  init: Callable[[str, torch.Tensor], None]) -> ServedModel:
     """A model on `device` whose parameters `init(name, param)` fills, after seeding torch's generator."""
     torch.manual_seed(seed)
     model = build_model(config, device)
@@ -55,14 +55,14 @@ def _normal_weights(name: str, param: torch.Tensor) -> None:
         param.normal_(0.0, 0.02)
 
 
-def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
+def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ServedModel:
     """A model with seeded random weights made on `device` (tests and kernel benchmarks of real-sized shapes,
     no checkpoint): norms of one, the rest normal with std 0.02, so that logits differ enough for greedy
     decoding to be stable."""
     return _seeded_model(config, dtype, device, seed, _normal_weights)
 
 
-def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
+def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ServedModel:
     """load_format="dummy": random weights drawn as vLLM's dummy loader draws them, so that a benchmark
     against its figures computes on data of the same distribution (a GEMM's power draw, and so its clock
     under the GPU's power limit, depends on its operands)."""
@@ -74,7 +74,7 @@ def _uniform_weights(_: str, param: torch.Tensor) -> None:
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
-               load_format: str = "safetensors") -> CausalLM:
+               load_format: str = "safetensors") -> ServedModel:
     """Our own model, with the checkpoint's weights (or random ones with load_format="dummy"), in `dtype`
     on `device`."""
     folder = Path(folder)

@@ -12,7 +12,7 @@ from slora.execution.cuda_graphs import GraphLimits
 from slora.execution.model_runner import PoolShape, profile_activation_bytes
 from slora.kernels.checks import check_adapter_span
 from slora.kernels.layout import align_up
-from slora.models.registry import CausalLM
+from slora.models.registry import ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EngineSizing:
     config: EngineConfig
-    model: CausalLM
+    model: ServedModel
     shapes: TargetShapes
     max_model_len: int
 
