@@ -44,7 +44,7 @@ bench-quick: install
 gpu-check:
 	bash benchmarks/gpu_check.sh
 
-# The GPU machine has no registry access and no fastapi, uvicorn, prometheus_client or xgrammar:
+# The GPU machine has no registry access and no fastapi, uvicorn, prometheus_client, fastapi-offline or xgrammar:
 # fetch them here (Python 3.12 wheels; the machine's own torch, transformers and numpy stay)
 # into .device-vendor, carry that folder with the device tool, and gpu_check.sh puts it on PYTHONPATH.
 DEVICE_PY ?= 3.12
@@ -52,7 +52,7 @@ device-vendor:
 	rm -rf .device-vendor .device-wheels
 	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version $(DEVICE_PY) \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .device-wheels fastapi uvicorn \
-		prometheus_client
+		prometheus_client fastapi-offline
 	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version $(DEVICE_PY) --no-deps \
 		--platform manylinux_2_28_x86_64 -d .device-wheels xgrammar apache-tvm-ffi
 	mkdir -p .device-vendor

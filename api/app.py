@@ -16,12 +16,14 @@ from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from slora.api import protocol
 from slora.api.adapter_admin import AdapterService, UploadedFile
 from slora.api.adapter_store import AdapterStore, StoredAdapter
 from slora.api.async_engine import AsyncEngine, EngineSource, EngineState
+from slora.api.docs_page import install_docs
 from slora.api.errors import (
     APIError,
     bad_request,
@@ -285,8 +287,10 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
                 await adapters
             await ctx.close()
 
-    app = FastAPI(title="slora", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    # docs_url=None: FastAPI's page loads Swagger UI from a CDN; install_docs serves it from the server.
+    app = FastAPI(title="slora", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_openapi(app, metrics_require_key=settings.metrics_require_key)
+    install_docs(app)
     app.state.ctx = ctx
     app.router.redirect_slashes = False        # its redirect would echo the client's Host header back
     install_error_handlers(app, on_error=ctx.count_error)
@@ -307,6 +311,9 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
 
 def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
     """The methods of every route whose path matches the request's (Starlette's 405 names the first one's)."""
+    # A mounted folder's files (the docs' assets) refused it: Starlette leaves the Mount's app as the endpoint.
+    if isinstance(scope.get("endpoint"), StaticFiles):
+        return ["GET", "HEAD"]
     methods: set[str] = set()
     for route in app.router.routes:
         if isinstance(route, Route) and route.methods and route.matches(scope)[0] is not Match.NONE:
