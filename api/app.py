@@ -101,6 +101,8 @@ class ServerContext:
         adapter store, with their names, owners and versions."""
         while self.engine.info is None or self.engine.state is EngineState.STARTING:
             if self.engine.state in (EngineState.FAILED, EngineState.STOPPED):
+                if self.engine.start_error is not None:     # the model did not load: there is nothing to serve
+                    self.fail_start(f"the model could not be loaded: {self.engine.start_error}")
                 return
             await asyncio.sleep(0.05)
         if self.settings.lora_modules and not await self.load_lora_modules():

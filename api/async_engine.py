@@ -112,6 +112,7 @@ class AsyncEngine:
         self._engine: Engine | None = None          # touched on the engine thread only, except prepare_adapter
         self.snapshot: EngineSnapshot | None = None
         self.busy_since: float | None = None          # monotonic start of the step or command in progress
+        self.start_error: str | None = None           # why the engine could not be built (FAILED at start)
 
     # ---- lifecycle (event loop) ------------------------------------------------------------------------
     def start(self) -> None:
@@ -238,14 +239,21 @@ class AsyncEngine:
                                    tokenizer, tuple(sorted(engine.eos_token_ids)))
             self._publish(engine, force=True)
             self._engine = engine
-        except Exception:
+        except ValueError as exc:          # the model given cannot load: the message says why, no traceback
+            self._fail_start(str(exc))
+            return None
+        except Exception as exc:
             logger.exception("the engine could not be started")
-            self.state = EngineState.FAILED
+            self._fail_start(str(exc) or type(exc).__name__)
             return None
         if self.state is EngineState.STARTING:
             self.state = EngineState.READY
         logger.info("engine ready: model %s, context %d tokens", self.info.model_name, self.info.max_model_len)
         return engine
+
+    def _fail_start(self, reason: str) -> None:
+        self.start_error = reason
+        self.state = EngineState.FAILED
 
     def _serve(self, engine: Engine) -> None:
         while not self._stop.is_set():

@@ -2,8 +2,10 @@
 import argparse
 import dataclasses
 import logging
+import re
 import sys
 import typing
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slora.sampling.params import SamplingParams
@@ -79,6 +81,69 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               if hasattr(args, f.name)}
     cuda = {f.name: getattr(args, f.name) for f, _ in _config_fields(CudaConfig, frozenset())}
     return {**kwargs, "cuda": CudaConfig(**cuda)}
+
+
+# "owner/name" as the Hugging Face Hub spells its ids: what a user coming from vLLM or transformers gives.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model(model: str | None, load_format: str, adapter_flag: str) -> None:
+    """Refuse a --model that cannot load with one line saying why and what to give instead (ValueError), before
+    a command starts anything: the model loads on the engine's thread, after `slora serve` has bound its port.
+    `adapter_flag` is how the command loads an adapter, for a user who gave an adapter's folder."""
+    from slora.models.builtin import DEFAULT_MODEL, TINY_MODEL, packaged_smollm2_file
+    name = model or DEFAULT_MODEL
+    if name == TINY_MODEL:
+        return
+    if name == DEFAULT_MODEL:
+        _check_file(packaged_smollm2_file(), f"the default model {DEFAULT_MODEL}'s file")
+        return
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        _check_file(path, f"--model {name}")
+        return
+    problem = _folder_problem(name, path, adapter_flag) or _config_problem(path, load_format)
+    if problem is not None:
+        raise ValueError(f"--model {name}: {problem}")
+
+
+def _check_file(path: Path, what: str) -> None:
+    if not path.is_file():
+        raise ValueError(f"{what}: no such file ({path})")
+
+
+def _folder_problem(name: str, path: Path, adapter_flag: str) -> str | None:
+    """Why `path` is not a model folder: missing (maybe a Hub id), a file, or a folder without config.json
+    (maybe an adapter's); None when it has a config.json."""
+    if not path.exists():
+        if _HUB_ID.fullmatch(name) and not name.startswith("."):
+            return (f"no such folder; slora does not download Hub ids (it uses no network): download the model "
+                    f"first (e.g. `hf download {name} --local-dir DIR`) and give its local folder")
+        return "no such folder; give a local model folder (with config.json), a .gguf file, or a builtin model"
+    if not path.is_dir():
+        return "is a file, not a folder; give a model folder (with config.json) or a .gguf file"
+    if (path / "config.json").is_file():
+        return None
+    if (path / "adapter_config.json").is_file():
+        return (f"is a LoRA adapter folder (it has adapter_config.json), not a model; give its base model's "
+                f"folder as --model and the adapter with {adapter_flag} NAME={name}")
+    return ("folder has no config.json: a model folder holds the Hugging Face files (config.json, the "
+            "*.safetensors weights, the tokenizer's files)")
+
+
+def _config_problem(path: Path, load_format: str) -> str | None:
+    """Why the config.json of `path` or its weights cannot load: a model slora does not serve, no safetensors."""
+    from slora.models.config import load_model_config
+    from slora.models.loader import safetensors_files
+    try:
+        load_model_config(path)
+        if load_format != "dummy":              # "dummy" draws random weights: the folder needs none
+            safetensors_files(path)
+    except KeyError as exc:
+        return f"config.json has no {exc}"
+    except ValueError as exc:                   # UnsupportedModelError, and json's JSONDecodeError
+        return str(exc)
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,7 +281,6 @@ def serve_settings(args: argparse.Namespace) -> "ServerSettings":
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from slora.api.server import serve
     from slora.config import EngineConfig
 
     settings = serve_settings(args)
@@ -224,12 +288,16 @@ def run_serve(args: argparse.Namespace) -> int:
         from slora.api.tenants import load_tenants
         load_tenants(settings.tenants_file)
     config = EngineConfig(**engine_kwargs(args))
+    check_model(config.model, config.load_format, "--lora-modules")    # before the port is bound
+    # Imported once the arguments are checked: the server's modules (transformers, fastapi) take seconds.
+    from slora.api.server import serve
     return serve(settings, config)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from slora.llm import LLM
 
+    check_model(args.model, args.load_format, "--load-adapter")
     llm = LLM(**engine_kwargs(args))
     for spec in args.load_adapter:
         name, _, path = spec.partition("=")
