@@ -34,12 +34,27 @@ def _flag(name: str, default: object, kind: type) -> str:
     return ("--no-" if negated else "--") + name.replace("_", "-")
 
 
-def _add_option(parser: argparse.ArgumentParser, field: dataclasses.Field, kind: type) -> None:
+# How the words of a field's name are written in a help text.
+_SPELLING = {"pdl": "PDL", "lora": "LoRA", "kv": "KV"}
+
+
+def _bool_help(field: dataclasses.Field) -> str:
+    """A bool field's help describes the feature; its --no-name flag (default True) turns the feature off,
+    so that flag's help says so first."""
+    if not field.default:
+        return field.metadata["help"]
+    words = field.name.removeprefix("enable_").split("_")
+    feature = " ".join(_SPELLING.get(word, word) for word in words)
+    return f"turn off {feature} (on by default: {field.metadata['help']})"
+
+
+def _add_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, field: dataclasses.Field,
+                kind: type) -> None:
     flag = _flag(field.name, field.default, kind)
     shown = "" if field.default is None else f" (default: {field.default})"
     if kind is bool:
         parser.add_argument(flag, dest=field.name, default=field.default,
-                            action="store_false" if field.default else "store_true", help=field.metadata["help"])
+                            action="store_false" if field.default else "store_true", help=_bool_help(field))
         return
     parser.add_argument(flag, dest=field.name, type=kind, default=field.default, choices=field.metadata["choices"],
                         help=field.metadata["help"] + shown, metavar=None if field.metadata["choices"] else "X")
@@ -50,9 +65,14 @@ GENERATE_SKIPS = frozenset({"seed"})
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
-    """One option per EngineConfig (and CudaConfig) field, its help and default the field's."""
-    for field, kind in _engine_fields(skip):
+    """One option per EngineConfig (and CudaConfig) field, its help and default the field's. CudaConfig's
+    go in a group of their own, after the rest: a CPU user can pass them by."""
+    from slora.config import CudaConfig, EngineConfig
+    for field, kind in _config_fields(EngineConfig, skip):
         _add_option(parser, field, kind)
+    cuda = parser.add_argument_group("CUDA only", "read with --device cuda; the CPU engine ignores them")
+    for field, kind in _config_fields(CudaConfig, skip):
+        _add_option(cuda, field, kind)
 
 
 def engine_flags(options: dict[str, Any]) -> list[str]:
@@ -224,8 +244,10 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     from slora.api.settings import TOOL_CALL_PARSERS, ServerSettings
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP service")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on; one that is not loopback (0.0.0.0: every interface) needs "
+                            "--tenants or --allow-unauthenticated (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     serve.add_argument("--tenants", default=None, metavar="FILE",
                        help="tenants TOML (API key hashes, roles, limits); without it: single-user mode, loopback only")
     serve.add_argument("--adapter-root", default=None, metavar="DIR",
