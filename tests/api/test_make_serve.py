@@ -1,4 +1,6 @@
-"""The README's first command: `make serve`, then a chat request through the official openai client."""
+"""The README's first command: `make serve`, then a chat request through the official openai client; and what
+`make serve` installs into a clean clone's venv (the runtime only) next to `make test` and `make lint` (the
+development tools too)."""
 import os
 import signal
 import subprocess
@@ -38,3 +40,27 @@ def test_make_serve_answers_a_chat_in_english(make_serve):
             {"role": "user", "content": "What is the capital of France?"}]).choices[0].message.content
     words = set(reply.lower().replace(".", " ").split())
     assert model == "SmolLM2-135M-Instruct" and "Paris" in reply and len(words & ENGLISH) >= 3, reply
+
+
+def planned_commands(target: str, venv: Path) -> list[str]:
+    """The commands `make <target>` runs for a venv that does not exist yet, as in a clean clone (make -n)."""
+    result = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60, check=True)
+    return result.stdout.splitlines()
+
+
+def test_make_serve_installs_the_runtime_and_no_development_tools(tmp_path):
+    venv = tmp_path / "venv"
+    commands = planned_commands("serve", venv)
+    installs = [line for line in commands if " -m pip install " in line]
+    assert any(line.endswith(" -e .") for line in installs), installs
+    assert not any("[dev]" in line for line in commands), commands
+    assert commands[-1].startswith(f"{venv}/bin/slora serve"), commands
+
+
+@pytest.mark.parametrize("target", ["test", "lint"])
+def test_make_test_and_lint_add_the_development_tools_to_the_runtime(tmp_path, target):
+    commands = planned_commands(target, tmp_path / "venv")
+    runtime = next(i for i, line in enumerate(commands) if line.endswith(" -e ."))
+    dev = next(i for i, line in enumerate(commands) if line.endswith(" -e '.[dev]'"))
+    assert runtime < dev, commands
