@@ -59,6 +59,7 @@ KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/versio
 MULTIPART = "multipart/form-data"
 TENANT_STATE = "tenant"         # where Authentication leaves the caller, in the ASGI scope's state
 DISCARD_S = 1.0                 # how long a refused request's body is read and dropped before the answer
+MAX_PATH_SHOWN = 200            # of an unknown path, in its 404's message
 TModel = TypeVar("TModel", bound=BaseModel)
 
 
@@ -297,6 +298,7 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
     app.router.redirect_slashes = False        # its redirect would echo the client's Host header back
     install_error_handlers(app, on_error=ctx.count_error)
     _install_method_not_allowed(app, on_error=ctx.count_error)
+    _install_not_found(app, on_error=ctx.count_error)
     app.add_middleware(BodyLimit, max_body=settings.max_body_bytes, max_upload=settings.max_upload_bytes,
                        on_error=ctx.count_error)
     # Added last, so it runs first: the key is checked before the body limit or anything else looks further.
@@ -333,6 +335,22 @@ def _install_method_not_allowed(app: FastAPI, on_error: Callable[[int], None]) -
         error = APIError(405, f"the method {request.method[:32]} is not allowed on this path; it takes "
                          f"{', '.join(allowed)}", code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
         return error.response()
+
+
+def _install_not_found(app: FastAPI, on_error: Callable[[int], None]) -> None:
+    """A path that no route serves (an OpenAI route this server does not implement, /v1/embeddings or
+    /v1/responses, as much as a typo) is a 404 whose message names it: Starlette's says only "Not Found", which
+    leaves a client guessing whether the route or the model is missing."""
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception) -> JSONResponse:
+        on_error(404)
+        return route_not_found(request.method, request.url.path).response()
+
+
+def route_not_found(method: str, path: str) -> APIError:
+    shown = path if len(path) <= MAX_PATH_SHOWN else path[:MAX_PATH_SHOWN] + "..."
+    return APIError(404, f"{method[:32]} {shown} is not served by this server; GET /docs lists the routes it "
+                    "serves", code="route_not_found")
 
 
 def _auth_dependency(tenants: TenantDirectory):  # noqa: ANN202 - a FastAPI dependency
