@@ -1,13 +1,11 @@
 """The FastAPI app: `create_app(engine, settings)` builds everything a server needs and holds no global state."""
 import asyncio
 import contextlib
-import importlib.metadata
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -19,7 +17,6 @@ from starlette.routing import Match, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from slora.api import protocol
 from slora.api.adapter_admin import AdapterService, UploadedFile
 from slora.api.adapter_store import AdapterStore, StoredAdapter
 from slora.api.async_engine import AsyncEngine, EngineSource, EngineState
@@ -33,22 +30,18 @@ from slora.api.errors import (
     too_large,
     unavailable,
 )
+from slora.api.generation_routes import add_generation_routes
 from slora.api.limits import Admission
 from slora.api.metrics import CONTENT_TYPE, ServerMetrics
 from slora.api.openapi import install_openapi
-from slora.api.protocol import (
-    AdapterLoadRequest,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    LoadLoraAdapterRequest,
-    TokenizeChatRequest,
-    TokenizeRequest,
-    UnloadLoraAdapterRequest,
-)
-from slora.api.serving import GenerationService, Tokenization, encode_text
+from slora.api.protocol import AdapterLoadRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from slora.api.response_models import AdapterDeleted, AdapterInfo, AdapterList, Health, ModelCard, ModelList, now
+from slora.api.responses import model_card
+from slora.api.serving import GenerationService
 from slora.api.settings import ServerSettings
 from slora.api.tenants import Tenant, TenantDirectory, load_tenants
+from slora.api.tokenizer_pool import Tokenization
+from slora.api.tokenizer_routes import add_tokenizer_routes
 from slora.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -60,7 +53,6 @@ MULTIPART = "multipart/form-data"
 TENANT_STATE = "tenant"         # where Authentication leaves the caller, in the ASGI scope's state
 DISCARD_S = 1.0                 # how long a refused request's body is read and dropped before the answer
 MAX_PATH_SHOWN = 200            # of an unknown path, in its 404's message
-TModel = TypeVar("TModel", bound=BaseModel)
 
 
 class ServerContext:
@@ -83,7 +75,7 @@ class ServerContext:
         resolver = self.adapters.resolve if settings.enable_lora_resolver else None
         self.generation = GenerationService(self.engine, settings, self.admission, self.metrics, self.tokenization,
                                             resolver)
-        self.created = protocol.now()
+        self.created = now()
         # The server serves once the --lora-modules are loaded and the adapter store's adapters restored
         # (`starting` says which it is doing); a refused module stops the start (startup_error, then
         # on_startup_failure, which `slora serve` sets to stop the server).
@@ -305,11 +297,11 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
     app.add_middleware(Authentication, tenants=ctx.tenants, guard_metrics=settings.metrics_require_key,
                        on_error=ctx.count_error, max_discard=settings.max_body_bytes)
     caller = _auth_dependency(ctx.tenants)
-    _add_generation_routes(app, ctx, caller)
+    add_generation_routes(app, ctx, caller)
     _add_model_routes(app, ctx, caller)
     _add_adapter_routes(app, ctx, caller)
     _add_ops_routes(app, ctx, caller)
-    _add_tokenizer_routes(app, ctx, caller)
+    add_tokenizer_routes(app, ctx, caller)
     return app
 
 
@@ -361,20 +353,8 @@ def _auth_dependency(tenants: TenantDirectory):  # noqa: ANN202 - a FastAPI depe
     return caller
 
 
-def _add_generation_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request, tenant: Tenant = Depends(caller)) -> Response:
-        ctx.require_engine()
-        return await ctx.generation.completions(body, tenant, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request, tenant: Tenant = Depends(caller)) -> Response:
-        ctx.require_engine()
-        return await ctx.generation.chat(body, tenant, request)
-
-
 def _add_model_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
-    async def cards(tenant: Tenant) -> list[dict[str, Any]]:
+    async def cards(tenant: Tenant) -> list[ModelCard]:
         ctx.require_engine()
         info = ctx.engine.info
         assert info is not None, "require_engine() refuses the request before the engine is up"
@@ -388,30 +368,31 @@ def _add_model_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
             return list(seen.values())
         adapters = await ctx.engine.call(visible)
         base_name = ctx.generation.base_names[0]
-        base = protocol.model_card(base_name, ctx.created, "slora", None, info.max_model_len)
-        return [base] + [protocol.model_card(name, ctx.created, tenant.id if owner == namespace else "slora",
-                                             base_name, info.max_model_len)
+        base = model_card(base_name, ctx.created, "slora", None, info.max_model_len)
+        return [base] + [model_card(name, ctx.created, tenant.id if owner == namespace else "slora", base_name,
+                                    info.max_model_len)
                          for name, owner, _ in sorted(adapters)]
 
     @app.get("/v1/models")
-    async def list_models(tenant: Tenant = Depends(caller)) -> dict[str, Any]:
-        return {"object": "list", "data": await cards(tenant)}
+    async def list_models(tenant: Tenant = Depends(caller)) -> ModelList:
+        return ModelList(object="list", data=await cards(tenant))
 
     @app.get("/v1/models/{model_id}")
-    async def get_model(model_id: str, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
+    async def get_model(model_id: str, tenant: Tenant = Depends(caller)) -> ModelCard:
         for card in await cards(tenant):
-            if card["id"] == model_id:
+            if card.id == model_id:
                 return card
         raise model_not_found(model_id)
 
 
 def _add_adapter_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
-    @app.get("/v1/adapters")
+    """The adapter service answers with dicts; the routes' response models check and document them."""
+    @app.get("/v1/adapters", response_model=AdapterList, response_model_exclude_unset=True)
     async def list_adapters(tenant: Tenant = Depends(caller)) -> dict[str, Any]:
         ctx.require_engine()
         return {"object": "list", "data": await ctx.adapters.list_adapters(tenant)}
 
-    @app.post("/v1/adapters")
+    @app.post("/v1/adapters", response_model=AdapterInfo, response_model_exclude_unset=True)
     async def load_adapter(request: Request, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
         ctx.require_engine()
         if media_type(request.headers) == MULTIPART:
@@ -419,18 +400,18 @@ def _add_adapter_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
         body: AdapterLoadRequest = _parse(AdapterLoadRequest, await request.body())
         return await ctx.adapters.load_path(tenant, body.name, body.path, body.public, body.owner)
 
-    @app.delete("/v1/adapters/{name}")
+    @app.delete("/v1/adapters/{name}", response_model=AdapterDeleted)
     async def delete_adapter(name: str, tenant: Tenant = Depends(caller), owner: str | None = None) -> dict:
         ctx.require_engine()
         return await ctx.adapters.unload(tenant, name, owner or None)   # `?owner=` names nobody, as in uploads
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(body: LoadLoraAdapterRequest, tenant: Tenant = Depends(caller)) -> Response:
         ctx.require_engine()
         await ctx.adapters.load_path(tenant, body.lora_name, body.lora_path, param="lora_path")
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest, tenant: Tenant = Depends(caller)) -> Response:
         ctx.require_engine()
         await ctx.adapters.unload(tenant, body.lora_name)
@@ -492,131 +473,17 @@ def _add_ops_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
         if ctx.settings.metrics_require_key and not (await caller(request)).is_admin:
             raise APIError(403, "/metrics needs an admin tenant's key", code="permission_denied")
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.get("/health", response_model=Health)
+    async def health() -> Health | Response:
         ok, reason = ctx.engine.health(ctx.settings.stall_timeout_s)
         if ok and ctx.starting is not None:
             ok, reason = False, ctx.starting
         if not ok:
             return unavailable(f"not healthy: {reason}", ctx.settings.retry_after_s).response()
-        return JSONResponse({"status": "ok"})
+        return Health(status="ok")
 
-    @app.get(METRICS_ROUTE, dependencies=[Depends(metrics_reader)])
+    @app.get(METRICS_ROUTE, dependencies=[Depends(metrics_reader)], response_class=PlainTextResponse)
     async def metrics() -> Response:
         queued = ctx.admission.queued
         text = ctx.metrics.render(ctx.engine, queued=queued, inflight=ctx.admission.pending - queued)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
-
-
-# ---- vLLM's tokenizer routes ---------------------------------------------------------------------------------
-def slora_version() -> str:
-    try:
-        return importlib.metadata.version("slora")
-    except importlib.metadata.PackageNotFoundError:     # run from a tree that is not installed
-        return "0+unknown"
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(raw or b"{}")
-    except (ValueError, RecursionError):
-        raise bad_request("the body is not valid JSON") from None
-    if not isinstance(value, dict):
-        raise bad_request("the body must be a JSON object")
-    return value
-
-
-def _validated(model: type[TModel], value: dict[str, Any]) -> TModel:
-    try:
-        return model.model_validate(value)
-    except ValidationError as exc:
-        raise invalid_request(exc.errors()) from None
-
-
-def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
-    """/tokenize, /detokenize, /tokenizer_info and /version, as vLLM serves them (lm-eval's remote tokenizer
-    uses the first three). Behind a key like the generation routes, with their limits; tokenizer work runs on
-    their tokenizer threads. They parse their bodies by hand (a prompt or chat messages), so api/openapi.py
-    documents the bodies."""
-    def tokenizer() -> Any:  # noqa: ANN401 - a Hugging Face tokenizer
-        ctx.require_engine()
-        assert ctx.engine.info is not None, "require_engine() refuses the request before the engine is up"
-        if ctx.engine.info.tokenizer is None:
-            raise bad_request("this model has no tokenizer", param="model")
-        return ctx.engine.info.tokenizer
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
-        source = tokenizer()
-        value = _json_object(await request.body())
-        if "messages" in value:
-            return await _tokenize_chat(ctx, tenant, source, _validated(TokenizeChatRequest, value))
-        return await _tokenize_prompt(ctx, tenant, source, _validated(TokenizeRequest, value))
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request, tenant: Tenant = Depends(caller)) -> dict[str, Any]:
-        source = tokenizer()
-        body = _validated(DetokenizeRequest, _json_object(await request.body()))
-        if body.model is not None:
-            await ctx.generation.require_model(body.model, tenant)
-        assert ctx.engine.info is not None, "tokenizer() checked that the engine is up"
-        tokens = _within_vocabulary(body.tokens, ctx.engine.info.vocab_size)
-        return {"prompt": await ctx.tokenization.run(tenant.id, source, lambda own, _: own.decode(tokens))}
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info(tenant: Tenant = Depends(caller)) -> dict[str, Any]:
-        source = tokenizer()
-        assert ctx.engine.info is not None, "tokenizer() checked that the engine is up"
-        return {"tokenizer_class": type(source).__name__, "model_max_length": ctx.engine.info.max_model_len,
-                "vocab_size": ctx.engine.info.vocab_size,
-                **{name: getattr(source, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token",
-                                                                  "chat_template")}}
-
-    @app.get("/version")
-    async def version(tenant: Tenant = Depends(caller)) -> dict[str, str]:
-        return {"version": slora_version()}
-
-
-async def _tokenize_prompt(ctx: ServerContext, tenant: Tenant, source: Any,  # noqa: ANN401
-                           body: TokenizeRequest) -> dict[str, Any]:
-    if body.model is not None:
-        await ctx.generation.require_model(body.model, tenant)
-    if len(body.prompt) > ctx.settings.max_prompt_chars:
-        raise bad_request(f"prompt has {len(body.prompt)} characters; the limit is "
-                          f"{ctx.settings.max_prompt_chars} per request (max_prompt_chars)", param="prompt",
-                          code="request_too_large")
-    prompt, specials = body.prompt, body.add_special_tokens
-    ids = await ctx.tokenization.run(tenant.id, source, lambda own, _: encode_text(own, prompt, specials))
-    return await _tokenized(ctx, tenant, source, ids, bool(body.return_token_strs))
-
-
-async def _tokenize_chat(ctx: ServerContext, tenant: Tenant, source: Any,  # noqa: ANN401
-                         chat: TokenizeChatRequest) -> dict[str, Any]:
-    """The ids exactly as /v1/chat/completions would run them: its checks and its rendering."""
-    if chat.model is None:           # the base model, as the chat route would answer for it
-        chat.model = ctx.generation.base_names[0]
-    else:
-        await ctx.generation.require_model(chat.model, tenant)
-    ctx.generation.check_request(chat, 1, chat.text_chars, "messages")
-    ids = await ctx.generation.chat_prompt(chat, tenant)
-    return await _tokenized(ctx, tenant, source, ids, bool(chat.return_token_strs))
-
-
-def _within_vocabulary(tokens: list[int], vocab: int) -> list[int]:
-    """The tokens, or a 400 naming the first id outside [0, vocab) and how many there are."""
-    outside = [token for token in tokens if token >= vocab]
-    if outside:
-        raise bad_request(f"tokens: token id {outside[0]} is outside the vocabulary [0, {vocab})"
-                          + (f" ({len(outside)} such ids)" if len(outside) > 1 else ""), param="tokens")
-    return tokens
-
-
-async def _tokenized(ctx: ServerContext, tenant: Tenant, source: Any, ids: list[int],  # noqa: ANN401
-                     token_strs: bool) -> dict[str, Any]:
-    assert ctx.engine.info is not None, "the tokenizer routes run once the engine is up"
-    answer: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.engine.info.max_model_len, "tokens": ids}
-    if token_strs:
-        # A Hugging Face tokenizer's method, which serving's Tokenizer protocol does not name.
-        answer["token_strs"] = await ctx.tokenization.run(
-            tenant.id, source, lambda own, _: list(cast(Any, own).convert_ids_to_tokens(ids)))
-    return answer

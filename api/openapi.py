@@ -1,10 +1,12 @@
 """The OpenAPI schema served at /openapi.json: FastAPI's own, completed with what FastAPI cannot see.
 
-FastAPI documents only what it parses itself, so the schema it builds lacks the hand-parsed body of
-`POST /v1/adapters` (JSON or a multipart upload), the bearer keys, the error answers (it documents a 422 that
-this server never gives: validation errors are 400s) and the media types of answers built by hand (server-sent
-events, Prometheus text). The table below says, per operation, what it answers; `install_openapi` merges it
-into the generated schema once, on the first request for it.
+FastAPI documents the routes' bodies and answers from their pydantic models (api/protocol.py,
+api/response_models.py). It cannot see what middleware, exception handlers and hand-parsed bodies do: the bearer
+keys (checked by a middleware) and the public routes, the error answers (it documents a 422 that this server never
+gives: validation errors are 400s), the bodies parsed by hand (`POST /v1/adapters` as JSON or a multipart upload,
+/tokenize's prompt or chat form, /detokenize), the server-sent events of a streamed generation, and its own
+/openapi.json and /docs. The table below states these, per operation; `install_openapi` merges it into the
+generated schema once, on the first request for it.
 
 The request models' schemas are pydantic's own, which replace FastAPI's copies: FastAPI writes bounds as floats
 (a seed's int64 bound 2**63 - 1 becomes 9.223372036854776e18, which is 2**63), and pydantic's carry the rules
@@ -13,7 +15,7 @@ across fields (each model's allOf, from its schema_rules) exactly as api/protoco
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -33,26 +35,19 @@ from slora.api.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
+from slora.api.response_models import absent
 
 REF = "#/components/schemas/{model}"
 JSON, SSE, TEXT, HTML, MULTIPART = ("application/json", "text/event-stream", "text/plain", "text/html",
                                     "multipart/form-data")
 BEARER = "bearer"
-# Bodies without a model: Prometheus or vLLM's plain text, the Swagger page, the schema itself.
+# Answers of FastAPI's own routes, which it leaves out of its schema: the Swagger page, the schema itself.
 _STRING = MappingProxyType({"type": "string"})
 _OBJECT = MappingProxyType({"type": "object"})
 
 
-# ---- documentation models: the shapes the routes answer (they build them as plain dicts) --------------------
-def _drop_default(schema: dict[str, Any]) -> None:
-    schema.pop("default", None)
-
-
-def absent(description: str | None = None) -> Any:  # noqa: ANN401 - a pydantic Field
-    """A field that is left out rather than null: documented with its type alone, without `default: null`."""
-    return Field(default=None, description=description, json_schema_extra=_drop_default)
-
-
+# ---- the shapes FastAPI cannot see: error answers (from exception handlers and middleware), server-sent events,
+# the multipart upload (the route parses it by hand) ----------------------------------------------------------
 class ErrorDetail(BaseModel):
     model_config = ConfigDict(extra="forbid")
     message: str
@@ -68,182 +63,11 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy logprobs, one entry per token (with echo, the prompt's first, whose logprob is null)."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class PromptLogprob(BaseModel):
-    logprob: float
-    rank: int
-    decoded_token: str
-
-
-# vLLM's prompt_logprobs: per prompt token, null (the first) or {token id: its logprob, rank and text}.
-PromptLogprobs = list[dict[str, PromptLogprob] | None] | None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: str | None
-    token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
-    prompt_token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
-    prompt_logprobs: PromptLogprobs = absent("with prompt_logprobs")
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class AssistantFunctionCall(BaseModel):
-    name: str
-    arguments: str = Field(description="JSON text of an object")
-
-
-class AssistantToolCall(BaseModel):
-    id: str
-    type: Literal["function"]
-    function: AssistantFunctionCall
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str | None = Field(description="null when the answer is only tool calls")
-    tool_calls: list[AssistantToolCall] | SkipJsonSchema[None] = absent(
-        'the calls the answer made: with tool_choice "required" or a named function, or parsed with '
-        "--enable-auto-tool-choice")
-    function_call: AssistantFunctionCall | SkipJsonSchema[None] = absent(
-        "the first call again, for a request that gave the legacy functions")
-
-
-class ChatTopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob]
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: str | None
-    token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
-    prompt_token_ids: list[int] | SkipJsonSchema[None] = absent("with return_token_ids")
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_logprobs: PromptLogprobs = absent("with prompt_logprobs")
-
-
-class Tokenized(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | SkipJsonSchema[None] = absent("with return_token_strs")
-
-
-class Detokenized(BaseModel):
-    prompt: str
-
-
-class TokenizerInfo(BaseModel):
-    tokenizer_class: str
-    model_max_length: int
-    vocab_size: int
-    bos_token: str | None
-    eos_token: str | None
-    pad_token: str | None
-    unk_token: str | None
-    chat_template: str | dict[str, str] | None = Field(description="Hugging Face tokenizers may name several")
-
-
-class Version(BaseModel):
-    version: str
-
-
 class ServerSentEvent(BaseModel):
     """One event of a stream (`stream: true`): `data` is a JSON chunk or error object, the last one `[DONE]`."""
 
     data: str
     event: str
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    root: str
-    parent: str | None
-    max_model_len: int | None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class AdapterInfo(BaseModel):
-    name: str
-    version: str
-    owner: str | None = Field(description="null for other tenants' public adapters and in single-user mode")
-    public: bool
-    residency: Literal["pool", "host", "disk"]
-    rank: int | SkipJsonSchema[None] = absent()
-    target_modules: list[str] | SkipJsonSchema[None] = absent()
-    pages: int | SkipJsonSchema[None] = absent()
-    bytes: int | SkipJsonSchema[None] = absent()
-
-
-class AdapterList(BaseModel):
-    object: Literal["list"]
-    data: list[AdapterInfo]
-
-
-class AdapterDeleted(BaseModel):
-    name: str
-    owner: str | None
-    deleted: Literal[True]
-
-
-class Health(BaseModel):
-    status: Literal["ok"]
 
 
 class AdapterUpload(BaseModel):
@@ -261,7 +85,8 @@ class AdapterUpload(BaseModel):
 @dataclass(frozen=True)
 class OperationDoc:
     errors: tuple[int, ...]
-    ok: tuple[tuple[str, type[BaseModel] | Mapping[str, Any]], ...]   # media type, body model or schema
+    # Successful answers beside those FastAPI documents: media type, body model or schema.
+    ok: tuple[tuple[str, type[BaseModel] | Mapping[str, Any]], ...] = ()
     public: bool = False                                  # served without an API key
     bodies: tuple[tuple[str, type[BaseModel] | Mapping[str, Any]], ...] = ()  # request bodies FastAPI cannot see
 
@@ -279,28 +104,27 @@ _METRICS = ("get", "/metrics")
 _TOKENIZE_BODY = MappingProxyType({"oneOf": [{"$ref": REF.format(model=model.__name__)}
                                              for model in (TokenizeRequest, TokenizeChatRequest)]})
 OPERATIONS: Mapping[tuple[str, str], OperationDoc] = MappingProxyType({
-    ("post", "/v1/completions"): OperationDoc(_GENERATION, ((JSON, Completion), (SSE, ServerSentEvent))),
-    ("post", "/v1/chat/completions"): OperationDoc(_GENERATION, ((JSON, ChatCompletion), (SSE, ServerSentEvent))),
-    ("get", "/v1/models"): OperationDoc(_KEYED, ((JSON, ModelList),)),
-    ("get", "/v1/models/{model_id}"): OperationDoc(_KEYED + (404,), ((JSON, ModelCard),)),
-    ("get", "/v1/adapters"): OperationDoc(_KEYED, ((JSON, AdapterList),)),
-    ("post", "/v1/adapters"): OperationDoc(_PARSED + (403, 404, 411, 507), ((JSON, AdapterInfo),),
+    ("post", "/v1/completions"): OperationDoc(_GENERATION, ((SSE, ServerSentEvent),)),
+    ("post", "/v1/chat/completions"): OperationDoc(_GENERATION, ((SSE, ServerSentEvent),)),
+    ("get", "/v1/models"): OperationDoc(_KEYED),
+    ("get", "/v1/models/{model_id}"): OperationDoc(_KEYED + (404,)),
+    ("get", "/v1/adapters"): OperationDoc(_KEYED),
+    ("post", "/v1/adapters"): OperationDoc(_PARSED + (403, 404, 411, 507),
                                            bodies=((JSON, AdapterLoadRequest), (MULTIPART, AdapterUpload))),
-    ("delete", "/v1/adapters/{name}"): OperationDoc(_PARSED + (404,), ((JSON, AdapterDeleted),)),
-    ("post", "/v1/load_lora_adapter"): OperationDoc(_PARSED + (403,), ((TEXT, _STRING),)),
-    ("post", "/v1/unload_lora_adapter"): OperationDoc(_PARSED + (404,), ((TEXT, _STRING),)),
-    _METRICS: OperationDoc(_ANY, ((TEXT, _STRING),), public=True),
-    ("post", "/tokenize"): OperationDoc(_PARSED + (404, 429), ((JSON, Tokenized),), bodies=((JSON, _TOKENIZE_BODY),)),
-    ("post", "/detokenize"): OperationDoc(_PARSED + (404, 429), ((JSON, Detokenized),),
-                                          bodies=((JSON, DetokenizeRequest),)),
-    ("get", "/tokenizer_info"): OperationDoc(_KEYED + (400,), ((JSON, TokenizerInfo),)),
-    ("get", "/version"): OperationDoc(_KEYED, ((JSON, Version),)),
-    ("get", "/health"): OperationDoc(_ANY, ((JSON, Health),), public=True),
+    ("delete", "/v1/adapters/{name}"): OperationDoc(_PARSED + (404,)),
+    ("post", "/v1/load_lora_adapter"): OperationDoc(_PARSED + (403,)),
+    ("post", "/v1/unload_lora_adapter"): OperationDoc(_PARSED + (404,)),
+    _METRICS: OperationDoc(_ANY, public=True),
+    ("post", "/tokenize"): OperationDoc(_PARSED + (404, 429), bodies=((JSON, _TOKENIZE_BODY),)),
+    ("post", "/detokenize"): OperationDoc(_PARSED + (404, 429), bodies=((JSON, DetokenizeRequest),)),
+    ("get", "/tokenizer_info"): OperationDoc(_KEYED + (400,)),
+    ("get", "/version"): OperationDoc(_KEYED),
+    ("get", "/health"): OperationDoc(_ANY, public=True),
     ("get", "/openapi.json"): OperationDoc(_ANY, ((JSON, _OBJECT),), public=True),
     ("get", "/docs"): OperationDoc(_ANY, ((HTML, _STRING),), public=True),
 })
 # /metrics with ServerSettings.metrics_require_key: an admin's key only.
-_KEYED_METRICS = OperationDoc(_KEYED + (403,), OPERATIONS[_METRICS].ok)
+_KEYED_METRICS = OperationDoc(_KEYED + (403,))
 _ERROR_DESCRIPTIONS = MappingProxyType({
     400: "Invalid request: the message names the problem and `param` the field",
     401: "Missing or unknown API key",
@@ -317,10 +141,10 @@ _ERROR_DESCRIPTIONS = MappingProxyType({
 })
 _RETRY_AFTER = MappingProxyType({"Retry-After": {"description": "seconds to wait before retrying",
                                                  "schema": {"type": "integer"}}})
-_DOC_MODELS = (ErrorResponse, Completion, ChatCompletion, ServerSentEvent, ModelList, AdapterList, AdapterDeleted,
-               Health, AdapterLoadRequest, AdapterUpload, TokenizeRequest, TokenizeChatRequest, DetokenizeRequest,
-               Tokenized, Detokenized, TokenizerInfo, Version, CompletionRequest, ChatCompletionRequest,
-               LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
+# The models of what the table adds, and the request models whose schemas replace FastAPI's copies.
+_DOC_MODELS = (ErrorResponse, ServerSentEvent, AdapterLoadRequest, AdapterUpload, TokenizeRequest, TokenizeChatRequest,
+               DetokenizeRequest, CompletionRequest, ChatCompletionRequest, LoadLoraAdapterRequest,
+               UnloadLoraAdapterRequest)
 _UPLOAD_ENCODING = MappingProxyType({CONFIG_FILE: {"contentType": JSON},
                                      WEIGHTS_FILE: {"contentType": "application/octet-stream"}})
 
@@ -376,7 +200,7 @@ def _document(operation: dict[str, Any], doc: OperationDoc) -> None:
     responses = operation.setdefault("responses", {})
     responses.pop("422", None)
     success = responses.setdefault("200", {"description": "Successful Response"})
-    success["content"] = {media: {"schema": _schema_of(model)} for media, model in doc.ok}
+    success.setdefault("content", {}).update({media: {"schema": _schema_of(model)} for media, model in doc.ok})
     responses.update({str(status): _error_response(status) for status in sorted(doc.errors)})
 
 

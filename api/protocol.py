@@ -1,266 +1,89 @@
-"""Request bodies of the OpenAI-compatible routes (pydantic) and builders of the response objects.
+"""Request bodies of the OpenAI-compatible routes (pydantic); the answers are api/response_models.py's.
 
 Every documented field of OpenAI's completions and chat completions, and vLLM's extensions, is accepted. Unknown
 fields are ignored with a warning naming them in the log (as vLLM does), so that a client sending a newer field
 still works. A documented field that slora does not implement is accepted only at its neutral value, its schema
 admits only that value, and any other value is a 400 naming the field ("not supported"). Fields that cannot change
 the answer (store, metadata, service_tier, prompt_cache_key, ...) are accepted at any valid value and ignored.
-
-Every field is bounded here, so that a hostile body is refused while it is validated, before any work is done
-for it, and /openapi.json shows the bounds. The caps are hard ones, far above the server's defaults; its
-settings (max_n, max_choices, max_stop_sequences, max_stop_length, max_prompt_chars) tighten them at run time.
+Every field is bounded (api/field_types.py).
 """
 import json
 import logging
-import math
 import reprlib
-import time
-import uuid
-from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-    ValidationInfo,
-    ValidatorFunctionWrapHandler,
-    WrapValidator,
-    field_validator,
-    model_validator,
-)
-from pydantic.json_schema import JsonDict
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from slora.api import tool_calls
-from slora.core.outputs import TokenLogprob
-from slora.sampling.params import (
-    FLOAT32_MAX,
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_PENALTY,
-    MAX_SEED,
-    MAX_TOP_K,
-    MIN_SEED,
+from slora.api.chat_messages import (
+    ChatMessage,
+    Document,
+    FunctionChoice,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    Prediction,
+    TemplateKwargs,
+    Tool,
+    ToolChoice,
 )
+from slora.api.field_types import (
+    IGNORED,
+    IN_VOCABULARY,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_DOCUMENTS,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_PATH_CHARS,
+    MAX_PROMPT_TOKEN_IDS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKENS,
+    MAX_TOKENS_RULE,
+    MAX_TOOLS,
+    NEUTRAL_ONLY,
+    VALID_UNICODE,
+    GuidedChoices,
+    JsonObject,
+    LogitBias,
+    Logprobs,
+    Metadata,
+    ModelName,
+    Name,
+    Penalty,
+    Prompt,
+    SchemaValue,
+    Spec,
+    Stop,
+    Text,
+    TokenId,
+    not_supported,
+)
+from slora.api.schema_rules import (
+    at_most_one,
+    forced_tool_choice,
+    given,
+    implies,
+    never_both,
+    prompt_form_rules,
+    stated_rules,
+    tool_rules,
+)
+from slora.api.structured_fields import STRUCTURED_FIELDS, ResponseFormat, StructuredOutputs, structured_output
+from slora.sampling.params import FLOAT32_MAX
 from slora.sampling.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
-
-INT64_MIN, INT64_MAX = MIN_SEED, MAX_SEED     # seeds: the sampler's int64
-INT32_MAX = MAX_TOP_K                         # token ids and top_k: the sampler and kernels index in int32
-MAX_N = 128                                 # samples per prompt
-MAX_PROMPTS = 1024                          # prompts in one completion request
-MAX_TEXT_CHARS = 2 ** 24                    # characters of one prompt, message or content part
-MAX_PROMPT_TOKEN_IDS = 2 ** 20              # token ids of one prompt
-MAX_MESSAGES = 1024
-MAX_CONTENT_PARTS = 1024                    # text parts of one message
-MAX_TOKENS = 2 ** 24                        # max_tokens / max_completion_tokens
-MAX_STOP_SEQUENCES = 16
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024                   # enough to list every token of a small vocabulary
-MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_REPETITION_PENALTY = 1e6
-MAX_NAME_CHARS = 256                        # model, user, message and adapter names
-MAX_PATH_CHARS = 4096
-MAX_SPEC_CHARS = 2 ** 18                    # a JSON schema (as text), regex or grammar
-MAX_GUIDED_CHOICES = 1024
-MAX_CHOICE_CHARS = 2 ** 16                  # characters of all choices together: each one is a branch to compile
-MAX_JSON_DEPTH = 64                         # nesting of a free-form JSON value (schemas, tool parameters)
-MAX_TOOLS = 128                             # OpenAI's bound on tools (and legacy functions)
-MAX_TOOL_CALLS = 128                        # tool calls of one assistant message
-MAX_DOCUMENTS = 256
-MAX_DOCUMENT_FIELDS = 64
-MAX_TEMPLATE_KWARGS = 64
-MAX_METADATA = 16                           # OpenAI's bounds on metadata: 16 pairs, 64-char keys, 512-char values
-LOGPROB_FLOOR = -9999.0                     # what -inf (and NaN) logprobs are reported as: JSON has no -inf
 _NAMES = reprlib.Repr()                     # names of ignored fields, as the log shows them: bounded
 _NAMES.maxlist, _NAMES.maxstring = 16, 64
-
-
-def _valid_unicode(value: Any) -> Any:  # noqa: ANN401 - the raw JSON value, checked before its type
-    """Refuse lone surrogates, naming where: JSON's \\ud800 escapes decode to them, and no tokenizer and no
-    UTF-8 encoder accepts them (pydantic's own refusal of them does not say why)."""
-    if isinstance(value, str) and not value.isascii():   # the common case costs one pass in C, no copy
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"must be valid Unicode, but character {exc.start} is a lone surrogate "
-                             f"(U+{ord(value[exc.start]):04X})") from None
-    return value
-
-
-def _not_supported(accepted: str) -> WrapValidator:
-    """Keeps the field's own validation and schema (which admit only its neutral value) but words the refusal:
-    the value is not wrong, slora does not implement it yet."""
-    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:  # noqa: ANN401 - any JSON value
-        try:
-            return handler(value)
-        except ValidationError:
-            raise PydanticCustomError("not_supported", "not supported yet: only {accepted} is accepted",
-                                      {"accepted": accepted}) from None
-    return WrapValidator(validate)
-
-
-def _bounded_json(value: Any) -> Any:  # noqa: ANN401 - a free-form JSON value
-    """Refuse JSON nested deeper than MAX_JSON_DEPTH (walked without recursion): it is serialized again for the
-    chat template or the grammar compiler, whose recursion a hostile depth would exhaust."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise ValueError(f"is nested deeper than {MAX_JSON_DEPTH} levels")
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return value
-
-
-def schema_text(value: Any) -> str:  # noqa: ANN401 - a JSON schema given as an object or as JSON text
-    """A JSON schema as the engine takes it: compact JSON text of an object. ValueError if it is not one."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError):
-            raise ValueError("must be a JSON schema: an object, or a string of JSON text of one") from None
-        _bounded_json(value)
-    if not isinstance(value, dict):
-        raise ValueError("must be a JSON schema: an object, or a string of JSON text of one")
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def _keys_matching(pattern: str) -> Callable[[JsonDict], None]:
-    """json_schema_extra of a dict whose keys match `pattern`: pydantic states a key pattern only as
-    patternProperties, which admit keys that do not match it (validation refuses them)."""
-    def extra(schema: JsonDict) -> None:
-        schema["propertyNames"] = {"pattern": pattern}
-    return extra
-
-
-VALID_UNICODE = BeforeValidator(_valid_unicode)
-Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), VALID_UNICODE]
-Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), VALID_UNICODE]
-ModelName = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), VALID_UNICODE]
 # What an adapter may be called (declared here so the schema says it; the admin routes check the same).
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 AdapterName = Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN,
                                    description="1-128 letters, digits, '.', '_' or '-', starting with a letter "
                                                "or digit.")]
 AdapterPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS), VALID_UNICODE]
-PromptText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS), VALID_UNICODE]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), VALID_UNICODE]
-IN_VOCABULARY = "below the model's vocabulary size (vocab_size of /tokenizer_info), known only at run time"
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX, description=f"A token id {IN_VOCABULARY}.")]
-TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
-NEUTRAL_ONLY = "Not supported yet: only the neutral value shown is accepted."
-IGNORED = "Accepted and ignored: it does not change the answer."
-Spec = Annotated[str, Field(min_length=1, max_length=MAX_SPEC_CHARS), VALID_UNICODE]
-JsonObject = Annotated[dict[str, Any], Field(description=f"Nested at most {MAX_JSON_DEPTH} levels deep."),
-                       AfterValidator(_bounded_json)]
-# A JSON schema: an object, or (vLLM's guided_json) JSON text of one.
-SchemaValue = Annotated[
-    Annotated[JsonObject, Tag("object")] | Annotated[Spec, Tag("string")],
-    Discriminator(lambda v: "object" if isinstance(v, dict) else "string" if isinstance(v, str) else None,
-                  custom_error_type="invalid_schema",
-                  custom_error_message="must be a JSON schema: an object, or a string of JSON text of one"),
-    Field(description=f"A JSON schema: an object, or a string of JSON text of one; nested at most {MAX_JSON_DEPTH} "
-                      "levels deep."),
-    AfterValidator(lambda value: schema_text(value) and value)]
-
-
-def _bounded_choices(choices: list[str]) -> list[str]:
-    """Refuse choices longer than MAX_CHOICE_CHARS together: their grammar grows with them (a 1 MiB list
-    compiled to 280 MB)."""
-    total = sum(len(choice) for choice in choices)
-    if total > MAX_CHOICE_CHARS:
-        raise ValueError(f"the choices hold {total} characters together; the limit is {MAX_CHOICE_CHARS}")
-    return choices
-
-
-GuidedChoices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), VALID_UNICODE]],
-                          Field(min_length=1, max_length=MAX_GUIDED_CHOICES,
-                                description=f"At most {MAX_GUIDED_CHOICES} strings of at most {MAX_STOP_CHARS} "
-                                            f"characters, {MAX_CHOICE_CHARS} characters together."),
-                          AfterValidator(_bounded_choices)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
-# OpenAI sends logit_bias with token ids as JSON object keys, so as strings of digits.
-TOKEN_ID_KEY = r"^[0-9]{1,10}$"
-LogitBias = Annotated[dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)],
-                           Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]],
-                      Field(max_length=MAX_LOGIT_BIAS_ENTRIES, json_schema_extra=_keys_matching(TOKEN_ID_KEY))]
-Metadata = Annotated[dict[Annotated[str, Field(max_length=64), VALID_UNICODE],
-                          Annotated[str, Field(max_length=512), VALID_UNICODE]], Field(max_length=MAX_METADATA)]
-
-
-def _string_or_list(value: Any) -> str | None:  # noqa: ANN401 - the raw JSON value
-    """The form of a field that is a string or a list, so that only that form is validated and its error,
-    not the other form's, is the one reported."""
-    if isinstance(value, str):
-        return "string"
-    return "list" if isinstance(value, list) else None
-
-
-def _prompt_kind(value: Any) -> str | None:  # noqa: ANN401 - the raw JSON value
-    """Which form a prompt has, from its first item, so that only that form is validated (a plain union
-    would validate a long list once per form, and report every form's errors)."""
-    if isinstance(value, str):
-        return "text"
-    if not isinstance(value, list):
-        return None
-    if not value or isinstance(value[0], str):
-        return "texts"
-    return "token_id_lists" if isinstance(value[0], list) else "token_ids"
-
-
-Prompt = Annotated[
-    Annotated[PromptText, Tag("text")]
-    | Annotated[list[PromptText], Tag("texts"), Field(min_length=1, max_length=MAX_PROMPTS)]
-    | Annotated[TokenIds, Tag("token_ids"), Field(min_length=1)]
-    | Annotated[list[TokenIds], Tag("token_id_lists"), Field(min_length=1, max_length=MAX_PROMPTS)],
-    Discriminator(_prompt_kind, custom_error_type="invalid_prompt",
-                  custom_error_message="must be a string, a list of strings, a list of token ids or a list of "
-                                       "lists of token ids")]
-Stop = Annotated[
-    Annotated[StopString, Tag("string")]
-    | Annotated[list[StopString], Tag("list"), Field(max_length=MAX_STOP_SEQUENCES)],
-    Discriminator(_string_or_list, custom_error_type="invalid_stop",
-                  custom_error_message="must be a string or a list of strings")]
-
-
-# ---- rules across fields, stated in the schema ------------------------------------------------------------
-# The validators below and the service (api/serving.py) refuse some combinations of fields. The schema states
-# each one JSON Schema can express as an entry of the model's allOf, described in plain words, so that a client
-# generated from the schema sends none of them; the rest (those that compare two values, or depend on the
-# model or the server's settings) are stated in the fields' descriptions.
-def given(field: str, value: dict[str, Any] | None = None) -> dict[str, Any]:
-    """JSON Schema of a body with `field` present and not null (and matching `value`, when given)."""
-    return {"required": [field], "properties": {field: {"not": {"type": "null"}} if value is None else value}}
-
-
-def never_both(first: dict[str, Any], second: dict[str, Any], description: str) -> dict[str, Any]:
-    """The rule that no body matches both `first` and `second`."""
-    return {"description": description, "not": {"allOf": [first, second]}}
-
-
-def implies(condition: dict[str, Any], consequence: dict[str, Any], description: str) -> dict[str, Any]:
-    """The rule that a body matching `condition` matches `consequence`. The condition must require its fields
-    (as given() does): `properties` alone holds for a body without them."""
-    return {"description": description, "if": condition, "then": consequence}
-
-
-def at_most_one(conditions: list[dict[str, Any]], description: str) -> dict[str, Any]:
-    """oneOf holds for exactly one branch: none of the conditions, or one of them, never two."""
-    return {"description": description, "oneOf": [{"not": {"anyOf": conditions}}, *conditions]}
-
-
-def _stated_rules(schema: JsonDict, model: type[Any]) -> None:
-    """json_schema_extra of the request models: their schema_rules() as the allOf of their schema."""
-    schema["allOf"] = model.schema_rules()
 
 
 class Tolerant(BaseModel):
@@ -284,68 +107,11 @@ class StreamOptions(Tolerant):
     include_obfuscation: bool | None = Field(None, description="Accepted; no obfuscation field is sent.")
 
 
-class JsonSchemaFormat(BaseModel):
-    """OpenAI's `response_format.json_schema`."""
-
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    name: Name = "response"
-    description: Text | None = None
-    schema_: SchemaValue | None = Field(None, alias="schema", description="Without it, any JSON object.")
-    strict: bool | None = None
-
-
-def _response_format_rules(schema: JsonDict) -> None:
-    schema["allOf"] = [implies(given("type", {"const": "json_schema"}), given("json_schema"),
-                               'type "json_schema" needs json_schema')]
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_response_format_rules)
-    type: Annotated[Literal["text", "json_object", "json_schema"],
-                    _not_supported('"text", "json_object" or "json_schema"')]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
-        if self.type == "json_schema" and self.json_schema is None:
-            raise PydanticCustomError("missing", 'json_schema is required with type "json_schema"')
-        return self
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: at most one of json, regex, choice, grammar and json_object (true), and not
-    with another structured output of the request. Backend options (disable_any_whitespace, ...) are ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-    json_: SchemaValue | None = Field(None, alias="json")
-    regex: Spec | None = None
-    choice: GuidedChoices | None = None
-    grammar: Spec | None = None
-    json_object: bool | None = None
-    structural_tag: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
-    whitespace_pattern: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
-
-
-def structured_output(kind: str, spec: Any) -> StructuredOutput:  # noqa: ANN401 - as the request gave it
-    if kind == "json_schema":
-        return StructuredOutput("json_schema", schema_text(spec))
-    if kind == "choice":
-        return StructuredOutput("choice", tuple(spec))
-    return StructuredOutput(kind, spec)  # type: ignore[arg-type]  # kind is one of STRUCTURED_KINDS here
-
-
-STRUCTURED_FIELDS = ("response_format (json_object or json_schema), guided_json, guided_regex, guided_choice, "
-                     "guided_grammar, structured_outputs' json, regex, choice, grammar or json_object (true)")
-# What the descriptions say of the limits the server's settings set (api/settings.py, `slora serve` flags).
-MAX_TOKENS_RULE = ("At most the server's --max-tokens-limit, and the prompt's tokens plus max_tokens at most the "
-                   "model's context (max_model_len of /v1/models).")
-
-
 class SamplingRequest(Tolerant):
     """Fields shared by completions and chat completions."""
 
     # The allOf of the schema states the rules across fields (schema_rules).
-    model_config = ConfigDict(json_schema_extra=_stated_rules)
+    model_config = ConfigDict(json_schema_extra=stated_rules)
     model: ModelName
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="0: the prompt only (with echo and "
                                                                           "logprobs, its loglikelihood). "
@@ -395,23 +161,23 @@ class SamplingRequest(Tolerant):
     structured_outputs: StructuredOutputs | None = None
     guided_decoding_backend: Name | None = Field(None, description=IGNORED)
     request_id: Name | None = Field(None, description=IGNORED)
-    guided_whitespace_pattern: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
-    skip_special_tokens: Annotated[Literal[True], Field(description=NEUTRAL_ONLY), _not_supported("true")] = True
+    guided_whitespace_pattern: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
+    skip_special_tokens: Annotated[Literal[True], Field(description=NEUTRAL_ONLY), not_supported("true")] = True
     spaces_between_special_tokens: Annotated[Literal[True], Field(description=NEUTRAL_ONLY),
-                                             _not_supported("true")] = True
+                                             not_supported("true")] = True
     include_stop_str_in_output: Annotated[Literal[False], Field(description=NEUTRAL_ONLY),
-                                          _not_supported("false")] = False
-    use_beam_search: Annotated[Literal[False], Field(description=NEUTRAL_ONLY), _not_supported("false")] = False
-    length_penalty: Annotated[float, Field(ge=1, le=1, description=NEUTRAL_ONLY), _not_supported("1")] = 1.0
+                                          not_supported("false")] = False
+    use_beam_search: Annotated[Literal[False], Field(description=NEUTRAL_ONLY), not_supported("false")] = False
+    length_penalty: Annotated[float, Field(ge=1, le=1, description=NEUTRAL_ONLY), not_supported("1")] = 1.0
     allowed_token_ids: Annotated[list[TokenId] | None, Field(max_length=0, description=NEUTRAL_ONLY),
-                                 _not_supported("an empty list or null")] = None
+                                 not_supported("an empty list or null")] = None
     bad_words: Annotated[list[str] | None, Field(max_length=0, description=NEUTRAL_ONLY),
-                         _not_supported("an empty list or null")] = None
-    logits_processors: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
-    priority: Annotated[int, Field(ge=0, le=0, description=NEUTRAL_ONLY), _not_supported("0")] = 0
-    cache_salt: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
-    kv_transfer_params: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
-    vllm_xargs: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+                         not_supported("an empty list or null")] = None
+    logits_processors: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
+    priority: Annotated[int, Field(ge=0, le=0, description=NEUTRAL_ONLY), not_supported("0")] = 0
+    cache_salt: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
+    kv_transfer_params: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
+    vllm_xargs: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
 
     @classmethod
     def schema_rules(cls) -> list[dict[str, Any]]:
@@ -504,9 +270,9 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = Field(False, description="The prompt comes first in the text (and in logprobs).")
     logprobs: Logprobs | None = Field(None, description="Each token's logprob, and the this many most likely "
                                                         "tokens at each position.")
-    suffix: Annotated[Literal[""] | None, Field(description=NEUTRAL_ONLY), _not_supported("an empty string or null")] \
+    suffix: Annotated[Literal[""] | None, Field(description=NEUTRAL_ONLY), not_supported("an empty string or null")] \
         = None
-    prompt_embeds: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+    prompt_embeds: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
 
     @property
     def num_prompts(self) -> int:
@@ -520,170 +286,6 @@ class CompletionRequest(SamplingRequest):
             return len(self.prompt)
         return sum(len(p) for p in self.prompt if isinstance(p, str))
 
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: Text
-
-
-class RefusalPart(BaseModel):
-    """An assistant message's refusal, rendered as its text."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["refusal"]
-    refusal: Text
-
-
-def _part_kind(value: Any) -> str | None:  # noqa: ANN401 - the raw JSON value
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("text", "refusal") else None
-
-
-ContentPart = Annotated[
-    Annotated[TextPart, Tag("text")] | Annotated[RefusalPart, Tag("refusal")],
-    Discriminator(_part_kind, custom_error_type="not_supported",
-                  custom_error_message='not supported: only "text" (and "refusal") content parts are accepted; '
-                                       "this server reads text only (no images, audio or files)")]
-Content = Annotated[
-    Annotated[Text, Tag("string")]
-    | Annotated[list[ContentPart], Tag("list"), Field(max_length=MAX_CONTENT_PARTS)],
-    Discriminator(_string_or_list, custom_error_type="invalid_content",
-                  custom_error_message="must be a string or a list of text parts")]
-
-
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: Name
-    arguments: Text = Field("", description="JSON text, as the model wrote it.")
-
-
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    id: Name | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(BaseModel):
-    # Extra fields that some clients send with messages are ignored.
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Content | None = None
-    name: Name | None = None
-    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None   # assistant
-    tool_call_id: Name | None = None                                                         # tool
-    function_call: FunctionCall | None = None                                                # legacy assistant
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
-
-    @property
-    def text_chars(self) -> int:
-        chars = sum(len(call.function.arguments) for call in self.tool_calls or ())
-        if self.content is None or isinstance(self.content, str):
-            return chars + len(self.content or "")
-        return chars + sum(len(part.text if isinstance(part, TextPart) else part.refusal) for part in self.content)
-
-    def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates take it. Tool-call arguments become objects where they are JSON (the
-        form Hugging Face templates expect, as vLLM passes them)."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        if self.name:
-            message["name"] = self.name
-        calls = list(self.tool_calls or [])
-        if not calls and self.function_call is not None:
-            calls = [ToolCall(function=self.function_call)]
-        if calls:
-            message["tool_calls"] = [{**({"id": call.id} if call.id else {}), "type": "function",
-                                      "function": {"name": call.function.name,
-                                                   "arguments": _arguments(call.function.arguments)}}
-                                     for call in calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
-def _arguments(text: str) -> Any:  # noqa: ANN401 - JSON
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return text
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), VALID_UNICODE]
-    description: Text | None = None
-    parameters: JsonObject | None = None
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Annotated[Literal["function"], _not_supported('"function" tools')] = "function"
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: Name
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
-ToolChoice = Annotated[
-    Annotated[Literal["none", "auto", "required"], Tag("string")] | Annotated[NamedToolChoice, Tag("object")],
-    Discriminator(lambda v: "string" if isinstance(v, str) else "object" if isinstance(v, (dict, BaseModel)) else None,
-                  custom_error_type="invalid_tool_choice",
-                  custom_error_message='must be "none", "auto", "required" or {"type": "function", "function": '
-                                       '{"name": ...}}')]
-FunctionChoice = Annotated[
-    Annotated[Literal["none", "auto"], Tag("string")] | Annotated[NamedFunction, Tag("object")],
-    Discriminator(lambda v: "string" if isinstance(v, str) else "object" if isinstance(v, (dict, BaseModel)) else None,
-                  custom_error_type="invalid_function_call",
-                  custom_error_message='must be "none", "auto" or {"name": ...}')]
-Document = Annotated[dict[Annotated[str, Field(max_length=MAX_NAME_CHARS)], Text],
-                     Field(max_length=MAX_DOCUMENT_FIELDS)]
-TEMPLATE_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
-TemplateKwargs = Annotated[dict[Annotated[str, Field(pattern=TEMPLATE_NAME)], Any],
-                           Field(max_length=MAX_TEMPLATE_KWARGS, json_schema_extra=_keys_matching(TEMPLATE_NAME)),
-                           AfterValidator(_bounded_json)]
-
-
-class Prediction(BaseModel):
-    """OpenAI's predicted output: only a speed hint, accepted and ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["content"] = "content"
-    content: Content
-
-
-def _forced_tool_choice() -> dict[str, Any]:
-    """JSON Schema of a chat body whose answer must be a call: tool_choice "required" or a named function, or
-    the legacy function_call a named function."""
-    return {"anyOf": [given("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]}),
-                      given("function_call", {"type": "object"})]}
-
-
-def _tool_rules() -> list[dict[str, Any]]:
-    """GenerationService's checks of tools: each legacy field instead of its new one, a forced call with tools."""
-    some_tools = {"anyOf": [given(field, {"type": "array", "minItems": 1}) for field in ("tools", "functions")]}
-    return [never_both(given("tools"), given("functions"),
-                       "tools and functions not both: functions is the deprecated form of tools"),
-            never_both(given("tool_choice"), given("function_call"),
-                       "tool_choice and function_call not both: function_call is the deprecated form of tool_choice"),
-            implies(_forced_tool_choice(), some_tools,
-                    'tool_choice "required" or a named function (or function_call a named function) needs tools '
-                    "(or functions)")]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -725,10 +327,10 @@ class ChatCompletionRequest(SamplingRequest):
     safety_identifier: Name | None = Field(None, description=IGNORED)
     prediction: Prediction | None = Field(None, description=IGNORED)
     modalities: Annotated[list[Literal["text"]] | None, Field(max_length=1, description=NEUTRAL_ONLY),
-                          _not_supported('["text"] or null')] = None
-    audio: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
-    web_search_options: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
-    moderation: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+                          not_supported('["text"] or null')] = None
+    audio: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
+    web_search_options: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
+    moderation: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
     # vLLM extensions.
     add_generation_prompt: bool = True
     continue_final_message: bool | None = Field(False, description="The last message, which must be the "
@@ -742,8 +344,8 @@ class ChatCompletionRequest(SamplingRequest):
         None, description="Passed to the chat template (for retrieval-augmented templates).")
     include_reasoning: bool | None = Field(True, description=IGNORED)
     chat_template: Annotated[None, Field(description=NEUTRAL_ONLY + " The model's own template is used."),
-                             _not_supported("null")] = None
-    mm_processor_kwargs: Annotated[None, Field(description=NEUTRAL_ONLY), _not_supported("null")] = None
+                             not_supported("null")] = None
+    mm_processor_kwargs: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
 
     @classmethod
     def request_rules(cls) -> list[dict[str, Any]]:
@@ -754,12 +356,12 @@ class ChatCompletionRequest(SamplingRequest):
                 implies(given("continue_final_message", {"const": True}),
                         given("add_generation_prompt", {"const": False}),
                         "continue_final_message true needs add_generation_prompt false"),
-                *_tool_rules()]
+                *tool_rules()]
 
     @classmethod
     def structured_sources(cls) -> list[dict[str, Any]]:
         """SamplingRequest's, and a forced tool choice: its call is a structured output of its own."""
-        return [*super().structured_sources(), _forced_tool_choice()]
+        return [*super().structured_sources(), forced_tool_choice()]
 
     @field_validator("top_logprobs")
     @classmethod
@@ -840,15 +442,10 @@ class ChatCompletionRequest(SamplingRequest):
         return [*given, (self.tool_choice_param, structured_output("json_schema", schema))]
 
 
-def _prompt_form_rules(schema: JsonDict) -> None:
-    schema["allOf"] = [{"description": "Without messages: a body with messages is the chat form",
-                        "not": {"required": ["messages"]}}]
-
-
 class TokenizeRequest(Tolerant):
     """vLLM's `POST /tokenize` body with a prompt (and without messages, which make it the chat form)."""
 
-    model_config = ConfigDict(json_schema_extra=_prompt_form_rules)
+    model_config = ConfigDict(json_schema_extra=prompt_form_rules)
     model: ModelName | None = None
     prompt: Text = Field(description="At most the server's --max-prompt-chars characters.")
     add_special_tokens: bool = True
@@ -900,138 +497,3 @@ class UnloadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     lora_name: Name
     lora_int_id: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-
-
-# ---- responses ---------------------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-TokenText = Callable[[int], str]      # a token id's text, as logprobs show it
-LogprobList = Sequence[TokenLogprob | None] | None
-
-
-def logprob_value(value: float) -> float:
-    """A logprob as JSON can carry it: -inf and NaN become LOGPROB_FLOOR (as vLLM reports them)."""
-    return value if math.isfinite(value) and value > LOGPROB_FLOOR else LOGPROB_FLOOR
-
-
-def padded(token_ids: Sequence[int], logprobs: LogprobList) -> list[TokenLogprob | None]:
-    """One entry per token: what `logprobs` has, then None (for positions it lacks)."""
-    entries = list(logprobs or [])[:len(token_ids)]
-    return entries + [None] * (len(token_ids) - len(entries))
-
-
-def completion_logprobs(token_ids: Sequence[int], logprobs: LogprobList, top: int, token_text: TokenText,
-                        offset: int = 0) -> tuple[dict[str, list[Any]], int]:
-    """OpenAI's legacy logprobs of some tokens (the prompt's first has none: null) and the text offset after
-    them. top_logprobs holds the `top` most likely tokens and the token itself."""
-    tokens: list[str] = []
-    values: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-    for token_id, entry in zip(token_ids, padded(token_ids, logprobs)):
-        text = token_text(token_id)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        if entry is None:
-            values.append(None)
-            tops.append(None)
-            continue
-        value = logprob_value(entry.logprob)
-        values.append(value)
-        best: dict[str, float] = {}
-        for candidate, candidate_logprob in entry.top[:top]:
-            best.setdefault(token_text(candidate), logprob_value(candidate_logprob))
-        best.setdefault(text, value)
-        tops.append(best)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
-
-
-def chat_logprobs(token_ids: Sequence[int], logprobs: LogprobList, top: int, token_text: TokenText) -> dict[str, Any]:
-    """OpenAI's chat logprobs of some output tokens: `{"content": [...]}`."""
-    def entry_of(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob_value(logprob), "bytes": list(text.encode("utf-8"))}
-    content = [{**entry_of(token_id, entry.logprob),
-                "top_logprobs": [entry_of(candidate, value) for candidate, value in entry.top[:top]]}
-               for token_id, entry in zip(token_ids, padded(token_ids, logprobs)) if entry is not None]
-    return {"content": content}
-
-
-def prompt_logprobs(token_ids: Sequence[int], logprobs: LogprobList, top: int,
-                    token_text: TokenText) -> list[dict[str, dict[str, Any]] | None] | None:
-    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
-    for the token itself and the `top` most likely there."""
-    if logprobs is None:
-        return None
-    positions: list[dict[str, dict[str, Any]] | None] = []
-    for token_id, entry in zip(token_ids, padded(token_ids, logprobs)):
-        if entry is None:
-            positions.append(None)
-            continue
-        position = {str(token_id): {"logprob": logprob_value(entry.logprob), "rank": entry.rank,
-                                    "decoded_token": token_text(token_id)}}
-        for rank, (candidate, value) in enumerate(entry.top[:top], 1):
-            position.setdefault(str(candidate), {"logprob": logprob_value(value), "rank": rank,
-                                                 "decoded_token": token_text(candidate)})
-        positions.append(position)
-    return positions
-
-
-def completion_choice(index: int, text: str, finish_reason: str | None,
-                      token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None,
-                      logprobs: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict:
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    if prompt_token_ids is not None:
-        choice["prompt_token_ids"] = prompt_token_ids
-    choice.update(extra or {})
-    return choice
-
-
-def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None = None,
-                prompt_token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None) -> dict:
-    choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text},
-                              "logprobs": logprobs, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    if prompt_token_ids is not None:
-        choice["prompt_token_ids"] = prompt_token_ids
-    return choice
-
-
-def chat_delta_choice(index: int, delta: dict[str, Any], finish_reason: str | None,
-                      token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None) -> dict:
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return choice
-
-
-def response_object(kind: str, response_id: str, created: int, model: str, choices: list[dict],
-                    usage_value: dict | None, include_usage_key: bool = True,
-                    extra: dict[str, Any] | None = None) -> dict:
-    body: dict[str, Any] = {"id": response_id, "object": kind, "created": created, "model": model,
-                            "choices": choices}
-    if include_usage_key:
-        body["usage"] = usage_value
-    body.update(extra or {})
-    return body
-
-
-def model_card(model_id: str, created: int, owned_by: str, parent: str | None, max_model_len: int | None) -> dict:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by, "root": model_id,
-            "parent": parent, "max_model_len": max_model_len}

@@ -21,9 +21,11 @@ from slora.api.errors import APIError
 from slora.api.limits import Admission
 from slora.api.metrics import ServerMetrics
 from slora.api.protocol import CompletionRequest
-from slora.api.serving import GenerationService, Tokenization, TokenizationCancelled, encode_texts
+from slora.api.serving import GenerationService
 from slora.api.settings import ServerSettings
 from slora.api.tenants import Tenant
+from slora.api.tokenizer_pool import Tokenization, TokenizationCancelled
+from slora.api.tokenizing import encode_texts
 from slora.config import EngineConfig
 from slora.core.outputs import RequestError, RequestOutput
 from slora.engine import Engine

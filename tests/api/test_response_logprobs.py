@@ -11,7 +11,7 @@ from conftest import BASE_MODEL
 from starlette.testclient import TestClient
 
 from slora.api.app import create_app
-from slora.api.protocol import LOGPROB_FLOOR, logprob_value
+from slora.api.responses import LOGPROB_FLOOR, logprob_value
 from slora.api.settings import ServerSettings
 from slora.config import EngineConfig
 from slora.engine import Engine

@@ -11,9 +11,10 @@ from slora.api.async_engine import AsyncEngine, EngineUnavailable
 from slora.api.errors import APIError
 from slora.api.limits import Admission
 from slora.api.metrics import ServerMetrics
-from slora.api.serving import ChoiceProgress, render_chat, withhold
 from slora.api.settings import ServerSettings
+from slora.api.stream_events import ChoiceProgress, withhold
 from slora.api.tenants import Tenant, hash_key, load_tenants
+from slora.api.tokenizing import render_chat
 from slora.config import EngineConfig
 from slora.engine import Engine
 from slora.models.builtin import TINY_MODEL
