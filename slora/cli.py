@@ -139,7 +139,9 @@ def _folder_problem(name: str, path: Path, adapter_flag: str) -> str | None:
         if _HUB_ID.fullmatch(name) and not name.startswith("."):
             return (f"no such folder; slora does not download Hub ids (it uses no network): download the model "
                     f"first (e.g. `hf download {name} --local-dir DIR`) and give its local folder")
-        return "no such folder; give a local model folder (with config.json), a .gguf file, or a builtin model"
+        from slora.models.builtin import DEFAULT_MODEL, TINY_MODEL
+        return (f"no such folder; give a local model folder (with config.json), a .gguf file, {DEFAULT_MODEL} "
+                f"(the default) or {TINY_MODEL}")
     if not path.is_dir():
         return "is a file, not a folder; give a model folder (with config.json) or a .gguf file"
     if (path / "config.json").is_file():
