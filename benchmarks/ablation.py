@@ -1,4 +1,4 @@
-"""Unified versus partitioned memory (issue 6, item 5), simulated: one pool that holds both KV and adapter
+"""Unified versus partitioned memory, simulated: one pool that holds both KV and adapter
 weights (slora's scheduler as it is) against the same number of pages split into a fixed adapter region
 and a fixed KV region (memsim.PartitionedScheduler), on the same trace, as the number of adapters grows.
 
@@ -8,7 +8,7 @@ batch is bounded by memory. Adapters are Llama-3-8B LoRAs on q, k, v, o (rank 8:
 13.6 MB; rank 64: 52 pages, 109 MB). Cost: memsim's decode/recompute model plus each adapter load at
 adapter bytes / 50 GB/s host-to-device; the decode step also reads each distinct adapter of the batch.
 
-    python benchmarks/ablation.py [--quick] [--out benchmarks/results/ablation.json] [--plot FILE.png]
+    python benchmarks/ablation.py [--quick] [--out benchmarks/results/cpu/ablation.json] [--plot FILE.png]
 """
 import argparse
 import logging
@@ -132,7 +132,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="300 requests, 4 GB, 1 and 100 adapters (CI)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "ablation.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu" / "ablation.json")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

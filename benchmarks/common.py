@@ -1,7 +1,7 @@
 """What the benchmark scripts share: output (machine, JSON, tables, plots), the Llama-3-8B shape and random
 PEFT adapters, the model set-up of the end-to-end runs, host-side calls timed in a loop, the Llama-3-8B
-layer's LoRA on the GPU, and the occupancy arithmetic of compiled kernels. No script imports another
-script: what two need lives here.
+layer's LoRA on the GPU, and the occupancy arithmetic of compiled kernels. What two scripts need lives here
+(step_host.py alone takes engine_throughput.py's per-kind step timing).
 
 torch, triton and safetensors are imported inside the functions that use them, so that the simulator
 scripts (simulate.py, ablation.py), which share this module, stay torch-free.
@@ -50,6 +50,27 @@ def machine() -> str:
     return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
+def machine_kind(device: str = "cuda") -> str:
+    """The results folder of a run on `device`: cpu, h100, h200, or the GPU's name in lower case."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower()
+    for kind in ("h100", "h200"):
+        if kind in name:
+            return kind
+    return re.sub(r"[^a-z0-9]+", "_", name).strip("_") or "gpu"
+
+
+def default_out(script: str, device: str = "cuda", suffix: str = ".json") -> Path:
+    """results/<machine kind>/<script><suffix>: the latest run of a script on one kind of machine, which the next
+    run on that kind overwrites."""
+    return RESULTS / machine_kind(device) / f"{script}{suffix}"
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), **payload}
@@ -58,7 +79,7 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    """A bare JSON list of rows (the format simulate.py's issue prescribes), without write_json's envelope."""
+    """A bare JSON list of rows (simulate.py's and ablation.py's format), without write_json's envelope."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rows, indent=2) + "\n")
     log.info("wrote %s", path)
@@ -162,7 +183,7 @@ def write_peft_adapter(folder: Path, raw: dict, rank: int, targets: tuple[str, .
     return folder
 
 
-# ---- the model of the end-to-end runs (throughput.py, serving.py, engine_throughput.py, step_host.py) -------
+# ---- the model of the end-to-end runs (engine_throughput.py, serving.py, step_host.py) ----------------------
 SLORA_LENGTHS = (8, 512)       # S-LoRA's input and output length range
 LOAD_THREADS = 8               # threads that write adapter files, and that prepare them for slora
 
@@ -245,28 +266,11 @@ def make_prompts(trace: list[Request], vocab_size: int, seed: int) -> list[list[
     return [torch.randint(3, high, (r.prompt_len,), generator=generator).tolist() for r in trace]
 
 
-# ---- host-side calls timed in a loop (experiments/page_alloc.py, experiments/stage_host.py) ----------------------
+# ---- host-side calls timed in a loop (step_host.py --host-speed) -----------------------------------------------
 class CallTiming(NamedTuple):
-    """How a host-side experiment times a call: `iterations` calls a run, the best of `repeats` runs."""
+    """How a host-side unit is timed: `iterations` calls a run, the best of `repeats` runs."""
     iterations: int
     repeats: int
-
-
-def parse_call_timing(parser: argparse.ArgumentParser, argv: list[str] | None, iterations: int,
-                      quick_iterations: int) -> tuple[argparse.Namespace, CallTiming]:
-    """Add --quick, --iterations and --repeats to an experiment's parser, parse `argv`, start logging, and
-    give the arguments and the timing (validated)."""
-    parser.add_argument("--quick", action="store_true", help="few calls, one run (CI)")
-    parser.add_argument("--iterations", type=int, default=None,
-                        help=f"calls per run (default {iterations}; quick {quick_iterations})")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per row (default 5; quick 1)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    timing = CallTiming(args.iterations or (quick_iterations if args.quick else iterations),
-                        args.repeats or (1 if args.quick else 5))
-    if timing.iterations < 1 or timing.repeats < 1:
-        raise SystemExit("--iterations and --repeats must be >= 1")
-    return args, timing
 
 
 def best_us_per_call(make: Callable[[], Callable[[], object]], timing: CallTiming) -> float:
@@ -282,16 +286,9 @@ def best_us_per_call(make: Callable[[], Callable[[], object]], timing: CallTimin
     return best * 1e6
 
 
-# ---- the Llama-3-8B layer's LoRA on the GPU (kernel_bench.py and the kernel experiments) -----------------------
+# ---- the Llama-3-8B layer's LoRA on the GPU (kernel_bench.py) -------------------------------------------------
 # The engine's LoRA calls per layer: modules that read the same input share one launch pair.
 LORA_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-
-
-def fused_gemm_shapes() -> list[tuple[int, int]]:
-    """(in_features, out_features) of one Llama-3-8B layer's four fused projections, in LORA_GROUPS order
-    (q/k/v, o, gate/up, down): the GEMMs a forward runs per layer."""
-    shapes = {name: (fin, fout) for name, fin, fout in LLAMA3_8B_MODULES}
-    return [(shapes[names[0]][0], sum(shapes[name][1] for name in names)) for names in LORA_GROUPS]
 
 
 def time_us(fn: Callable[[], object]) -> float:
@@ -457,7 +454,7 @@ def lora_layer_step(num_adapters: int, tokens: int, rank: int, gen: torch.Genera
                          lambda x, ranks, a_offsets: shrink(x, ranks, a_offsets, rank, 0))
 
 
-# ---- what a compiled kernel asks of a multiprocessor (kernel_resources.py, ptx_loads.py) ----------------------
+# ---- what a compiled kernel asks of a multiprocessor (ptx_loads.py) -------------------------------------------
 # Registers are allocated per warp in units of this many (sm_90 and the generations before it).
 REGISTER_UNIT = 256
 # Shared memory the CUDA runtime reserves per block on sm_80 and later.
@@ -516,7 +513,7 @@ class CubinResources(NamedTuple):
 
 def cubin_resources(cubin: bytes) -> CubinResources | None:
     """Registers and stack of a cubin's kernel, from cuobjdump (the one in Triton's wheel); None without it.
-    Reads the compiled code itself, on any machine (experiments/ptx_loads.py compiles without a GPU)."""
+    Reads the compiled code itself, on any machine (ptx_loads.py compiles without a GPU)."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():

@@ -29,7 +29,7 @@ from common import (
     COPY_BANDWIDTH,
     LLAMA3_8B,
     PROJECTIONS,
-    RESULTS,
+    default_out,
     print_table,
     projection_features,
     write_config,
@@ -595,6 +595,7 @@ def main() -> None:
         logging.warning("decode.py measures the CUDA path: no GPU here, nothing to do")
         return
     torch.manual_seed(42)
+    out = Path(args.out) if args.out else default_out("decode")
     if args.vs_peft:
         row = vs_peft(8 if args.quick else 64, 4 if args.quick else 32, 8 if args.quick else 64)
         print_table([{k: v for k, v in row.items() if k != "slora_steps"}])
@@ -603,7 +604,7 @@ def main() -> None:
             print(f"slora {kind} steps: {count}, {steps['seconds'][kind]:.3f} s, {steps['tokens'][kind]} tokens")
         print(f"slowest step: {steps['slowest_seconds'] * 1e3:.1f} ms ({steps['slowest_kind']}); "
               f"wall {steps['wall_seconds']:.3f} s")
-        write_json(Path(args.out or RESULTS / "decode_vs_peft_h200.json"), {"benchmark": "decode-vs-peft", "rows": [row]})
+        write_json(out, {"benchmark": "decode-vs-peft", "rows": [row]})
         return
     if args.host_profile:
         report = host_profile(8 if args.quick else 64)
@@ -615,30 +616,26 @@ def main() -> None:
     if args.mixed:
         rows = mixed_rows(8 if args.quick else 64, 3 if args.quick else 10)
         print_table(rows)
-        write_json(Path(args.out or RESULTS / "decode_mixed_h200.json"), {"benchmark": "decode-mixed", "rows": rows})
+        write_json(out, {"benchmark": "decode-mixed", "rows": rows})
         return
     if args.sampling_cost:
         folder = args.tokenizer or resolve_model(DEFAULT_MODEL).folder
         rows = sampling_rows(8 if args.quick else 64, 5 if args.quick else 20, folder)
         print_table(rows)
-        write_json(Path(args.out or RESULTS / "decode_sampling_h200.json"),
-                   {"benchmark": "decode-sampling-cost", "context": CONTEXT, "rows": rows})
+        write_json(out, {"benchmark": "decode-sampling-cost", "context": CONTEXT, "rows": rows})
         return
     if args.profile:
         rows = kernel_profile(8 if args.quick else 64)
         print_table(rows)
-        write_json(Path(args.out or RESULTS / "decode_profile_h200.json"), {"benchmark": "decode-profile", "rows": rows})
+        write_json(out, {"benchmark": "decode-profile", "rows": rows})
         return
     rows = step_rows([1, 16] if args.quick else [1, 16, 64, 128, 256], 5 if args.quick else 20, args.max_loras,
                      args.graph_few_adapters, args.pdl, lora_policy, mixes, args.side_stream)
     print_table(rows)
-    write_json(Path(args.out or RESULTS / "decode_h200.json"), {"benchmark": "decode", "context": CONTEXT,
-                                                                "rank": RANK, "max_loras": args.max_loras,
-                                                                "graph_few_adapters": args.graph_few_adapters,
-                                                                "pdl": args.pdl,
-                                                                "lora_side_stream": args.side_stream,
-                                                                "lora_policy": dataclasses.asdict(lora_policy),
-                                                                "rows": rows})
+    write_json(out, {"benchmark": "decode", "context": CONTEXT, "rank": RANK, "max_loras": args.max_loras,
+                     "graph_few_adapters": args.graph_few_adapters, "pdl": args.pdl,
+                     "lora_side_stream": args.side_stream, "lora_policy": dataclasses.asdict(lora_policy),
+                     "rows": rows})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ On a CUDA GPU:
   intermediate 14336), 64 decode tokens on 64 distinct rank-16 adapters and on one shared adapter:
   time, achieved bandwidth, and the ratio to a loop of per-adapter torch matmuls.
 
-Prints one table and writes JSON (default benchmarks/results/kernels.json). Without CUDA it stops with
+Prints one table and writes JSON (default results/<machine kind>/kernel_bench.json). Without CUDA it stops with
 a message, unless --quick, which times the torch references at tiny sizes on the CPU. --lora-sweep times
 only the LoRA layer under other launch choices (PDL, 64-token blocks, split partial sums, 16 splits, each
 kernel alone); --lora-gemv-sweep the one-token expand against the default one.
@@ -33,6 +33,7 @@ from common import (
     LORA_GROUPS,
     LoraKnobs,
     LoraLayer,
+    default_out,
     graph_time_us,
     lora_layer_step,
     time_us,
@@ -260,7 +261,8 @@ def print_table(rows: list[Row]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results/kernels.json", help="where to write the JSON results")
+    parser.add_argument("--out", default=None,
+                        help="JSON file (default: results/<cpu|h100|h200>/kernel_bench.json)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes through the torch references on the CPU (checks the script, no GPU)")
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device}; bandwidth reference {COPY_BANDWIDTH / 1e12:.2f} TB/s (a copy's read+write rate, so "
           "pure reads can exceed it); TB/s uses the faster of eager and graph time")
     print_table(rows)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else default_out("kernel_bench", "cpu" if args.quick else "cuda")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": device, "seed": args.seed, "peak_bandwidth_bytes_per_s": COPY_BANDWIDTH,
                                "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, indent=2))

@@ -2,7 +2,7 @@
 Llama-3-8B on an H200-like GPU, a step-cost function that also measures the pool, and the two
 alternative memory policies, built on the project's own scheduler without changing it.
 
-Cost model (issue 6, item 4), per scheduler step:
+Cost model, per scheduler step:
 
     decode:     (weights + live tokens x KV bytes per token + distinct adapters' bytes) / HBM bandwidth
     recompute:  tokens recomputed after a preemption x 2 x 8.03e9 FLOPs / (50% of 989 TFLOP/s)

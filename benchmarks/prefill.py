@@ -1,4 +1,4 @@
-"""Where one prefill layer of the Llama-3-8B shape spends its GPU time (issue 22, item 3), kernel by kernel,
+"""Where one prefill layer of the Llama-3-8B shape spends its GPU time, kernel by kernel,
 with the engine's own kernels at the engine's step size.
 
 On a CUDA GPU, for `--tokens` new tokens (default 8,192: eight 1,024-token prompts, a step of the
@@ -21,7 +21,7 @@ prefill workload of engine_throughput.py) in bf16:
 --gemm-variants adds each GEMM with its weight stored transposed and through cuBLASLt; --gemm-pieces the
 gate/up and down GEMMs cut by rows or columns into pieces that write one output.
 
-    python benchmarks/prefill.py [--tokens N] [--gemm-variants] [--gemm-pieces] [--out FILE]
+    python benchmarks/prefill.py [--quick] [--tokens N] [--gemm-variants] [--gemm-pieces] [--out FILE]
 """
 import argparse
 import contextlib
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import COPY_BANDWIDTH, RESULTS, print_table, time_us, write_json
+from common import COPY_BANDWIDTH, default_out, print_table, time_us, write_json
 from torch import Tensor
 
 logger = logging.getLogger("benchmarks.prefill")
@@ -295,13 +295,15 @@ def row_us(rows: list[dict[str, Any]], name: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--out", type=Path, default=RESULTS / "prefill.json")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens of the step (default 8192; quick 1024)")
+    parser.add_argument("--quick", action="store_true", help="a step of 1,024 tokens (CI)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file (default: results/<h100|h200>/prefill.json)")
     parser.add_argument("--gemm-variants", action="store_true",
                         help="also time each GEMM with the weight stored transposed and through cuBLASLt")
     parser.add_argument("--gemm-pieces", action="store_true",
                         help="also time the gate/up and down GEMMs cut by rows or columns into pieces")
     args = parser.parse_args(argv)
+    args.tokens = args.tokens or (1024 if args.quick else 8192)
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
         logger.info("benchmarks/prefill.py times the GPU kernels: CUDA is not available, nothing to do")
@@ -313,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = layer_summary(rows, args.tokens)
     print_table(rows)
     print_table([summary])
-    write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows, "summary": summary})
+    write_json(args.out or default_out("prefill"),
+               {"device": torch.cuda.get_device_name(), "rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

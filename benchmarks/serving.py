@@ -1,4 +1,4 @@
-"""Online serving on S-LoRA's trace (issue 6, item 3): the HTTP server driven in real time by streaming
+"""Online serving on S-LoRA's trace: the HTTP server driven in real time by streaming
 clients at several request rates.
 
 For each rate R: `workloads.slora_trace` (seed 42, Gamma arrivals with rate R and CV `--cv`, adapter
@@ -51,12 +51,12 @@ import numpy as np
 from common import (
     ATTENTION,
     MLP,
-    RESULTS,
     SLORA_LENGTHS,
     ModelSetup,
     adapter_name,
     add_engine_arg,
     bandwidth_columns,
+    default_out,
     make_prompts,
     prepare_model,
     print_table,
@@ -349,7 +349,8 @@ def summarize(rate: float, trace: list[Request], results: list[RequestResult], s
         "distinct_adapters": len({r.adapter for r in trace}),
         "arrival_span_s": trace[-1].arrival - trace[0].arrival, "duration_s": span,
         "req_s": len(done) / span if span > 0 else 0.0, "tok_s": tokens / span if span > 0 else 0.0,
-        "ttft_s": percentiles([r.ttft for r in done]), "tpot_s": percentiles([r.tpot for r in done if r.tpot is not None]),
+        "ttft_s": percentiles([r.ttft for r in done]),
+        "tpot_s": percentiles([r.tpot for r in done if r.tpot is not None]),
         "latency_s": percentiles([r.latency for r in done]),
         "slo_attainment": within / len(results),
         "max_send_lag_s": max((r.sent - r.scheduled for r in results if r.sent is not None), default=0.0),
@@ -448,7 +449,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         return
     rates = [r["rate"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, key, label in ((axes[0], "ttft_s", "time to first token (s)"), (axes[1], "tpot_s", "time per output token (ms)")):
+    panels = ((axes[0], "ttft_s", "time to first token (s)"), (axes[1], "tpot_s", "time per output token (ms)"))
+    for ax, key, label in panels:
         scale = 1000 if key == "tpot_s" else 1
         for q, style in zip(PERCENTILES, ("o-", "s--", "^:")):
             points = [(x, r[key][f"p{q}"] * scale) for x, r in zip(rates, rows) if r[key][f"p{q}"] is not None]
@@ -561,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     settings = settings_from_args(args)
-    out = Path(args.out or RESULTS / f"serving_{'cpu' if settings.device == 'cpu' else 'gpu'}.json")
+    out = Path(args.out) if args.out else default_out("serving", settings.device)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="slora-serving-") as tmp:
         setup, rows = run(settings, Path(tmp), Path(tmp) / "server.log")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import RESULTS, print_table, write_json
+from common import default_out, print_table, write_json
 
 from slora import LLM, SamplingParams
 from slora.models.builtin import TINY_MODEL
@@ -53,33 +53,24 @@ def random_tokens(count: int, generator: torch.Generator) -> list[int]:
     return torch.randint(3, 500, (count,), generator=generator).tolist()
 
 
-def system_prompt_case(device: str, num_requests: int, system_len: int) -> list[dict]:
+def system_prompt_case(llm: LLM, mode: str, num_requests: int, system_len: int) -> dict:
     generator = torch.Generator().manual_seed(42)
     system = random_tokens(system_len, generator)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     requests = [(system + random_tokens(24, generator), params, "demo-r16-all") for _ in range(num_requests)]
-    rows = []
-    for caching in (False, True):
-        llm = make_llm(device, enable_prefix_caching=caching)
-        run(llm, requests[:1])                                   # warm-up, and the first copy of the prefix
-        rows.append(row("system prompt", "prefix cache" if caching else "no sharing", run(llm, requests[1:])))
-        del llm
-    return rows
+    run(llm, requests[:1])                                   # warm-up, and the first copy of the prefix
+    return row("system prompt", mode, run(llm, requests[1:]))
 
 
-def samples_case(device: str, n: int, prompt_len: int) -> list[dict]:
+def samples_case(llm: LLM, n: int, prompt_len: int) -> list[dict]:
     generator = torch.Generator().manual_seed(43)
     prompt = random_tokens(prompt_len, generator)
     forked = [(prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=1, n=n, ignore_eos=True), "demo-r8-mlp")]
     separate = [(prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=1 + i, ignore_eos=True), "demo-r8-mlp")
                 for i in range(n)]
-    rows = []
-    for mode, requests in (("separate requests", separate), ("copy-on-write fork", forked)):
-        llm = make_llm(device, enable_prefix_caching=False)
-        run(llm, separate[:1])                                   # warm-up
-        rows.append(row(f"n={n}", mode, run(llm, requests)))
-        del llm
-    return rows
+    run(llm, separate[:1])                                       # warm-up
+    return [row(f"n={n}", mode, run(llm, requests))
+            for mode, requests in (("separate requests", separate), ("copy-on-write fork", forked))]
 
 
 def row(workload: str, mode: str, m: Measured) -> dict:
@@ -96,11 +87,18 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     num_requests, system_len = (6, 64) if args.quick else (32, 256)
-    rows = system_prompt_case(args.device, num_requests, system_len)
+    # One engine without the prefix cache for every case but the cached system prompt, which gets its own: each
+    # run ends with every request finished, its pages back in the free list.
+    plain = make_llm(args.device, enable_prefix_caching=False)
+    rows = [system_prompt_case(plain, "no sharing", num_requests, system_len)]
     for n in (4, 8):
-        rows += samples_case(args.device, n, 48 if args.quick else 200)
+        rows += samples_case(plain, n, 48 if args.quick else 200)
+    del plain
+    cached = make_llm(args.device, enable_prefix_caching=True)
+    rows.insert(1, system_prompt_case(cached, "prefix cache", num_requests, system_len))
+    del cached
     print_table(rows)
-    out = Path(args.out or RESULTS / f"sharing_{args.device}.json")
+    out = Path(args.out) if args.out else default_out("sharing", args.device)
     write_json(out, {"benchmark": "sharing", "quick": args.quick, "device": args.device, "rows": rows})
 
 

@@ -1,4 +1,4 @@
-"""The memory-accounting study (issue 6, item 4): the project's own scheduler and page pool, driven by a
+"""The memory-accounting study: the project's own scheduler and page pool, driven by a
 step-cost function instead of a model (see memsim.py for the cost model of Llama-3-8B on an H200).
 
 Workload: the long-tailed trace (workloads.py), all requests arriving at time 0, base model only.
@@ -10,7 +10,7 @@ Reserve and oracle run on the same scheduler with one-token pages (so reservatio
 of a request's slots allocated when it is admitted (memsim.ReservingScheduler). No policy caps the
 number of running sequences or the batched tokens: memory is the only bound.
 
-    python benchmarks/simulate.py [--quick] [--out benchmarks/results/simulate.json] [--plot FILE.png]
+    python benchmarks/simulate.py [--quick] [--out benchmarks/results/cpu/simulate.json] [--plot FILE.png]
 """
 import argparse
 import logging
@@ -131,7 +131,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="300 requests, 10 GB, 4 policies (CI)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "simulate.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu" / "simulate.json")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

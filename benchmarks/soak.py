@@ -10,6 +10,7 @@ read the result:
 
     python benchmarks/soak.py --url http://127.0.0.1:8000 --requests 2000 --adapters attn-r4,mlp-r8 \
         --adapter-path attn-r4 --key KEY --admin-key ADMIN_KEY
+    python benchmarks/soak.py --quick [--out FILE]   # its own single-user server of slora-tiny-llama, 60 requests
 
 A server error (5xx), a request unanswered after --request-timeout (a hang) or a pool that does not return to
 its idle counts afterwards is a failure; the exit status says whether there was one.
@@ -23,11 +24,12 @@ import logging
 import random
 import selectors
 import socket
+import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -386,8 +388,47 @@ def soak(config: SoakConfig, idle_timeout_s: float = 120.0) -> SoakResult:
     return result
 
 
+QUICK_MODEL = "slora-tiny-llama"
+QUICK_ADAPTERS = ["demo-r4-attn", "demo-r16-all"]       # two of the tiny model's demo adapters
+QUICK_START_TIMEOUT_S = 300.0
+
+
+@contextlib.contextmanager
+def own_server(log_path: str) -> Iterator[str]:
+    """`slora serve` of slora-tiny-llama, single-user, on a free loopback port for the block (--quick)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "slora.cli", "serve", "--model", QUICK_MODEL, "--port", str(port),
+               "--shutdown-timeout", "5"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + QUICK_START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}; its log: {log_path}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not healthy after {QUICK_START_TIMEOUT_S:.0f} s; log: {log_path}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"start a single-user server of {QUICK_MODEL} and soak it with 60 requests (CI)")
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--key", action="append", default=[], help="a tenant key (repeatable; none: single-user)")
     parser.add_argument("--admin-key", default=None)
@@ -402,10 +443,18 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    config = SoakConfig(args.url, args.key or [None], args.admin_key, args.base_model,
-                        [a for a in args.adapters.split(",") if a], args.adapter_path, args.requests,
-                        args.concurrency, seed=args.seed, idle_flood=args.idle_flood)
-    result = soak(config)
+    if args.quick:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="slora-soak-") as tmp, own_server(f"{tmp}/server.log") as url:
+            config = SoakConfig(url, [None], None, QUICK_MODEL, QUICK_ADAPTERS, [], requests=60, concurrency=8,
+                                seed=args.seed, idle_flood=8)
+            result = soak(config)
+    else:
+        config = SoakConfig(args.url, args.key or [None], args.admin_key, args.base_model,
+                            [a for a in args.adapters.split(",") if a], args.adapter_path, args.requests,
+                            args.concurrency, seed=args.seed, idle_flood=args.idle_flood)
+        result = soak(config)
     report = result.as_dict()
     if args.out:
         with open(args.out, "w") as out:

@@ -1,5 +1,5 @@
 """The host's own work per engine step: decode steps, and chunked-prefill steps beside the same decodes
-(issue 22: a chunked-prefill step with decodes beside it must cost the host no more than a decode step).
+(the question: what does a chunked-prefill step with decodes beside it cost the host, against a decode step).
 
 One engine (the Llama-3-8B shape with random bf16 weights on CUDA, slora-tiny-llama on the CPU), CUDA graphs
 as by default, and a step budget of --step-tokens (512: every chunk step fits a mixed-step graph). --batch
@@ -17,12 +17,14 @@ it calls; --fine-phases adds FINE_PHASES: the chunk's parts of scheduling and sa
 whose means add up to the step's (wait_for_tokens, the waits for the GPU, apart); a third runs under
 cProfile, whose functions by own time say where each phase's time goes.
 --host-only (CPU) replaces the model's forward by zero logits, with torch on one thread: the steps then time the
-host's own work alone.
+host's own work alone. --host-speed also times small units of the same kinds of work alone (plain Python, numpy
+over a step's rows, a small torch op on the CPU; HOST_UNITS) and records the host (CPU, clock, usable cores,
+cgroup quota and throttling): when one machine's phases are slower than another's by the factor its units are,
+the machine is the cause, not the engine.
 
     python benchmarks/step_host.py [--quick] [--device cpu|cuda] [--batch 64] [--adapters 0|8] [--prompt-len N]
-                                   [--idle-ms MS | --overlapped] [--host-only] [--fine-phases]
-                                   [--engine-arg KEY=VALUE ...]
-                                   [--out FILE]
+                                   [--idle-ms MS | --overlapped] [--host-only] [--fine-phases] [--host-speed]
+                                   [--engine-arg KEY=VALUE ...] [--out FILE]
 """
 import argparse
 import contextlib
@@ -31,7 +33,10 @@ import importlib
 import inspect
 import itertools
 import logging
+import os
 import statistics
+import sys
+import sysconfig
 import tempfile
 import time
 from collections import defaultdict
@@ -41,14 +46,18 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 from unittest import mock
 
+import numpy as np
 import torch
 from common import (
     PROJECTIONS,
-    RESULTS,
+    CallTiming,
     ModelSetup,
     add_engine_arg,
+    best_us_per_call,
+    default_out,
     make_prompts,
     prepare_model,
+    print_table,
     write_adapters,
     write_json,
 )
@@ -477,6 +486,83 @@ def _chunk_over_decode(by_kind: dict[str, float]) -> float | None:
     return chunk[0] / by_kind["decode"]
 
 
+# ---- --host-speed: the host's speed on the kinds of work a step does, to compare machines ---------------------
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _fill_dict() -> Callable[[], object]:
+    stored: dict[int, int] = {}      # one per run, refilled by every call
+
+    def fill() -> None:
+        for i in range(1000):
+            stored[i] = i
+    return fill
+
+
+def _list_comprehension() -> Callable[[], object]:
+    rows = list(range(64))
+    return lambda: [r * 2 + 1 for r in rows]
+
+
+def _array_from_list() -> Callable[[], object]:
+    rows = list(range(64))
+    return lambda: np.array(rows)
+
+
+def _slot_arithmetic() -> Callable[[], object]:
+    positions, table = np.arange(512), np.arange(64)    # [tokens], [pages]: a row's block table
+    return lambda: table[positions // 16] * 16 + positions % 16
+
+
+def _torch_add() -> Callable[[], object]:
+    x = torch.zeros(512)
+    return lambda: x.add_(1)
+
+
+# Each makes, per run, the unit's call (best_us_per_call's `make`).
+HOST_UNITS: dict[str, Callable[[], Callable[[], object]]] = {
+    "python_dict_1000": _fill_dict, "python_list_comp_64": _list_comprehension,
+    "numpy_array_from_list_64": _array_from_list, "numpy_slots_512": _slot_arithmetic,
+    "torch_cpu_add_512": _torch_add,
+}
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The first core's `field` in /proc/cpuinfo ("model name", "cpu MHz"; None where it has none)."""
+    for line in (_read_text(Path("/proc/cpuinfo")) or "").splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == field:
+            return value.strip()
+    return None
+
+
+def throttling(cgroup: Path = CGROUP) -> dict[str, int]:
+    """The cgroup's CPU throttling counters (cgroup v2's cpu.stat), empty where there are none."""
+    fields = (line.split() for line in (_read_text(cgroup / "cpu.stat") or "").splitlines())
+    return {name: int(value) for name, value in fields if name.startswith(("nr_throttled", "throttled_"))}
+
+
+def host_speed(timing: CallTiming) -> dict[str, Any]:
+    """Each of HOST_UNITS in µs a call (the best of `timing.repeats` runs of `timing.iterations` calls), the host
+    that ran them, and the cgroup's throttling meanwhile."""
+    before = throttling()
+    units = {name: best_us_per_call(make, timing) for name, make in HOST_UNITS.items()}
+    after = throttling()
+    host = {"python": sys.version, "python_config": sysconfig.get_config_var("CONFIG_ARGS"),
+            "cpu_model": _cpuinfo("model name"), "cpu_mhz": _cpuinfo("cpu MHz"), "cpu_count": os.cpu_count(),
+            "usable_cores": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+            "numpy": np.__version__, "torch": torch.__version__, "cgroup_cpu_max": _read_text(CGROUP / "cpu.max")}
+    return {"units_us": units, "iterations": timing.iterations, "repeats": timing.repeats, "host": host,
+            "throttled_during": {k: after[k] - before.get(k, 0) for k in after}}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (CI)")
@@ -496,8 +582,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="CPU only: zero logits in place of the model's forward, the host's work alone")
     parser.add_argument("--fine-phases", action="store_true",
                         help="also time the chunk's parts of scheduling and sampling (FINE_PHASES) as phases")
+    parser.add_argument("--host-speed", action="store_true",
+                        help="also time HOST_UNITS alone and record the host, to compare machines")
     add_engine_arg(parser, "async_scheduling=false")
-    parser.add_argument("--out", default=None, help="JSON file (default: results/step_host_<device>.json)")
+    parser.add_argument("--out", default=None, help="JSON file (default: results/<cpu|h100|h200>/step_host.json)")
     return parser.parse_args(argv)
 
 
@@ -522,8 +610,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("slora").setLevel(logging.WARNING)
     data = run(scenario_of(args, device), device, dict(args.engine_arg), args.host_only, args.fine_phases)
-    out = Path(args.out or RESULTS / f"step_host_{'cpu' if device == 'cpu' else 'gpu'}.json")
-    write_json(out, data)
+    if args.host_speed:
+        data["host_speed"] = host_speed(CallTiming(20, 1) if args.quick else CallTiming(2000, 5))
+    write_json(Path(args.out) if args.out else default_out("step_host", device), data)
+    print_table([{"step": kind, "steps": row["steps"], "median_ms": row["median_ms"], "mean_ms": row["mean_ms"],
+                  "wait_ms_median": row["wait_ms_median"]} for kind, row in data["host_ms_by_kind"].items()])
+    if args.host_speed:
+        print_table([{"unit": name, "us": us} for name, us in data["host_speed"]["units_us"].items()])
     for kind, row in data["host_ms_by_kind"].items():
         logger.info("%-32s %4d steps, median %.3f ms, mean %.3f ms, gc %.3f ms, wait %.3f ms, GPU-paced %s",
                     kind, row["steps"], row["median_ms"], row["mean_ms"], row["gc_ms_per_step"],

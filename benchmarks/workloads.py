@@ -1,4 +1,4 @@
-"""Request traces for the benchmarks (issue 6, item 1). Seeded, no global random state.
+"""Request traces for the benchmarks. Seeded, no global random state.
 
 S-LoRA's synthetic trace (`slora_trace`), following S-LoRA's own generator: one Gamma arrival process with
 rate `R` (requests/s) and coefficient of variation `cv` (inter-arrival times ~ Gamma(shape=1/cv^2,

@@ -1,4 +1,5 @@
-"""A benchmark script as a module, for the tests of its functions (benchmarks/ is not a package)."""
+"""What the tests that run benchmark scripts share: where the scripts are, a script loaded as a module
+(benchmarks/ is not a package), and one generous subprocess timeout."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -8,9 +9,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(script: str, name: str) -> ModuleType:
-    """benchmarks/<script> (a path under benchmarks/, such as "experiments/kernel_resources.py") loaded as
-    module `name`, registered in sys.modules (dataclasses look their module up by name). benchmarks/ goes on
-    the path's end, as the scripts import their siblings (common, workloads) when run from there."""
+    """benchmarks/<script> (a path under benchmarks/, such as "soak.py") loaded as module `name`, registered in
+    sys.modules (dataclasses look their module up by name). benchmarks/ goes on the path's end, as the scripts
+    import their siblings (common, workloads) when run from there."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.append(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / script)

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
-from common import RESULTS, cubin_resources, occupancy_columns, print_table, write_json  # noqa: E402
+from common import cubin_resources, default_out, occupancy_columns, print_table, write_json  # noqa: E402
 
 # Element types of the kernels' pointer arguments (the rest are int32 tables).
 POINTER_TYPES = {"x_ptr": "*bf16", "pool_ptr": "*bf16", "out_ptr": "*bf16", "h_ptr": "*fp32", "scale_ptr": "*fp32",
@@ -122,9 +122,9 @@ def main() -> int:
     table = rows()
     log.info("compiled by Triton %s", triton.__version__)
     print_table(table)
-    write_json(Path(args.out or RESULTS / "ptx_loads.json"), {"benchmark": "ptx-loads", "target": "sm_90",
-                                                               "triton": triton.__version__, "quick": args.quick,
-                                                               "rows": table})
+    out = Path(args.out) if args.out else default_out("ptx_loads", "cpu")
+    write_json(out, {"benchmark": "ptx-loads", "target": "sm_90", "triton": triton.__version__, "quick": args.quick,
+                     "rows": table})
     return 0
 
 
