@@ -49,7 +49,7 @@ generate: install
 	$(VENV)/bin/slora generate --chat --adapter demo-pirate "What is the capital of France?"
 
 bench-quick: install
-	$(PY) benchmarks/offline.py --quick
+	$(PY) benchmarks/engine_throughput.py --quick --workloads smollm2_peft
 
 # On a machine with a GPU (through the device tool): install offline, GPU tests, GPU benchmarks.
 gpu-check:
