@@ -273,7 +273,7 @@ PHASES: dict[str, Where] = {
     "graph_replay": ("torch.cuda", "CUDAGraph", "replay"),
     "eager_forward": ("slora.execution.model_runner", "ModelRunner", "forward"),
     "sample": ("slora.engine", "Engine", "_sample_step"),
-    "take_sampled": ("slora.engine", "Engine", "_take_sampled"),
+    "take_sampled": ("slora.engine", "Engine", "_collect"),
     WAIT_PHASE: ("torch.cuda", "Event", "synchronize"),
 }
 # --fine-phases: the parts of scheduling and sampling that a chunk step does more of (its pages, their hashes,
