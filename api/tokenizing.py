@@ -1,13 +1,20 @@
 """A request's prompts as token ids: text prompts encoded, chat messages rendered by the chat template."""
 import functools
 import inspect
+import logging
+import re
 import threading
 from typing import Any
+
+import jinja2
+from jinja2 import meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from slora.api.errors import bad_request
 from slora.api.protocol import ChatCompletionRequest
 from slora.api.tokenizer_pool import Tokenization, TokenizationCancelled, Tokenizer
 
+logger = logging.getLogger(__name__)
 # Used when the tokenizer has no chat template (documented in the README): one block per message,
 # "<|role|>\n{content}{eos}\n", then "<|assistant|>\n" to ask for the answer.
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
@@ -74,6 +81,31 @@ def _reserved_names(tokenizer_class: type[Tokenizer]) -> frozenset[str]:
                               "continue_final_message", "tools", "documents", "return_dict", "tokenizer_kwargs"})
 
 
+@functools.lru_cache(maxsize=16)
+def template_reads_tools(template: str) -> bool:
+    """Whether a chat template uses its `tools` variable. One that does not (SmolLM2's) renders the same prompt
+    with and without a request's tools: the model never sees them. A template this parser cannot read (a
+    tokenizer's own tags) counts as using them when it names them."""
+    environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])   # as transformers'
+    try:
+        return "tools" in meta.find_undeclared_variables(environment.parse(template))
+    except jinja2.TemplateSyntaxError:
+        return re.search(r"\btools\b", template) is not None
+
+
+def warn_if_tools_unseen(tokenizer: Tokenizer, body: ChatCompletionRequest) -> None:
+    """Log that the request's tools are lost when the chat template ignores them: the model cannot choose a tool it
+    is not shown, and the client would otherwise see only answers without calls."""
+    tools = body.template_tools()
+    template = tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+    if tools and isinstance(template, str) and not template_reads_tools(template):
+        choice = body.effective_tool_choice()
+        shown = "a named function" if choice is not None and not isinstance(choice, str) else choice or "auto"
+        logger.warning("the chat template ignores `tools`: the request's %d tool(s) are not in its prompt, so the "
+                       "model is never shown them and will not call one by itself (tool_choice %s); serving a "
+                       "model whose chat template renders tools fixes this", len(tools), shown)
+
+
 class PromptTokenizer:
     """One request's tokenizer work, on the pool's threads in its tenant's turn."""
 
@@ -113,6 +145,7 @@ class PromptTokenizer:
     async def chat(self, body: ChatCompletionRequest) -> list[int]:
         """The chat template's prompt of the request's messages; a 400 when the template refuses them."""
         tokenizer = self.require("chat")
+        warn_if_tools_unseen(tokenizer, body)
         messages = [m.template_dict() for m in body.messages]
         variables: dict[str, Any] = {"tools": body.template_tools(), "documents": body.documents,
                                      "reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}

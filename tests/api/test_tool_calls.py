@@ -170,6 +170,17 @@ def test_no_parsing_with_tool_choice_none_or_without_the_tool(client):
     assert streamed == ANSWER
 
 
+def test_tools_the_chat_template_drops_are_logged_once_per_request(server, client):
+    """The tiny model's template, like SmolLM2's, renders no tools: the model is never shown them, which the log
+    says of each request that gives some (tests/api/test_unseen_tools.py has the details)."""
+    unseen = "the chat template ignores `tools`"
+    before = server.log().count(unseen)
+    ask(client, tools=TOOLS)
+    ask(client, tools=TOOLS, tool_choice="none")     # not rendered with "none": nothing is lost
+    ask(client)
+    assert server.log().count(unseen) == before + 1
+
+
 # ---- forced tool choices: "required" and a named function ----------------------------------------------------
 CITIES = ["Oslo", "Paris", "Lima"]
 FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
