@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, NamedTuple, TypeVar
 
 from slora.adapters.errors import AdapterError
 from slora.adapters.registry import AdapterEntry
@@ -34,6 +34,7 @@ from slora.execution.adapter_manager import PreparedAdapter, UnknownAdapterError
 logger = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
+SERVER_OWNER = "slora"          # owned_by of the base model and of the adapters no tenant loaded
 _NAME = re.compile(ADAPTER_NAME_PATTERN)
 T = TypeVar("T")
 
@@ -180,6 +181,13 @@ class Origin:
 UPLOAD, PATH, MODULE = "upload", "path", "module"
 
 
+class Loaded(NamedTuple):
+    """How an adapter name was loaded through the server (AdapterService._loaded)."""
+
+    at: str                 # loaded_at, kept across restarts by the adapter store
+    by_tenant: bool         # an upload or a path load (restored ones too); not one of the --lora-modules
+
+
 class Unrestorable(Exception):
     """A stored adapter that cannot be served again; the message says why."""
 
@@ -213,7 +221,7 @@ class AdapterService:
         self.default_byte_quota = default_byte_quota
         self.served_names = served_names                 # ServerSettings.served_model_names
         self.started_at = utc_now()                      # loaded_at of the engine's built-in adapters
-        self._loaded_at: dict[tuple[str | None, str], str] = {}   # read and written on the engine thread only
+        self._loaded: dict[tuple[str | None, str], Loaded] = {}   # read and written on the engine thread only
         self._uploading: dict[str | None, int] = {}      # bytes of uploads being stored, by namespace
         self._receiving: dict[str | None, int] = {}      # declared bytes of upload bodies being received
         self._resolving: dict[tuple[str | None, str], asyncio.Future[bool]] = {}   # resolver loads under way
@@ -290,8 +298,20 @@ class AdapterService:
         info = engine.adapters.describe(entry, viewer.namespace if viewer is not None else None,
                                         isolated)._asdict()
         info["target_modules"] = list(info["target_modules"])
-        info["loaded_at"] = self._loaded_at.get((entry.owner, entry.name), self.started_at)
+        loaded = self._loaded.get((entry.owner, entry.name))
+        info["loaded_at"] = loaded.at if loaded is not None else self.started_at
         return info
+
+    def model_owner(self, entry: AdapterEntry, viewer: Tenant) -> str:
+        """The owned_by of an adapter's model card (engine thread): the viewer's id for an adapter loaded into its
+        own namespace through the API (or restored from the adapter store); SERVER_OWNER for the adapters the
+        server loaded itself (the model's built-in demo adapters, the --lora-modules) and for other tenants'
+        public ones, whose owners a tenant is not shown. In single-user mode the demo adapters share the
+        user's namespace: only how they were loaded tells them from the user's own."""
+        loaded = self._loaded.get((entry.owner, entry.name))
+        if entry.owner == viewer.namespace and loaded is not None and loaded.by_tenant:
+            return viewer.id
+        return SERVER_OWNER
 
     # ---- load ---------------------------------------------------------------------------------------------
     async def load_path(self, tenant: Tenant, name: str, user_path: str, public: bool = False,
@@ -427,7 +447,7 @@ class AdapterService:
                         origin: Origin, loaded_at: str, viewer: Tenant | None, checked: bool) -> Registration:
         try:
             return await self.engine.call(lambda engine: self._register_now(
-                engine, name, prepared, namespace, public, origin.owns_files, loaded_at, viewer, checked))
+                engine, name, prepared, namespace, public, origin, loaded_at, viewer, checked))
         except EngineUnavailable as exc:
             if origin.owns_files:             # the engine stopped before the command ran
                 assert prepared.path is not None, "an owned folder is the one the adapter was prepared from"
@@ -435,9 +455,10 @@ class AdapterService:
             raise unavailable(f"the engine is {exc}; retry later") from None
 
     def _register_now(self, engine: Engine, name: str, prepared: PreparedAdapter, namespace: str | None,
-                      public: bool, owns_files: bool, loaded_at: str, viewer: Tenant | None,
+                      public: bool, origin: Origin, loaded_at: str, viewer: Tenant | None,
                       checked: bool) -> Registration:
         """On the engine thread, so that two concurrent loads cannot both take the last free name or bytes."""
+        owns_files = origin.owns_files
         try:
             if checked:
                 self._check_room(engine, namespace, name, prepared.disk_bytes)
@@ -449,7 +470,7 @@ class AdapterService:
         # From here the engine owns an uploaded folder: it deletes it if it refuses the adapter, and once the
         # version is dropped (unloaded or replaced, after its last request).
         entry = engine.adapters.register(name, prepared, owner=namespace, public=public, owns_files=owns_files)
-        self._loaded_at[(namespace, name)] = loaded_at
+        self._loaded[(namespace, name)] = Loaded(loaded_at, by_tenant=origin.kind != MODULE)
         return Registration(self._describe(engine, entry, viewer), engine.adapters.source_folder(entry.version))
 
     async def _record(self, name: str, namespace: str | None, public: bool, origin: Origin, loaded_at: str,
@@ -474,7 +495,7 @@ class AdapterService:
 
     def _unregister(self, engine: Engine, name: str, namespace: str | None) -> None:
         engine.adapters.unload(name, owner=namespace)
-        self._loaded_at.pop((namespace, name), None)
+        self._loaded.pop((namespace, name), None)
 
     async def _call(self, command: Callable[[Engine], T]) -> T:
         try:

@@ -360,18 +360,17 @@ def _add_model_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
         assert info is not None, "require_engine() refuses the request before the engine is up"
         namespace = tenant.namespace
 
-        def visible(engine: Engine) -> list[tuple[str, str | None, bool]]:
+        def visible(engine: Engine) -> list[tuple[str, str, bool]]:
             entries = sorted(engine.adapters.visible_to(namespace), key=lambda e: (e.owner != namespace, e.name))
-            seen: dict[str, tuple[str, str | None, bool]] = {}
+            seen: dict[str, tuple[str, str, bool]] = {}
             for e in entries:                     # one's own adapter hides a public one of the same name
-                seen.setdefault(e.name, (e.name, e.owner, e.public))
+                seen.setdefault(e.name, (e.name, ctx.adapters.model_owner(e, tenant), e.public))
             return list(seen.values())
         adapters = await ctx.engine.call(visible)
         base_name = ctx.generation.base_names[0]
         base = model_card(base_name, ctx.created, "slora", None, info.max_model_len)
-        return [base] + [model_card(name, ctx.created, tenant.id if owner == namespace else "slora", base_name,
-                                    info.max_model_len)
-                         for name, owner, _ in sorted(adapters)]
+        return [base] + [model_card(name, ctx.created, owned_by, base_name, info.max_model_len)
+                         for name, owned_by, _ in sorted(adapters)]
 
     @app.get("/v1/models")
     async def list_models(tenant: Tenant = Depends(caller)) -> ModelList:

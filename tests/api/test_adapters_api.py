@@ -216,3 +216,25 @@ def test_adapter_name_rules(http):
         assert response.status_code == 400, body
         assert_error_shape(response.json(), 400)
     assert http.delete("/v1/adapters/never-loaded").status_code == 404
+
+
+def _peft_files(adapter_root: Path, source: str) -> tuple[bytes, bytes]:
+    folder = adapter_root / source
+    return (folder / "adapter_config.json").read_bytes(), (folder / "adapter_model.safetensors").read_bytes()
+
+
+def test_model_cards_name_who_owns_each_adapter(http, adapter_root):
+    config, weights = _peft_files(adapter_root, "mlp-r8")
+    files = {"adapter_config": ("adapter_config.json", config), "adapter_model": ("adapter_model.safetensors", weights)}
+    assert http.post("/v1/adapters", data={"name": "mine-uploaded"}, files=files).status_code == 200
+    assert http.post("/v1/adapters", json={"name": "mine-by-path", "path": "attn-r4"}).status_code == 200
+    try:
+        owners = {card["id"]: card["owned_by"] for card in http.get("/v1/models").json()["data"]}
+        # The model's built-in demo adapters are the server's; the single user's own loads are its (`local`).
+        assert {owners[name] for name in (BASE_MODEL, "demo-r4-attn", "demo-r8-mlp", "demo-r16-all")} == {"slora"}
+        assert owners["mine-uploaded"] == owners["mine-by-path"] == "local"
+        assert http.get("/v1/models/demo-r4-attn").json()["owned_by"] == "slora"
+        assert http.get("/v1/models/mine-uploaded").json()["owned_by"] == "local"
+    finally:
+        for name in ("mine-uploaded", "mine-by-path"):
+            assert http.delete(f"/v1/adapters/{name}").status_code == 200

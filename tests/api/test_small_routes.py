@@ -92,3 +92,8 @@ def test_lm_eval_local_completions_uses_the_remote_tokenizer(server, offline):
     generated, = lm.generate_until([Instance("generate_until", {}, (text, {"until": ["\n"], "max_gen_toks": 4}), 0)],
                                    disable_tqdm=True)
     assert isinstance(generated, str)
+
+
+def test_lora_modules_are_owned_by_the_server(http):
+    card = http.get(f"/v1/models/{TEST_ADAPTERS[0]}").json()
+    assert card["owned_by"] == "slora" and card["parent"] == BASE_MODEL
