@@ -62,7 +62,7 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _rotary_qk_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, delta_ptr, slots_ptr, pool_ptr, slot_mapping_ptr,
+    qkv_ptr, cos_ptr, sin_ptr, delta_ptr, slots_ptr, pool_ptr, kv_locations_ptr,
     stride_qkv, stride_cos, stride_sin, stride_d, num_heads, covered_heads, page_elems,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr, HAS_DELTA: tl.constexpr,
     HAS_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
@@ -70,7 +70,7 @@ def _rotary_qk_kernel(
     # Program (token, head block): rotates BLOCK_H heads [BLOCK_H, HEAD_DIM] of the q and k columns (q heads
     # then k heads, num_heads + NUM_KV_HEADS in all) in place, as two halves [BLOCK_H, HALF]. The programs
     # cover `covered_heads` heads: with a delta or HAS_KV, v's heads too, which are not rotated; with a delta
-    # they get it added in place. HAS_KV: the k and v heads are stored into the token's slot of the pool too.
+    # they get it added in place. HAS_KV: the k and v heads are stored into the token's location in the pool too.
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -84,7 +84,7 @@ def _rotary_qk_kernel(
     sin1 = tl.load(sin_ptr + token * stride_sin + dims).to(tl.float32)[None, :]
     sin2 = tl.load(sin_ptr + token * stride_sin + HALF + dims).to(tl.float32)[None, :]
     if HAS_KV:
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)    # the host's: no kernel before writes it
+        location = tl.load(kv_locations_ptr + token).to(tl.int64)    # the host's: no kernel before writes it
     pdl_wait(USE_PDL)
     first = qkv_ptr + token * stride_qkv + heads[:, None] * HEAD_DIM + dims[None, :]
     x1 = tl.load(first, mask=mask).to(tl.float32)
@@ -104,24 +104,24 @@ def _rotary_qk_kernel(
     tl.store(first, out1, mask=written)
     tl.store(first + HALF, out2, mask=written)
     if HAS_KV:
-        _store_to_page(pool_ptr, slot, heads - num_heads, dims, out1, out2, mask, page_elems, PAGE_SIZE,
+        _store_to_page(pool_ptr, location, heads - num_heads, dims, out1, out2, mask, page_elems, PAGE_SIZE,
                        NUM_KV_HEADS, HEAD_DIM)
 
 
 @triton.jit
-def _store_to_page(pool_ptr, slot, kv_heads, dims, half1, half2, mask, page_elems, PAGE_SIZE: tl.constexpr,
+def _store_to_page(pool_ptr, location, kv_heads, dims, half1, half2, mask, page_elems, PAGE_SIZE: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
     # Heads [BLOCK_H] numbered from the first k head (k heads, then v heads; others masked) of one token,
-    # both halves [BLOCK_H, HALF] (in qkv's dtype, as the reference stores them), into its slot; a negative
-    # slot (a padding token) stores nothing. A page is [2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM], K then V;
+    # both halves [BLOCK_H, HALF] (in qkv's dtype, as the reference stores them), into its location; a negative
+    # location (a padding token) stores nothing. A page is [2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM], K then V;
     # int64 because a layer of a large pool may hold more than 2**31 elements.
     HALF: tl.constexpr = HEAD_DIM // 2
     is_v = kv_heads >= NUM_KV_HEADS
     head = tl.where(is_v, kv_heads - NUM_KV_HEADS, kv_heads)
-    row = (slot // PAGE_SIZE) * page_elems + (slot % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
+    row = (location // PAGE_SIZE) * page_elems + (location % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
     base = row + tl.where(is_v, PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM, 0) + head * HEAD_DIM    # [BLOCK_H]
     dst = pool_ptr + base[:, None] + dims[None, :]
-    stores = (kv_heads >= 0) & ((tl.zeros_like(kv_heads) + slot) >= 0)   # the slot, as a tensor
+    stores = (kv_heads >= 0) & ((tl.zeros_like(kv_heads) + location) >= 0)   # the location, as a tensor
     keep = mask & stores[:, None]
     elem = pool_ptr.dtype.element_ty
     tl.store(dst, half1.to(elem), mask=keep)
@@ -265,17 +265,17 @@ def _check_rotary_inputs(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, 
 
 
 def _check_paged_kv(qkv: Tensor, kv: PagedKV, num_kv_heads: int, head_dim: int) -> None:
-    kv_pool, slot_mapping, page_size = kv
+    kv_pool, kv_locations, page_size = kv
     if num_kv_heads == 0:
         raise ValueError("kv stores k and v heads: num_kv_heads must be positive with kv")
     check_kv_pool(kv_pool, page_size, num_kv_heads, head_dim)
-    if slot_mapping.shape != (qkv.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int32 or int64 [tokens={qkv.shape[0]}], got "
-                         f"{slot_mapping.dtype} of shape {tuple(slot_mapping.shape)}")
-    if not slot_mapping.is_contiguous():
-        raise ValueError("slot_mapping must be contiguous")
+    if kv_locations.shape != (qkv.shape[0],) or kv_locations.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_locations must be int32 or int64 [tokens={qkv.shape[0]}], got "
+                         f"{kv_locations.dtype} of shape {tuple(kv_locations.shape)}")
+    if not kv_locations.is_contiguous():
+        raise ValueError("kv_locations must be contiguous")
     _check_float_dtype("kv_pool", kv_pool)
-    check_one_device(qkv=qkv, kv_pool=kv_pool, slot_mapping=slot_mapping)
+    check_one_device(qkv=qkv, kv_pool=kv_pool, kv_locations=kv_locations)
 
 
 def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -285,8 +285,8 @@ def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
     by cos/sin `[tokens, head_dim]` (the half-split layout of HF Llama); without delta, the v columns are
     untouched. num_heads 0: qkv holds k and v alone; num_kv_heads 0: q alone. delta: added to all of q, k
     and v first in the rows of tokens with an adapter (the module's note), so the v columns then hold
-    v + delta. kv: every token's k (rotated) and v are also written into its slot of the pool, a negative
-    slot skipped, in the same launch."""
+    v + delta. kv: every token's k (rotated) and v are also written into its location in the pool, a negative
+    location skipped, in the same launch."""
     _check_rotary_inputs(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     _check_delta("qkv", qkv, delta, token_slots)
     if kv is not None:
@@ -300,10 +300,10 @@ def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
     heads = rot_heads if delta is None and kv is None else rot_heads + num_kv_heads
     block_h = min(next_power_of_2(heads), max(1, ROTARY_BLOCK_ELEMS // head_dim))
     delta, slots, stride_d = _delta_args(qkv, delta, token_slots)
-    pool, slot_mapping, page_size = (qkv, qkv, 1) if kv is None else kv
+    pool, kv_locations, page_size = (qkv, qkv, 1) if kv is None else kv
     # No FMA: the reference rounds x * cos before adding rot * sin (this matters in float32).
     _rotary_qk_kernel[(tokens, cdiv(heads, block_h))](
-        qkv, cos, sin, delta, slots, pool, slot_mapping,
+        qkv, cos, sin, delta, slots, pool, kv_locations,
         qkv.stride(0), cos.stride(0), sin.stride(0), stride_d, num_heads, heads, pool.shape[1],
         HEAD_DIM=head_dim, BLOCK_H=block_h, USE_PDL=pdl, HAS_DELTA=token_slots is not None,
         HAS_KV=kv is not None, PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads,

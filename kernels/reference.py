@@ -5,8 +5,8 @@ uses them directly. Conventions:
 
 - `kv_pool` is one layer of the unified pool, `[num_pages, page_elems]`; as KV a page is viewed as
   `[2, page_size, num_kv_heads, head_dim]` (K then V).
-- A sequence's `block_table` row lists its pages; token slot `i` is page `block_table[i // page_size]`,
-  offset `i % page_size`. `slot_mapping` holds global slots `page * page_size + offset`.
+- A sequence's `block_table` row lists its pages; token position `i` is on page `block_table[i // page_size]`,
+  offset `i % page_size`. `kv_locations` holds each token.s pool location `page * page_size + offset`.
 - LoRA weights are read through per-adapter `page_tables` (rows of page ids): element `e` of an
   adapter's logical buffer is `pool[page_table[e // page_elems], e % page_elems]`. Row `i` of a matrix
   whose rows have `n` elements starts at `offset + i * align_up(n)`.
@@ -30,19 +30,19 @@ def kv_page_view(kv_pool: Tensor, page_size: int, num_kv_heads: int) -> Tensor:
 
 
 class PagedKV(NamedTuple):
-    """Where a step's new K/V rows go: one layer of the pool and each token's slot."""
+    """Where a step's new K/V rows go: one layer of the pool and each token's location in it."""
     kv_pool: Tensor          # [num_pages, page_elems]
-    slot_mapping: Tensor     # [tokens] int32 or int64; negative: a padding token, not stored
+    kv_locations: Tensor     # [tokens] int32 or int64; negative: a padding token, not stored
     page_size: int
 
 
-def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, slot_mapping: Tensor, page_size: int) -> None:
-    """Write key/value `[tokens, num_kv_heads, head_dim]` into their slots of `kv_pool`. A negative
-    slot (a padding token) is skipped."""
+def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, kv_locations: Tensor, page_size: int) -> None:
+    """Write key/value `[tokens, num_kv_heads, head_dim]` into their locations in `kv_pool`. A negative
+    location (a padding token) is skipped."""
     pages = kv_page_view(kv_pool, page_size, key.shape[1])
-    keep = slot_mapping >= 0  # without this, slot -1 would silently overwrite the last page
-    slot_mapping = slot_mapping.long()[keep]
-    page_ids, offsets = slot_mapping // page_size, slot_mapping % page_size
+    keep = kv_locations >= 0  # without this, location -1 would silently overwrite the last page
+    kv_locations = kv_locations.long()[keep]
+    page_ids, offsets = kv_locations // page_size, kv_locations % page_size
     pages[page_ids, 0, offsets] = key[keep].to(kv_pool.dtype)
     pages[page_ids, 1, offsets] = value[keep].to(kv_pool.dtype)
 

@@ -7,17 +7,14 @@ import logging
 import os
 import random
 from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
-from slora.adapters.errors import AdapterError
 from slora.config import EngineConfig
 from slora.core.outputs import (
     ADAPTER_UNAVAILABLE,
-    GRAMMAR_TOO_SLOW,
     INTERNAL_ERROR,
     EngineSnapshot,
     RequestError,
@@ -30,7 +27,7 @@ from slora.core.sequence import AdapterRef, Sequence, SequenceStatus
 from slora.core.step_stats import StepStats, StepTimer
 from slora.execution.adapter_manager import AdapterFormat, AdapterManager, UnknownAdapterError
 from slora.execution.device_copy import select_rows, tensor_on
-from slora.execution.in_flight import ArrivingSample, HostCopy, InFlight, PinnedBuffers, ReadySample
+from slora.execution.in_flight import ArrivingSample, ReadySample, TokensInFlight
 from slora.execution.model_runner import ModelRunner
 from slora.execution.step_batch import prompt_logits
 from slora.models.builtin import resolve_model
@@ -41,7 +38,7 @@ from slora.sampling.detokenizer import IncrementalDetokenizer
 from slora.sampling.engine_grammars import EngineGrammars
 from slora.sampling.params import SamplingParams
 from slora.sampling.request_state import RequestState, check_request, step_grammars
-from slora.sampling.sampler import GrammarMask, Sampler, SampleResult
+from slora.sampling.sampler import Sampler
 from slora.sampling.stopping import append_token
 from slora.sizing import EngineSizing
 
@@ -101,20 +98,10 @@ class Engine:
         self.num_prompt_tokens_computed = 0   # prompt tokens that went through a forward (cache misses)
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
         self._failed: list[str] = []          # requests failed (_fail_request) since the last step returned
-        self._in_flight: InFlight | None = None   # the step whose tokens are still coming to the host
-        self._sample_buffers = PinnedBuffers(pin=config.device != "cpu")   # where those tokens arrive
-        self._last_step_end = 0.0             # perf_counter when the last step's tokens arrived
+        self._tokens = TokensInFlight(pin=config.device != "cpu")
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
-        self._load_demo_adapters(source.demo_adapters)
-
-    def _load_demo_adapters(self, adapters: dict[str, Path]) -> None:
-        """The builtin model's demo adapters, except those the configuration cannot take."""
-        for name, path in adapters.items():
-            try:
-                self.adapters.load(name, path, public=True)
-            except AdapterError as exc:
-                logger.warning("demo adapter %s not loaded: %s", name, exc)
+        self.adapters.load_demos(source.demo_adapters)
 
     # ---- adapters -----------------------------------------------------------------------------------
     def _refresh_host_tier(self) -> None:
@@ -196,67 +183,59 @@ class Engine:
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, launch one forward, take the step before's tokens, sample; outputs of the requests that
-        changed, of those added with stream=False only once they end (building them every step cost a tenth
-        of its host work). Under async_scheduling a step's tokens reach the host in the next step, while
-        that one's forward runs: its decode rows read them on the device."""
+        """Schedule, launch one forward, collect the step before's tokens, sample; outputs of the requests
+        that changed, of those added with stream=False only once they end (building them every step cost a
+        tenth of its host work). Under async_scheduling a step's tokens reach the host in the next step,
+        while that one's forward runs: its decode rows read them on the device."""
         self._refresh_host_tier()
         out = self.scheduler.schedule()
-        touched: dict[str, RequestState] = {}
-        for seq in out.rejected:
-            self.scheduler.finish(seq, "length")
-            touched[seq.request_id] = self.requests[seq.request_id]
+        touched = self._reject(out.rejected)
         self.runner.move_pages(out, self.adapters.packed(v for v, _ in out.adapters_to_load))
         launched = self._launch(out.scheduled) if out.scheduled else None
-        self._take_sampled(touched)                   # the step before's, while this forward runs
+        self._collect(touched)                        # the step before's, while this forward runs
         if launched is not None:
-            self._in_flight = self._sample_step(*launched)
+            self._sample_step(launched)
             if not self.config.async_scheduling:
-                self._take_sampled(touched)
+                self._collect(touched)
         touched.update(self._take_failed())
         outputs = [self._finalize(state) for state in touched.values() if state.stream or state.finished]
         if not self.requests:
-            self._take_sampled(touched)      # rows of ended sequences only: its time is not left to the next
+            self._collect(touched)           # rows of ended sequences only: its time is not left to the next
         if not out.scheduled and not outputs:
             # Nothing ran: where requests wait for adapter reads from disk, a caller's loop of steps would spin.
             self.adapters.wait_for_reads(IDLE_STEP_WAIT_S)
         return outputs
 
+    def _reject(self, rejected: list[Sequence]) -> dict[str, RequestState]:
+        """End the sequences the scheduler can never fit; their requests are touched."""
+        for seq in rejected:
+            self.scheduler.finish(seq, "length")
+        return {seq.request_id: self.requests[seq.request_id] for seq in rejected}
+
     def _launch(self, scheduled: list[ScheduledSeq]) -> Launched:
         """The step's forward, queued on the device: its logits `[rows, vocab]` are not read yet."""
         versions = {i.seq.adapter.version for i in scheduled if i.seq.adapter}
         timer = StepTimer(self.step_stats, scheduled, versions, self._decode_bytes)
-        sampled = None if self._in_flight is None else self._in_flight.token_ids
-        logits = self.runner.run(scheduled, self.adapters.step_adapters(versions), sampled)
+        logits = self.runner.run(scheduled, self.adapters.step_adapters(versions), self._tokens.on_device())
         # Now: a sequence that ends before the sampling (a failed request's) no longer counts as completing.
         return Launched(scheduled, [item.seq for item in scheduled if item.completes], logits, timer)
 
-    def _sample_step(self, scheduled: list[ScheduledSeq], completing: list[Sequence], logits: Tensor,
-                     timer: StepTimer) -> InFlight:
+    def _sample_step(self, launched: Launched) -> None:
         """After the step before's tokens are appended: the prompt logprobs, the computed tokens, and the
         samples of the completing sequences (logits row i: completing[i]), left on their way to the host. A
         sequence that ended meanwhile is not sampled, and its freed pages are not registered."""
+        scheduled, completing, logits, timer = launched
         self._record_prompt_logprobs(scheduled, logits[len(completing):])
         for item in scheduled:
             if item.seq.status is not SequenceStatus.FINISHED:
                 self.num_prompt_tokens_computed += item.prompt_tokens
                 self.scheduler.on_computed(item.seq, item.num_tokens)
         rows, seqs = self._sampling_rows(completing)
-        token_ids, arriving = self._sample(select_rows(logits, rows), seqs)
-        for row, seq in enumerate(seqs):
-            seq.pending_row = row
-        return InFlight(seqs, token_ids, arriving, timer)
+        self._tokens.send(seqs, *self._sample(select_rows(logits, rows), seqs), timer)
 
-    def _take_sampled(self, touched: dict[str, RequestState]) -> None:
+    def _collect(self, touched: dict[str, RequestState]) -> None:
         """Append the tokens of the step in flight, once they are on the host."""
-        flight, self._in_flight = self._in_flight, None
-        if flight is None:
-            return
-        result = flight.arriving.result()
-        self._last_step_end = flight.timer.stop(self._last_step_end)
-        for seq in flight.seqs:
-            seq.pending_row = None
-        self._append_tokens(zip(flight.seqs, result.token_ids, result.logprobs), touched)
+        self._append_tokens(self._tokens.take(), touched)
 
     def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], logits: Tensor) -> None:
         """The prompt logprobs of this step's rows past its sampled ones; a request whose rows raise fails alone."""
@@ -277,33 +256,15 @@ class Engine:
         try:
             sample = self.sampler.on_device(logits, seqs, grammars, masker)
             if grammars is not None:
-                self._end_slow_grammars(seqs, grammars)
-            return sample.token_ids, HostCopy(sample, self._sample_buffers)
+                for request_id, error in self.grammars.slow_failures([s.request_id for s in seqs], grammars):
+                    self._fail_request(request_id, error)
+            return sample.token_ids, self._tokens.copy_to_host(sample)
         except Exception:
             logger.warning("sampling a batch of %d rows failed; sampling them one by one", len(seqs),
                            exc_info=True)
-        tokens = [0] * len(seqs)                       # a failed row's 0 is never read: its sequence ended
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        for row, seq in enumerate(seqs):
-            if seq.status is SequenceStatus.FINISHED:
-                continue                               # another sample's fault failed its request
-            try:
-                result = self.sampler(logits[row:row + 1], [seq], grammars and grammars[row:row + 1], masker)
-                tokens[row], logprobs[row] = result.token_ids[0], result.logprobs[0]
-            except Exception:
-                self._fail_internal(seq, "sampling its next token")
-        return tensor_on(tokens, torch.int64, logits.device), ReadySample(SampleResult(tokens, logprobs))
-
-    def _end_slow_grammars(self, seqs: list[Sequence], grammars: list[GrammarMask | None]) -> None:
-        """Fail the requests whose grammar went over its per-token budget too many tokens in a row: its work
-        runs inside every step, so one such grammar would slow every other request."""
-        budget_ms, tokens = self.grammars.token_budget_s * 1e3, self.grammars.slow_tokens
-        for row, kind in self.grammars.too_slow(grammars):
-            logger.warning("request %s: its %s took over %g ms per token for %d tokens; it is stopped",
-                           seqs[row].request_id, kind, budget_ms, tokens)
-            self._fail_request(seqs[row].request_id, RequestError(
-                GRAMMAR_TOO_SLOW, f"the structured output's {kind} took more than {budget_ms:g} ms per token "
-                                  f"for {tokens} tokens in a row, the server's limit; simplify it"))
+        result = self.sampler.one_by_one(logits, seqs, grammars, masker,
+                                         lambda seq: self._fail_internal(seq, "sampling its next token"))
+        return tensor_on(result.token_ids, torch.int64, logits.device), ReadySample(result)
 
     def _fail_internal(self, seq: Sequence, stage: str) -> None:
         """From an `except` around one request's work (a plain try/except: it runs per token): that request

@@ -100,8 +100,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)     # can never fit; finished by the caller
     copies: list[tuple[int, int]] = field(default_factory=list)          # copy-on-write (src, dst) pages
-    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (pool pages, host slots)
-    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)   # (host slots, pool pages)
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (pool pages, host swap pages)
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)   # (host swap pages, pool pages)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -196,7 +196,7 @@ class Scheduler:
         return True
 
     def _grow(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Give `seq` private slots for `num_tokens` tokens; False if `seq` itself had to be preempted."""
+        """Give `seq` private pages for `num_tokens` tokens; False if `seq` itself had to be preempted."""
         if not self._copy_shared_tail(seq, out):
             return False
         needed = seq.pages_needed(num_tokens, self.config.page_size)
@@ -266,14 +266,14 @@ class Scheduler:
 
     @staticmethod
     def _seats(seq: Sequence) -> int:
-        """Running slots a sequence takes once admitted: all its samples if they are yet to fork."""
+        """Places in the running set a sequence takes once admitted: all its samples if they are yet to fork."""
         return seq.params.num_samples if seq.sample_index == 0 and not seq.output_token_ids else 1
 
     def _prefix_match(self, seq: Sequence) -> list[int]:
         """Pages of the prefix cache holding the longest run of this sequence's leading full pages,
         leaving at least one token to compute (its logits are needed)."""
         # A request for prompt logprobs computes its whole prompt: the cache holds no logits.
-        if not self.config.enable_prefix_caching or seq.num_computed_tokens or seq.swap_slots is not None \
+        if not self.config.enable_prefix_caching or seq.num_computed_tokens or seq.swapped_pages is not None \
                 or seq.params.prompt_logprobs is not None:
             return []
         self._extend_hashes(seq, seq.num_tokens - 1)
@@ -307,14 +307,14 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, matched: list[int], budget: int, out: SchedulerOutput) -> int:
         # The matched pages leave the cache first: the adapter's pages may evict cached ones.
-        if seq.swap_slots is None:
+        if seq.swapped_pages is None:
             self._reuse_prefix(seq, matched)
         if seq.adapter is not None:
             self._make_resident(seq.adapter, out)
             self.adapters.pin(seq.adapter.version, self.step_count)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        if seq.swap_slots is not None:
+        if seq.swapped_pages is not None:
             self._swap_in(seq, out)
         num_tokens = min(seq.num_uncomputed, budget)
         grown = self._grow(seq, seq.num_computed_tokens + num_tokens, out)
@@ -386,7 +386,7 @@ class Scheduler:
             out.swap_out.append((seq.block_table.tolist(), slots))
             self.num_swaps += 1
         self._release(seq)
-        seq.swap_slots = slots
+        seq.swapped_pages = slots
         if slots is None:
             seq.num_computed_tokens = 0
         seq.num_hashed_pages = 0
@@ -397,7 +397,7 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
-        slots, seq.swap_slots = seq.swap_slots, None
+        slots, seq.swapped_pages = seq.swapped_pages, None
         assert slots is not None, "only a swapped-out sequence is swapped in"
         reclaimed = self._reclaim(seq, out, len(slots))
         assert reclaimed, "admission checked that the pages were available"
@@ -411,9 +411,9 @@ class Scheduler:
             self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.swap_slots is not None:
-            self.swap.release(seq.swap_slots)
-            seq.swap_slots = None
+        if seq.swapped_pages is not None:
+            self.swap.release(seq.swapped_pages)
+            seq.swapped_pages = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -431,5 +431,5 @@ class Scheduler:
         assert self.adapters.pinned_versions() == self.running_versions(), "pins disagree with the running sequences"
         if self.config.max_loras is not None:
             assert len(self.running_versions()) <= self.config.max_loras, "more adapters running than max_loras"
-        swapped = sum(len(s.swap_slots) for s in self.waiting if s.swap_slots is not None)
+        swapped = sum(len(s.swapped_pages) for s in self.waiting if s.swapped_pages is not None)
         assert swapped + self.swap.num_free == self.swap.num_pages, "swap slots leaked"

@@ -96,7 +96,7 @@ class Sequence:
     page_hashes: list[bytes] = field(default_factory=list)   # hashes of the full pages of token_ids
     num_hashed_pages: int = 0             # block_table pages registered in the prefix cache
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache when first admitted
-    swap_slots: list[int] | None = None   # host swap pages holding its KV while swapped out
+    swapped_pages: list[int] | None = None   # host swap pages holding its KV while swapped out
     max_loras_waits: int = 0              # steps it was passed over because max_loras adapters were running
     # Overlapped scheduling: its newest token is sampled but still on the device, in this row of the step's
     # sampled ids; the next step takes it from there as input, and it is appended when it reaches the host.

@@ -182,6 +182,14 @@ class AdapterManager(AdapterResidency):
             prepared = self.prepare(path)
         return self.register(name, prepared, owner, public, owns_files)
 
+    def load_demos(self, adapters: dict[str, Path]) -> None:
+        """A built-in model's public demo adapters, except those this configuration cannot take (logged)."""
+        for name, path in adapters.items():
+            try:
+                self.load(name, path, public=True)
+            except AdapterError as exc:
+                logger.warning("demo adapter %s not loaded: %s", name, exc)
+
     def register(self, name: str, prepared: PreparedAdapter, owner: str | None = None, public: bool = False,
                  owns_files: bool = False) -> AdapterEntry:
         """Make a prepared adapter known under `name` (engine thread). Requests that resolved a version this

@@ -3,7 +3,7 @@
 Every per-step input lives in a preallocated device buffer that the graphs read (a `StepBatch` of the
 largest size), so a replay with other sequences, other block tables and another adapter mix is correct:
 a step's `StepBatch` is written into a host twin of the buffers and sent in one copy before the replay
-(slora.execution.staging). Padding rows have slot -1 (their K/V are not
+(slora.execution.staging). Padding rows have KV location -1 (their K/V are not
 stored) and context length 0 (attention gives 0); adapter slots past the step's have rank 0.
 """
 import logging
@@ -47,7 +47,7 @@ class GraphLimits:
     # (slora.execution.mixed_graphs; 0: none).
     mixed_tokens: int = 0
 
-    def lora_slots(self, batch_size: int, few: bool = False) -> int:
+    def adapter_slots(self, batch_size: int, few: bool = False) -> int:
         """Adapter slots a bucket's graph is captured for: fewer slots, fewer programs per LoRA launch."""
         slots = batch_size if self.max_loras is None else min(batch_size, self.max_loras)
         return min(slots, self.few_adapters) if few else slots
@@ -55,7 +55,7 @@ class GraphLimits:
     def graph_kinds(self, batch_size: int) -> list[tuple[bool, bool]]:
         """(with LoRA, few adapters) of the graphs captured for a bucket: a few-adapter graph only where it
         has fewer slots than the full one."""
-        few = self.few_adapters > 0 and self.lora_slots(batch_size, True) < self.lora_slots(batch_size)
+        few = self.few_adapters > 0 and self.adapter_slots(batch_size, True) < self.adapter_slots(batch_size)
         return [(False, False), (True, False)] + ([(True, True)] if few else [])
 
     def holds(self, host: HostBatch, slots: int) -> bool:
@@ -80,7 +80,7 @@ class DecodeGraphs:
                  page_size: int, limits: GraphLimits) -> None:
         self.model, self.pool, self.attention, self.lora = model, pool, attention, lora
         self.limits = limits
-        largest = limits.sizes(limits.max_batch, limits.lora_slots(limits.max_batch))
+        largest = limits.sizes(limits.max_batch, limits.adapter_slots(limits.max_batch))
         self.staged = StagedBatch(step_batch.empty(largest, torch.device("cpu"), page_size, limits.max_lora_rank),
                                   pool.device)
         self.buckets = batch_buckets(limits.max_batch)
@@ -90,7 +90,7 @@ class DecodeGraphs:
 
     def batch(self, size: int, with_lora: bool, few: bool = False) -> BatchViews:
         """The StepBatch of a bucket, as views of the static buffers and of their host twins."""
-        sizes = self.limits.sizes(size, self.limits.lora_slots(size, few))
+        sizes = self.limits.sizes(size, self.limits.adapter_slots(size, few))
         return self.staged.views(sizes, with_lora)
 
     def _lora_step(self, batch: StepBatch[Tensor]) -> LoraStep | None:
@@ -121,11 +121,11 @@ class DecodeGraphs:
     def fits(self, host: HostBatch, batch_size: int) -> int | None:
         """The bucket of a decode step of `batch_size` sequences whose tables fit its static buffers, or None."""
         bucket = self.bucket_for(batch_size)
-        return bucket if bucket is not None and self.limits.holds(host, self.limits.lora_slots(bucket)) else None
+        return bucket if bucket is not None and self.limits.holds(host, self.limits.adapter_slots(bucket)) else None
 
     def uses_few(self, size: int, num_adapters: int) -> bool:
         """Whether a decode step of this bucket with this many distinct adapters replays a few-adapter graph."""
-        return 0 < num_adapters <= self.limits.lora_slots(size, few=True) and (size, True, True) in self.graphs
+        return 0 < num_adapters <= self.limits.adapter_slots(size, few=True) and (size, True, True) in self.graphs
 
     def replay(self, size: int, host: HostBatch, batch_size: int, feed: TokenFeed | None = None) -> Tensor:
         """Copy a decode step of `batch_size` sequences (and its input ids still on the device) into the

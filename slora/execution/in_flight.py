@@ -5,6 +5,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from slora.core.outputs import TokenLogprob
 from slora.core.sequence import Sequence
 from slora.core.step_stats import StepTimer
 from slora.sampling.sampler import DeviceSample, SampleResult, host_result
@@ -77,3 +78,39 @@ class InFlight(NamedTuple):
     token_ids: Tensor             # [rows] int64 on the device: the next step's pending input ids
     arriving: ArrivingSample      # the same tokens (and logprobs), coming to the host
     timer: StepTimer
+
+
+class TokensInFlight:
+    """The overlap's bookkeeping: the step whose sampled tokens are still on their way to the host. The next
+    step's forward reads them on the device (`on_device`) before the host has them (`take`)."""
+
+    def __init__(self, *, pin: bool) -> None:
+        self._flight: InFlight | None = None
+        self._buffers = PinnedBuffers(pin=pin)     # where each step's tokens arrive
+        self._last_step_end = 0.0                  # perf_counter when the last step's tokens arrived
+
+    def on_device(self) -> Tensor | None:
+        """The ids `[rows]` of the step in flight, on the device; None when no step is in flight."""
+        return None if self._flight is None else self._flight.token_ids
+
+    def copy_to_host(self, sample: DeviceSample) -> HostCopy:
+        return HostCopy(sample, self._buffers)
+
+    def send(self, seqs: list[Sequence], token_ids: Tensor, arriving: ArrivingSample, timer: StepTimer) -> None:
+        """Put a step in flight: row i of `token_ids` is the pending token of seqs[i]."""
+        assert self._flight is None, "the step before's tokens are taken before the next step samples"
+        for row, seq in enumerate(seqs):
+            seq.pending_row = row
+        self._flight = InFlight(seqs, token_ids, arriving, timer)
+
+    def take(self) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """The tokens of the step in flight once they are on the host (waiting for them), by sequence; the
+        step's wall time ends here."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return []
+        result = flight.arriving.result()
+        self._last_step_end = flight.timer.stop(self._last_step_end)
+        for seq in flight.seqs:
+            seq.pending_row = None
+        return list(zip(flight.seqs, result.token_ids, result.logprobs))

@@ -2,7 +2,7 @@
 attention included.
 
 A bucket's graph holds the whole forward, from the embedding to the logits. Its inputs live in static
-buffers as in the decode graphs (`slora.execution.cuda_graphs`): padding tokens have slot -1 (their K/V are not
+buffers as in the decode graphs (`slora.execution.cuda_graphs`): padding tokens have KV location -1 (their K/V are not
 stored) and no adapter, and their rows are never sampled. Attention launches with grids that follow the
 bucket, not the step (AttentionInputs): the decode kernel over the bucket's first `seqs` rows, with a
 context length only on the step's decode rows (the others cost it nothing), then the prefill kernel over
@@ -211,12 +211,12 @@ class MixedGraphs:
         """The most sequences a step of this many tokens has."""
         return min(tokens, self.limits.max_batch)
 
-    def lora_slots(self, tokens: int) -> int:
+    def adapter_slots(self, tokens: int) -> int:
         """The adapter slots of a bucket's LoRA tables."""
-        return self.limits.lora_slots(self.seqs(tokens))
+        return self.limits.adapter_slots(self.seqs(tokens))
 
     def _sizes(self, tokens: int) -> dict[str, int]:
-        return {**self.limits.sizes(self.seqs(tokens), self.lora_slots(tokens)), "tokens": tokens}
+        return {**self.limits.sizes(self.seqs(tokens), self.adapter_slots(tokens)), "tokens": tokens}
 
     def capture(self) -> None:
         """Capture every bucket, with and without LoRA, largest first, sharing one memory pool and one capture
@@ -276,7 +276,7 @@ class MixedGraphs:
         bucket = self.bucket_for(host.input_ids.shape[0], host.lora is not None)
         if bucket is None or len(host.sample_indices) > num_seqs:
             return None
-        return bucket if self.limits.holds(host, self.lora_slots(bucket)) else None
+        return bucket if self.limits.holds(host, self.adapter_slots(bucket)) else None
 
     def replay(self, bucket: int, host: HostBatch, feed: TokenFeed | None) -> Tensor:
         """Copy the step into the bucket's static inputs, then replay its graph; logits `[sampled, vocab]`."""

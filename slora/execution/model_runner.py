@@ -126,7 +126,7 @@ class ModelRunner:
 
     def _warm_up_inputs(self, step: WarmUpStep, limits: GraphLimits, max_rank: int) -> HostBatch:
         """The step's sequences over `step.slots` adapters of rank 0 (sequence s on slot s % slots), K/V not
-        stored (slot -1)."""
+        stored (KV location -1)."""
         lengths = step.lengths
         tokens = sum(lengths)
         sizes = {**limits.sizes(len(lengths), step.slots), "tokens": tokens,
@@ -235,10 +235,11 @@ def profile_activation_bytes(model: CausalLM, shape: PoolShape, num_tokens: int,
     runner = ModelRunner(model, PoolShape(shape.num_layers, pages, shape.page_size, shape.num_kv_heads,
                                           shape.head_dim), dtype, device)
     positions = np.arange(num_tokens, dtype=np.int64)
-    host: HostBatch = StepBatch(np.zeros(num_tokens, dtype=np.int64), positions, positions.copy(),
-                                np.arange(pages, dtype=np.int32)[None], np.array([0, num_tokens], dtype=np.int32),
-                                np.array([num_tokens], dtype=np.int32), np.array([num_tokens - 1], dtype=np.int64),
-                                shape.page_size, num_tokens, num_tokens, None)
+    host: HostBatch = StepBatch(
+        input_ids=np.zeros(num_tokens, dtype=np.int64), positions=positions, kv_locations=positions.copy(),
+        block_tables=np.arange(pages, dtype=np.int32)[None], query_start_loc=np.array([0, num_tokens], dtype=np.int32),
+        context_lens=np.array([num_tokens], dtype=np.int32), sample_indices=np.array([num_tokens - 1], dtype=np.int64),
+        page_size=shape.page_size, max_query_len=num_tokens, max_context_len=num_tokens)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)

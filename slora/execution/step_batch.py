@@ -36,14 +36,14 @@ RANK_ALIGN = 16
 
 
 def _tensor(dims: tuple[str, ...], dtype: torch.dtype, pad: int | None = None, arange: bool = False) -> Any:
-    """A tensor field. pad: the value the rows the step leaves unused must hold in a static buffer (slot -1:
+    """A tensor field. pad: the value the rows the step leaves unused must hold in a static buffer (KV location -1:
     K/V not stored; context 0: attention reads nothing; rank 0: no adapter weight is read). arange: the
     buffer holds 0, 1, 2, ... (the decode graphs' one token per sequence), and a decode step is never
     copied into it."""
     return field(metadata={"dims": dims, "dtype": dtype, "pad": pad, "arange": arange})
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepLora(Generic[Array]):
     """The adapters of one step. Slot s is the s-th distinct adapter version of the step."""
 
@@ -57,14 +57,14 @@ class StepLora(Generic[Array]):
     active: list[list[bool]] = field(default_factory=list)   # [layer][module]: any adapter targets it
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepBatch(Generic[Array]):
     """Tokens of all scheduled sequences, concatenated. Sequence s owns rows
     `query_start_loc[s]:query_start_loc[s+1]`, the last of its `context_lens[s]` tokens."""
 
     input_ids: Array = _tensor(("tokens",), torch.int64)
     positions: Array = _tensor(("tokens",), torch.int64)
-    slot_mapping: Array = _tensor(("tokens",), torch.int64, pad=-1)      # page * page_size + offset
+    kv_locations: Array = _tensor(("tokens",), torch.int64, pad=-1)      # page * page_size + offset
     block_tables: Array = _tensor(("seqs", "pages"), torch.int32)
     query_start_loc: Array = _tensor(("seqs+1",), torch.int32, arange=True)
     context_lens: Array = _tensor(("seqs",), torch.int32, pad=0)
@@ -248,12 +248,12 @@ def _walk_rows(scheduled: list[ScheduledSeq]) -> _Rows:
 class _TokenArrays(NamedTuple):
     starts: np.ndarray        # [seqs + 1] int32: query_start_loc
     positions: np.ndarray     # [tokens] int64
-    slots: np.ndarray         # [tokens] int64: slot_mapping
+    locations: np.ndarray     # [tokens] int64: kv_locations
 
 
 def _token_arrays(counts: np.ndarray, computed: np.ndarray, block_tables: np.ndarray,
                   page_size: int) -> _TokenArrays:
-    """Each token's position and KV slot from its row's counts, over all the step's tokens at once."""
+    """Each token's position and KV location from its row's counts, over all the step's tokens at once."""
     starts = np.zeros(len(counts) + 1, dtype=np.int32)
     np.cumsum(counts, out=starts[1:])
     token_rows = np.repeat(np.arange(len(counts)), counts)                              # [tokens]
@@ -276,10 +276,13 @@ def build(scheduled: list[ScheduledSeq], adapters: StepAdapters, page_size: int,
     if any_prompt_logprobs(scheduled):
         sample_rows += _prompt_logit_rows(scheduled, tokens.starts.tolist())
     return StepBatch(
-        rows.input_ids, tokens.positions, tokens.slots, block_tables, tokens.starts, lens,
-        np.array(sample_rows, dtype=np.int64), page_size, int(counts.max()), int(lens.max()),
-        _step_lora(scheduled, counts, adapters, tables or LoraTables()),
-        len(scheduled) if rows.first_longer is None else rows.first_longer)  # the scheduler puts one-token rows first
+        input_ids=rows.input_ids, positions=tokens.positions, kv_locations=tokens.locations,
+        block_tables=block_tables, query_start_loc=tokens.starts, context_lens=lens,
+        sample_indices=np.array(sample_rows, dtype=np.int64), page_size=page_size,
+        max_query_len=int(counts.max()), max_context_len=int(lens.max()),
+        lora=_step_lora(scheduled, counts, adapters, tables or LoraTables()),
+        # the scheduler puts one-token rows first
+        num_decodes=len(scheduled) if rows.first_longer is None else rows.first_longer)
 
 
 class TokenFeed(NamedTuple):
@@ -404,4 +407,4 @@ def _step_lora(scheduled: list[ScheduledSeq], counts: np.ndarray, adapters: Step
     seq_slots = [slot_of[item.seq.adapter.version] if item.seq.adapter else -1 for item in scheduled]
     token_slots = np.repeat(np.array(seq_slots, dtype=np.int32), counts)     # [tokens]
     page_tables, _ = padded_rows([adapters[v][1] for v in versions])
-    return StepLora(token_slots, page_tables, *tables.get(versions, adapters))
+    return StepLora(token_slots=token_slots, page_tables=page_tables, **tables.get(versions, adapters)._asdict())

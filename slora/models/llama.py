@@ -200,7 +200,7 @@ class Attention(nn.Module):
         """Every token's K/V stored, and its attention output `[tokens, q_size]` (before o_proj)."""
         tokens = x.shape[0]
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
-        q, k, v = self.stored_qkv(x, PagedKV(kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size), ctx)
+        q, k, v = self.stored_qkv(x, PagedKV(kv_pool, ctx.batch.kv_locations, ctx.batch.page_size), ctx)
         attn = ctx.attention.attend(q, (k, v), kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         return attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
 
@@ -215,7 +215,7 @@ class Attention(nn.Module):
         kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
         kv = ctx.project(self.layer, LORA_KV, x, kv_part, [self.kv_size] * 2)          # [tokens, 2 * kv_size]
         ops.rotary_qk_(kv.out, ctx.cos, ctx.sin, 0, self.num_kv_heads, self.head_dim,
-                       PagedKV(kv_pool, ctx.batch.slot_mapping, ctx.batch.page_size), ctx.pdl, kv.lora)
+                       PagedKV(kv_pool, ctx.batch.kv_locations, ctx.batch.page_size), ctx.pdl, kv.lora)
         q = rows_ctx.project(self.layer, LORA_Q, rows_ctx.cut(x), q_part, [self.q_size])   # [rows, q_size]
         ops.rotary_qk_(q.out, rows_ctx.cos, rows_ctx.sin, self.num_heads, 0, self.head_dim, None, ctx.pdl, q.lora)
         query = q.out.view(-1, self.num_heads, self.head_dim)                            # [rows, heads, head_dim]

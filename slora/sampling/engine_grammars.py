@@ -3,17 +3,21 @@ The compiler is built on the first structured request: building the tokenizer's 
 engines never need them, and xgrammar is imported only then. A server compiles its requests' specs off the
 engine's thread (`slora.sampling.grammar_service`) and hands them over compiled; the offline `LLM` compiles here."""
 import functools
+import logging
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from slora.core.outputs import GRAMMAR_TOO_SLOW, RequestError
 from slora.sampling.sampler import GrammarMask
 from slora.sampling.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     from slora.sampling.grammar import CompiledGrammar, GrammarCompiler
+
+logger = logging.getLogger(__name__)
 
 
 class EngineGrammars:
@@ -45,3 +49,16 @@ class EngineGrammars:
         """(row, spec kind) of the rows whose grammar went over the per-token budget `slow_tokens` times in a
         row: their requests end, so that no other row's steps wait on them again."""
         return [(row, g.kind) for row, g in enumerate(grammars) if g is not None and g.slow_tokens >= self.slow_tokens]
+
+    def slow_failures(self, request_ids: Sequence[str],
+                      grammars: Sequence[GrammarMask | None]) -> list[tuple[str, RequestError]]:
+        """The requests (row i: request_ids[i]) to fail because their grammar is too slow: its work runs
+        inside every step, so one such grammar would slow every other request."""
+        budget_ms, failures = self.token_budget_s * 1e3, []
+        for row, kind in self.too_slow(grammars):
+            logger.warning("request %s: its %s took over %g ms per token for %d tokens; it is stopped",
+                           request_ids[row], kind, budget_ms, self.slow_tokens)
+            failures.append((request_ids[row], RequestError(
+                GRAMMAR_TOO_SLOW, f"the structured output's {kind} took more than {budget_ms:g} ms per token "
+                                  f"for {self.slow_tokens} tokens in a row, the server's limit; simplify it")))
+        return failures

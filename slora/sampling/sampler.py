@@ -6,7 +6,7 @@ tensor ops on the logits' device: no per-request generator, no host round trip p
 draw on the CPU and on CUDA. A seeded sample is reproduced exactly, also after preemption and recompute,
 given the same logits (on CUDA those can differ in their last bits with the batch and between runs).
 """
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as Rows
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from slora.core.outputs import TokenLogprob
-from slora.core.sequence import Sequence
+from slora.core.sequence import Sequence, SequenceStatus
 from slora.execution.device_copy import to_device
 from slora.kernels import reference
 from slora.sampling.logit_controls import apply_controls
@@ -182,6 +182,23 @@ class Sampler:
         """One token per row of `logits` `[seqs, vocab]`; `grammars`: each row's grammar where any has one,
         applied by `masker`."""
         return host_result(self.on_device(logits, seqs, grammars, masker))
+
+    def one_by_one(self, logits: Tensor, seqs: list[Sequence], grammars: Rows[GrammarMask | None] | None,
+                   masker: Masker | None, on_error: Callable[[Sequence], None]) -> SampleResult:
+        """The rows of `logits` `[seqs, vocab]` sampled one at a time, after the batch raised: a row that
+        raises calls `on_error` (its request fails alone) and gets token 0, never read since its sequence
+        ends. Rows of sequences already finished are skipped."""
+        tokens = [0] * len(seqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        for row, seq in enumerate(seqs):
+            if seq.status is SequenceStatus.FINISHED:
+                continue                               # another sample's fault failed its request
+            try:
+                result = self(logits[row:row + 1], [seq], grammars and grammars[row:row + 1], masker)
+                tokens[row], logprobs[row] = result.token_ids[0], result.logprobs[0]
+            except Exception:
+                on_error(seq)
+        return SampleResult(tokens, logprobs)
 
     def on_device(self, logits: Tensor, seqs: list[Sequence], grammars: Rows[GrammarMask | None] | None = None,
                   masker: Masker | None = None) -> DeviceSample:

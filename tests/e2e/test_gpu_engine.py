@@ -49,7 +49,7 @@ def test_graphs_captured_for_max_loras_slots_match_cpu(tiny_llama):
     prompts = random_prompts([5, 12, 30, 7, 22, 9, 14, 3], seed=16)
     cpu = tokens(make_llm(tiny_llama), prompts, NAMES)
     gpu = make_llm(tiny_llama, device="cuda", dtype="float32", max_loras=2)
-    assert gpu.engine.runner.graphs.limits.lora_slots(16) == 2
+    assert gpu.engine.runner.graphs.limits.adapter_slots(16) == 2
     assert tokens(gpu, prompts, NAMES) == cpu
     gpu.engine.check()
 

@@ -60,7 +60,7 @@ def test_few_adapter_graphs_only_where_they_differ(max_loras, few, batch, kinds,
     limits = GraphLimits(max_batch=64, max_blocks=8, max_adapter_pages=4, max_lora_rank=16, num_layers=2,
                          num_lora_modules=7, max_loras=max_loras, few_adapters=few)
     assert limits.graph_kinds(batch) == kinds
-    assert limits.lora_slots(batch, few=True) == few_slots
+    assert limits.adapter_slots(batch, few=True) == few_slots
 
 
 def test_cli_engine_flags_reach_the_config():

@@ -130,7 +130,7 @@ def _step(tokens: int, seqs: int, width: int = 2, samples: int | None = None, sl
 def test_steps_the_graphs_take_and_those_they_leave_to_eager():
     graphs = _graphs()
     assert graphs.buckets == [16, 32, 64, 128, 192, 200]
-    assert graphs.seqs(16) == 8 and graphs.lora_slots(16) == 2 and graphs.seqs(200) == 8
+    assert graphs.seqs(16) == 8 and graphs.adapter_slots(16) == 2 and graphs.seqs(200) == 8
     assert graphs.fits(_step(10, 3), 3) == 16
     assert graphs.fits(_step(65, 3), 3) == 128
     assert graphs.fits(_step(200, 8, slots=2), 8) == 200
@@ -199,7 +199,7 @@ def test_a_step_staged_into_a_bucket_is_what_its_graph_reads():
         assert static.query_start_loc.tolist() == [0, 1, 2, 10] + [10] * (seqs - 3)
         assert static.sample_indices.tolist() == [0, 1, 9] + [0] * 5
         assert static.input_ids[:10].tolist() == [100, 55, *range(102, 110)]      # row 1 fed on the device
-        assert static.slot_mapping[10:].eq(-1).all()                              # padding rows store no K/V
+        assert static.kv_locations[10:].eq(-1).all()                              # padding rows store no K/V
         packed = graphs.staged.device_extra(ATTENTION_INPUTS)[:2 * seqs + 1]
         for got, want in zip(split_attention_inputs(packed), attention_inputs(host, seqs)):
             assert torch.equal(got, want)

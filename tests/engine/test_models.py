@@ -144,8 +144,9 @@ def test_cuda_backends_use_pdl_only_where_asked_and_supported(monkeypatch, asked
     attention, lora = attention_backend.backends_for(torch.device("cuda"), pdl=asked)
     assert attention.pdl is lora.pdl is (asked and supported)
     tables = torch.zeros(2, 7, 1, dtype=torch.int32)                  # [layers, modules, slots]
-    step = lora.step(StepLora(torch.tensor([0, -1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
-                              tables, tables.long(), tables.long(), tables.float(), 16, [[True] * 7] * 2))
+    step = lora.step(StepLora(token_slots=torch.tensor([0, -1], dtype=torch.int32),
+                              page_tables=torch.zeros(1, 1, dtype=torch.int32), ranks=tables, a_offsets=tables.long(),
+                              b_offsets=tables.long(), scalings=tables.float(), max_rank=16, active=[[True] * 7] * 2))
     assert step.kernels.pdl is (asked and supported)
 
 

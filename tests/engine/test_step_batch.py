@@ -13,17 +13,20 @@ LARGEST = {"tokens": 8, "seqs": 8, "pages": 4, "slots": 8, "adapter_pages": 3, "
 def _step(n: int, slots: int, width: int) -> step_batch.HostBatch:
     """A decode step of n sequences over `slots` adapters, every value distinct from any pad value."""
     tables = torch.arange(2 * 7 * slots).view(2, 7, slots) + 1                     # [layers, modules, slots]
-    lora = step_batch.StepLora(torch.arange(n, dtype=torch.int32) % slots, torch.full((slots, 2), 5, dtype=torch.int32),
-                               tables.int(), tables.long(), tables.long(), tables.float(), 16, [[True] * 7] * 2)
+    lora = step_batch.StepLora(
+        token_slots=torch.arange(n, dtype=torch.int32) % slots, page_tables=torch.full((slots, 2), 5, dtype=torch.int32),
+        ranks=tables.int(), a_offsets=tables.long(), b_offsets=tables.long(), scalings=tables.float(), max_rank=16,
+        active=[[True] * 7] * 2)
     return step_batch.as_host(step_batch.StepBatch(
-        torch.arange(n) + 100, torch.arange(n) + 200, torch.arange(n) + 300,
-        torch.full((n, width), 7, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32),
-        torch.arange(n, dtype=torch.int32) + 1, torch.arange(n), 16, 1, width * 16, lora))
+        input_ids=torch.arange(n) + 100, positions=torch.arange(n) + 200, kv_locations=torch.arange(n) + 300,
+        block_tables=torch.full((n, width), 7, dtype=torch.int32), query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        context_lens=torch.arange(n, dtype=torch.int32) + 1, sample_indices=torch.arange(n), page_size=16,
+        max_query_len=1, max_context_len=width * 16, lora=lora))
 
 
 def _dirty(batch: step_batch.StepBatch) -> None:
     """Leftovers of an earlier, larger step in every buffer but the arange ones."""
-    for tensor in (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.context_lens):
+    for tensor in (batch.input_ids, batch.positions, batch.kv_locations, batch.block_tables, batch.context_lens):
         tensor.fill_(9)
     assert batch.lora is not None
     for tensor in (batch.lora.token_slots, batch.lora.page_tables, batch.lora.ranks, batch.lora.a_offsets):
@@ -35,7 +38,7 @@ def test_empty_makes_buffers_of_the_named_sizes_with_pads_and_aranges():
     assert static.block_tables.shape == (8, 4) and static.query_start_loc.shape == (9,)
     assert torch.equal(static.query_start_loc, torch.arange(9, dtype=torch.int32))
     assert torch.equal(static.sample_indices, torch.arange(8))
-    assert (static.slot_mapping == -1).all() and (static.context_lens == 0).all()
+    assert (static.kv_locations == -1).all() and (static.context_lens == 0).all()
     assert static.lora is not None and static.lora.ranks.shape == (2, 7, 8) and (static.lora.token_slots == -1).all()
     assert static.max_context_len == 4 * 16 and static.lora.max_rank == 32
 
@@ -49,7 +52,7 @@ def test_copy_into_a_view_pads_what_the_step_leaves_and_keeps_the_aranges():
     host = _step(n=3, slots=2, width=2)
     host.copy_into(step_batch.host_arrays(graph))
     assert graph.input_ids[:3].tolist() == [100, 101, 102] and graph.positions[:3].tolist() == [200, 201, 202]
-    assert graph.slot_mapping.tolist() == [300, 301, 302, -1]                 # padding rows store no K/V
+    assert graph.kv_locations.tolist() == [300, 301, 302, -1]                 # padding rows store no K/V
     assert graph.context_lens.tolist() == [1, 2, 3, 0]                         # and attend to nothing
     assert graph.block_tables[:3, :2].tolist() == [[7, 7]] * 3
     assert torch.equal(graph.query_start_loc, torch.arange(5, dtype=torch.int32))   # never copied into
@@ -93,7 +96,7 @@ def test_build_lays_out_decode_rows_prompt_rows_and_a_chunk():
     batch = step_batch.build([ScheduledSeq(decoding, 1), ScheduledSeq(ending, 1), ScheduledSeq(middle, 3)], {}, 4)
     assert batch.input_ids.tolist() == [22, 35, 42, 43, 44]
     assert batch.positions.tolist() == [5, 4, 1, 2, 3]
-    assert batch.slot_mapping.tolist() == [7 * 4 + 1, 9 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3]
+    assert batch.kv_locations.tolist() == [7 * 4 + 1, 9 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3]
     assert batch.query_start_loc.tolist() == [0, 1, 2, 5] and batch.context_lens.tolist() == [6, 5, 4]
     assert batch.sample_indices.tolist() == [0, 1]                 # the middle chunk samples nothing
     assert batch.num_decodes == 2                                  # the leading one-token rows
@@ -118,7 +121,7 @@ def test_build_gives_a_chunk_across_pages_each_pages_slots_and_pads_ragged_table
     descriptor = AdapterDescriptor(tables * 8, tables.long(), tables.long(), tables.float())
     batch = step_batch.build([ScheduledSeq(decoding, 1), ScheduledSeq(chunked, 9)], {"v1": (descriptor, [11, 12])}, 4)
     assert batch.input_ids.tolist() == [7, *range(102, 111)]
-    assert batch.slot_mapping.tolist() == [8 * 4 + 3, 5 * 4 + 2, 5 * 4 + 3, *range(9 * 4, 9 * 4 + 4), *range(4 * 4, 4 * 4 + 3)]
+    assert batch.kv_locations.tolist() == [8 * 4 + 3, 5 * 4 + 2, 5 * 4 + 3, *range(9 * 4, 9 * 4 + 4), *range(4 * 4, 4 * 4 + 3)]
     assert batch.block_tables.tolist() == [[8, 0, 0], [5, 9, 4]]
     assert batch.lora is not None and batch.lora.token_slots.tolist() == [-1] + [0] * 9
     assert batch.lora.page_tables.tolist() == [[11, 12]] and batch.lora.token_slots.dtype == np.int32
@@ -167,7 +170,7 @@ def test_a_recomputed_chunk_reads_its_prompt_and_output_tokens_in_order():
                              {}, 4)
     assert batch.input_ids.tolist() == [13, 1, 2, 3, 7, 13] and batch.input_ids.dtype == np.int64
     assert batch.positions.tolist() == [2, 0, 1, 2, 3, 2]
-    assert batch.slot_mapping.tolist() == [6 * 4 + 2, 4 * 4, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 2]
+    assert batch.kv_locations.tolist() == [6 * 4 + 2, 4 * 4, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 2]
 
 
 def test_a_build_refuses_a_token_past_its_block_table():
@@ -181,6 +184,6 @@ def test_a_build_refuses_a_token_past_its_block_table():
     longer = Sequence(2, "l", list(range(10)), SamplingParams(max_tokens=8), block_table=BlockTable([4, 5, 6]))
     with pytest.raises(AssertionError, match="without its page"):
         step_batch.build([ScheduledSeq(longer, 10), ScheduledSeq(short, 6)], {}, 4)   # positions 4-5: page 1
-    assert step_batch.build([ScheduledSeq(longer, 10), ScheduledSeq(short, 4)], {}, 4).slot_mapping[-1] == 3 * 4 + 3
+    assert step_batch.build([ScheduledSeq(longer, 10), ScheduledSeq(short, 4)], {}, 4).kv_locations[-1] == 3 * 4 + 3
     with pytest.raises(ValueError):
         short.prompt_array[0] = 9

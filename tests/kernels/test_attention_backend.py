@@ -21,8 +21,10 @@ def _batch(cases: list[tuple[int, int]], page_size: int, num_decodes: int, gen: 
     starts = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(torch.int32)
     tokens = int(new.sum())
     zeros = torch.zeros(tokens, dtype=torch.long)
-    batch = StepBatch(zeros, zeros, zeros, kv.block_tables, starts, kv.context_lens, starts[1:].long() - 1,
-                      page_size, int(new.max()), max(lengths), None, num_decodes)
+    batch = StepBatch(input_ids=zeros, positions=zeros, kv_locations=zeros, block_tables=kv.block_tables,
+                      query_start_loc=starts, context_lens=kv.context_lens, sample_indices=starts[1:].long() - 1,
+                      page_size=page_size, max_query_len=int(new.max()), max_context_len=max(lengths),
+                      num_decodes=num_decodes)
     return batch, kv.kv_pool
 
 
@@ -136,8 +138,9 @@ def test_row_queries_find_each_rows_sequence_past_empty_ones():
     tables = torch.arange(12, dtype=torch.int32).view(4, 3)
     starts = torch.tensor([0, 3, 3, 7, 7], dtype=torch.int32)       # sequence 1 is empty; 3 and the end too
     positions = torch.tensor([5, 6, 7, 0, 1, 2, 3])
-    batch = StepBatch(positions, positions, positions, tables, starts, torch.tensor([8, 0, 4, 0], dtype=torch.int32),
-                      torch.tensor([2, 3, 6]), 8, 4, 8, None, 0)
+    batch = StepBatch(input_ids=positions, positions=positions, kv_locations=positions, block_tables=tables,
+                      query_start_loc=starts, context_lens=torch.tensor([8, 0, 4, 0], dtype=torch.int32),
+                      sample_indices=torch.tensor([2, 3, 6]), page_size=8, max_query_len=4, max_context_len=8)
     got_rows, got_tables, context_lens = row_queries(batch, torch.tensor([2, 3, 6]))
     assert got_rows.tolist() == [2, 3, 6]
     assert got_tables.tolist() == [tables[0].tolist(), tables[2].tolist(), tables[2].tolist()]

@@ -445,7 +445,7 @@ def test_reference_rotary_stores_the_rotated_keys_and_the_values():
     heads = (4, 2, 16)
     _, qkv, cos, sin = _rotary_case(5, *heads, torch.float32, seed=40)
     kv = _paged_kv_case(5, 3, 8, 2, 16, torch.float32, make_generator(41))
-    kv = kv._replace(slot_mapping=torch.tensor([0, 9, -1, 23, 4], dtype=torch.int32))
+    kv = kv._replace(kv_locations=torch.tensor([0, 9, -1, 23, 4], dtype=torch.int32))
     before = kv.kv_pool.clone()
     reference.rotary_qk_(qkv, cos, sin, *heads, kv=kv)
     pages = reference.kv_page_view(kv.kv_pool, 8, 2)                 # [pages, 2, page_size, kv_heads, head_dim]
@@ -495,12 +495,12 @@ def test_rotary_qk_of_q_alone_has_nothing_to_store():
 def test_rotary_qk_stores_kv_with_int64_slots_and_no_tokens():
     wide, qkv, cos, sin = _rotary_case(6, 4, 1, 16, torch.float32, seed=45)
     kv = _paged_kv_case(6, 3, 8, 1, 16, torch.float32, make_generator(46))
-    kv = kv._replace(slot_mapping=kv.slot_mapping.long())
+    kv = kv._replace(kv_locations=kv.kv_locations.long())
     expected_pool = kv.kv_pool.clone()
     reference.rotary_qk_(qkv.clone(), cos, sin, 4, 1, 16, kv=kv._replace(kv_pool=expected_pool))
     rotary_qk_(qkv, cos, sin, 4, 1, 16, kv=kv)
     assert torch.equal(kv.kv_pool, expected_pool)
-    rotary_qk_(qkv[:0], cos[:0], sin[:0], 4, 1, 16, kv=kv._replace(slot_mapping=kv.slot_mapping[:0]))
+    rotary_qk_(qkv[:0], cos[:0], sin[:0], 4, 1, 16, kv=kv._replace(kv_locations=kv.kv_locations[:0]))
     assert torch.equal(kv.kv_pool, expected_pool)
 
 
@@ -508,9 +508,9 @@ def test_rotary_qk_stores_kv_with_int64_slots_and_no_tokens():
     (lambda kv: kv._replace(kv_pool=kv.kv_pool[:, :-2]), "kv_pool must be"),
     (lambda kv: kv._replace(kv_pool=kv.kv_pool[0]), "kv_pool must be"),
     (lambda kv: kv._replace(page_size=0), "page_size must be positive"),
-    (lambda kv: kv._replace(slot_mapping=kv.slot_mapping[:-1]), "slot_mapping must be"),
-    (lambda kv: kv._replace(slot_mapping=kv.slot_mapping.float()), "int32 or int64"),
-    (lambda kv: kv._replace(slot_mapping=torch.stack([kv.slot_mapping] * 2, 1)[:, 0]), "must be contiguous"),
+    (lambda kv: kv._replace(kv_locations=kv.kv_locations[:-1]), "kv_locations must be"),
+    (lambda kv: kv._replace(kv_locations=kv.kv_locations.float()), "int32 or int64"),
+    (lambda kv: kv._replace(kv_locations=torch.stack([kv.kv_locations] * 2, 1)[:, 0]), "must be contiguous"),
     (lambda kv: kv._replace(kv_pool=torch.stack([kv.kv_pool] * 2, 2)[:, :, 0]), "kv_pool must be contiguous"),
     (lambda kv: kv._replace(kv_pool=kv.kv_pool.long()), "kv_pool must be float16"),
     (lambda kv: kv._replace(kv_pool=_meta(kv.kv_pool)), "one device"),
