@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 SERVER_OWNER = "slora"          # owned_by of the base model and of the adapters no tenant loaded
+SNIFF_BYTES = 64                # of an uploaded file, read to tell JSON from safetensors
 _NAME = re.compile(ADAPTER_NAME_PATTERN)
 T = TypeVar("T")
 
@@ -107,7 +109,7 @@ def choose_upload_files(files: list[UploadedFile]) -> dict[str, UploadedFile]:
     """The upload's two PEFT files, by their names in the adapter folder. Pickle files are refused unread."""
     chosen: dict[str, UploadedFile] = {}
     for item in files:
-        filename = PurePosixPath(item.filename.replace("\\", "/")).name
+        filename = base_filename(item)
         if filename.endswith(PICKLE_SUFFIXES) or item.field.endswith(PICKLE_SUFFIXES):
             raise bad_request(f"{filename}: pickle files are never loaded; upload {WEIGHTS_FILE}",
                               param=item.field)
@@ -116,6 +118,7 @@ def choose_upload_files(files: list[UploadedFile]) -> dict[str, UploadedFile]:
             raise bad_request(f"unexpected file {filename!r}: upload exactly {CONFIG_FILE} and {WEIGHTS_FILE}",
                               param=item.field)
         chosen[target] = item
+    _refuse_swapped(chosen)
     missing = [f for f in ADAPTER_FILES if f not in chosen]
     if missing:
         raise bad_request(f"the upload lacks {', '.join(missing)}", param="files")
@@ -144,11 +147,65 @@ def _insufficient_storage(what: str, exc: OSError) -> APIError:
 
 
 def _upload_target(field: str, filename: str) -> str | None:
-    """Which PEFT file an upload part is: by its field name or by its file name."""
+    """Which PEFT file an upload part is: by its field name (the file's name, with or without its suffix), the
+    form's contract; by its file name only for a field of another name."""
     for target in ADAPTER_FILES:
-        if field in (target, target.split(".")[0]) or filename == target:
+        if _field_names(field, target):
             return target
-    return None
+    return filename if filename in ADAPTER_FILES else None
+
+
+def _field_names(field: str, target: str) -> bool:
+    return field in (target, target.split(".")[0])
+
+
+def _refuse_swapped(chosen: dict[str, UploadedFile]) -> None:
+    """A 400 naming both parts if the config's part holds safetensors weights and the weights' part JSON.
+
+    Refused, not loaded the other way round: vLLM and LoRAX load an adapter from what the request names and
+    answer a request that names the wrong thing with an error, not a guess, and so does this server for every
+    other mistake in an upload. A client whose two fields are crossed has a bug that a guessing server would
+    hide until it meets one that does not guess; the 400 says which fields to exchange. Without the check the
+    client would be told that the config is not valid JSON, which is true and no help."""
+    config, weights = chosen.get(CONFIG_FILE), chosen.get(WEIGHTS_FILE)
+    if config is None or weights is None or not _is_safetensors(config) or not _is_json_object(weights):
+        return
+    raise bad_request(f"the upload's two files are swapped: {_part(config, CONFIG_FILE)} holds safetensors "
+                      f"weights and {_part(weights, WEIGHTS_FILE)} holds JSON; send {CONFIG_FILE} as "
+                      f"'{CONFIG_FILE.split('.')[0]}' and {WEIGHTS_FILE} as '{WEIGHTS_FILE.split('.')[0]}'",
+                      param="files", code="upload_files_swapped")
+
+
+def _part(item: UploadedFile, target: str) -> str:
+    """An upload part as the client named it: by its field, or by its file name where that chose its place."""
+    return f"field '{item.field}'" if _field_names(item.field, target) else f"file '{base_filename(item)}'"
+
+
+def base_filename(item: UploadedFile) -> str:
+    """The part's file name without the client's folders (a browser may send them, with either slash)."""
+    return PurePosixPath(item.filename.replace("\\", "/")).name
+
+
+def _head(item: UploadedFile) -> bytes:
+    item.source.seek(0)
+    head = item.source.read(SNIFF_BYTES)
+    item.source.seek(0)
+    return head
+
+
+def _is_safetensors(item: UploadedFile) -> bool:
+    """A safetensors file: an 8-byte little-endian header length, then the JSON header, within the file."""
+    head = _head(item)
+    if len(head) < 9:
+        return False
+    header_length = struct.unpack("<Q", head[:8])[0]
+    return head[8:9] == b"{" and 8 + header_length <= item.size
+
+
+def _is_json_object(item: UploadedFile) -> bool:
+    """What begins like a JSON object (after a byte-order mark and white space) and is no safetensors file,
+    whose length bytes may begin with '{' too."""
+    return _head(item).removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"{" and not _is_safetensors(item)
 
 
 def _sanitize(message: str, hidden: list[Path]) -> str:

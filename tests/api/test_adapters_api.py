@@ -223,6 +223,40 @@ def _peft_files(adapter_root: Path, source: str) -> tuple[bytes, bytes]:
     return (folder / "adapter_config.json").read_bytes(), (folder / "adapter_model.safetensors").read_bytes()
 
 
+def test_upload_with_its_two_files_swapped_is_refused_naming_the_fields(http, adapter_root):
+    config, weights = _peft_files(adapter_root, "attn-r4")
+    crossed = {  # each form as a client with crossed variables sends it
+        "contents": {"adapter_config": ("adapter_config.json", weights),
+                     "adapter_model": ("adapter_model.safetensors", config)},
+        "fields": {"adapter_config": ("adapter_model.safetensors", weights),
+                   "adapter_model": ("adapter_config.json", config)},
+        "full names": {"adapter_config.json": ("adapter_config.json", weights),
+                       "adapter_model.safetensors": ("adapter_model.safetensors", config)},
+    }
+    for case, files in crossed.items():
+        response = http.post("/v1/adapters", data={"name": "swapped"}, files=files)
+        assert response.status_code == 400, (case, response.text)
+        error = response.json()["error"]
+        assert_error_shape(response.json(), 400)
+        assert error["code"] == "upload_files_swapped" and error["param"] == "files", (case, error)
+        assert "swapped" in error["message"], (case, error)
+        for field in files:
+            assert f"field '{field}'" in error["message"], (case, error)
+    by_file_name = {"files": ("adapter_config.json", weights), "more": ("adapter_model.safetensors", config)}
+    response = http.post("/v1/adapters", data={"name": "swapped"}, files=by_file_name)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "upload_files_swapped"
+    assert "file 'adapter_config.json'" in response.json()["error"]["message"]
+    assert "swapped" not in adapters_by_name(http)
+
+
+def test_upload_by_field_names_whatever_the_file_names(http, adapter_root):
+    config, weights = _peft_files(adapter_root, "attn-r4")
+    files = {"adapter_config": ("model.safetensors", config), "adapter_model": ("config.json", weights)}
+    response = http.post("/v1/adapters", data={"name": "renamed-files"}, files=files)
+    assert response.status_code == 200, response.text
+    assert http.delete("/v1/adapters/renamed-files").status_code == 200
+
+
 def test_model_cards_name_who_owns_each_adapter(http, adapter_root):
     config, weights = _peft_files(adapter_root, "mlp-r8")
     files = {"adapter_config": ("adapter_config.json", config), "adapter_model": ("adapter_model.safetensors", weights)}
