@@ -7,7 +7,7 @@ import logging
 import os
 import random
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -21,26 +21,28 @@ from slora.core.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from slora.core.page_pool import PageAllocator
-from slora.core.scheduler import ScheduledSeq, Scheduler
-from slora.core.sequence import AdapterRef, Sequence, SequenceStatus
+from slora.core.scheduler import ScheduledSeq
+from slora.core.sequence import Sequence, SequenceStatus
 from slora.core.step_stats import StepStats, StepTimer
-from slora.execution.adapter_manager import AdapterFormat, AdapterManager, UnknownAdapterError
+from slora.execution.adapter_manager import UnknownAdapterError
 from slora.execution.device_copy import select_rows, tensor_on
-from slora.execution.in_flight import ArrivingSample, ReadySample, TokensInFlight
-from slora.execution.model_runner import ModelRunner
-from slora.execution.step_batch import prompt_logits
+from slora.execution.in_flight import ArrivingSample, Launched, ReadySample, TokensInFlight
 from slora.models.builtin import resolve_model
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
 from slora.models.tokenizer import eos_token_ids, load_tokenizer
-from slora.sampling.detokenizer import IncrementalDetokenizer
 from slora.sampling.engine_grammars import EngineGrammars
 from slora.sampling.params import SamplingParams
-from slora.sampling.request_state import RequestState, check_request, step_grammars
+from slora.sampling.request_state import (
+    RequestState,
+    SequenceMaker,
+    check_request,
+    record_prompt_logprobs,
+    step_grammars,
+)
 from slora.sampling.sampler import Sampler
 from slora.sampling.stopping import append_token
-from slora.sizing import EngineSizing
+from slora.sizing import EngineSizing, build_pool_parts
 
 if TYPE_CHECKING:
     from slora.sampling.grammar import CompiledGrammar
@@ -51,15 +53,6 @@ logger = logging.getLogger(__name__)
 # Longest a step that schedules nothing waits for an adapter's read from disk to end: the longest a request
 # arriving meanwhile waits for the server's loop to take it.
 IDLE_STEP_WAIT_S = 0.005
-
-
-class Launched(NamedTuple):
-    """A step whose forward is queued: what its sampling needs."""
-
-    scheduled: list[ScheduledSeq]
-    completing: list[Sequence]        # logits row i samples completing[i]
-    logits: Tensor                    # [rows, vocab], not read yet
-    timer: StepTimer
 
 
 class Engine:
@@ -74,33 +67,23 @@ class Engine:
                                  self.model_config.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.tokenizer)
         self.shapes = self.model.lora_targets()
-        self.sizing = sizing = EngineSizing(config, self.model, self.shapes, self.max_model_len)
-        pool_shape, swap_pages = sizing.pool_shape(), sizing.swap_pages()
-        graphs = config.device != "cpu" and not config.cuda.enforce_eager
-        self.runner = ModelRunner(self.model, pool_shape, config.torch_dtype, config.torch_device,
-                                  sizing.graph_limits(pool_shape) if graphs else None, swap_pages, config.cuda.pdl)
+        self.sizing = EngineSizing(config, self.model, self.shapes, self.max_model_len)
         # The pool's pages, shared by KV (the scheduler's) and adapter weights (the manager's).
-        self.allocator = allocator = PageAllocator(pool_shape.num_pages, config.page_size)
-        scheduler_config = config.scheduler_config(swap_pages, self.max_model_len)
-        adapter_format = AdapterFormat(self.shapes, config.max_lora_rank, pool_shape.page_elems, config.torch_dtype,
-                                       pin_memory=config.device != "cpu")
-        self.adapters = AdapterManager(allocator, adapter_format, config.adapter_host_cache_bytes,
-                                       scheduler_config.usable_pages(allocator.num_pages))
-        self.scheduler = Scheduler(scheduler_config, allocator, adapter_pool=self.adapters)
+        self.runner, self.allocator, self.adapters, self.scheduler = build_pool_parts(self.sizing)
         self.sampler = Sampler(self.eos_token_ids)
         if config.device != "cpu":
             self.sampler.warm_up(self.model_config.vocab_size, config.torch_device)
         self.grammars = EngineGrammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                        config.grammar_token_budget_ms / 1e3, config.grammar_slow_tokens)
         self.step_stats = StepStats()          # wall time of steps by kind (prefill, decode, mixed)
-        self._decode_bytes = sizing.decode_bytes(self.adapters.weight_bytes)
+        self._decode_bytes = self.sizing.decode_bytes(self.adapters.weight_bytes)
         self._salt_secret = os.urandom(32)
         self.num_prompt_tokens_computed = 0   # prompt tokens that went through a forward (cache misses)
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
         self._failed: list[str] = []          # requests failed (_fail_request) since the last step returned
         self._tokens = TokensInFlight(pin=config.device != "cpu")
         self.requests: dict[str, RequestState] = {}
-        self._next_seq_id = 0
+        self._seqs = SequenceMaker(self.scheduler, self.tokenizer)
         self.adapters.load_demos(source.demo_adapters)
 
     # ---- adapters -----------------------------------------------------------------------------------
@@ -139,34 +122,15 @@ class Engine:
         grammars = None if params.structured is None else [self.grammars.start(params.structured, grammar)]
         if ref is not None:
             self.adapters.acquire(ref.version)
-        parent = self._new_seq(request_id, prompt_token_ids, params, ref, 0, self.cache_salt(owner))
+        parent = self._seqs.new(request_id, prompt_token_ids, params, ref, self.cache_salt(owner))
         self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent],
-                                                 None if ref is None else ref.version,
-                                                 [""], params.num_samples, [IncrementalDetokenizer(self.tokenizer)],
-                                                 stream, grammars=grammars)
+                                                 None if ref is None else ref.version, [""], params.num_samples,
+                                                 [self._seqs.detokenizer()], stream, grammars=grammars)
         self.scheduler.add(parent)
 
     def cache_salt(self, owner: str | None) -> bytes:
         """Per-tenant salt of the prefix-cache hashes: one tenant's cached pages never serve another."""
         return hmac.new(self._salt_secret, (owner or "").encode(), hashlib.sha256).digest()
-
-    def _new_seq(self, request_id: str, prompt: list[int], params: SamplingParams, ref: AdapterRef | None,
-                 index: int, salt: bytes) -> Sequence:
-        self._next_seq_id += 1
-        return Sequence(self._next_seq_id, request_id, list(prompt), params, ref, sample_index=index,
-                        cache_salt=salt)
-
-    def _fork_samples(self, state: RequestState) -> list[Sequence]:
-        """After the first sample's prefill, the other samples start as copies sharing its pages."""
-        parent = state.seqs[0]
-        children = [self._new_seq(state.request_id, parent.prompt_token_ids, parent.params, parent.adapter, i,
-                                  parent.cache_salt) for i in range(1, state.num_samples)]
-        for child in children:
-            child.num_cached_tokens = parent.num_cached_tokens
-            self.scheduler.fork(parent, child)
-            state.seqs.append(child)
-            state.add_sample(IncrementalDetokenizer(self.tokenizer))
-        return children
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; None if it is not running."""
@@ -225,7 +189,8 @@ class Engine:
         samples of the completing sequences (logits row i: completing[i]), left on their way to the host. A
         sequence that ended meanwhile is not sampled, and its freed pages are not registered."""
         scheduled, completing, logits, timer = launched
-        self._record_prompt_logprobs(scheduled, logits[len(completing):])
+        record_prompt_logprobs(self.requests, scheduled, logits[len(completing):],
+                               lambda seq: self._fail_internal(seq, "computing its prompt logprobs"))
         for item in scheduled:
             if item.seq.status is not SequenceStatus.FINISHED:
                 self.num_prompt_tokens_computed += item.prompt_tokens
@@ -236,16 +201,6 @@ class Engine:
     def _collect(self, touched: dict[str, RequestState]) -> None:
         """Append the tokens of the step in flight, once they are on the host."""
         self._append_tokens(self._tokens.take(), touched)
-
-    def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], logits: Tensor) -> None:
-        """The prompt logprobs of this step's rows past its sampled ones; a request whose rows raise fails alone."""
-        for item, positions, rows in prompt_logits(scheduled, logits):
-            if item.seq.status is SequenceStatus.FINISHED:
-                continue
-            try:
-                self.requests[item.seq.request_id].store_prompt_logprobs(positions, rows)
-            except Exception:
-                self._fail_internal(item.seq, "computing its prompt logprobs")
 
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> tuple[Tensor, ArrivingSample]:
         """A token for each sequence (row of `logits`), sampled as one batch: the ids `[rows]` on the device,
@@ -299,7 +254,7 @@ class Engine:
             if seq.status is SequenceStatus.FINISHED:
                 continue                               # its pending token ended it
             state = self.requests[seq.request_id]
-            family = [seq] + (self._fork_samples(state) if state.needs_fork and seq is state.seqs[0] else [])
+            family = [seq] + (self._seqs.fork_samples(state) if state.needs_fork and seq is state.seqs[0] else [])
             rows += [row] * len(family)
             seqs += family
         return rows, seqs
@@ -309,17 +264,13 @@ class Engine:
         for seq, token, logprob in sampled:
             if seq.status is SequenceStatus.FINISHED:
                 continue                               # another sample's fault failed its request
+            state = touched[seq.request_id] = self.requests[seq.request_id]
             try:
-                self._append_token(seq, token, logprob)
+                reason = append_token(state, seq, token, logprob, self.eos_token_ids, self.max_model_len)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
             except Exception:
                 self._fail_internal(seq, "handling its new token")
-            touched[seq.request_id] = self.requests[seq.request_id]
-
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        reason = append_token(self.requests[seq.request_id], seq, token, logprob, self.eos_token_ids,
-                              self.max_model_len)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
 
     def _finalize(self, state: RequestState) -> RequestOutput:
         output = state.output()

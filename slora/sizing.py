@@ -2,19 +2,33 @@
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from slora.adapters.shapes import TargetShapes
 from slora.config import EngineConfig
+from slora.core.page_pool import PageAllocator
+from slora.core.scheduler import Scheduler
 from slora.core.step_stats import DecodeBytes
+from slora.execution.adapter_manager import AdapterFormat, AdapterManager
 from slora.execution.cuda_graphs import GraphLimits
-from slora.execution.model_runner import PoolShape, profile_activation_bytes
+from slora.execution.model_runner import ModelRunner, PoolShape, profile_activation_bytes
 from slora.kernels.checks import check_adapter_span
 from slora.kernels.layout import align_up
 from slora.models.registry import ServedModel
 
 logger = logging.getLogger(__name__)
+
+
+class PoolParts(NamedTuple):
+    """The owners of the pool's pages, built to the sizes: KV pages go to the scheduler, adapter weights to
+    the adapter manager, and the runner holds the pool itself."""
+
+    runner: ModelRunner
+    allocator: PageAllocator
+    adapters: AdapterManager
+    scheduler: Scheduler
 
 
 @dataclass(frozen=True)
@@ -90,3 +104,19 @@ class EngineSizing:
         untied_table = 0 if tied else embedding.numel() * embedding.element_size()
         return DecodeBytes(params - untied_table, 0 if tied else embedding.shape[1] * embedding.element_size(),
                            self.page_bytes // self.config.page_size, adapter_weight_bytes)
+
+
+def build_pool_parts(sizing: EngineSizing) -> PoolParts:
+    """The runner, the page allocator and the two owners of its pages, sized by `sizing`."""
+    config = sizing.config
+    pool_shape, swap_pages = sizing.pool_shape(), sizing.swap_pages()
+    graphs = sizing.graph_limits(pool_shape) if config.device != "cpu" and not config.cuda.enforce_eager else None
+    runner = ModelRunner(sizing.model, pool_shape, config.torch_dtype, config.torch_device, graphs, swap_pages,
+                         config.cuda.pdl)
+    allocator = PageAllocator(pool_shape.num_pages, config.page_size)
+    scheduler_config = config.scheduler_config(swap_pages, sizing.max_model_len)
+    adapter_format = AdapterFormat(sizing.shapes, config.max_lora_rank, pool_shape.page_elems, config.torch_dtype,
+                                   pin_memory=config.device != "cpu")
+    adapters = AdapterManager(allocator, adapter_format, config.adapter_host_cache_bytes,
+                              scheduler_config.usable_pages(allocator.num_pages))
+    return PoolParts(runner, allocator, adapters, Scheduler(scheduler_config, allocator, adapter_pool=adapters))

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from slora.core.outputs import TokenLogprob
+from slora.core.scheduler import ScheduledSeq
 from slora.core.sequence import Sequence
 from slora.core.step_stats import StepTimer
 from slora.sampling.sampler import DeviceSample, SampleResult, host_result
@@ -71,6 +72,15 @@ class ReadySample:
 
     def result(self) -> SampleResult:
         return self._result
+
+
+class Launched(NamedTuple):
+    """A step whose forward is queued: what its sampling needs."""
+
+    scheduled: list[ScheduledSeq]
+    completing: list[Sequence]        # logits row i samples completing[i]
+    logits: Tensor                    # [rows, vocab], not read yet
+    timer: StepTimer
 
 
 class InFlight(NamedTuple):

@@ -1,15 +1,19 @@
 """One request inside the engine: its samples, their texts as they are decoded, and why it failed."""
 import dataclasses
 import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
 from slora.core.outputs import CompletionOutput, RequestError, RequestOutput, TokenLogprob
-from slora.core.sequence import Sequence, SequenceStatus
+from slora.core.scheduler import ScheduledSeq, Scheduler
+from slora.core.sequence import AdapterRef, Sequence, SequenceStatus
 from slora.execution.device_copy import tensor_on
+from slora.execution.step_batch import prompt_logits
 from slora.sampling.detokenizer import IncrementalDetokenizer
 from slora.sampling.params import SamplingParams
 from slora.sampling.sampler import GrammarMask, token_logprobs
@@ -93,6 +97,19 @@ def step_grammars(requests: dict[str, RequestState], seqs: list[Sequence]) -> li
     return [requests[s.request_id].grammar_of(s) for s in seqs]
 
 
+def record_prompt_logprobs(requests: dict[str, RequestState], scheduled: list[ScheduledSeq], logits: Tensor,
+                           on_error: Callable[[Sequence], None]) -> None:
+    """Store the prompt logprobs of a step's rows past its sampled ones (`logits` `[rows, vocab]`); a request
+    whose rows raise gets `on_error` and fails alone."""
+    for item, positions, rows in prompt_logits(scheduled, logits):
+        if item.seq.status is SequenceStatus.FINISHED:
+            continue
+        try:
+            requests[item.seq.request_id].store_prompt_logprobs(positions, rows)
+        except Exception:
+            on_error(item.seq)
+
+
 def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
                   max_num_seqs: int) -> None:
     """A request the engine can take: ValueError naming what is wrong with it."""
@@ -134,3 +151,32 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
         if outside:
             raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab_size}): "
                              f"{reprlib.repr(outside)}")
+
+
+class SequenceMaker:
+    """Makes the sequences of requests, numbered in order: a request's first sample at admission, the others
+    forked from it after its prefill, sharing its pages."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: PreTrainedTokenizerBase | None) -> None:
+        self._scheduler, self._tokenizer = scheduler, tokenizer
+        self._next_id = 0
+
+    def new(self, request_id: str, prompt: list[int], params: SamplingParams, ref: AdapterRef | None,
+            salt: bytes, index: int = 0) -> Sequence:
+        self._next_id += 1
+        return Sequence(self._next_id, request_id, list(prompt), params, ref, sample_index=index, cache_salt=salt)
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._tokenizer)
+
+    def fork_samples(self, state: RequestState) -> list[Sequence]:
+        """After the first sample's prefill, the other samples start as copies sharing its pages."""
+        parent = state.seqs[0]
+        children = [self.new(state.request_id, parent.prompt_token_ids, parent.params, parent.adapter,
+                             parent.cache_salt, i) for i in range(1, state.num_samples)]
+        for child in children:
+            child.num_cached_tokens = parent.num_cached_tokens
+            self._scheduler.fork(parent, child)
+            state.seqs.append(child)
+            state.add_sample(self.detokenizer())
+        return children
