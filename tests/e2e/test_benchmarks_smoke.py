@@ -171,7 +171,7 @@ CASES = {
     "serving": Case("serving.py", ("--quick", "--device", "cpu"), check_serving),
     "step_host": Case("step_host.py", ("--quick", "--device", "cpu", "--host-speed"), check_step_host_speed),
     "soak": Case("soak.py", ("--quick",), check_soak),
-    "ptx_loads": Case("experiments/ptx_loads.py", ("--quick",), check_ptx_loads),
+    "ptx_loads": Case("ptx_loads.py", ("--quick",), check_ptx_loads),
     "decode-cuda": Case("decode.py", ("--quick",), check_decode, gpu=True),
     "prefill-cuda": Case("prefill.py", ("--quick",), check_prefill, gpu=True),
     "engine_throughput-cuda": Case("engine_throughput.py", ("--quick", "--device", "cuda"), check_vllm_workloads,

@@ -1,4 +1,4 @@
-"""The 64-column LoRA tiles read adapter weights with 16-byte vector loads on sm_90: benchmarks/experiments/ptx_loads.py
+"""The 64-column LoRA tiles read adapter weights with 16-byte vector loads on sm_90: benchmarks/ptx_loads.py
 compiles them for the H100/H200 on this CPU-only machine (Triton's NVIDIA backend needs no GPU to emit PTX) and
 counts their global loads by width, and reads their registers from the cubin. With 64-column tiles (ALIGN)
 the adapter weights load with vector loads whatever the Triton version; the default 128-column tiles,
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from benchmark_modules import SUBPROCESS_TIMEOUT_S
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "experiments" / "ptx_loads.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ptx_loads.py"
 
 
 def test_align_wide_tiles_read_adapter_weights_with_vector_loads(tmp_path):

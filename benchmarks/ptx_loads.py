@@ -15,7 +15,7 @@ version: run it with the GPU machine's (3.6; kernel_resources.py reads the varia
 Triton 3.9 compiles the 128-column tiles' per-column page choice to 2-byte loads, Triton 3.6 to 16-byte
 loads.
 
-    python benchmarks/experiments/ptx_loads.py [--quick] [--out PATH]
+    python benchmarks/ptx_loads.py [--quick] [--out PATH]
 
 --quick is the same run (it takes seconds); it exists so that CI runs the script like the others. It
 must run without TRITON_INTERPRET (the interpreter replaces the JIT functions that are compiled here).
@@ -28,8 +28,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, for common.py
-from common import cubin_resources, default_out, occupancy_columns, print_table, write_json  # noqa: E402
+from common import cubin_resources, default_out, occupancy_columns, print_table, write_json
 
 # Element types of the kernels' pointer arguments (the rest are int32 tables).
 POINTER_TYPES = {"x_ptr": "*bf16", "pool_ptr": "*bf16", "out_ptr": "*bf16", "h_ptr": "*fp32", "scale_ptr": "*fp32",
