@@ -194,7 +194,7 @@ class AsyncEngine:
 
     async def prepare_adapter(self, path: Path) -> PreparedAdapter:
         """Read, validate and pack an adapter on a worker thread; only the engine's immutable configuration
-        is read there. Register the result with `call(lambda e: e.register_adapter(...))`."""
+        is read there. Register the result on the engine thread with `call(lambda e: e.adapters.register(...))`."""
         if self._engine is None:
             raise EngineUnavailable(self.state.value)
         return await asyncio.to_thread(self._engine.adapters.prepare, path)

@@ -20,7 +20,7 @@ optional keyword arguments. Design (segmented gather matmul, SGMV-style):
   apart (offsets must be multiples of ALIGN). A tile row (at most a page) lies in
   at most two pages, so it needs one or two page-table lookups. A tile of ALIGN columns lies in one
   page, so its page is chosen per row; a wider tile chooses per column, which Triton 3.6 compiles to
-  16-byte vector loads and Triton 3.9 to 2-byte loads (benchmarks/experiments/ptx_loads.py).
+  16-byte vector loads and Triton 3.9 to 2-byte loads (benchmarks/ptx_loads.py).
 - Shrink of few tokens splits the reduction (`in_features`) over SPLIT_K programs that write fp32
   partial sums (`lora_shrink(partials=True)` returns them; by default it returns their sum); expand sums
   them in a fixed order as it reads h (deterministic, no atomics, and no launch of its own: decode LoRA
@@ -56,7 +56,7 @@ _MAX_ACCUMULATE_SPLIT_K = 32
 _MAX_MODULES = 3
 # The constants below are fixed for the product; the tests set them (monkeypatch) to reach every path.
 # Output tiles each expand program covers. More means fewer programs that only find a spare block, but
-# on the H200 one was fastest (benchmarks/results/h200/lora_sweep.json).
+# on the H200 one was fastest (docs/decisions.md, the LoRA kernel runs).
 _EXPAND_N_TILES = 1
 # Columns of a row loaded per tile (a power of two >= ALIGN, at most a page): shrink's reduction
 # chunk and expand's output tile. Wider tiles put more bytes in flight per program and need fewer
@@ -73,7 +73,7 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2
 # Warps of the expand's one-token (gemv) kernel: 8 columns each of its threads. On the H200 the layer's
 # expands with 256 distinct adapters took 205.1 / 200.5 / 197.0 µs with 1 / 2 / 4 warps (256- to 1024-column
-# tiles), measured on its first version (a branch between rows: benchmarks/HISTORY.md), not re-measured since.
+# tiles), measured on its first version (a branch between rows: docs/decisions.md), not re-measured since.
 _GEMV_WARPS = LORA_GEMV_TILE // (8 * 32)
 
 
@@ -163,7 +163,7 @@ def _load_run(pool_ptr, first, second, room, col_off, row_mask, col_mask, WIDTH:
         # A page boundary falls on a multiple of ALIGN, so the run lies in one page: its page is chosen per
         # row and its columns are contiguous. Columns past the row's end are its ALIGN padding, in the same
         # page: they are loaded with the row and zeroed after, so that the load's mask is constant along a
-        # row. Both keep 16-byte vector loads in the sm_90 PTX (benchmarks/experiments/ptx_loads.py).
+        # row. Both keep 16-byte vector loads in the sm_90 PTX (benchmarks/ptx_loads.py).
         start = (tl.where(col_off < room, first, second) + col_off) // ALIGN_ELEMS * ALIGN_ELEMS   # [R]
         run = tl.load(pool_ptr + start[:, None] + tl.arange(0, WIDTH)[None, :], mask=row_mask[:, None],
                       other=0.0)
@@ -272,7 +272,7 @@ def _store_scaled(o_ptrs, o_mask, base, acc, scaling):
 
 
 # Ints that change with the step's size (k_per_split, stride_hsplit) stay specialised: without it
-# (do_not_specialize) decode steps on the H200 took 2-40% longer (benchmarks/HISTORY.md). The variants that
+# (do_not_specialize) decode steps on the H200 took 2-40% longer (docs/decisions.md). The variants that
 # mixed steps need are compiled at start (ModelRunner.warm_up). What changes with the step's adapter mix
 # (the per-slot tables' pointers, whose 16-byte alignment depends on the layer and the slot count, and
 # their strides) is read once per program, so it is not specialised: each mix would compile its own

@@ -40,7 +40,7 @@ class PrefillLaunch(NamedTuple):
 
 
 # On CUDA: blocks of 64 queries, or 32 when the sequences are short (fewer padded rows); with the new
-# tokens' K/V in rows of their own, three stages (faster on the H200: benchmarks/HISTORY.md).
+# tokens' K/V in rows of their own, three stages (faster on the H200: docs/decisions.md).
 # default_launch takes row blocks of LONG_BLOCK_M when a step has that many new tokens per sequence.
 LONG_BLOCK_M = 64
 _LAUNCH = PrefillLaunch(block_m=LONG_BLOCK_M, block_n=64, num_warps=4, num_stages=2)

@@ -1,7 +1,6 @@
 """Shared test setup. Triton kernels run in the interpreter when there is no GPU; the variable must be
 set before triton is first imported, which is why it happens here, in the root conftest."""
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -11,7 +10,6 @@ import slora  # noqa: F401 - first: it takes the repository root off sys.path (s
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
@@ -89,26 +87,6 @@ def smollm2():
     """The default model, SmolLM2-135M-Instruct, as the offline API serves it (converted on first use)."""
     from slora import LLM
     return LLM()
-
-
-@pytest.fixture(scope="session")
-def quick_benchmark(tmp_path_factory):
-    """`quick_benchmark(script)`: `benchmarks/<script> --quick --out <folder>/out.json` run once in the session,
-    as (the finished process, with its output as text; the --out path). Test modules that check the same
-    script's quick run share it (benchmarks/sharing.py takes about 18 s)."""
-    from benchmark_modules import BENCHMARKS, SUBPROCESS_TIMEOUT_S
-
-    runs: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
-
-    def run(script: str) -> tuple[subprocess.CompletedProcess, Path]:
-        if script not in runs:
-            out = tmp_path_factory.mktemp("quick-" + Path(script).stem) / "out.json"
-            done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
-                                  capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
-            runs[script] = (done, out)
-        return runs[script]
-
-    return run
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,7 @@ class ReferenceAttention:
 # Prefill tokens from which a step's attention reads their K/V from the step's own rows (tensor descriptors):
 # its launch costs the host about 45 us more than reading them back from the pages (H200, triton 3.6), which
 # a small step, whose host work runs beside its GPU time, cannot spare; from here on the GPU time it saves
-# outweighs it (benchmarks/HISTORY.md, session 18).
+# outweighs it (docs/decisions.md, "What bounds the prefill step?").
 NEW_KV_MIN_TOKENS = 2048
 
 

@@ -21,7 +21,7 @@ from slora.kernels import reference
 if TYPE_CHECKING:
     from slora.kernels.lora import LoraSegments
 
-# The launch thresholds, measured on the H200 (benchmarks/HISTORY.md has the runs).
+# The launch thresholds, measured on the H200 (docs/decisions.md names the runs).
 # Up to this many tokens, shrinking into one atomically summed h beat split partial sums.
 ACCUMULATE_MAX_TOKENS = 64
 # Steps with at most this many adapter slots (the few-adapter decode graphs) accumulate too...

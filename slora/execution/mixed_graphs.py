@@ -41,7 +41,7 @@ Packed = TypeVar("Packed", Tensor, np.ndarray)
 
 # A bucket whose graph runs this much slower than a larger bucket's is not used: its steps pad to the larger
 # one. cuBLAS picks some GEMMs badly at some row counts (on an H200, the Llama-3-8B gate/up projection at 448
-# rows: benchmarks/experiments/graph_launch.py); the margin keeps timing noise from dropping buckets.
+# rows: docs/decisions.md); the margin keeps timing noise from dropping buckets.
 SLOWER_BUCKET_MARGIN = 1.10
 TIMED_REPLAYS = 5
 # cuBLAS's workspace size as torch reads it, at every GEMM (torch 2.11's CublasHandlePool): ":0:0" is none.
@@ -78,7 +78,7 @@ def cublas_without_workspace() -> Iterator[None]:
     Llama-3-8B gate/up projection from 320 rows up). Captured, each zeroing is a memset node, and a graph's
     replay pays the host for each one: 32 of them made a 512-token mixed-step graph's replay cost 0.16 against
     0.05 ms. Without the workspace cuBLAS picks kernels without the counter, for 0.5-0.8% more GPU time on that
-    GEMM (benchmarks/experiments/graph_launch.py). The decode graphs keep the workspace: they have no such
+    GEMM (docs/decisions.md). The decode graphs keep the workspace: they have no such
     memset. Torch allocates a (handle, stream)'s workspace at its first GEMM, at the size then set, and later
     tells cuBLAS the size set at each GEMM: a stream first used inside the context must never run a GEMM
     outside it. Not thread-safe: no other thread may launch GEMMs while the context is open."""

@@ -46,7 +46,7 @@ class WarmUpStep(NamedTuple):
 # LoRA token blocks of 64 (1 slot, 128 tokens) and 16 (4 x 8, 4 x 40), and split partial sums in blocks of
 # 64 (1 slot, 320 tokens) and 16 (5 slots, 80 tokens); and a mixed step, whose decode rows go through the
 # decode kernel unsplit. Run once at start so that the first real steps of these kinds do not stall to
-# compile: on the H200, compiling in the middle of an offline run cost it seconds (benchmarks/HISTORY.md).
+# compile: on the H200, compiling in the middle of an offline run cost it seconds (docs/decisions.md).
 WARM_UP_STEPS = (WarmUpStep(1, 128, 1), WarmUpStep(4, 8, 4), WarmUpStep(4, 40, 4), WarmUpStep(1, 320, 1),
                  WarmUpStep(5, 16, 5), WarmUpStep(1, 24, 1, decodes=2))
 

@@ -148,7 +148,7 @@ def test_many_adapter_loads_and_evictions_match_cpu(tiny_llama, tmp_path):
 def test_no_kernel_compiles_while_serving(tiny_llama):
     """Graph capture and the start-up warm-up compile every Triton kernel variant that later steps need
     (prefill and mixed steps of other sizes, other adapter mixes and ranks): a compile in the middle of
-    serving stalls its step for up to seconds (benchmarks/HISTORY.md, throughput on the H200)."""
+    serving stalls its step for up to seconds (docs/decisions.md)."""
     triton = pytest.importorskip("triton")
     if not hasattr(triton, "knobs"):
         pytest.skip("this Triton has no compile hooks (triton.knobs)")

@@ -311,7 +311,7 @@ def variant_key(kernel: InterpretedFunction, args: tuple, kwargs: dict) -> tuple
 
 def test_serving_launches_no_kernel_variant_the_warm_up_did_not(triton_warm_up, monkeypatch):
     """On the GPU, a Triton kernel variant first needed by a prefill or mixed step compiles in the middle of
-    serving and stalls that step for up to seconds (benchmarks/HISTORY.md). The start-up warm-up must launch
+    serving and stalls that step for up to seconds (docs/decisions.md). The start-up warm-up must launch
     every variant such steps need, whatever their sizes, adapter mixes, ranks and page-table widths. Here
     the variants are emulated on the CPU (VariantRecorder); decode steps are skipped (the GPU replays
     graphs for them, captured at start), so their variants do not count as known. One token per request:
