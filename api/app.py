@@ -17,7 +17,8 @@ from starlette.routing import Match, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from slora.api.adapter_admin import AdapterService, UploadedFile
+from slora.api.adapter_admin import AdapterService
+from slora.api.adapter_files import UploadedFile
 from slora.api.adapter_store import AdapterStore, StoredAdapter
 from slora.api.async_engine import AsyncEngine, EngineSource, EngineState
 from slora.api.docs_page import install_docs

@@ -75,6 +75,15 @@ def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
 
 
+def over_byte_quota(namespace: str | None, quota: int, what: str, held: int | None = None,
+                     retry: str = "unload an adapter first") -> APIError:
+    """403: a tenant's adapter files over its byte quota (max_adapter_bytes)."""
+    holder = f"tenant {namespace!r}" if namespace is not None else "the local namespace"
+    holding = f" and holds {held}" if held is not None else ""
+    return APIError(403, f"{holder} may hold at most {quota} bytes of adapter files (max_adapter_bytes)"
+                    f"{holding}: {what} would not fit; {retry}", code="adapter_quota_exceeded", param="files")
+
+
 def internal_error() -> APIError:
     return APIError(500, "The server had an internal error while processing the request.", code="internal_error")
 

@@ -22,7 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema, models_json_schema
 
-from slora.api.adapter_admin import CONFIG_FILE, WEIGHTS_FILE
+from slora.api.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from slora.api.protocol import (
     AdapterLoadRequest,
     AdapterName,

@@ -208,7 +208,7 @@ class ServerSettings:
             if not folder.is_dir():
                 raise ValueError(f"--lora-modules {module.name!r}: {module.path} is not a folder")
             return folder.resolve()
-        from slora.api.adapter_admin import resolve_in_root  # the engine's modules: loaded when needed only
+        from slora.api.adapter_files import resolve_in_root  # the engine's modules: loaded when needed only
         from slora.api.errors import APIError
         try:
             return resolve_in_root(Path(self.adapter_root), module.path, "path")

@@ -545,7 +545,7 @@ def test_work_stopped_by_close_is_503_not_500():
 
 @pytest.mark.parametrize("name", ["abc\n", "abc\ndef", "-lead", "a" * 129, "sp ace"])
 def test_adapter_names_outside_the_pattern_are_refused(name):
-    from slora.api.adapter_admin import check_adapter_name
+    from slora.api.adapter_files import check_adapter_name
     with pytest.raises(APIError) as refused:
         check_adapter_name(name, BASE_MODEL)
     assert refused.value.status == 400 and refused.value.param == "name"
