@@ -1,18 +1,16 @@
 """The generation routes: /v1/completions and /v1/chat/completions."""
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from slora.api.context import ServerContext
 from slora.api.protocol import ChatCompletionRequest, CompletionRequest
 from slora.api.response_models import ChatCompletion, Completion
 from slora.api.tenants import Tenant
 
-if TYPE_CHECKING:
-    from slora.api.app import ServerContext
 
-
-def add_generation_routes(app: FastAPI, ctx: "ServerContext", caller: Any) -> None:  # noqa: ANN401
+def add_generation_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:  # noqa: ANN401
     """The answer's model is the schema of the JSON answer; a streamed one (server-sent events, or 499 to a client
     that left) is a Response of its own, which FastAPI sends as it is."""
     @app.post("/v1/completions", response_model=Completion, response_model_exclude_unset=True)

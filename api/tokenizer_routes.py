@@ -1,19 +1,17 @@
 """vLLM's tokenizer routes: /tokenize, /detokenize, /tokenizer_info and /version."""
 import importlib.metadata
 import json
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ValidationError
 
+from slora.api.context import ServerContext
 from slora.api.errors import bad_request, invalid_request
 from slora.api.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from slora.api.response_models import Detokenized, Tokenized, TokenizerInfo, Version
 from slora.api.tenants import Tenant
 from slora.api.tokenizing import encode_text
-
-if TYPE_CHECKING:
-    from slora.api.app import ServerContext
 
 TModel = TypeVar("TModel", bound=BaseModel)
 
@@ -42,7 +40,7 @@ def _validated(model: type[TModel], value: dict[str, Any]) -> TModel:
         raise invalid_request(exc.errors()) from None
 
 
-def add_tokenizer_routes(app: FastAPI, ctx: "ServerContext", caller: Any) -> None:  # noqa: ANN401 - a dependency
+def add_tokenizer_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:  # noqa: ANN401 - a dependency
     """/tokenize, /detokenize, /tokenizer_info and /version, as vLLM serves them (lm-eval's remote tokenizer
     uses the first three). Behind a key like the generation routes, with their limits; tokenizer work runs on
     their tokenizer threads. They parse their bodies by hand (a prompt or chat messages), so api/openapi.py
@@ -87,7 +85,7 @@ def add_tokenizer_routes(app: FastAPI, ctx: "ServerContext", caller: Any) -> Non
         return Version(version=slora_version())
 
 
-async def _tokenize_prompt(ctx: "ServerContext", tenant: Tenant, source: Any,  # noqa: ANN401
+async def _tokenize_prompt(ctx: ServerContext, tenant: Tenant, source: Any,  # noqa: ANN401
                            body: TokenizeRequest) -> Tokenized:
     if body.model is not None:
         await ctx.generation.require_model(body.model, tenant)
@@ -100,7 +98,7 @@ async def _tokenize_prompt(ctx: "ServerContext", tenant: Tenant, source: Any,  #
     return await _tokenized(ctx, tenant, source, ids, bool(body.return_token_strs))
 
 
-async def _tokenize_chat(ctx: "ServerContext", tenant: Tenant, source: Any,  # noqa: ANN401
+async def _tokenize_chat(ctx: ServerContext, tenant: Tenant, source: Any,  # noqa: ANN401
                          chat: TokenizeChatRequest) -> Tokenized:
     """The ids exactly as /v1/chat/completions would run them: its checks and its rendering."""
     if chat.model is None:           # the base model, as the chat route would answer for it
@@ -121,7 +119,7 @@ def _within_vocabulary(tokens: list[int], vocab: int) -> list[int]:
     return tokens
 
 
-async def _tokenized(ctx: "ServerContext", tenant: Tenant, source: Any, ids: list[int],  # noqa: ANN401
+async def _tokenized(ctx: ServerContext, tenant: Tenant, source: Any, ids: list[int],  # noqa: ANN401
                      token_strs: bool) -> Tokenized:
     assert ctx.engine.info is not None, "the tokenizer routes run once the engine is up"
     answer = Tokenized(count=len(ids), max_model_len=ctx.engine.info.max_model_len, tokens=ids)
