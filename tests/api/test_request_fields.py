@@ -1,4 +1,4 @@
-"""What real clients send (issue #21): every documented OpenAI and vLLM request field is accepted, unknown ones
+"""What real clients send: every documented OpenAI and vLLM request field is accepted, unknown ones
 are ignored with a warning, unimplemented ones are refused by name, and the accepted ones reach the engine's
 SamplingParams and the chat template as they should. In-process (TestClient) over a real tiny engine, whose
 add_request records what it was given."""

@@ -1,4 +1,4 @@
-"""Logprobs in the answers (issue #21): OpenAI's legacy completions format, echo (lm-eval's loglikelihood requests),
+"""Logprobs in the answers: OpenAI's legacy completions format, echo (lm-eval's loglikelihood requests),
 chat's format, vLLM's prompt_logprobs, streamed as well as not, and usage on every chunk with
 continuous_usage_stats. In-process (TestClient) over a real tiny engine whose outputs are recorded, so every
 number the server reports is checked against the engine's own output objects."""

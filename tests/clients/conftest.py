@@ -1,4 +1,4 @@
-"""Real clients (issue #21) against a real `slora serve` of the default model, one server for the folder.
+"""Real clients against a real `slora serve` of the default model, one server for the folder.
 
 The server helpers are tests/api/conftest.py's, loaded here as the module `api_server_helpers`: test folders have
 no __init__.py, so a plain `import conftest` would find whichever conftest pytest loaded last."""

@@ -1,4 +1,4 @@
-"""guidellm, a load generator, against `slora serve` (issue #21): streamed chat completions from synthetic prompts,
+"""guidellm, a load generator, against `slora serve`: streamed chat completions from synthetic prompts,
 two at a time, with what guidellm always sends (`stream_options.continuous_usage_stats`, `ignore_eos`) and
 `min_tokens` as an extra body field. Bounded: four requests of six tokens, a duration cap and a timeout. With
 `ignore_eos` every answer runs to max_tokens anyway, so this shows min_tokens accepted, not acting; that it acts is

@@ -1,4 +1,4 @@
-"""lm-eval's `local-completions` against `slora serve`: what customers run to evaluate a fine-tune (issue #21).
+"""lm-eval's `local-completions` against `slora serve`: what customers run to evaluate a fine-tune.
 
 A multiple-choice task of a few documents, from a local jsonl file, through lm-eval's Python API. Each choice is
 a loglikelihood request: token-id prompts with `echo: true, logprobs: 1, max_tokens: 1, temperature: 0`, whose

@@ -1,4 +1,4 @@
-"""The openai client's structured output helpers against `slora serve` (issue #21): `chat.completions.parse` (or
+"""The openai client's structured output helpers against `slora serve`: `chat.completions.parse` (or
 `beta.chat.completions.parse` in older clients) and `chat.completions.stream` with a pydantic class as
 `response_format`. The client sends it as a strict json_schema (the enum as a $ref into $defs); the server
 constrains the sampling by its grammar, so that even the small default model's answer parses, also where the
