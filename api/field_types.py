@@ -1,5 +1,7 @@
-"""The bounded field types of the request bodies: every value is capped here, so that a hostile body is refused
-while it is validated, before any work is done for it, and /openapi.json shows the bounds.
+"""The bounded field types and caps of the request bodies.
+
+Every value is capped here, so that a hostile body is refused while it is validated, before any work is done for
+it, and /openapi.json shows the bounds.
 
 The caps are hard ones, far above the server's defaults; its settings (max_n, max_choices, max_stop_sequences,
 max_stop_length, max_prompt_chars) tighten them at run time (api/request_checks.py).

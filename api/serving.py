@@ -1,5 +1,4 @@
-"""Completions and chat completions: the coordinator of each request's prompts, checks, admission, engine
-requests and answer (one JSON object, or server-sent events)."""
+"""Completions and chat completions: GenerationService, which coordinates each request from body to answer."""
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 

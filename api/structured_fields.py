@@ -1,5 +1,4 @@
-"""The request fields that ask for a structured output (response_format, vLLM's structured_outputs), and the
-StructuredOutput each one is."""
+"""The request fields that ask for a structured output, and the StructuredOutput each one is."""
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
