@@ -100,7 +100,7 @@ class ServerContext:
         self.store.close()          # its files stay: the next start serves them again
 
     def count_error(self, status: int) -> None:
-        self.metrics.errors.inc(status=str(status))
+        self.metrics.errors.labels(status=str(status)).inc()
 
     def require_engine(self) -> None:
         if self.engine.info is None or not self.engine.accepting:

@@ -114,7 +114,7 @@ def record(job: Job, metrics: ServerMetrics) -> None:
     """The job's metrics and its line in the request log."""
     end = time.perf_counter()
     completion_tokens = job.completion_tokens()
-    metrics.requests.inc(outcome=job.outcome)
+    metrics.requests.labels(outcome=job.outcome).inc()
     metrics.prompt_tokens.inc(job.prompt_tokens())
     metrics.generation_tokens.inc(completion_tokens)
     if job.outcome == "ok":

@@ -23,17 +23,6 @@ LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 POOL_OWNERS = ("free", "kv", "cached", "adapter")
 
 
-class LabelledCounter:
-    """A counter whose label values come with each increment (`errors.inc(status="404")`), the call the
-    services make, so that they need not know prometheus_client's `labels(...)` step."""
-
-    def __init__(self, name: str, help_text: str, label: str, registry: CollectorRegistry) -> None:
-        self._counter = Counter(name, help_text, (label,), registry=registry)
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self._counter.labels(**labels).inc(amount)
-
-
 class SnapshotCollector(Collector):
     """The engine snapshot's values, as metric families built at each scrape from the latest snapshot (the
     engine counts them itself: nothing here keeps a total)."""
@@ -52,13 +41,13 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
-        self.requests = LabelledCounter("slora_requests", "Finished HTTP generation requests by outcome.",
-                                        "outcome", registry)
+        self.requests = Counter("slora_requests", "Finished HTTP generation requests by outcome.", ("outcome",),
+                                registry=registry)
         self.prompt_tokens = Counter("slora_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=registry)
         self.generation_tokens = Counter("slora_generation_tokens", "Generated tokens of finished requests.",
                                          registry=registry)
-        self.errors = LabelledCounter("slora_http_errors", "Error responses by HTTP status.", "status", registry)
+        self.errors = Counter("slora_http_errors", "Error responses by HTTP status.", ("status",), registry=registry)
         self.adapter_registrations = Counter("slora_adapter_registrations", "Adapters loaded through the API.",
                                              registry=registry)
         self.ttft = Histogram("slora_time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS,

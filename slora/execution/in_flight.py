@@ -1,5 +1,6 @@
 """A step whose sampled tokens are still on their way to the host: under overlapped scheduling the engine
 launches the next step's forward before it reads them (DESIGN §3)."""
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -113,14 +114,14 @@ class TokensInFlight:
             seq.pending_row = row
         self._flight = InFlight(seqs, token_ids, arriving, timer)
 
-    def take(self) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+    def take(self) -> Iterable[tuple[Sequence, int, TokenLogprob | None]]:
         """The tokens of the step in flight once they are on the host (waiting for them), by sequence; the
         step's wall time ends here."""
         flight, self._flight = self._flight, None
         if flight is None:
-            return []
+            return ()
         result = flight.arriving.result()
         self._last_step_end = flight.timer.stop(self._last_step_end)
         for seq in flight.seqs:
             seq.pending_row = None
-        return list(zip(flight.seqs, result.token_ids, result.logprobs))
+        return zip(flight.seqs, result.token_ids, result.logprobs)      # read once, every step: no list built

@@ -93,8 +93,8 @@ def test_settings_refuse_open_single_user_mode():
 
 def test_metrics_text_parses():
     metrics = ServerMetrics()
-    metrics.requests.inc(outcome="ok")
-    metrics.errors.inc(status='4"0\\0')             # label values are escaped
+    metrics.requests.labels(outcome="ok").inc()
+    metrics.errors.labels(status='4"0\\0').inc()             # label values are escaped
     metrics.ttft.observe(0.3)
     metrics.ttft.observe(100.0)
 
