@@ -43,9 +43,10 @@ def test_make_serve_answers_a_chat_in_english(make_serve):
 
 
 def planned_commands(target: str, venv: Path) -> list[str]:
-    """The commands `make <target>` runs for a venv that does not exist yet, as in a clean clone (make -n)."""
-    result = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=REPO, capture_output=True, text=True,
-                            timeout=60, check=True)
+    """The commands `make <target>` runs for a venv that does not exist yet, as in a clean clone (make -n). Under
+    `make test` this make is a sub-make, which would print its directory: --no-print-directory keeps it out."""
+    result = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, check=True)
     return result.stdout.splitlines()
 
 
