@@ -312,6 +312,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from slora.api.tenants import load_tenants
         load_tenants(settings.tenants_file)
     config = EngineConfig(**engine_kwargs(args))
+    if settings.tenants_file is not None and config.scheduling_policy is None:
+        config.scheduling_policy = "vtc"         # tenants share the engine fairly unless told otherwise
     check_model(config.model, config.load_format, "--lora-modules")    # before the port is bound
     # Imported once the arguments are checked: the server's modules (transformers, fastapi) take seconds.
     from slora.api.server import serve

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from slora.core.scheduler import PREEMPTION_MODES, SchedulerConfig
+from slora.core.waiting import SCHEDULING_POLICIES
 
 LOAD_FORMATS = ("safetensors", "dummy")     # "dummy": random weights from config.json
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,6 +74,13 @@ class EngineConfig:
     async_scheduling: bool = _option(True, "overlap the host's work for the next step with the GPU's step: the "
                                            "sampled ids stay on the device as the next step's inputs")
     preemption_mode: str = _option("recompute", "what a preempted sequence's KV becomes", PREEMPTION_MODES)
+    scheduling_policy: str | None = _option(None, "the order of admission: fcfs (arrival), priority (a request's "
+                                                  "priority, lower first, then arrival) or vtc (a fair share per "
+                                                  "tenant by virtual token counters, priority within a tenant); "
+                                                  "default: vtc when serving with a tenants file, else fcfs",
+                                            SCHEDULING_POLICIES)
+    vtc_prompt_cost: float = _option(1.0, "a tenant's charge per prompt token computed for it (vtc)")
+    vtc_output_cost: float = _option(2.0, "a tenant's charge per token generated for it (vtc)")
     swap_space_gib: float = _option(1.0, "host swap space in swap mode")
     adapter_host_cache_gib: float | None = _option(None, "packed adapters kept in host memory, LRU by bytes "
                                                          "(default: a quarter of the machine's memory)")
@@ -117,7 +125,9 @@ class EngineConfig:
     def scheduler_config(self, swap_pages: int = 0, max_model_len: int | None = None) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.step_tokens, self.page_size, self.watermark,
                                self.enable_prefix_caching, self.preemption_mode, swap_pages,
-                               max_loras=self.max_loras, max_model_len=max_model_len)
+                               max_loras=self.max_loras, max_model_len=max_model_len,
+                               scheduling_policy=self.scheduling_policy or "fcfs",
+                               prompt_cost=self.vtc_prompt_cost, output_cost=self.vtc_output_cost)
 
     @property
     def adapter_host_cache_bytes(self) -> int:

@@ -106,23 +106,27 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     adapter: str | None = None, owner: str | None = None, stream: bool = True,
-                    grammar: "CompiledGrammar | None" = None) -> None:
+                    grammar: "CompiledGrammar | None" = None, priority: int = 0) -> None:
         """Queue a request. Raises ValueError (UnknownAdapterError for a bad adapter) on bad input.
+        `owner`: the tenant, whose adapter namespace, prefix cache and fair share the request uses.
         stream=False: the caller reads only the final output, so `step` returns the request only when it
         ends, and unless a stop string needs it the text is decoded then, not token by token. `grammar`:
-        `params.structured` compiled already (a server compiles off this thread); without it, compiled here."""
+        `params.structured` compiled already (a server compiles off this thread); without it, compiled here.
+        `priority`: lower is admitted first among the owner's requests (not under the fcfs policy)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
                       self.config.max_num_seqs)
         ref = None if adapter is None else self.adapters.resolve(adapter, owner)
         self.scheduler.check_fits(len(prompt_token_ids), ref)
+        self.scheduler.check_priority(priority)
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=self._seed_source.randrange(2 ** 62))
         grammars = None if params.structured is None else [self.grammars.start(params.structured, grammar)]
         if ref is not None:
             self.adapters.acquire(ref.version)
-        parent = self._seqs.new(request_id, prompt_token_ids, params, ref, self.cache_salt(owner))
+        parent = self._seqs.new(request_id, prompt_token_ids, params, ref, self.cache_salt(owner), tenant=owner,
+                                priority=priority)
         self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent],
                                                  None if ref is None else ref.version, [""], params.num_samples,
                                                  [self._seqs.detokenizer()], stream, grammars=grammars)
@@ -131,6 +135,11 @@ class Engine:
     def cache_salt(self, owner: str | None) -> bytes:
         """Per-tenant salt of the prefix-cache hashes: one tenant's cached pages never serve another."""
         return hmac.new(self._salt_secret, (owner or "").encode(), hashlib.sha256).digest()
+
+    def set_tenant_weight(self, owner: str | None, weight: float) -> None:
+        """The owner's share of the engine under the vtc policy: weight 2 gets twice a weight-1 tenant's service
+        while both wait. ValueError unless positive."""
+        self.scheduler.set_weight(owner, weight)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; None if it is not running."""
@@ -292,7 +301,7 @@ class Engine:
                               adapter_pool_evictions=adapters.pool_evictions, adapters_registered=adapters.names,
                               adapters_host=adapters.on_host, adapters_pool=adapters.in_pool,
                               steps=dict(stats.steps), step_seconds=dict(stats.seconds),
-                              decode_bytes=stats.decode_bytes)
+                              decode_bytes=stats.decode_bytes, tenants=scheduler.shares())
 
     def check(self) -> None:
         """Assert the pool's invariants (tests call it after every scenario)."""

@@ -2,6 +2,8 @@
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from slora.core.fair_share import TenantShare
+
 
 class TokenLogprob(NamedTuple):
     """One position's token: its logprob (of the raw logits), its rank in the vocabulary (1 = the most
@@ -88,3 +90,4 @@ class EngineSnapshot:
     steps: dict[str, int]            # engine steps by kind (prefill, decode, mixed)
     step_seconds: dict[str, float]   # their wall time
     decode_bytes: int                # bytes the decode steps had to read (weights, live KV, adapters)
+    tenants: dict[str | None, TenantShare] = field(default_factory=dict)   # service per tenant (None: no tenant)

@@ -2,22 +2,25 @@
 
 Each step: running sequences first (decode, or the next chunk of a long prefill), growing their block
 tables one page at a time; when no page is free, cached KV is evicted (LRU), then idle adapters (LRU),
-then the newest running sequence is preempted (recomputed later as one prefill, or swapped to host
-memory). Then waiting requests are admitted in arrival order while the batch bounds and the pool allow,
-reusing the longest run of cached pages that matches their prompt. Forked samples share pages; the
+then a running sequence is preempted (recomputed later as one prefill, or swapped to host memory): the
+newest, or under `vtc` the newest of the tenant with the largest counter. Then waiting requests are admitted
+in the policy's order (slora.core.waiting: arrival, priority, or each tenant's fair share) while the batch
+bounds and the pool allow, reusing the longest run of cached pages that matches their prompt. Each tenant is
+charged for the tokens its sequences get (slora.core.fair_share). Forked samples share pages; the
 first write into a shared partial page copies it. No torch and no model here: the engine runs the
 model on the output, the simulator a step-cost function.
 """
 import itertools
-from collections import deque
 from dataclasses import InitVar, dataclass, field
 from typing import NamedTuple
 
 from slora.core.adapter_residency import AdapterResidency
+from slora.core.fair_share import FairShare, TenantShare
 from slora.core.page_pool import PageAllocator
 from slora.core.prefix_cache import extend_hashes
 from slora.core.sequence import AdapterRef, BlockTable, Sequence, SequenceStatus
 from slora.core.swap_space import SwapSpace
+from slora.core.waiting import SCHEDULING_POLICIES, WaitingQueue, waiting_queue
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -37,6 +40,9 @@ class SchedulerConfig:
     # adapters then drain and it gets a place): requests of busy adapters cannot starve it.
     max_loras_patience: int = 16
     max_model_len: int | None = None  # a sequence ends at this many tokens
+    scheduling_policy: str = "fcfs"  # the waiting queue's order (slora.core.waiting)
+    prompt_cost: float = 1.0         # a tenant's charge per prompt token computed for it
+    output_cost: float = 2.0         # ...and per token generated for it
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -53,6 +59,9 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.swap_pages < 0 or self.prefetch_depth < 0:
             raise ValueError("swap_pages and prefetch_depth must be >= 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        FairShare(self.prompt_cost, self.output_cost)          # the costs, checked by their owner
 
     def watermark_pages(self, num_pages: int) -> int:
         """Pages of a pool of `num_pages` kept free when admitting new requests."""
@@ -112,7 +121,6 @@ class SchedulerOutput:
 class Scheduler:
     config: SchedulerConfig
     allocator: PageAllocator
-    waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     step_count: int = 0
     num_preemptions: int = 0
@@ -126,6 +134,10 @@ class Scheduler:
         self.adapters = adapter_pool if adapter_pool is not None else AdapterResidency(self.allocator)
         assert self.adapters.allocator is self.allocator, "adapters and KV share one pool"
         self.swap = SwapSpace(self.config.swap_pages)
+        config = self.config
+        self.share = FairShare(config.prompt_cost, config.output_cost, config.page_size)
+        self.waiting: WaitingQueue = waiting_queue(config.scheduling_policy, self.share)
+        self._arrivals = itertools.count()
 
     @property
     def watermark_pages(self) -> int:
@@ -142,6 +154,20 @@ class Scheduler:
         if pages > self.usable_pages:
             raise ValueError(f"the request needs {pages} pages but the pool has only {self.usable_pages} usable")
 
+    def check_priority(self, priority: int) -> None:
+        """A priority the policy can honour: ValueError if not."""
+        if priority and self.config.scheduling_policy == "fcfs":
+            raise ValueError("a request's priority needs the priority or vtc scheduling policy; this engine "
+                             "schedules first come, first served")
+
+    def set_weight(self, tenant: str | None, weight: float) -> None:
+        """The tenant's share under the vtc policy (ValueError unless positive)."""
+        self.share.set_weight(tenant, weight)
+
+    def shares(self) -> dict[str | None, TenantShare]:
+        """Each tenant's service so far: what `/metrics` publishes."""
+        return self.share.shares()
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -151,7 +177,8 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             self._extend_hashes(seq, len(seq.prompt_token_ids))
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        seq.arrival = next(self._arrivals)
+        self.waiting.add(seq)
 
     # ---- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -178,18 +205,29 @@ class Scheduler:
                 continue
             num_tokens = min(seq.num_uncomputed, budget)
             if not self._grow(seq, seq.num_computed_tokens + num_tokens, out):
-                break                       # seq preempted itself: everything after it is gone too
+                continue                    # seq preempted itself: the next one is at `index` now
+            self._charge(seq, num_tokens)
             out.scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
             index += 1
         return budget
+
+    def _charge(self, seq: Sequence, num_tokens: int) -> None:
+        """Charge `seq`'s tenant for the `num_tokens` this step computes: the prompt tokens never computed before
+        (a recomputation after a preemption is charged to nobody) and the token generated when it completes."""
+        end = seq.num_computed_tokens + num_tokens
+        new_prompt = min(end, len(seq.prompt_token_ids)) - max(seq.num_computed_tokens, seq.num_charged_tokens)
+        if end > seq.num_charged_tokens:
+            seq.num_charged_tokens = end
+        self.share.charge(seq.tenant, max(0, new_prompt), int(end == seq.num_tokens))
 
     def _reclaim(self, seq: Sequence, out: SchedulerOutput, count: int = 1) -> bool:
         """Make `count` pages available for `seq`; False if `seq` itself had to be preempted."""
         while self.allocator.num_available < count:
             if self.adapters.evict_one_idle():
                 continue
-            victim = self.running[-1]          # newest first
+            # Only sequences not yet scheduled in this step: `seq` and those after it.
+            victim = self.waiting.victim(self.running[self.running.index(seq):])
             self.preempt(victim, out)
             if victim is seq:
                 return False
@@ -227,9 +265,9 @@ class Scheduler:
         """Admit waiting requests within `budget` tokens; the budget left."""
         if budget <= 0 or not self.waiting:
             return budget
-        skipped: list[Sequence] = []
+        skipped: list[Sequence] = []           # taken and not admitted: they go back, keeping their places
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.popleft()
+            seq = self.waiting.pop()
             if seq.adapter is not None and not self.adapters.ready(seq.adapter.version):
                 skipped.append(seq)           # its adapter is still loading: others go ahead
                 continue
@@ -240,17 +278,17 @@ class Scheduler:
                     break                     # ...but not forever: everything newer waits behind it now
                 continue
             if len(self.running) + self._seats(seq) > self.config.max_num_seqs:
-                self.waiting.appendleft(seq)
+                skipped.append(seq)
                 break
             matched = self._prefix_match(seq)
             if not self._can_admit(seq, matched):
                 if not self.running and not out.scheduled and not skipped:
                     out.rejected.append(seq)   # would wait forever
                     continue
-                self.waiting.appendleft(seq)
+                skipped.append(seq)
                 break
             budget -= self._admit(seq, matched, budget, out)       # pins its adapter: max_loras counts it
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.put_back(skipped)
         return budget
 
     def running_versions(self) -> set[str]:
@@ -310,7 +348,7 @@ class Scheduler:
         if seq.swapped_pages is None:
             self._reuse_prefix(seq, matched)
         if seq.adapter is not None:
-            self._make_resident(seq.adapter, out)
+            self._make_resident(seq, out)
             self.adapters.pin(seq.adapter.version, self.step_count)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -319,13 +357,17 @@ class Scheduler:
         num_tokens = min(seq.num_uncomputed, budget)
         grown = self._grow(seq, seq.num_computed_tokens + num_tokens, out)
         assert grown, "admission checked that the pages were available"
+        self._charge(seq, num_tokens)
         out.scheduled.append(ScheduledSeq(seq, num_tokens))
         return num_tokens
 
-    def _make_resident(self, adapter: AdapterRef, out: SchedulerOutput) -> None:
-        pages = self.adapters.make_resident(adapter, self.step_count)
+    def _make_resident(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Bring `seq`'s adapter into the pool if it is not there, charged to `seq`'s tenant."""
+        assert seq.adapter is not None, "only a sequence with an adapter needs one resident"
+        pages = self.adapters.make_resident(seq.adapter, self.step_count)
         if pages is not None:
-            out.adapters_to_load.append((adapter.version, pages))
+            out.adapters_to_load.append((seq.adapter.version, pages))
+            self.share.charge_adapter(seq.tenant, len(pages))
 
     def _reuse_prefix(self, seq: Sequence, matched: list[int]) -> None:
         for page in matched:
@@ -347,7 +389,7 @@ class Scheduler:
             # pool that benchmarks/memsim.py compares with.
             if self.adapters.allocator.num_free - ref.num_pages < self.watermark_pages + 1:
                 break
-            self._make_resident(ref, out)
+            self._make_resident(seq, out)
 
     # ---- after the forward --------------------------------------------------------------------------
     def on_computed(self, seq: Sequence, num_tokens: int) -> None:
@@ -370,6 +412,7 @@ class Scheduler:
         child.block_table = BlockTable(parent.block_table)
         child.num_computed_tokens, child.num_hashed_pages = parent.num_computed_tokens, parent.num_hashed_pages
         child.page_hashes = list(parent.page_hashes)
+        child.arrival, child.num_charged_tokens = parent.arrival, parent.num_charged_tokens
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
         if child.adapter is not None:
@@ -392,7 +435,7 @@ class Scheduler:
         seq.num_hashed_pages = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.requeue(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
 
@@ -431,5 +474,6 @@ class Scheduler:
         assert self.adapters.pinned_versions() == self.running_versions(), "pins disagree with the running sequences"
         if self.config.max_loras is not None:
             assert len(self.running_versions()) <= self.config.max_loras, "more adapters running than max_loras"
+        assert sum(1 for _ in self.waiting) == len(self.waiting), "the waiting queue miscounts its sequences"
         swapped = sum(len(s.swapped_pages) for s in self.waiting if s.swapped_pages is not None)
         assert swapped + self.swap.num_free == self.swap.num_pages, "swap slots leaked"

@@ -93,6 +93,10 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     cache_salt: bytes = b""               # per-tenant salt of the prefix-cache hashes
+    tenant: str | None = None             # whose share it is served from (slora.core.fair_share)
+    priority: int = 0                     # within its tenant, lower is admitted first (not under fcfs)
+    arrival: int = 0                      # order of its request's arrival, set by the scheduler
+    num_charged_tokens: int = 0           # tokens charged to its tenant: beyond them a computed token is new
     page_hashes: list[bytes] = field(default_factory=list)   # hashes of the full pages of token_ids
     num_hashed_pages: int = 0             # block_table pages registered in the prefix cache
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache when first admitted

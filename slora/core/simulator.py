@@ -8,6 +8,7 @@ from slora.core.sequence import AdapterRef, Sequence
 from slora.sampling.params import SamplingParams
 
 StepCost = Callable[[SchedulerOutput, Scheduler], float]
+StepObserver = Callable[[SchedulerOutput, float], None]      # a step's output and the clock once it ran
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,8 @@ class SimRequest:
     output_len: int
     adapter: AdapterRef | None = None
     arrival: float = 0.0
+    tenant: str | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -25,6 +28,7 @@ class SimResult:
     output_tokens: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     finish_times: list[float] = field(default_factory=list)
+    first_token_times: dict[int, float] = field(default_factory=dict)    # request index -> clock at its first token
     recomputed_tokens: int = 0
     high_water: dict[int, int] = field(default_factory=dict, repr=False)   # seq_id -> tokens ever computed
 
@@ -34,8 +38,9 @@ class SimResult:
 
 
 def simulate(scheduler: Scheduler, requests: list[SimRequest], step_cost: StepCost,
-             max_steps: int = 1_000_000) -> SimResult:
-    """Feed `requests` (by arrival time) to `scheduler` until all finish; tokens are dummies (id 0)."""
+             max_steps: int = 1_000_000, observe: StepObserver | None = None) -> SimResult:
+    """Feed `requests` (by arrival time) to `scheduler` until all finish; tokens are dummies (id 0). `observe`
+    sees each step's output once it ran, before the sequences advance."""
     pending = sorted(enumerate(requests), key=lambda item: item[1].arrival)
     result, clock, cursor = SimResult(), 0.0, 0
     while (cursor < len(pending) or scheduler.has_unfinished()) and result.steps < max_steps:
@@ -47,6 +52,8 @@ def simulate(scheduler: Scheduler, requests: list[SimRequest], step_cost: StepCo
             continue
         out = scheduler.schedule()
         clock += step_cost(out, scheduler)
+        if observe is not None:
+            observe(out, clock)
         _advance(scheduler, out, result, clock)
     result.elapsed = clock
     return result
@@ -55,7 +62,8 @@ def simulate(scheduler: Scheduler, requests: list[SimRequest], step_cost: StepCo
 def _sequence(index: int, request: SimRequest) -> Sequence:
     params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
     # Distinct tokens per request, so the prefix cache finds no sharing the trace does not have.
-    return Sequence(index, f"sim-{index}", [index] * request.prompt_len, params, request.adapter)
+    return Sequence(index, f"sim-{index}", [index] * request.prompt_len, params, request.adapter,
+                    tenant=request.tenant, priority=request.priority)
 
 
 def _advance(scheduler: Scheduler, out: SchedulerOutput, result: SimResult, clock: float) -> None:
@@ -73,6 +81,7 @@ def _advance(scheduler: Scheduler, out: SchedulerOutput, result: SimResult, cloc
         if completes:
             seq.output_token_ids.append(0)
             result.output_tokens += 1
+            result.first_token_times.setdefault(seq.seq_id, clock)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 scheduler.finish(seq, "length")
                 result.finish_times.append(clock)

@@ -162,9 +162,10 @@ class SequenceMaker:
         self._next_id = 0
 
     def new(self, request_id: str, prompt: list[int], params: SamplingParams, ref: AdapterRef | None,
-            salt: bytes, index: int = 0) -> Sequence:
+            salt: bytes, *, tenant: str | None = None, priority: int = 0, index: int = 0) -> Sequence:
         self._next_id += 1
-        return Sequence(self._next_id, request_id, list(prompt), params, ref, sample_index=index, cache_salt=salt)
+        return Sequence(self._next_id, request_id, list(prompt), params, ref, sample_index=index, cache_salt=salt,
+                        tenant=tenant, priority=priority)
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tokenizer)
@@ -173,7 +174,8 @@ class SequenceMaker:
         """After the first sample's prefill, the other samples start as copies sharing its pages."""
         parent = state.seqs[0]
         children = [self.new(state.request_id, parent.prompt_token_ids, parent.params, parent.adapter,
-                             parent.cache_salt, i) for i in range(1, state.num_samples)]
+                             parent.cache_salt, tenant=parent.tenant, priority=parent.priority, index=i)
+                    for i in range(1, state.num_samples)]
         for child in children:
             child.num_cached_tokens = parent.num_cached_tokens
             self._scheduler.fork(parent, child)

@@ -213,7 +213,7 @@ def test_a_request_of_n_samples_takes_n_running_slots():
     scheduler.add(parent)
     out = scheduler.schedule()
     assert [s.seq.seq_id for s in out.scheduled] == [0]       # 1 + 4 samples would exceed 4 slots
-    assert scheduler.waiting[0] is parent
+    assert next(iter(scheduler.waiting)) is parent
 
 
 @pytest.mark.parametrize("start,end", [(0, 3), (2, 6), (4, 7), (5, 6), (0, 7), (6, 6)])

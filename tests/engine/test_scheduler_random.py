@@ -1,7 +1,8 @@
 """The scheduler and page pool on random workloads, drawn by Hypothesis, without a model: prompts that share
 prefixes on a few adapters, in pools small enough that KV, cached pages and adapters evict each other, with
 samples forked after their prompt (copy-on-write), preemption by recompute and by swap, max_loras, aborts and
-adapters unloaded mid-run. After every step the pool's invariants hold (Scheduler.check), and in the end
+adapters unloaded mid-run, under each scheduling policy, with requests of a few tenants (of unequal weights)
+and priorities. After every step the pool's invariants hold (Scheduler.check), and in the end
 every request has ended with no KV page held."""
 import random
 
@@ -25,7 +26,8 @@ configs = st.builds(
     SchedulerConfig, page_size=st.sampled_from([4, 8, 16]), watermark=st.sampled_from([0.0, 0.01, 0.1]),
     max_num_seqs=st.sampled_from([2, 4, 16]), max_num_batched_tokens=st.sampled_from([8, 16, 64, 512]),
     preemption_mode=st.sampled_from(["recompute", "swap"]), swap_pages=st.sampled_from([0, 4, 64]),
-    enable_prefix_caching=st.booleans(), max_loras=st.sampled_from([None, 1, 2, 3]))
+    enable_prefix_caching=st.booleans(), max_loras=st.sampled_from([None, 1, 2, 3]),
+    scheduling_policy=st.sampled_from(["fcfs", "priority", "vtc"]))
 token_lists = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
 
 
@@ -34,6 +36,7 @@ def workloads(draw: st.DrawFn) -> tuple[Scheduler, list[tuple[int, Sequence]]]:
     """A scheduler over its own pool, and the sequences that fit it with the step each arrives at."""
     config = draw(configs)
     scheduler = Scheduler(config, PageAllocator(draw(st.sampled_from([24, 32, 48, 96])), config.page_size))
+    scheduler.set_weight("heavy", draw(st.sampled_from([1.0, 3.0])))
     adapters = [AdapterRef(f"v{i}", draw(st.integers(1, 8))) for i in range(draw(st.integers(1, 5)))]
     shared = draw(st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=48))
     arrivals = []
@@ -43,8 +46,11 @@ def workloads(draw: st.DrawFn) -> tuple[Scheduler, list[tuple[int, Sequence]]]:
         samples = draw(st.integers(1, min(3, config.max_num_seqs)))
         params = SamplingParams(max_tokens=draw(st.integers(1, 24)), temperature=1.0, seed=1, n=samples,
                                 ignore_eos=True)
+        tenant = draw(st.sampled_from([None, "heavy", "light"]))
+        priority = 0 if config.scheduling_policy == "fcfs" else draw(st.integers(0, 2))
         if _fits(scheduler, len(prompt), adapter):
-            arrivals.append((draw(st.integers(0, 20)), Sequence(i + 1, f"r{i}", prompt, params, adapter)))
+            arrivals.append((draw(st.integers(0, 20)), Sequence(i + 1, f"r{i}", prompt, params, adapter,
+                                                                tenant=tenant, priority=priority)))
     return scheduler, arrivals
 
 
@@ -71,7 +77,8 @@ def forked(scheduler: Scheduler, parent: Sequence) -> list[Sequence]:
     if parent.params.n == 1 or parent.sample_index != 0 or parent.output_token_ids:
         return []
     children = [Sequence(1000 + 10 * parent.seq_id + i, parent.request_id, list(parent.prompt_token_ids),
-                         parent.params, parent.adapter, sample_index=i) for i in range(1, parent.params.n)]
+                         parent.params, parent.adapter, sample_index=i, tenant=parent.tenant,
+                         priority=parent.priority) for i in range(1, parent.params.n)]
     for child in children:
         scheduler.fork(parent, child)
     return children
