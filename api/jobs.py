@@ -90,12 +90,18 @@ class Job:
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    @property
+    def seats(self) -> int:
+        """Sequences it holds in the engine's batch (prompts × samples that run), counted against its tenant's
+        max_concurrent: one request of 16 prompts with n=4 takes as much of the batch as 64 of one."""
+        return len(self.prompts) * self.params.num_samples
+
     def token_reservation(self, max_tokens_given: bool) -> int:
         """Tokens charged to the tenant's rate at admission: the prompt, and max_tokens for every sample of every
         prompt. Without an explicit max_tokens (chat's default is the rest of the context) at most
         _UNSPECIFIED_RESERVE per sample is reserved; the difference to what ran is settled at the end."""
         per_sample = self.params.max_tokens if max_tokens_given else min(self.params.max_tokens, _UNSPECIFIED_RESERVE)
-        return self.prompt_tokens() + len(self.prompts) * self.params.num_samples * per_sample
+        return self.prompt_tokens() + self.seats * per_sample
 
     def tokens_used(self) -> int:
         """What the tenant's token rate is finally charged: nothing for a request refused before it ran."""

@@ -184,7 +184,7 @@ class GenerationService:
                                                       job.structured_param)
         self.admission.charge_tokens(job.tenant, job.reserved_tokens)
         try:
-            await self.admission.acquire(job.tenant)
+            await self.admission.acquire(job.tenant, job.seats)
         except BaseException:
             self.admission.settle_tokens(job.tenant, job.reserved_tokens, 0)   # never admitted: it used nothing
             raise
@@ -229,7 +229,7 @@ class GenerationService:
             return
         job.closed = True
         self.runner.abort_unfinished(job)
-        self.admission.release(job.tenant)
+        self.admission.release(job.tenant, job.seats)
         self.admission.settle_tokens(job.tenant, job.reserved_tokens, job.tokens_used())
         record(job, self.metrics)
 

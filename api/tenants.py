@@ -5,8 +5,11 @@ The tenants file is TOML, one table per tenant:
     [tenants.acme]
     role = "tenant"                 # or "admin"
     key_sha256 = ["<64 hex chars>"] # sha256 of each API key; a single string is accepted too
-    max_concurrent = 4              # requests in the engine at once (default: unlimited)
-    max_queued = 8                  # requests waiting for one of those slots (default: 0)
+    max_concurrent = 4              # sequences in the engine at once: prompts × n of its requests
+                                    # (default: unlimited)
+    max_queued = 8                  # sequences waiting for those seats (default: 0)
+    weight = 2.0                    # its share of the engine under fair scheduling: twice the service of a
+                                    # weight-1 tenant when both wait (default: 1.0)
     max_adapters = 50               # adapter names in its namespace (default: unlimited)
     max_adapter_bytes = 2147483648  # bytes of the adapter files its names point at, uploaded or loaded
                                     # by path (default: the server's --max-adapter-bytes)
@@ -14,6 +17,7 @@ The tenants file is TOML, one table per tenant:
 """
 import hashlib
 import hmac
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +36,12 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _positive_number(value: object) -> bool:
+    # bool is an int to Python, but `weight = true` in a tenants file is a mistake, not 1.0
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
 @dataclass(frozen=True)
 class Tenant:
     id: str
@@ -42,6 +52,7 @@ class Tenant:
     max_adapters: int | None = None  # adapter names its namespace may hold
     max_adapter_bytes: int | None = None   # bytes of its adapters' files; None: the server's default
     max_tokens_per_minute: int | None = None   # prompt + max_tokens of admitted requests, per minute
+    weight: float = 1.0              # share of the engine under fair scheduling
     local: bool = False              # the single user of a server without a tenants file
 
     def __post_init__(self) -> None:
@@ -59,6 +70,8 @@ class Tenant:
             raise ValueError(f"tenant {self.id}: max_tokens_per_minute must be >= 1, got {self.max_tokens_per_minute}")
         if self.max_adapter_bytes is not None and self.max_adapter_bytes < 1:
             raise ValueError(f"tenant {self.id}: max_adapter_bytes must be >= 1, got {self.max_adapter_bytes}")
+        if not _positive_number(self.weight):
+            raise ValueError(f"tenant {self.id}: weight must be a finite number > 0, got {self.weight!r}")
 
     @property
     def is_admin(self) -> bool:
@@ -117,7 +130,7 @@ def _parse_tenant(tenant_id: str, fields: Any) -> Tenant:
     if not isinstance(fields, dict):
         raise ValueError(f"tenants.{tenant_id} must be a table")
     unknown = set(fields) - {"role", "key_sha256", "max_concurrent", "max_queued", "max_adapters",
-                             "max_tokens_per_minute", "max_adapter_bytes"}
+                             "max_tokens_per_minute", "max_adapter_bytes", "weight"}
     if unknown:
         raise ValueError(f"tenants.{tenant_id}: unknown field(s) {', '.join(sorted(unknown))}")
     hashes = fields.get("key_sha256", [])
@@ -141,7 +154,15 @@ def _parse_tenant(tenant_id: str, fields: Any) -> Tenant:
     return Tenant(tenant_id, role=fields.get("role", "tenant"),
                   key_hashes=tuple(bytes.fromhex(h.lower()) for h in hashes),
                   max_concurrent=max_concurrent, max_queued=max_queued, max_adapters=max_adapters,
-                  max_tokens_per_minute=max_tpm, max_adapter_bytes=max_bytes)
+                  max_tokens_per_minute=max_tpm, max_adapter_bytes=max_bytes, weight=_weight(tenant_id, fields))
+
+
+def _weight(tenant_id: str, fields: dict[str, Any]) -> float:
+    value = fields.get("weight", 1.0)
+    if not _positive_number(value):
+        raise ValueError(f"tenants.{tenant_id}.weight must be a finite number > 0 (the tenant's share of the engine), "
+                         f"got {value!r}")
+    return float(value)
 
 
 def _check_unique_keys(tenants: list[Tenant]) -> None:

@@ -163,6 +163,20 @@ def test_over_the_limit_is_429_with_retry_after(server, clients, https):
                     what="idle")
 
 
+def test_more_sequences_than_max_concurrent_is_400_not_a_wait(https):
+    """acme may run 1 sequence at once: two prompts, or n=2, could never run, so they are refused, not queued."""
+    for body in ({"prompt": [PROMPT, PROMPT]}, {"prompt": PROMPT, "n": 2, "temperature": 1}):
+        response = https["acme"].post("/v1/completions", json={"model": BASE_MODEL, "max_tokens": 2, **body})
+        assert response.status_code == 400, response.text
+        assert_error_shape(response.json(), 400)
+        error = response.json()["error"]
+        assert error["code"] == "request_too_large" and error["param"] == "n", error
+        assert "2 sequences" in error["message"] and "at most 1 at once" in error["message"], error
+        assert "Retry-After" not in response.headers
+    assert https["acme"].post("/v1/completions", json={"model": BASE_MODEL, "prompt": PROMPT, "max_tokens": 2}
+                              ).status_code == 200
+
+
 def test_single_user_mode_refuses_non_loopback_without_flag():
     result = subprocess.run([sys.executable, "-m", "slora.cli", "serve", "--host", "0.0.0.0", "--port",
                              str(free_port())], capture_output=True, text=True, timeout=120, check=False)

@@ -25,21 +25,21 @@ def test_admission_queues_hands_over_and_refuses():
     async def scenario():
         admission = Admission(max_pending=3, retry_after_s=2)
         acme = Tenant("acme", max_concurrent=1, max_queued=1)
-        await admission.acquire(acme)
-        waiter = asyncio.ensure_future(admission.acquire(acme))
+        await admission.acquire(acme, 1)
+        waiter = asyncio.ensure_future(admission.acquire(acme, 1))
         await asyncio.sleep(0)
         assert admission.queued == 1 and not waiter.done()
         with pytest.raises(APIError) as info:                 # queue full
-            await admission.acquire(acme)
+            await admission.acquire(acme, 1)
         assert info.value.status == 429 and info.value.headers["Retry-After"] == "2"
-        admission.release(acme)                               # hands the slot to the waiter
+        admission.release(acme, 1)                            # hands the slot to the waiter
         await waiter
         assert admission.queued == 0 and admission.pending == 1
         free = Tenant("free")
-        await admission.acquire(free)
-        await admission.acquire(free)
+        await admission.acquire(free, 1)
+        await admission.acquire(free, 1)
         with pytest.raises(APIError):                         # server-wide bound
-            await admission.acquire(free)
+            await admission.acquire(free, 1)
     asyncio.run(scenario())
 
 
@@ -47,13 +47,13 @@ def test_cancelled_waiter_leaves_no_trace():
     async def scenario():
         admission = Admission(max_pending=10, retry_after_s=1)
         acme = Tenant("acme", max_concurrent=1, max_queued=2)
-        await admission.acquire(acme)
-        waiter = asyncio.ensure_future(admission.acquire(acme))
+        await admission.acquire(acme, 1)
+        waiter = asyncio.ensure_future(admission.acquire(acme, 1))
         await asyncio.sleep(0)
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
         assert admission.pending == 1 and admission.queued == 0
-        admission.release(acme)
+        admission.release(acme, 1)
         assert admission.pending == 0
     asyncio.run(scenario())
 
