@@ -36,6 +36,7 @@ from slora.api.protocol import AdapterLoadRequest, LoadLoraAdapterRequest, Unloa
 from slora.api.response_models import AdapterDeleted, AdapterInfo, AdapterList, Health, ModelCard, ModelList
 from slora.api.responses import model_card
 from slora.api.settings import ServerSettings
+from slora.api.tenant_routes import add_tenant_routes
 from slora.api.tenants import Tenant, TenantDirectory
 from slora.api.tokenizer_routes import add_tokenizer_routes
 from slora.engine import Engine
@@ -211,6 +212,7 @@ def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = 
     _add_adapter_routes(app, ctx, caller)
     _add_ops_routes(app, ctx, caller)
     add_tokenizer_routes(app, ctx, caller)
+    add_tenant_routes(app, ctx, caller)
     return app
 
 

@@ -55,6 +55,7 @@ class EngineInfo:
     vocab_size: int
     tokenizer: Any            # a private copy for the API side (HF fast tokenizers are not thread-safe)
     eos_token_ids: tuple[int, ...] = ()     # what ends an output: its structured-output grammars compile with them
+    scheduling_policy: str = "fcfs"         # whether a request's priority is honoured (not under fcfs)
 
 
 class RequestStream:
@@ -174,7 +175,7 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: str | None, owner: str | None,
-                       grammar: "CompiledGrammar | None" = None) -> RequestStream:
+                       grammar: "CompiledGrammar | None" = None, priority: int = 0) -> RequestStream:
         """Add a request (its structured output's `grammar` compiled already); raises what `Engine.add_request`
         raises (ValueError, UnknownAdapterError)."""
         if not self.accepting:
@@ -183,7 +184,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         try:
             await self.call(lambda engine: engine.add_request(request_id, prompt_token_ids, params, adapter, owner,
-                                                              grammar=grammar))
+                                                              grammar=grammar, priority=priority))
         except asyncio.CancelledError:
             self.abort(request_id)            # the add may have run already: do not leave it generating
             raise
@@ -236,7 +237,7 @@ class AsyncEngine:
             engine = self._source() if callable(self._source) else self._source
             tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
             self.info = EngineInfo(engine.model_name, engine.max_model_len, engine.model_config.vocab_size,
-                                   tokenizer, tuple(sorted(engine.eos_token_ids)))
+                                   tokenizer, tuple(sorted(engine.eos_token_ids)), engine.scheduling_policy)
             self._publish(engine, force=True)
             self._engine = engine
         except ValueError as exc:          # the model given cannot load: the message says why, no traceback

@@ -19,6 +19,7 @@ from slora.api.serving import GenerationService
 from slora.api.settings import ServerSettings
 from slora.api.tenants import TenantDirectory, load_tenants
 from slora.api.tokenizer_pool import Tokenization
+from slora.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,17 @@ class ServerContext:
                     self.fail_start(f"the model could not be loaded: {self.engine.start_error}")
                 return
             await asyncio.sleep(0.05)
+        await self.engine.call(self._apply_weights)
         if self.settings.lora_modules and not await self.load_lora_modules():
             return
         self.starting = "restoring the adapters of its adapter store"
         await self.adapters.restore(self.stored)
         self.starting = None
+
+    def _apply_weights(self, engine: Engine) -> None:
+        """Each tenant's weight from the tenants file: its share of the engine under the vtc policy."""
+        for tenant in self.tenants.tenants.values():
+            engine.set_tenant_weight(tenant.id, tenant.weight)
 
     async def load_lora_modules(self) -> bool:
         """Load the --lora-modules adapters; False (and the start fails) if one is refused."""

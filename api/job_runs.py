@@ -45,12 +45,12 @@ class JobRunner:
         """One engine request of the job; an adapter the caller lacks is loaded by the resolver, then tried again."""
         try:
             return await self.engine.generate(job.request_id(index), prompt, job.params, job.adapter,
-                                              job.tenant.namespace, job.grammar)
+                                              job.tenant.namespace, job.grammar, job.priority)
         except UnknownAdapterError:
             if job.adapter is None or not await self.resolved(job.tenant, job.adapter):
                 raise
         return await self.engine.generate(job.request_id(index), prompt, job.params, job.adapter, job.tenant.namespace,
-                                          job.grammar)
+                                          job.grammar, job.priority)
 
     async def outputs(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, cumulative output) as they come, over all of the job's engine requests."""

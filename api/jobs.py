@@ -44,6 +44,7 @@ class Job:
     include_usage: bool
     return_token_ids: bool
     user: str | None
+    priority: int = 0                          # among the tenant's own requests, lower is admitted first
     response_id: str = ""
     created: int = field(default_factory=now)
     arrival: float = field(default_factory=time.perf_counter)

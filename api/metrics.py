@@ -14,6 +14,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from slora.api.async_engine import AsyncEngine
+from slora.api.tenants import LOCAL_TENANT_ID
 from slora.core.outputs import EngineSnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -77,6 +78,25 @@ class ServerMetrics:
         return generate_latest(self.registry).decode()
 
 
+def tenant_families(snap: EngineSnapshot) -> list[Metric]:
+    """Each tenant's service as the scheduler charges it. The tenants are those of the tenants file (the engine
+    counts only the namespaces of authenticated tenants), or the one local user: the label set stays bounded."""
+    tokens = CounterMetricFamily("slora_tenant_tokens", "Tokens computed for each tenant: prompt tokens (prefix-cache "
+                                 "hits and recomputation not counted) and generated tokens.", labels=("tenant", "kind"))
+    pages = CounterMetricFamily("slora_tenant_adapter_pages", "Pool pages each tenant's adapters were brought into.",
+                                labels=("tenant",))
+    counters = GaugeMetricFamily("slora_tenant_virtual_tokens", "Each tenant's virtual token counter: its weighted "
+                                 "service; under vtc the waiting tenant with the smallest is admitted first.",
+                                 labels=("tenant",))
+    for tenant, share in sorted(snap.tenants.items(), key=lambda item: item[0] or ""):
+        name = tenant or LOCAL_TENANT_ID
+        tokens.add_metric((name, "prompt"), share.prompt_tokens)
+        tokens.add_metric((name, "output"), share.output_tokens)
+        pages.add_metric((name,), share.adapter_pages)
+        counters.add_metric((name,), share.counter)
+    return [tokens, pages, counters]
+
+
 def snapshot_families(snap: EngineSnapshot) -> list[Metric]:
     pool = snap.pool
     pages = GaugeMetricFamily("slora_pool_pages", "Pages of the unified pool by owner.", labels=("owner",))
@@ -106,6 +126,7 @@ def snapshot_families(snap: EngineSnapshot) -> list[Metric]:
                             "each distinct adapter once per step (divide by the decode seconds for the achieved "
                             "bandwidth).", value=snap.decode_bytes),
         adapters,
+        *tenant_families(snap),
     ]
 
 

@@ -119,6 +119,7 @@ OPERATIONS: Mapping[tuple[str, str], OperationDoc] = MappingProxyType({
     ("post", "/detokenize"): OperationDoc(_PARSED + (404, 429), bodies=((JSON, DetokenizeRequest),)),
     ("get", "/tokenizer_info"): OperationDoc(_KEYED + (400,)),
     ("get", "/version"): OperationDoc(_KEYED),
+    ("get", "/v1/tenants"): OperationDoc(_KEYED),
     ("get", "/health"): OperationDoc(_ANY, public=True),
     ("get", "/openapi.json"): OperationDoc(_ANY, ((JSON, _OBJECT),), public=True),
     ("get", "/docs"): OperationDoc(_ANY, ((HTML, _STRING),), public=True),

@@ -174,7 +174,10 @@ class SamplingRequest(Tolerant):
     bad_words: Annotated[list[str] | None, Field(max_length=0, description=NEUTRAL_ONLY),
                          not_supported("an empty list or null")] = None
     logits_processors: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
-    priority: Annotated[int, Field(ge=0, le=0, description=NEUTRAL_ONLY), not_supported("0")] = 0
+    priority: Annotated[int, Field(ge=-2 ** 31, lt=2 ** 31, description=(
+        "Lower is admitted first among this API key's own requests, as vLLM's priority; it never moves one tenant "
+        "ahead of another's fair share. Needs --scheduling-policy priority or vtc (vtc is the default with a "
+        "tenants file)."))] = 0
     cache_salt: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
     kv_transfer_params: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None
     vllm_xargs: Annotated[None, Field(description=NEUTRAL_ONLY), not_supported("null")] = None

@@ -140,3 +140,11 @@ def structured_output(body: SamplingRequest) -> tuple[str | None, StructuredOutp
         raise bad_request(f"{' and '.join(names)} cannot both be given: a request takes one structured output",
                           param=names[1])
     return given[0] if given else (None, None)
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """A priority the engine's scheduling policy would ignore is refused, as vLLM refuses it without its priority
+    policy."""
+    if priority and policy == "fcfs":
+        raise bad_request("priority needs the server's --scheduling-policy to be priority or vtc; it schedules "
+                          "first come, first served", param="priority")

@@ -213,6 +213,25 @@ class AdapterList(BaseModel):
     data: list[AdapterInfo]
 
 
+class TenantInfo(BaseModel):
+    id: str
+    role: str = Field(description="admin or tenant")
+    weight: float = Field(description="its share of the engine under the vtc scheduling policy")
+    virtual_tokens: float = Field(description="its virtual token counter: the weighted service charged so far; the "
+                                              "waiting tenant with the smallest is admitted first")
+    prompt_tokens: int = Field(description="prompt tokens computed for it (cache hits and recomputation not counted)")
+    output_tokens: int = Field(description="tokens generated for it")
+    adapter_pages: int = Field(description="pool pages its adapters were brought into")
+    max_concurrent: int | None = Field(description="sequences it may run at once (null: no limit)")
+    max_queued: int = Field(description="sequences it may queue for those seats")
+
+
+class TenantList(BaseModel):
+    object: Literal["list"]
+    scheduling_policy: str = Field(description="fcfs, priority or vtc")
+    data: list[TenantInfo]
+
+
 class AdapterDeleted(BaseModel):
     name: str
     owner: str | None

@@ -14,7 +14,7 @@ from slora.api.jobs import Job, outcome_of, record
 from slora.api.limits import Admission
 from slora.api.metrics import ServerMetrics
 from slora.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from slora.api.request_checks import RequestChecks, structured_output
+from slora.api.request_checks import RequestChecks, check_priority, structured_output
 from slora.api.request_params import to_sampling_params
 from slora.api.response_models import ChatCompletion, Completion
 from slora.api.responses import JobAnswers, TokenTexts
@@ -98,6 +98,7 @@ class GenerationService:
     def check_request(self, body: SamplingRequest, num_prompts: int, text_chars: int, prompt_param: str) -> None:
         """The run-time checks of the raw request (RequestChecks), before any tokenizer work is done for it."""
         self.checks.check(body, num_prompts, text_chars, prompt_param, self._info.vocab_size, self._info.tokenizer)
+        check_priority(body.priority, self._info.scheduling_policy)
 
     async def chat_prompt(self, body: ChatCompletionRequest, tenant: Tenant) -> list[int]:
         """The chat request's prompt, as the chat route runs it."""
@@ -152,6 +153,7 @@ class GenerationService:
         job = Job(kind, shown, adapter, tenant, prompts, params, bool(body.stream), include_usage,
                   bool(body.return_token_ids), body.user)
         job.continuous_usage = bool(options and options.continuous_usage_stats)
+        job.priority = body.priority
         job.logprobs = logprobs
         job.prompt_logprobs = body.prompt_logprobs
         job.tokens_as_ids = bool(body.return_tokens_as_token_ids)

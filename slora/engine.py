@@ -136,6 +136,10 @@ class Engine:
         """Per-tenant salt of the prefix-cache hashes: one tenant's cached pages never serve another."""
         return hmac.new(self._salt_secret, (owner or "").encode(), hashlib.sha256).digest()
 
+    @property
+    def scheduling_policy(self) -> str:
+        return self.config.scheduling_policy or "fcfs"
+
     def set_tenant_weight(self, owner: str | None, weight: float) -> None:
         """The owner's share of the engine under the vtc policy: weight 2 gets twice a weight-1 tenant's service
         while both wait. ValueError unless positive."""

@@ -197,11 +197,16 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
 
 
 @pytest.mark.parametrize("field,value", [("suffix", "end"), ("use_beam_search", True), ("skip_special_tokens", False),
-                                         ("include_stop_str_in_output", True), ("allowed_token_ids", [5]),
-                                         ("priority", 1)])
+                                         ("include_stop_str_in_output", True), ("allowed_token_ids", [5])])
 def test_other_values_of_unsupported_fields_are_400(http, field, value):
     error = error_of(completion(http, **{field: value}))
     assert error["param"] == field and "not supported" in error["message"], error
+
+
+def test_a_priority_under_first_come_first_served_is_400_naming_the_policy(http):
+    error = error_of(completion(http, priority=1))
+    assert error["param"] == "priority" and "--scheduling-policy" in error["message"], error
+    assert completion(http, priority=0).status_code == 200
 
 
 # ---- max_tokens under --max-tokens-limit ---------------------------------------------------------------

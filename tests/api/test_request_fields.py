@@ -387,7 +387,6 @@ UNSUPPORTED = {     # field: a value slora does not implement (each field's neut
     "allowed_token_ids": [1, 2],
     "bad_words": ["bad"],
     "logits_processors": ["x"],
-    "priority": 1,
     "cache_salt": "salt",
     "guided_whitespace_pattern": " *",
     "prompt_embeds": "AAAA",
