@@ -42,18 +42,21 @@ class LLM:
         return self.engine.pool_stats()
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 adapters: Seq[str | None] | None = None) -> list[RequestOutput]:
+                 adapters: Seq[str | None] | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); one output per prompt, in order. A request the
         engine failed alone (its adapter's files became unreadable, or a fault while handling it) comes back
-        with finish_reason "error" and `.error` saying why; the others are unaffected."""
+        with finish_reason "error" and `.error` saying why; the others are unaffected. `priority`: one per
+        prompt, lower admitted first (needs scheduling_policy "priority" or "vtc"), as vLLM's."""
         prompts = self._as_prompt_list(prompts)
         params_list = self._broadcast(params or SamplingParams(), len(prompts), "params")
         adapter_list = self._broadcast(adapters, len(prompts), "adapters") if adapters is not None \
             else [None] * len(prompts)
+        priorities = self._broadcast(list(priority), len(prompts), "priority") if priority is not None \
+            else [0] * len(prompts)
         ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
-            self._submit_all(zip(prompts, params_list, adapter_list), ids, finished)
+            self._submit_all(zip(prompts, params_list, adapter_list, priorities), ids, finished)
             while self.engine.has_unfinished():
                 self._step(finished)
         finally:                                 # a bad prompt, or an interrupt: nothing stays queued
@@ -78,15 +81,15 @@ class LLM:
         text = self.tokenizer.apply_chat_template(list(conversation), tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _submit_all(self, requests: Iterable[tuple[Prompt, SamplingParams, str | None]], ids: list[str],
+    def _submit_all(self, requests: Iterable[tuple[Prompt, SamplingParams, str | None, int]], ids: list[str],
                     finished: dict[str, RequestOutput]) -> None:
         """Queue the requests in order (their ids into `ids`). Once a full step's prompt tokens are queued,
         that step is launched before the rest are added: with overlapped scheduling the GPU runs it while
         the host validates and hashes the other prompts, instead of waiting for all of them."""
         queued, launched = 0, False
-        for prompt, params, adapter in requests:
+        for prompt, params, adapter, priority in requests:
             token_ids = self.encode(prompt)
-            ids.append(self._submit(token_ids, params, adapter))
+            ids.append(self._submit(token_ids, params, adapter, priority))
             queued += len(token_ids)
             if not launched and queued >= self.config.step_tokens:
                 self._step(finished)
@@ -96,9 +99,9 @@ class LLM:
         """One engine step; the requests it ended into `finished`."""
         finished.update({o.request_id: o for o in self.engine.step()})
 
-    def _submit(self, token_ids: list[int], params: SamplingParams, adapter: str | None) -> str:
+    def _submit(self, token_ids: list[int], params: SamplingParams, adapter: str | None, priority: int = 0) -> str:
         request_id = f"offline-{next(self._ids)}"
-        self.engine.add_request(request_id, token_ids, params, adapter, stream=False)
+        self.engine.add_request(request_id, token_ids, params, adapter, stream=False, priority=priority)
         return request_id
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -10,6 +10,7 @@ holds.
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -18,6 +19,9 @@ from slora.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from slora.core.sequence import AdapterRef, Sequence
 from slora.core.simulator import SimRequest, simulate
 from slora.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from slora.engine import Engine
 
 W_P, W_Q = 1.0, 2.0
 PAGE = 16
@@ -256,3 +260,51 @@ def test_recomputation_after_a_preemption_is_charged_to_nobody():
     after = scheduler.shares()["b"]
     assert after.prompt_tokens == before.prompt_tokens == 16
     assert after.output_tokens == before.output_tokens + 1    # only the token it now generates
+
+
+# ---- the engine (tiny model, CPU) --------------------------------------------------------------------------
+def tiny_engine(policy: str) -> "Engine":
+    from slora.config import EngineConfig
+    from slora.engine import Engine
+    return Engine(EngineConfig(model="slora-tiny-llama", max_num_seqs=1, scheduling_policy=policy))
+
+
+def finishing_order(engine: "Engine") -> list[str]:
+    order = []
+    while engine.has_unfinished():
+        order += [out.request_id for out in engine.step() if out.finished]
+    return order
+
+
+def test_the_engine_admits_by_priority_and_fcfs_refuses_a_priority_without_keeping_the_request():
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine = tiny_engine("priority")
+    for request_id, priority in [("late", 5), ("soon", -1), ("middle", 0)]:
+        engine.add_request(request_id, [1, 2, 3], params, priority=priority)
+    assert finishing_order(engine) == ["soon", "middle", "late"]
+    fcfs = tiny_engine("fcfs")
+    with pytest.raises(ValueError, match="priority"):
+        fcfs.add_request("r", [1, 2, 3], params, priority=1)
+    assert not fcfs.has_unfinished()
+    fcfs.check()
+
+
+def test_vtc_changes_the_order_of_service_and_not_one_token():
+    """Greedy outputs of two tenants' requests are the same under vtc as under fcfs (order never changes what a
+    sequence computes), while the order in which they finish differs."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    requests = [(f"a{i}", "a", [5 + i, 9, 2]) for i in range(3)] + [("b0", "b", [7, 7, 1])]
+    results = {}
+    for policy in ("fcfs", "vtc"):
+        engine = tiny_engine(policy)
+        for request_id, tenant, prompt in requests:
+            engine.add_request(request_id, prompt, params, owner=tenant, stream=False)
+        order, tokens = [], {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                order.append(out.request_id)
+                tokens[out.request_id] = out.outputs[0].token_ids
+        results[policy] = order, tokens
+    assert results["fcfs"][1] == results["vtc"][1]
+    assert results["fcfs"][0] == ["a0", "a1", "a2", "b0"]
+    assert results["vtc"][0] == ["a0", "b0", "a1", "a2"]          # b's turn comes after a's first request
