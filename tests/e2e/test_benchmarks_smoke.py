@@ -17,6 +17,7 @@ SIMULATE_KEYS = {"policy", "page_size", "watermark", "budget_gb", "mean_batch", 
                  "preemptions", "recomputed_tokens", "mean_end_waste"}
 ABLATION_KEYS = {"variant", "adapter_fraction", "num_adapters", "mean_batch", "tokens_per_s", "adapter_loads",
                  "adapter_evictions", "preemptions", "load_s"}
+LIGHT_TENANTS = ["light-1", "light-2", "light-3"]
 HOST_UNITS = {"python_dict_1000", "python_list_comp_64", "numpy_array_from_list_64", "numpy_slots_512",
               "torch_cpu_add_512"}
 
@@ -151,6 +152,31 @@ def check_prefill(stdout: str, data: Any) -> None:
     assert data["summary"]["step_ms"] > 0
 
 
+def check_fairness_run(stdout: str, data: Any) -> None:
+    """Both policies served every request of one trace, and vtc kept two backlogged tenants within VTC's bound."""
+    assert "light_ttft_p99_s" in stdout and "vtc:heavy" in stdout
+    assert set(data["policies"]) == {"fcfs", "vtc"} and data["trace"]["tenants"] == ["heavy", *LIGHT_TENANTS]
+    requests = data["trace"]["requests"]
+    assert requests["heavy"] > max(requests[t] for t in LIGHT_TENANTS) > 0
+    for row in data["policies"].values():
+        assert row["gen_tok_s"] > 0 and row["total_tok_s"] > row["gen_tok_s"]
+        assert sum(row["served_tokens"][-1]) == row["prompt_tokens"] + row["generated_tokens"]   # all served
+        assert 0 <= row["light_ttft_s"]["p50"] <= row["light_ttft_s"]["p99"]
+    assert data["policies"]["vtc"]["max_gap"]["value"] <= data["bound"]["value"]
+    assert data["summary"]["vtc_gap_within_bound"] is True
+
+
+def check_fairness_sim(stdout: str, data: Any) -> None:
+    """The simulation is deterministic: under vtc the light tenants wait far less, the heavy one more, the gap
+    of first come first served passes the bound, and throughput stays."""
+    check_fairness_run(stdout, data)
+    fcfs, vtc = data["policies"]["fcfs"], data["policies"]["vtc"]
+    assert data["summary"]["light_p99_fcfs_over_vtc"] >= 5
+    assert vtc["heavy_ttft_s"]["p50"] > fcfs["heavy_ttft_s"]["p50"]
+    assert fcfs["max_gap"]["value"] > data["bound"]["value"]
+    assert data["summary"]["gen_tok_s_vtc_over_fcfs"] >= 0.97
+
+
 class Case(NamedTuple):
     script: str
     args: tuple[str, ...]
@@ -172,6 +198,8 @@ CASES = {
     "step_host": Case("step_host.py", ("--quick", "--device", "cpu", "--host-speed"), check_step_host_speed),
     "soak": Case("soak.py", ("--quick",), check_soak),
     "ptx_loads": Case("ptx_loads.py", ("--quick",), check_ptx_loads),
+    "fairness": Case("fairness.py", ("--quick",), check_fairness_sim),
+    "fairness-engine": Case("fairness.py", ("--quick", "--engine", "gpu", "--device", "cpu"), check_fairness_run),
     "decode-cuda": Case("decode.py", ("--quick",), check_decode, gpu=True),
     "prefill-cuda": Case("prefill.py", ("--quick",), check_prefill, gpu=True),
     "engine_throughput-cuda": Case("engine_throughput.py", ("--quick", "--device", "cuda"), check_vllm_workloads,
