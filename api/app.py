@@ -379,9 +379,14 @@ async def _read_form(request: Request) -> FormData:
 
 
 def _add_ops_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
-    async def metrics_reader(request: Request) -> None:
-        if ctx.settings.metrics_require_key and not (await caller(request)).is_admin:
+    async def metrics_reader(request: Request) -> Tenant | None:
+        """Who reads /metrics, for the adapter names it may see: the key's tenant (a key sent must be valid), the
+        single user of a server without tenants, or None: an anonymous scrape of a public /metrics."""
+        keyed = ctx.settings.metrics_require_key or ctx.tenants.single_user or "authorization" in request.headers
+        reader = await caller(request) if keyed else None
+        if ctx.settings.metrics_require_key and not (reader is not None and reader.is_admin):
             raise APIError(403, "/metrics needs an admin tenant's key", code="permission_denied")
+        return reader
 
     @app.get("/health", response_model=Health)
     async def health() -> Health | Response:
@@ -392,8 +397,10 @@ def _add_ops_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
             return unavailable(f"not healthy: {reason}", ctx.settings.retry_after_s).response()
         return Health(status="ok")
 
-    @app.get(METRICS_ROUTE, dependencies=[Depends(metrics_reader)], response_class=PlainTextResponse)
-    async def metrics() -> Response:
+    @app.get(METRICS_ROUTE, response_class=PlainTextResponse)
+    async def metrics(reader: Tenant | None = Depends(metrics_reader)) -> Response:
         queued = ctx.admission.queued
-        text = ctx.metrics.render(ctx.engine, queued=queued, inflight=ctx.admission.pending - queued)
+        model_name = ctx.generation.base_names[0] if ctx.engine.info is not None else ""
+        text = ctx.metrics.render(ctx.engine, queued=queued, inflight=ctx.admission.pending - queued,
+                                  viewer=reader, model_name=model_name)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)

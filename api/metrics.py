@@ -6,16 +6,23 @@ engine-level values are read at scrape time from the snapshot the engine thread 
 waits for a step. The library writes a `_created` series beside each counter and histogram (when it started,
 which lets Prometheus tell a restart from a reset); PROMETHEUS_DISABLE_CREATED_SERIES=True in the server's
 environment leaves them out.
+
+Beside the slora_* series, the ones LLM routers and autoscalers built for vLLM read, under vLLM's names
+(router_families). Their adapter names are labels a hostile tenant could otherwise read or grow: they name only
+adapters in the pool, in host memory, running or queued here, and each scrape only those its reader may see
+(AdapterNamer).
 """
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from slora.api.async_engine import AsyncEngine
-from slora.api.tenants import LOCAL_TENANT_ID
-from slora.core.outputs import EngineSnapshot
+from slora.api.tenants import LOCAL_TENANT_ID, Tenant
+from slora.core.outputs import AdapterName, AdapterPlacement, DurationCounts, EngineSnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -24,16 +31,25 @@ LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 POOL_OWNERS = ("free", "kv", "cached", "adapter")
 
 
+class Scrape(NamedTuple):
+    """What one scrape reads: the latest snapshot, who reads it, and the name the base model is served as."""
+
+    snapshot: EngineSnapshot
+    viewer: Tenant | None              # None: an anonymous scrape of a server with tenants
+    model_name: str
+
+
 class SnapshotCollector(Collector):
     """The engine snapshot's values, as metric families built at each scrape from the latest snapshot (the
     engine counts them itself: nothing here keeps a total)."""
 
     def __init__(self) -> None:
-        self.latest: EngineSnapshot | None = None      # set by ServerMetrics.render just before it collects
+        self.latest: Scrape | None = None      # set by ServerMetrics.render just before it collects
 
     def collect(self) -> Iterator[Metric]:
         if self.latest is not None:
-            yield from snapshot_families(self.latest)
+            yield from snapshot_families(self.latest.snapshot)
+            yield from router_families(self.latest)
 
 
 class ServerMetrics:
@@ -68,13 +84,16 @@ class ServerMetrics:
         self.snapshot = SnapshotCollector()
         registry.register(self.snapshot)
 
-    def render(self, engine: AsyncEngine, queued: int, inflight: int) -> str:
-        """The exposition text of every metric, the scrape-time values read now. Called on the event loop
-        thread only, so nothing runs between setting them and collecting them."""
+    def render(self, engine: AsyncEngine, queued: int, inflight: int, viewer: Tenant | None = None,
+               model_name: str = "") -> str:
+        """The exposition text of every metric, the scrape-time values read now, adapter names as `viewer`
+        may see them (None: anonymous, no names). Called on the event loop thread only, so nothing runs
+        between setting them and collecting them."""
         self.engine_up.set(1.0 if engine.accepting else 0.0)
         self.inflight.set(inflight)
         self.queued.set(queued)
-        self.snapshot.latest = engine.snapshot
+        snap = engine.snapshot
+        self.snapshot.latest = None if snap is None else Scrape(snap, viewer, model_name)
         return generate_latest(self.registry).decode()
 
 
@@ -135,3 +154,125 @@ def labelled_counter(name: str, help_text: str, label: str, values: Mapping[str,
     for key, value in sorted(values.items()):
         family.add_metric((key,), value)
     return family
+
+
+# ---- vLLM's names, for routers and autoscalers ----------------------------------------------------------------
+ENGINE_INDEX = "0"      # vLLM labels its series with the engine (data-parallel rank); this server has one
+
+
+@dataclass(frozen=True)
+class AdapterNamer:
+    """The adapter names one scrape may show. An admin (the single user of a server without tenants is one)
+    sees every name, a tenant's as `<owner>/<name>` (two tenants may use one name), a public or un-owned one as
+    `<name>`, what requests send as `model`. A non-admin tenant sees its own names and public ones, and only
+    for versions it loaded first or ran and sequences of its own: its /v1/adapters tells no more (another
+    tenant's use of the same weights, or of a public adapter, is not told). An anonymous scrape sees none."""
+
+    viewer: Tenant | None
+
+    def label(self, name: AdapterName) -> str | None:
+        viewer = self.viewer
+        if viewer is None:
+            return None
+        if viewer.is_admin:
+            return name.name if name.public or name.owner is None else f"{name.owner}/{name.name}"
+        return name.name if name.public or name.owner == viewer.namespace else None
+
+    def sees_version(self, placement: AdapterPlacement) -> bool:
+        viewer = self.viewer
+        return viewer is not None and (viewer.is_admin or viewer.namespace in placement.used_by)
+
+    def sees_sequences_of(self, tenant: str | None) -> bool:
+        viewer = self.viewer
+        return viewer is not None and (viewer.is_admin or viewer.namespace == tenant)
+
+    def labels(self, names: Iterable[AdapterName]) -> list[str]:
+        shown = (self.label(name) for name in names)
+        return sorted({label for label in shown if label is not None})
+
+
+def sequence_names(snap: EngineSnapshot, pairs: Iterable[tuple[str | None, str]], namer: AdapterNamer) -> str:
+    """The adapters of these (tenant, version) sequences, comma-joined and sorted: each under the names its
+    tenant could have asked for it by (its own and public ones), as far as the scrape may see them."""
+    shown: set[str] = set()
+    for tenant, version in pairs:
+        placement = snap.adapter_placements.get(version)
+        if placement is not None and namer.sees_sequences_of(tenant):
+            usable = (n for n in placement.names if n.public or n.owner == tenant)
+            shown.update(namer.labels(usable))
+    return ",".join(sorted(shown))
+
+
+def kv_cache_usage(snap: EngineSnapshot) -> float:
+    """Live KV pages over the pages KV may have: cached prefix pages and idle adapters count as free (both are
+    reclaimed on demand, as vLLM counts its evictable cached blocks free), the pages of adapters that running
+    sequences use are not KV's to have. 1.0: no new KV page without a preemption."""
+    pool = snap.pool
+    room = pool.get("total_pages", 0) - snap.pinned_adapter_pages
+    return min(1.0, pool.get("kv_pages", 0) / room) if room > 0 else 0.0
+
+
+def lora_requests_info(snap: EngineSnapshot, namer: AdapterNamer) -> GaugeMetricFamily:
+    """vLLM's info gauge: the adapters of the running and of the waiting sequences as labels, its value the
+    time the snapshot was taken (a router keeps the newest series)."""
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests: adapters of the running "
+                               "and waiting sequences; value: the time of the sample.",
+                               labels=("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
+    family.add_metric((sequence_names(snap, snap.running_adapters, namer),
+                       sequence_names(snap, snap.waiting_adapters, namer), str(snap.adapter_slots)), snap.taken_at)
+    return family
+
+
+def adapter_loaded(snap: EngineSnapshot, namer: AdapterNamer, base: tuple[str, str]) -> GaugeMetricFamily:
+    """1 for each name of each version in the pool (level gpu) or in host memory only (level cpu)."""
+    family = GaugeMetricFamily("vllm:lora_adapter_loaded", "1 for each adapter loaded: level gpu in the pool, cpu "
+                               "in host memory only; pinned while running sequences use it.",
+                               labels=("model_name", "engine", "adapter_name", "level", "pinned"))
+    series: set[tuple[str, str, str]] = set()          # one name may be given twice (public in two namespaces)
+    for placement in snap.adapter_placements.values():
+        if (placement.in_pool or placement.on_host) and namer.sees_version(placement):
+            level, pinned = "gpu" if placement.in_pool else "cpu", "true" if placement.pinned else "false"
+            series.update((name, level, pinned) for name in namer.labels(placement.names))
+    for labels in sorted(series):
+        family.add_metric(base + labels, 1.0)
+    return family
+
+
+def load_histogram(durations: DurationCounts, base: tuple[str, str]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily("vllm:lora_adapter_load_seconds", "Time to read, validate, hash and pack an "
+                                   "adapter version brought into host memory (a load or a read back from disk).",
+                                   labels=("model_name", "engine"))
+    cumulative, buckets = 0, []
+    for bound, count in zip((*map(str, durations.bounds), "+Inf"), durations.counts, strict=True):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    family.add_metric(base, buckets, durations.total)
+    return family
+
+
+def base_gauge(name: str, help_text: str, base: tuple[str, str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, help_text, labels=("model_name", "engine"))
+    family.add_metric(base, value)
+    return family
+
+
+def router_families(scrape: Scrape) -> list[Metric]:
+    """vLLM's series that LLM routers (llm-d's endpoint picker, the Gateway API Inference Extension) and
+    autoscalers read. vLLM counts requests where this server counts sequences (a request with n > 1 has n)."""
+    snap, namer, base = scrape.snapshot, AdapterNamer(scrape.viewer), (scrape.model_name, ENGINE_INDEX)
+    placements = snap.adapter_placements.values()
+    return [
+        base_gauge("vllm:num_requests_running", "Sequences in the running batch.", base, snap.sequences_running),
+        base_gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", base, snap.sequences_waiting),
+        base_gauge("vllm:kv_cache_usage_perc", "Share of the pool's pages KV may have that hold live KV (1 = full).",
+                   base, kv_cache_usage(snap)),
+        lora_requests_info(snap, namer),
+        adapter_loaded(snap, namer, base),
+        base_gauge("vllm:num_gpu_loaded_lora_adapters", "Adapter versions resident in the pool.", base,
+                   sum(p.in_pool for p in placements)),
+        base_gauge("vllm:num_cpu_loaded_lora_adapters", "Adapter versions in host memory (in the pool too or not).",
+                   base, sum(p.on_host for p in placements)),
+        base_gauge("vllm:max_gpu_lora_adapters", "Distinct adapters one batch may run (max_loras, else "
+                   "max_num_seqs); idle ones may stay in the pool beyond it.", base, snap.adapter_slots),
+        load_histogram(snap.adapter_load_seconds, base),
+    ]

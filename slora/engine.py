@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import random
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ from slora.core.outputs import (
 from slora.core.scheduler import ScheduledSeq
 from slora.core.sequence import Sequence, SequenceStatus
 from slora.core.step_stats import StepStats, StepTimer
-from slora.execution.adapter_manager import UnknownAdapterError
+from slora.execution.adapter_manager import UnknownAdapterError, sequence_adapters
 from slora.execution.device_copy import select_rows, tensor_on
 from slora.execution.in_flight import ArrivingSample, Launched, ReadySample, TokensInFlight
 from slora.models.builtin import resolve_model
@@ -298,14 +299,22 @@ class Engine:
         return self.allocator.stats().as_dict()
 
     def snapshot(self) -> EngineSnapshot:
-        scheduler, adapters, stats = self.scheduler, self.adapters.counts(), self.step_stats
-        return EngineSnapshot(pool=self.pool_stats(), sequences_running=len(scheduler.running),
+        """The engine's counters now. Besides O(1) counts, one pass over the waiting sequences (their adapters),
+        and, for the adapters in the pool, in host memory or in use, one over the registered names."""
+        scheduler, adapters, stats, pool = self.scheduler, self.adapters.counts(), self.step_stats, self.pool_stats()
+        running, waiting = sequence_adapters(scheduler.running), sequence_adapters(scheduler.waiting)
+        return EngineSnapshot(pool=pool, sequences_running=len(scheduler.running),
                               sequences_waiting=len(scheduler.waiting), requests=len(self.requests),
                               preemptions=scheduler.num_preemptions, adapter_pool_loads=adapters.pool_loads,
                               adapter_pool_evictions=adapters.pool_evictions, adapters_registered=adapters.names,
                               adapters_host=adapters.on_host, adapters_pool=adapters.in_pool,
                               steps=dict(stats.steps), step_seconds=dict(stats.seconds),
-                              decode_bytes=stats.decode_bytes, tenants=scheduler.shares())
+                              decode_bytes=stats.decode_bytes, tenants=scheduler.shares(), taken_at=time.time(),
+                              adapter_placements=self.adapters.placements(v for _, v in running | waiting),
+                              running_adapters=running, waiting_adapters=waiting,
+                              adapter_slots=self.config.max_loras or self.config.max_num_seqs,
+                              pinned_adapter_pages=pool["adapter_pages"] - self.adapters.idle_pages(),
+                              adapter_load_seconds=self.adapters.load_times.counted())
 
     def check(self) -> None:
         """Assert the pool's invariants (tests call it after every scenario)."""

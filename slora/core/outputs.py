@@ -73,6 +73,42 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+# Bounds (seconds) of the adapter load histogram; the engine buckets its load times by them.
+ADAPTER_LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(frozen=True)
+class DurationCounts:
+    """A histogram of durations as the engine keeps it: `counts[i]` of those <= `bounds[i]` and above the bound
+    before (not cumulative), the last count for those above every bound; `total` their sum in seconds."""
+
+    bounds: tuple[float, ...] = ADAPTER_LOAD_BUCKETS
+    counts: tuple[int, ...] = (0,) * (len(ADAPTER_LOAD_BUCKETS) + 1)
+    total: float = 0.0
+
+
+class AdapterName(NamedTuple):
+    """One registry name of an adapter version."""
+
+    name: str
+    owner: str | None                  # its namespace (the tenant); None: un-owned (single-user, demo adapters)
+    public: bool
+
+
+@dataclass(frozen=True)
+class AdapterPlacement:
+    """Where one adapter version is, for the router series of /metrics: in the pool (pinned while running
+    sequences use it), in host memory, neither (on disk), with the names that point at it and the namespaces
+    that may be told its residency (those that loaded it first or ran it: another tenant's use of the same
+    weights is not told)."""
+
+    in_pool: bool
+    on_host: bool
+    pinned: bool
+    names: tuple[AdapterName, ...]
+    used_by: frozenset[str | None]
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Counters of the engine at one moment (the server publishes one per step, so /metrics never waits)."""
@@ -91,3 +127,12 @@ class EngineSnapshot:
     step_seconds: dict[str, float]   # their wall time
     decode_bytes: int                # bytes the decode steps had to read (weights, live KV, adapters)
     tenants: dict[str | None, TenantShare] = field(default_factory=dict)   # service per tenant (None: no tenant)
+    taken_at: float = 0.0            # time.time() when it was taken
+    # The adapters the router series name: versions in the pool or in host memory, and those of the running and
+    # waiting sequences (bounded by them, never every registered name); (tenant, version) of each sequence.
+    adapter_placements: dict[str, AdapterPlacement] = field(default_factory=dict)
+    running_adapters: frozenset[tuple[str | None, str]] = frozenset()
+    waiting_adapters: frozenset[tuple[str | None, str]] = frozenset()
+    adapter_slots: int = 0           # distinct adapters one batch may run: max_loras, else max_num_seqs
+    pinned_adapter_pages: int = 0    # pool pages of adapters that running sequences use (nothing reclaims them)
+    adapter_load_seconds: DurationCounts = field(default_factory=DurationCounts)   # versions into host memory

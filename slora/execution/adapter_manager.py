@@ -8,9 +8,11 @@ idle, and the folder the engine owns. A version whose host copy was dropped is r
 the background when a waiting request needs it. The scheduler receives the manager at construction as
 its AdapterResidency; the API reaches adapters only through the engine's manager.
 """
+import bisect
 import dataclasses
 import logging
 import shutil
+import time
 from collections.abc import Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +30,7 @@ from slora.adapters.registry import AdapterEntry, AdapterRegistry
 from slora.adapters.shapes import TargetShapes
 from slora.adapters.weights import WEIGHTS_FILE, LoadedAdapter, load_adapter
 from slora.core.adapter_residency import AdapterResidency
+from slora.core.outputs import ADAPTER_LOAD_BUCKETS, AdapterName, AdapterPlacement, DurationCounts
 from slora.core.page_pool import PageAllocator
 from slora.core.sequence import AdapterRef, Sequence
 
@@ -66,6 +69,7 @@ class PreparedAdapter:
     packed: PackedAdapter
     path: Path | None
     disk_bytes: int = 0                    # its folder's files, measured when it was read
+    seconds: float = 0.0                   # the time it took to read, validate, hash and pack
 
     @property
     def version(self) -> str:
@@ -116,6 +120,28 @@ class AdapterInfo(NamedTuple):
     bytes: int
 
 
+@dataclass
+class LoadTimes:
+    """How long the versions brought into host memory took to read, validate, hash and pack, bucketed (engine
+    thread only: a version is counted as it is stored)."""
+
+    bounds: tuple[float, ...] = ADAPTER_LOAD_BUCKETS
+    counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(ADAPTER_LOAD_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1    # bucket i holds those <= bounds[i]
+        self.total += seconds
+
+    def counted(self) -> DurationCounts:
+        return DurationCounts(self.bounds, tuple(self.counts), self.total)
+
+
+def sequence_adapters(seqs: Iterable[Sequence]) -> frozenset[tuple[str | None, str]]:
+    """(tenant, adapter version) of the sequences that run on an adapter."""
+    return frozenset((seq.tenant, seq.adapter.version) for seq in seqs if seq.adapter is not None)
+
+
 class AdapterCounts(NamedTuple):
     names: int
     on_host: int
@@ -154,6 +180,7 @@ class AdapterManager(AdapterResidency):
         self.names = AdapterRegistry()
         self.versions: dict[str, AdapterVersion] = {}
         self.num_reloads = 0
+        self.load_times = LoadTimes()
         self._clock = 0
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slora-adapter-reader")
         self._reloading: dict[str, AdapterVersion] = {}
@@ -169,11 +196,12 @@ class AdapterManager(AdapterResidency):
 
     def _prepare(self, path: Path) -> PreparedAdapter:
         fmt = self.format
+        began = time.perf_counter()
         loaded = load_adapter(path, fmt.shapes, fmt.max_lora_rank)
         packed = pack_adapter(loaded, fmt.shapes, fmt.page_elems, fmt.dtype)
         if fmt.pin_memory:
             packed = dataclasses.replace(packed, pages=packed.pages.pin_memory())
-        return PreparedAdapter(loaded, packed, path, folder_bytes(path))
+        return PreparedAdapter(loaded, packed, path, folder_bytes(path), time.perf_counter() - began)
 
     def load(self, name: str, path: str | Path, owner: str | None = None, public: bool = False,
              owns_files: bool = False) -> AdapterEntry:
@@ -235,8 +263,10 @@ class AdapterManager(AdapterResidency):
                                     packed.num_bytes, weights * packed.pages.element_size(), prepared.path, packed,
                                     prepared.disk_bytes)
             self.versions[prepared.version] = stored
+            self.load_times.observe(prepared.seconds)
         elif stored.packed is None:
             stored.packed = prepared.packed
+            self.load_times.observe(prepared.seconds)
         self._touch(stored)
         return stored
 
@@ -441,6 +471,28 @@ class AdapterManager(AdapterResidency):
             return 0
         stored = self.versions[entry.version]
         return 0 if stored.requests else stored.disk_bytes
+
+    def placements(self, in_use: Iterable[str]) -> dict[str, AdapterPlacement]:
+        """Where each version in the pool, in host memory or in `in_use` (those of live sequences) is, with its
+        names: what the router series of /metrics show. One pass over the names, so a scrape never lists
+        registered names that nothing holds."""
+        shown = {v for v, s in self.versions.items() if s.packed is not None} | set(self.resident) | set(in_use)
+        names = self._names_of(shown) if shown else {}
+        return {version: self._placement(version, tuple(names.get(version, ()))) for version in shown}
+
+    def _names_of(self, versions: set[str]) -> dict[str, list[AdapterName]]:
+        names: dict[str, list[AdapterName]] = {}
+        for entry in self.names.entries.values():
+            if entry.version in versions:
+                names.setdefault(entry.version, []).append(AdapterName(entry.name, entry.owner, entry.public))
+        return names
+
+    def _placement(self, version: str, names: tuple[AdapterName, ...]) -> AdapterPlacement:
+        # A version dropped while its last sequences run stays in the pool until they end, known to no name.
+        stored = self.versions.get(version)
+        on_host = stored is not None and stored.packed is not None
+        used_by = frozenset(stored.used_by) if stored is not None else frozenset()
+        return AdapterPlacement(self.is_resident(version), on_host, self.is_pinned(version), names, used_by)
 
     def counts(self) -> AdapterCounts:
         return AdapterCounts(len(self.names.entries), sum(1 for s in self.versions.values() if s.packed is not None),
