@@ -66,7 +66,8 @@ class ServerContext:
                     self.fail_start(f"the model could not be loaded: {self.engine.start_error}")
                 return
             await asyncio.sleep(0.05)
-        await self.engine.call(self._apply_weights)
+        if self.tenants.tenants:                  # single-user: one client, nothing to weigh
+            await self.engine.call(self._apply_weights)
         if self.settings.lora_modules and not await self.load_lora_modules():
             return
         self.starting = "restoring the adapters of its adapter store"
