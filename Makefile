@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 # schemathesis), ruff, mypy, matplotlib. A new runtime stamp (pyproject.toml changed) installs them again.
 $(VENV)/.installed-dev: $(VENV)/.installed
 	@echo "installing the development tools (the dev extra) into $(VENV)"
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,ray]'
 	touch $@
 
 test: install-dev
