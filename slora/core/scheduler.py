@@ -198,6 +198,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
+        generated: dict[str | None, int] = {}        # tokens generated per tenant: charged once per step
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             if seq.ends_with_pending(self.config.max_model_len):
@@ -206,20 +207,27 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed, budget)
             if not self._grow(seq, seq.num_computed_tokens + num_tokens, out):
                 continue                    # seq preempted itself: the next one is at `index` now
-            self._charge(seq, num_tokens)
+            if self._charge_prompt(seq, num_tokens):
+                generated[seq.tenant] = generated.get(seq.tenant, 0) + 1
             out.scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
             index += 1
+        for tenant, count in generated.items():
+            self.share.charge(tenant, 0, count)
         return budget
 
-    def _charge(self, seq: Sequence, num_tokens: int) -> None:
-        """Charge `seq`'s tenant for the `num_tokens` this step computes: the prompt tokens never computed before
-        (a recomputation after a preemption is charged to nobody) and the token generated when it completes."""
+    def _charge_prompt(self, seq: Sequence, num_tokens: int) -> bool:
+        """Charge `seq`'s tenant for the prompt tokens this step computes that were never computed before (a
+        recomputation after a preemption is charged to nobody); whether the step generates a token for it, which
+        the caller charges. A decode row, most rows of most steps, charges nothing here."""
         end = seq.num_computed_tokens + num_tokens
-        new_prompt = min(end, len(seq.prompt_token_ids)) - max(seq.num_computed_tokens, seq.num_charged_tokens)
-        if end > seq.num_charged_tokens:
+        charged = seq.num_charged_tokens
+        if end > charged:
             seq.num_charged_tokens = end
-        self.share.charge(seq.tenant, max(0, new_prompt), int(end == seq.num_tokens))
+            prompt_len = len(seq.prompt_token_ids)
+            if charged < prompt_len:
+                self.share.charge(seq.tenant, min(end, prompt_len) - max(seq.num_computed_tokens, charged), 0)
+        return end == seq.num_tokens
 
     def _reclaim(self, seq: Sequence, out: SchedulerOutput, count: int = 1) -> bool:
         """Make `count` pages available for `seq`; False if `seq` itself had to be preempted."""
@@ -357,7 +365,7 @@ class Scheduler:
         num_tokens = min(seq.num_uncomputed, budget)
         grown = self._grow(seq, seq.num_computed_tokens + num_tokens, out)
         assert grown, "admission checked that the pages were available"
-        self._charge(seq, num_tokens)
+        self.share.charge(seq.tenant, 0, int(self._charge_prompt(seq, num_tokens)))
         out.scheduled.append(ScheduledSeq(seq, num_tokens))
         return num_tokens
 
