@@ -41,9 +41,9 @@ class Server:
     def client(self, key: str = "unused", **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120, **kwargs)
 
-    def http(self, key: str | None = None) -> httpx.Client:
+    def http(self, key: str | None = None, timeout: float = 120) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics as {'name{label="v"}': value}, parsed by prometheus_client."""

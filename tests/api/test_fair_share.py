@@ -16,8 +16,9 @@ from conftest import BASE_MODEL, Server, start_server, write_tenants
 
 KEYS = {"a": "key-a", "b": "key-b", "root": "key-root", "idle": "key-idle"}
 A_OUTSTANDING = 24          # A's requests in flight at any time: 2 run, 22 wait
-A_TOKENS = 160              # an A request runs for about a second or two on a loaded 2-core machine
+A_TOKENS = 96               # an A request runs for about half a second here, several on a loaded 2-core machine
 B_REQUESTS = 6
+CLIENT_TIMEOUT_S = 900      # under fcfs B waits behind A's whole queue, minutes on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def stream_completion(http: httpx.Client, max_tokens: int, stop: threading.Event
 
 
 def flood(server: Server, run: NoisyRun, stop: threading.Event) -> None:
-    with server.http(KEYS["a"]) as http:
+    with server.http(KEYS["a"], timeout=CLIENT_TIMEOUT_S) as http:
         while not stop.is_set():
             try:
                 timing = stream_completion(http, A_TOKENS, stop)
@@ -73,7 +74,7 @@ def flood(server: Server, run: NoisyRun, stop: threading.Event) -> None:
 
 
 def one_b_request(server: Server, run: NoisyRun) -> None:
-    with server.http(KEYS["b"]) as http:
+    with server.http(KEYS["b"], timeout=CLIENT_TIMEOUT_S) as http:
         try:
             timing = stream_completion(http, 2)
         except httpx.HTTPError as exc:
@@ -94,10 +95,10 @@ def noisy_neighbour(server: Server) -> NoisyRun:
         bs[-1].start()
         time.sleep(1.0)
     for thread in bs:
-        thread.join(timeout=300)
+        thread.join(timeout=CLIENT_TIMEOUT_S)
     stop.set()
     for thread in floods:
-        thread.join(timeout=300)
+        thread.join(timeout=CLIENT_TIMEOUT_S)
     assert not run.errors, run.errors
     assert len(run.b_ttft) == B_REQUESTS
     return run

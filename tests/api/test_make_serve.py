@@ -63,5 +63,5 @@ def test_make_serve_installs_the_runtime_and_no_development_tools(tmp_path):
 def test_make_test_and_lint_add_the_development_tools_to_the_runtime(tmp_path, target):
     commands = planned_commands(target, tmp_path / "venv")
     runtime = next(i for i, line in enumerate(commands) if line.endswith(" -e ."))
-    dev = next(i for i, line in enumerate(commands) if line.endswith(" -e '.[dev]'"))
+    dev = next(i for i, line in enumerate(commands) if line.endswith(" -e '.[dev,ray]'"))   # the tools and Ray
     assert runtime < dev, commands
