@@ -32,6 +32,7 @@ from slora.models.config import ModelConfig, load_model_config
 from slora.models.registry import build_model
 from slora.models.tokenizer import eos_token_ids, load_tokenizer
 from slora.sampling.params import SamplingParams
+from slora.sampling.request_state import check_request
 
 if TYPE_CHECKING:
     from slora.sampling.grammar import CompiledGrammar
@@ -149,6 +150,12 @@ class ClusterEngine:
         replica. `grammar` is not sent (it may not pickle): the replica compiles `params.structured`."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # The engine's own checks, here too: refused before the client's response starts, as on one engine.
+        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
+                      self.config.max_num_seqs)
+        if priority and self.scheduling_policy == "fcfs":
+            raise ValueError("a request's priority needs the priority or vtc scheduling policy; this engine "
+                             "schedules first come, first served")
         version = None if adapter is None else self.adapters.resolve(adapter, owner).version
         request = self._replica_request(request_id, prompt_token_ids, params, version, owner, priority)
         if version is not None:       # its folder stays on disk until the request ends, as in Engine

@@ -135,15 +135,14 @@ def _expected(offline: LLM, adapter: str | None, prompt: str) -> list[int]:
     return offline.generate([prompt], params, adapters=[adapter])[0].token_ids
 
 
-def _replica_stats() -> dict[str, ReplicaStats]:
+def _replica_stats(timeout_s: float = 10.0) -> dict[str, ReplicaStats]:
     """Each replica's counts: asked until both have answered (Ray routes each ask to one of them)."""
     handle = serve.get_deployment_handle("EngineReplica", app_name=REPLICAS_APP)
     stats: dict[str, ReplicaStats] = {}
-    for _ in range(50):
+    deadline = time.monotonic() + timeout_s
+    while len(stats) < NUM_REPLICAS and time.monotonic() < deadline:
         one = handle.load_count.remote().result()
         stats[one.replica_id] = one
-        if len(stats) == NUM_REPLICAS:
-            break
     assert len(stats) == NUM_REPLICAS, stats
     return stats
 
@@ -167,3 +166,51 @@ def test_each_adapter_stays_on_one_replica(server, adapter_root, offline):
             assert _completion(bob, "bobs", prompt) == _expected(offline, "mlp-r8", prompt)
     loads = {rid: s.loads.get(info["version"], 0) for rid, s in _replica_stats().items()}
     assert sorted(loads.values()) == [0, 1], loads
+
+
+def _stream_lines(client: httpx.Client, max_tokens: int):
+    body = {"model": BASE_MODEL, "prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        yield from (line for line in response.iter_lines() if line.startswith("data: "))
+
+
+def _kill_running_replica() -> None:
+    """SIGKILL the process of the replica running a request: it dies as a crashed replica does."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        busy = [s for s in _replica_stats().values() if s.running > 0]
+        if busy:
+            os.kill(int(busy[0].replica_id.rsplit(":", 1)[1]), signal.SIGKILL)
+            return
+        time.sleep(0.1)
+    raise AssertionError("no replica ran the request")
+
+
+def test_a_replica_that_dies_mid_stream_ends_it_with_an_error(server, offline):
+    with _http(server, "alice") as alice:
+        lines = _stream_lines(alice, 1500)
+        assert '"choices"' in next(lines)
+        _kill_running_replica()
+        began = time.monotonic()
+        rest = list(lines)
+        assert time.monotonic() - began < 60, "the stream ended long after its replica died"
+        assert any('"error"' in line for line in rest), rest[-3:]
+        assert rest[-1] == "data: [DONE]"
+        _wait_served_again(alice, offline)
+
+
+def _wait_served_again(client: httpx.Client, offline: LLM) -> None:
+    """Requests succeed again once Ray has replaced the replica (those sent to the dead one first fail)."""
+    expected = _expected(offline, None, PROMPTS[1])
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        body = {"model": BASE_MODEL, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}
+        response = client.post("/v1/completions", json=body)
+        if response.status_code == 200 and response.json()["choices"][0]["token_ids"] == expected:
+            _replica_stats(timeout_s=180)     # and Ray has started a replica in place of the dead one
+            return
+        time.sleep(0.5)
+    raise AssertionError("requests did not succeed again after the replica died")
