@@ -176,6 +176,20 @@ def _stream_lines(client: httpx.Client, max_tokens: int):
         yield from (line for line in response.iter_lines() if line.startswith("data: "))
 
 
+def test_a_client_that_leaves_stops_its_request_on_the_replica(server):
+    with _http(server, "bob") as bob:
+        lines = _stream_lines(bob, 1500)
+        assert '"choices"' in next(lines)
+        lines.close()                   # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while True:
+        stats = _replica_stats().values()
+        if sum(s.abandoned for s in stats) >= 1 and all(s.running == 0 for s in stats):
+            return
+        assert time.monotonic() < deadline, f"the request still runs on its replica: {stats}"
+        time.sleep(0.2)
+
+
 def _kill_running_replica() -> None:
     """SIGKILL the process of the replica running a request: it dies as a crashed replica does."""
     deadline = time.monotonic() + 30
