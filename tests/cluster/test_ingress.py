@@ -176,6 +176,17 @@ def _stream_lines(client: httpx.Client, max_tokens: int):
         yield from (line for line in response.iter_lines() if line.startswith("data: "))
 
 
+def test_structured_output_is_compiled_on_the_replica(server):
+    """The ingress sends the structured spec, not its compiled grammar (which may not pickle)."""
+    with _http(server, "alice") as alice:
+        for choices in (["yes", "no"], ["alpha", "beta", "gamma"]):
+            body = {"model": BASE_MODEL, "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0.0,
+                    "guided_choice": choices}
+            response = alice.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] in choices
+
+
 def test_a_client_that_leaves_stops_its_request_on_the_replica(server):
     with _http(server, "bob") as bob:
         lines = _stream_lines(bob, 1500)
