@@ -137,7 +137,7 @@ class ClusterEngine:
         return self.config.scheduling_policy or "fcfs"
 
     def set_tenant_weight(self, owner: str | None, weight: float) -> None:
-        """Kept for the catalog's view; the replicas' schedulers do not receive weights yet."""
+        """The owner's share under vtc: sent with its requests, each replica's scheduler applies it."""
         if not weight > 0:
             raise ValueError(f"a tenant's weight must be positive, got {weight}")
         self.tenant_weights[owner] = weight
@@ -169,7 +169,8 @@ class ClusterEngine:
         if version is not None and folder is None:
             raise ValueError(f"adapter version {version[:12]} has no folder on disk the replicas could read")
         return ReplicaRequest(request_id, list(prompt_token_ids), params, version,
-                              None if folder is None else str(folder), owner, priority)
+                              None if folder is None else str(folder), owner, priority,
+                              self.tenant_weights.get(owner))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request: its stream is cancelled, which cancels it on the replica."""

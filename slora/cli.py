@@ -316,6 +316,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from slora.config import EngineConfig
 
     settings = serve_settings(args)
+    cluster = _cluster_options(args)
     if settings.tenants_file is not None:        # fail fast on a bad tenants file, before loading the model
         from slora.api.tenants import load_tenants
         load_tenants(settings.tenants_file)
@@ -325,7 +326,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_model(config.model, config.load_format, "--lora-modules")    # before the port is bound
     # Imported once the arguments are checked: the server's modules (transformers, fastapi) take seconds.
     from slora.api.server import serve
-    return serve(settings, config, _cluster_options(args))
+    return serve(settings, config, cluster)
 
 
 def _cluster_options(args: argparse.Namespace) -> "ClusterOptions | None":
@@ -334,6 +335,9 @@ def _cluster_options(args: argparse.Namespace) -> "ClusterOptions | None":
         if args.ray_address is not None:
             raise ValueError("--ray-address needs --replicas")
         return None
+    import importlib.util
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("--replicas needs Ray: install slora's ray extra (pip install 'slora[ray]')")
     from slora.api.cluster import ClusterOptions
     return ClusterOptions(args.replicas, args.ray_address, args.replica_gpus, args.replica_cpus)
 

@@ -133,3 +133,14 @@ def test_a_broken_stream_ends_its_request_with_an_error(failure):
     final = outputs[-1]
     assert final.finished and final.error is not None and final.error.code == INTERNAL_ERROR
     assert final.token_ids == [1] and final.outputs[0].finish_reason == "error"
+
+
+def test_a_tenants_weight_travels_with_its_requests():
+    engine, handle = make(lambda r: [output(r, [1], True)])
+    engine.set_tenant_weight("alice", 3.0)
+    with pytest.raises(ValueError):
+        engine.set_tenant_weight("bob", 0.0)
+    engine.add_request("a", [5], PARAMS, owner="alice")
+    engine.add_request("b", [5], PARAMS, owner="bob")
+    run_to_end(engine)
+    assert [request.weight for _, request in handle.sent] == [3.0, None]
