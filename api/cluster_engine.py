@@ -87,8 +87,9 @@ def build_catalog(config: EngineConfig, model_config: ModelConfig, max_model_len
                       model_config.head_dim)
     adapter_format = AdapterFormat(shapes, config.max_lora_rank, shape.page_elems, config.torch_dtype)
     usable = config.scheduler_config(0, max_model_len).usable_pages(num_pages)
-    return AdapterManager(PageAllocator(num_pages, config.page_size), adapter_format, config.adapter_host_cache_bytes,
-                          usable)
+    # No host tier: the catalog never computes, so it keeps no packed copies (a quarter of the ingress's
+    # memory by default otherwise); its adapters' residency reads "disk" here, the replicas hold the copies.
+    return AdapterManager(PageAllocator(num_pages, config.page_size), adapter_format, 0, usable)
 
 
 def error_output(flight: _Flight, error: RequestError) -> RequestOutput:

@@ -144,3 +144,8 @@ def test_a_tenants_weight_travels_with_its_requests():
     engine.add_request("b", [5], PARAMS, owner="bob")
     run_to_end(engine)
     assert [request.weight for _, request in handle.sent] == [3.0, None]
+
+
+def test_the_catalog_keeps_no_packed_copies():
+    engine, _ = make(lambda r: [])
+    assert engine.adapters.versions and engine.adapters.host_bytes == 0
