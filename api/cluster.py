@@ -53,8 +53,15 @@ def build_app(config: EngineConfig, settings: ServerSettings, handle: Any) -> Fa
     return create_app(engine_source(config, handle), settings)
 
 
-def deploy(config: EngineConfig, options: ClusterOptions) -> Any:
-    """Start or join Ray, deploy the replicas and wait until they serve; returns the DeploymentHandle."""
+def cluster_app(config: EngineConfig, settings: ServerSettings, options: ClusterOptions) -> FastAPI:
+    """`slora serve --replicas`: Ray started or joined now; the replicas deployed by the engine source, on the
+    engine's thread, so that the server answers /health (starting) and signals while they come up."""
+    start_ray(options)
+    return create_app(lambda: cast(Engine, ClusterEngine(config, deploy(config, options))), settings)
+
+
+def start_ray(options: ClusterOptions) -> None:
+    """Start or join Ray, with Serve and without Ray's HTTP proxy (this process's server is the ingress)."""
     import ray
     from ray import serve
 
@@ -62,10 +69,18 @@ def deploy(config: EngineConfig, options: ClusterOptions) -> Any:
         ray.init(include_dashboard=False)
     else:               # joining: the cluster's own settings hold
         ray.init(address=options.ray_address)
-    serve.start(proxy_location="Disabled")        # the ingress is this process's server, not Ray's proxy
+    serve.start(proxy_location="Disabled")
+
+
+def deploy(config: EngineConfig, options: ClusterOptions) -> Any:
+    """Deploy the replicas on the Ray of `start_ray` and wait until they serve; returns the DeploymentHandle."""
+    from ray import serve
+
     app = replica_app(config, options.replicas, num_gpus=options.replica_gpus, num_cpus=options.replica_cpus)
     logger.info("deploying %d engine replica(s) on Ray Serve", options.replicas)
-    return serve.run(app, name=REPLICAS_APP, route_prefix=None)
+    handle = serve.run(app, name=REPLICAS_APP, route_prefix=None)
+    logger.info("%d engine replica(s) serving", options.replicas)
+    return handle
 
 
 def undeploy(options: ClusterOptions) -> None:

@@ -105,9 +105,9 @@ def serve(settings: ServerSettings, engine_config: EngineConfig, cluster: "Clust
     with listen(settings.host, settings.port) as sock:
         if cluster is None:
             return _serve(sock, create_app(lambda: Engine(engine_config), settings), settings)
-        from slora.api.cluster import build_app, deploy, undeploy
+        from slora.api.cluster import cluster_app, undeploy
         try:
-            return _serve(sock, build_app(engine_config, settings, deploy(engine_config, cluster)), settings)
+            return _serve(sock, cluster_app(engine_config, settings, cluster), settings)
         finally:
             undeploy(cluster)
 
