@@ -149,3 +149,14 @@ def test_a_tenants_weight_travels_with_its_requests():
 def test_the_catalog_keeps_no_packed_copies():
     engine, _ = make(lambda r: [])
     assert engine.adapters.versions and engine.adapters.host_bytes == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ray-address", "127.0.0.1:6379"], "--ray-address needs --replicas"),
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--replicas", "2", "--replica-gpus", "-1"], "must be >= 0"),
+])
+def test_replica_flags_are_checked_before_anything_starts(flags, message, capsys):
+    from slora.cli import main
+    assert main(["serve", "--model", BASE_MODEL, "--port", "1", *flags]) == 2
+    assert message in capsys.readouterr().err
