@@ -50,6 +50,7 @@ class ReplicaRequest:
     adapter_folder: str | None = None    # a PEFT folder every replica can read (the ingress's shared store)
     owner: str | None = None             # the tenant namespace: prefix-cache salt and fair share
     priority: int = 0
+    weight: float | None = None          # the owner's weight under vtc (the ingress's tenants file); None: as is
 
     def __post_init__(self) -> None:
         if (self.adapter_version is None) != (self.adapter_folder is None):
@@ -105,6 +106,7 @@ class EngineReplica:
         self._requests: Counter[str] = Counter()
         self._base_requests = 0
         self._abandoned = 0
+        self._weights: dict[str | None, float] = {}     # the tenants' weights the engine has now
         # Ray's loader takes the model id only; the folder of the request whose load it is travels beside it.
         self._folder: contextvars.ContextVar[str] = contextvars.ContextVar(f"slora-adapter-folder-{id(self)}")
         self._adapter = serve.multiplexed(max_num_models_per_replica=max_adapters)(self._loader())
@@ -121,6 +123,7 @@ class EngineReplica:
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them (cumulative, as RequestStream delivers them)."""
         await self._ready()
+        await self._weigh(request.owner, request.weight)
         if request.adapter_version is not None:
             await self._adapter_for(request)
         # Nothing between the adapter's load and the add below awaits: an eviction's unload, queued to the
@@ -135,6 +138,13 @@ class EngineReplica:
             if not stream.finished:
                 self._abandoned += 1
                 self._engine.abort(request.request_id)
+
+    async def _weigh(self, owner: str | None, weight: float | None) -> None:
+        """The owner's weight as the ingress knows it; sent with every request, applied when it changes."""
+        if weight is None or self._weights.get(owner) == weight:
+            return
+        await self._engine.call(lambda engine: engine.set_tenant_weight(owner, weight))
+        self._weights[owner] = weight
 
     async def _adapter_for(self, request: ReplicaRequest) -> None:
         from ray import serve

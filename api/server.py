@@ -10,6 +10,7 @@ import signal
 import socket
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
@@ -19,6 +20,9 @@ from slora.api.connections import ConnectionGate, ConnectionLimits, GuardedH11Pr
 from slora.api.settings import ServerSettings
 from slora.config import EngineConfig
 from slora.engine import Engine
+
+if TYPE_CHECKING:
+    from slora.api.cluster import ClusterOptions
 
 logger = logging.getLogger(__name__)
 
@@ -94,18 +98,28 @@ def uvicorn_config(app: FastAPI, settings: ServerSettings) -> uvicorn.Config:
                           http=protocol)  # type: ignore[arg-type]
 
 
-def serve(settings: ServerSettings, engine_config: EngineConfig) -> int:
+def serve(settings: ServerSettings, engine_config: EngineConfig, cluster: "ClusterOptions | None" = None) -> int:
     """Run the server until SIGTERM or SIGINT; returns the exit status. Raises ListenError, StoreError (the
     adapter store is another server's), and StartupError when the start fails (a --lora-modules adapter
-    refused), once the server has shut down."""
+    refused), once the server has shut down. With `cluster`, the engines are replicas on Ray Serve."""
     with listen(settings.host, settings.port) as sock:
-        app = create_app(lambda: Engine(engine_config), settings)
-        ctx = app.state.ctx
-        ctx.open_store()        # held by another server: a one-line error (StoreError) before the model loads
-        server = _Server(uvicorn_config(app, settings), lambda: ctx.engine.begin_drain(settings.shutdown_timeout_s))
-        ctx.on_startup_failure = lambda: setattr(server, "should_exit", True)
-        logger.info("listening on http://%s:%d", settings.host, sock.getsockname()[1])
-        _run(server, sock)
+        if cluster is None:
+            return _serve(sock, create_app(lambda: Engine(engine_config), settings), settings)
+        from slora.api.cluster import cluster_app, undeploy
+        try:
+            return _serve(sock, cluster_app(engine_config, settings, cluster), settings)
+        finally:
+            undeploy(cluster)
+
+
+def _serve(sock: socket.socket, app: FastAPI, settings: ServerSettings) -> int:
+    """Serve `app` on the bound socket until a signal (see `serve`)."""
+    ctx = app.state.ctx
+    ctx.open_store()        # held by another server: a one-line error (StoreError) before the model loads
+    server = _Server(uvicorn_config(app, settings), lambda: ctx.engine.begin_drain(settings.shutdown_timeout_s))
+    ctx.on_startup_failure = lambda: setattr(server, "should_exit", True)
+    logger.info("listening on http://%s:%d", settings.host, sock.getsockname()[1])
+    _run(server, sock)
     if ctx.startup_error is not None:
         raise StartupError(ctx.startup_error)
     return 0 if server.started else 1

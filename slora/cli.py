@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from slora.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from slora.api.cluster import ClusterOptions
     from slora.api.settings import ServerSettings
 
 
@@ -246,6 +247,13 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     from slora.api.settings import TOOL_CALL_PARSERS, ServerSettings
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP service")
     add_engine_args(serve)
+    replicas = serve.add_argument_group("replicas", "engines on Ray Serve behind this server (Ray is needed only here)")
+    replicas.add_argument("--replicas", type=int, default=None, metavar="N",
+                          help="serve through N engine replicas on Ray Serve instead of one engine in this process")
+    replicas.add_argument("--ray-address", default=None, metavar="ADDR",
+                          help="the Ray cluster to join (default: start one of this process's own)")
+    replicas.add_argument("--replica-gpus", type=float, default=1.0, help="GPUs per replica (default: %(default)s)")
+    replicas.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (default: %(default)s)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on; one that is not loopback (0.0.0.0: every interface) needs "
                             "--tenants or --allow-unauthenticated (default: %(default)s)")
@@ -308,6 +316,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from slora.config import EngineConfig
 
     settings = serve_settings(args)
+    cluster = _cluster_options(args)
     if settings.tenants_file is not None:        # fail fast on a bad tenants file, before loading the model
         from slora.api.tenants import load_tenants
         load_tenants(settings.tenants_file)
@@ -317,7 +326,20 @@ def run_serve(args: argparse.Namespace) -> int:
     check_model(config.model, config.load_format, "--lora-modules")    # before the port is bound
     # Imported once the arguments are checked: the server's modules (transformers, fastapi) take seconds.
     from slora.api.server import serve
-    return serve(settings, config)
+    return serve(settings, config, cluster)
+
+
+def _cluster_options(args: argparse.Namespace) -> "ClusterOptions | None":
+    """The replicas of --replicas, or None for one engine in this process."""
+    if args.replicas is None:
+        if args.ray_address is not None:
+            raise ValueError("--ray-address needs --replicas")
+        return None
+    import importlib.util
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("--replicas needs Ray: install slora's ray extra (pip install 'slora[ray]')")
+    from slora.api.cluster import ClusterOptions
+    return ClusterOptions(args.replicas, args.ray_address, args.replica_gpus, args.replica_cpus)
 
 
 def run_generate(args: argparse.Namespace) -> int:

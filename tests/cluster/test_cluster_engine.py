@@ -1,0 +1,162 @@
+"""ClusterEngine without Ray: a fake DeploymentHandle whose streams the tests script. The catalog is built from
+the tiny model's config; requests resolve there, stream, abort, and fail alone when their stream breaks."""
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from slora.api.cluster_engine import ClusterEngine
+from slora.api.replica import ReplicaRequest
+from slora.config import EngineConfig
+from slora.core.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput
+from slora.execution.adapter_manager import UnknownAdapterError
+from slora.sampling.params import SamplingParams
+
+BASE_MODEL = "slora-tiny-llama"
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def output(request: ReplicaRequest, tokens: list[int], finished: bool) -> RequestOutput:
+    sample = CompletionOutput(0, tokens, "", "length" if finished else None)
+    return RequestOutput(request.request_id, request.prompt_token_ids, [sample], finished=finished)
+
+
+class FakeStream:
+    """What `handle.options(stream=True).remote(...)` returns: an async iterator that can be cancelled."""
+
+    def __init__(self, script: Callable[[ReplicaRequest], list[RequestOutput | BaseException | float]],
+                 request: ReplicaRequest) -> None:
+        self.items = script(request)
+        self.cancelled = False
+
+    def __aiter__(self) -> "FakeStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while self.items:
+            item = self.items.pop(0)
+            if isinstance(item, float):         # a pause
+                await asyncio.sleep(item)
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    def __init__(self, script: Callable[[ReplicaRequest], list]) -> None:
+        self.script = script
+        self.sent: list[tuple[dict, ReplicaRequest]] = []
+        self.streams: list[FakeStream] = []
+        self._options: dict = {}
+
+    def options(self, **options) -> "FakeHandle":
+        self._options = options
+        return self
+
+    def remote(self, request: ReplicaRequest) -> FakeStream:
+        self.sent.append((self._options, request))
+        self.streams.append(FakeStream(self.script, request))
+        return self.streams[-1]
+
+
+def run_to_end(engine: ClusterEngine, timeout_s: float = 10.0) -> list[RequestOutput]:
+    outputs: list[RequestOutput] = []
+    deadline = time.monotonic() + timeout_s
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline, "requests did not end"
+        outputs += engine.step()
+    return outputs
+
+
+def make(script: Callable[[ReplicaRequest], list], stall_timeout_s: float = 30.0) -> tuple[ClusterEngine, FakeHandle]:
+    handle = FakeHandle(script)
+    return ClusterEngine(EngineConfig(model=BASE_MODEL), handle, stall_timeout_s), handle
+
+
+def test_a_request_streams_its_replicas_outputs():
+    engine, handle = make(lambda r: [output(r, [1], False), output(r, [1, 2], True)])
+    engine.add_request("a", [5, 6, 7], PARAMS)
+    outputs = run_to_end(engine)
+    assert [o.token_ids for o in outputs] == [[1], [1, 2]] and outputs[-1].finished
+    assert handle.sent[0][0] == {"stream": True, "method_name": "generate"}
+
+
+def test_an_adapter_is_routed_by_its_version_with_its_folder():
+    engine, handle = make(lambda r: [output(r, [3], True)])
+    name = next(entry.name for entry in engine.adapters.all_entries())      # a demo adapter of the tiny model
+    version = engine.adapters.resolve(name, None).version
+    engine.add_request("a", [5, 6], PARAMS, adapter=name)
+    assert engine.adapters.versions[version].refs == 2          # its name, and the request until it ends
+    run_to_end(engine)
+    assert engine.adapters.versions[version].refs == 1
+    options, request = handle.sent[0]
+    assert options["multiplexed_model_id"] == version == request.adapter_version
+    assert request.adapter_folder == str(engine.adapters.source_folder(version))
+
+
+def test_unknown_adapters_and_bad_requests_are_refused_at_the_ingress():
+    engine, handle = make(lambda r: [])
+    with pytest.raises(UnknownAdapterError):
+        engine.add_request("a", [5], PARAMS, adapter="nope", owner="alice")
+    with pytest.raises(ValueError):
+        engine.add_request("b", [10 ** 9], PARAMS)             # out of the vocabulary
+    assert not handle.sent and not engine.has_unfinished()
+
+
+def test_abort_cancels_the_stream_and_returns_the_final_output():
+    engine, handle = make(lambda r: [output(r, [1], False), 30.0, output(r, [1, 2], True)])
+    engine.add_request("a", [5], PARAMS)
+    while not engine.step():
+        pass
+    aborted = engine.abort("a")
+    assert aborted is not None and aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished()
+    deadline = time.monotonic() + 5
+    while not handle.streams[0].cancelled:
+        assert time.monotonic() < deadline, "the stream was not cancelled"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("failure", ["error", "stall"])
+def test_a_broken_stream_ends_its_request_with_an_error(failure):
+    def script(r: ReplicaRequest) -> list:
+        return [output(r, [1], False), RuntimeError("actor died") if failure == "error" else 30.0]
+    engine, _ = make(script, stall_timeout_s=0.5)
+    engine.add_request("a", [5], PARAMS)
+    outputs = run_to_end(engine)
+    final = outputs[-1]
+    assert final.finished and final.error is not None and final.error.code == INTERNAL_ERROR
+    assert final.token_ids == [1] and final.outputs[0].finish_reason == "error"
+
+
+def test_a_tenants_weight_travels_with_its_requests():
+    engine, handle = make(lambda r: [output(r, [1], True)])
+    engine.set_tenant_weight("alice", 3.0)
+    with pytest.raises(ValueError):
+        engine.set_tenant_weight("bob", 0.0)
+    engine.add_request("a", [5], PARAMS, owner="alice")
+    engine.add_request("b", [5], PARAMS, owner="bob")
+    run_to_end(engine)
+    assert [request.weight for _, request in handle.sent] == [3.0, None]
+
+
+def test_the_catalog_keeps_no_packed_copies():
+    engine, _ = make(lambda r: [])
+    assert engine.adapters.versions and engine.adapters.host_bytes == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ray-address", "127.0.0.1:6379"], "--ray-address needs --replicas"),
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--replicas", "2", "--replica-gpus", "-1"], "must be >= 0"),
+])
+def test_replica_flags_are_checked_before_anything_starts(flags, message, capsys):
+    from slora.cli import main
+    assert main(["serve", "--model", BASE_MODEL, "--port", "1", *flags]) == 2
+    assert message in capsys.readouterr().err

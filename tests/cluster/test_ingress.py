@@ -1,0 +1,241 @@
+"""`slora serve --replicas 2`: the single server's API in front of two engine replicas on Ray Serve. One local
+Ray cluster for the module (made here, joined by the server with --ray-address, so that the test can read the
+replicas' counts), the tiny model on the CPU, two tenants. Greedy outputs must equal the offline LLM's."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")        # a guard only: `make test` installs the ray extra
+from ray import serve  # noqa: E402
+from tiny import make_adapters  # noqa: E402
+
+from slora import LLM, SamplingParams  # noqa: E402
+from slora.api.cluster import REPLICAS_APP  # noqa: E402
+from slora.api.replica import ReplicaStats  # noqa: E402
+from slora.api.tenants import hash_key  # noqa: E402
+
+BASE_MODEL = "slora-tiny-llama"
+NUM_REPLICAS = 2
+KEYS = {"alice": "key-alice", "bob": "key-bob"}
+PROMPTS = ["The quick brown fox", "Once upon a time", "In a distant galaxy", "Hello there"]
+MAX_TOKENS = 8
+STARTUP_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _write_tenants(folder: Path) -> Path:
+    blocks = [f'[tenants.{name}]\nkey_sha256 = ["{hash_key(key)}"]' for name, key in KEYS.items()]
+    path = folder / "tenants.toml"
+    path.write_text("\n\n".join(blocks) + "\n")
+    return path
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-6000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server did not become healthy:\n{log_path.read_text()[-6000:]}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster with Serve and no HTTP proxy; its address, for the server to join."""
+    ray.init(address="local", num_cpus=3, include_dashboard=False, object_store_memory=200 * 2 ** 20)
+    try:
+        serve.start(proxy_location="Disabled")
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def adapter_root(tmp_path_factory) -> Path:
+    from slora.models.tiny import ensure_tiny_model
+    root = tmp_path_factory.mktemp("adapter-root")
+    make_adapters(ensure_tiny_model().model_dir, root, ["attn-r4", "mlp-r8"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def offline(adapter_root) -> LLM:
+    llm = LLM(BASE_MODEL)
+    for name in ("attn-r4", "mlp-r8"):
+        llm.load_adapter(name, str(adapter_root / name))
+    return llm
+
+
+@pytest.fixture(scope="module")
+def server(cluster, tmp_path_factory):
+    """`slora serve --replicas 2` joined to the module's cluster; its URL."""
+    folder = tmp_path_factory.mktemp("ingress")
+    port = _free_port()
+    log_path = folder / "server.log"
+    args = ["--model", BASE_MODEL, "--host", "127.0.0.1", "--port", str(port), "--replicas", str(NUM_REPLICAS),
+            "--ray-address", cluster, "--replica-gpus", "0", "--replica-cpus", "0.5",
+            "--tenants", str(_write_tenants(folder)), "--adapter-store", str(folder / "store")]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "slora.cli", "serve", *args], stdout=log,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, process, log_path)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _http(url: str, tenant: str) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEYS[tenant]}"}, timeout=120)
+
+
+def _upload(client: httpx.Client, adapter_root: Path, source: str, name: str) -> dict:
+    folder = adapter_root / source
+    files = {"adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
+             "adapter_model": ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes())}
+    response = client.post("/v1/adapters", data={"name": name}, files=files)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _completion(client: httpx.Client, model: str, prompt: str) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def _expected(offline: LLM, adapter: str | None, prompt: str) -> list[int]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return offline.generate([prompt], params, adapters=[adapter])[0].token_ids
+
+
+def _replica_stats(timeout_s: float = 10.0) -> dict[str, ReplicaStats]:
+    """Each replica's counts: asked until both have answered (Ray routes each ask to one of them)."""
+    handle = serve.get_deployment_handle("EngineReplica", app_name=REPLICAS_APP)
+    stats: dict[str, ReplicaStats] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(stats) < NUM_REPLICAS and time.monotonic() < deadline:
+        one = handle.load_count.remote().result()
+        stats[one.replica_id] = one
+    assert len(stats) == NUM_REPLICAS, stats
+    return stats
+
+
+def test_uploaded_adapter_is_served_as_offline_and_private(server, adapter_root, offline):
+    with _http(server, "alice") as alice, _http(server, "bob") as bob:
+        info = _upload(alice, adapter_root, "attn-r4", "mine")
+        assert [_completion(alice, "mine", p) for p in PROMPTS] == [_expected(offline, "attn-r4", p) for p in PROMPTS]
+        assert bob.post("/v1/completions", json={"model": "mine", "prompt": "hi", "max_tokens": 2}).status_code == 404
+        assert "mine" in {card["id"] for card in alice.get("/v1/models").json()["data"]}
+        assert "mine" not in {card["id"] for card in bob.get("/v1/models").json()["data"]}
+        assert _completion(bob, BASE_MODEL, PROMPTS[0]) == _expected(offline, None, PROMPTS[0])
+    served = {rid: s.requests.get(info["version"], 0) for rid, s in _replica_stats().items()}
+    assert sorted(served.values()) == [0, len(PROMPTS)], served     # one replica served all of them
+
+
+def test_each_adapter_stays_on_one_replica(server, adapter_root, offline):
+    with _http(server, "bob") as bob:
+        info = _upload(bob, adapter_root, "mlp-r8", "bobs")
+        for prompt in PROMPTS * 2:
+            assert _completion(bob, "bobs", prompt) == _expected(offline, "mlp-r8", prompt)
+    loads = {rid: s.loads.get(info["version"], 0) for rid, s in _replica_stats().items()}
+    assert sorted(loads.values()) == [0, 1], loads
+
+
+def _stream_lines(client: httpx.Client, max_tokens: int):
+    body = {"model": BASE_MODEL, "prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        yield from (line for line in response.iter_lines() if line.startswith("data: "))
+
+
+def test_structured_output_is_compiled_on_the_replica(server):
+    """The ingress sends the structured spec, not its compiled grammar (which may not pickle)."""
+    with _http(server, "alice") as alice:
+        for choices in (["yes", "no"], ["alpha", "beta", "gamma"]):
+            body = {"model": BASE_MODEL, "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0.0,
+                    "guided_choice": choices}
+            response = alice.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] in choices
+
+
+def test_a_client_that_leaves_stops_its_request_on_the_replica(server):
+    with _http(server, "bob") as bob:
+        lines = _stream_lines(bob, 1500)
+        assert '"choices"' in next(lines)
+        lines.close()                   # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while True:
+        stats = _replica_stats().values()
+        if sum(s.abandoned for s in stats) >= 1 and all(s.running == 0 for s in stats):
+            return
+        assert time.monotonic() < deadline, f"the request still runs on its replica: {stats}"
+        time.sleep(0.2)
+
+
+def _kill_running_replica() -> None:
+    """SIGKILL the process of the replica running a request: it dies as a crashed replica does."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        busy = [s for s in _replica_stats().values() if s.running > 0]
+        if busy:
+            os.kill(int(busy[0].replica_id.rsplit(":", 1)[1]), signal.SIGKILL)
+            return
+        time.sleep(0.1)
+    raise AssertionError("no replica ran the request")
+
+
+def test_a_replica_that_dies_mid_stream_ends_it_with_an_error(server, offline):
+    with _http(server, "alice") as alice:
+        lines = _stream_lines(alice, 1500)
+        assert '"choices"' in next(lines)
+        _kill_running_replica()
+        began = time.monotonic()
+        rest = list(lines)
+        assert time.monotonic() - began < 60, "the stream ended long after its replica died"
+        assert any('"error"' in line for line in rest), rest[-3:]
+        assert rest[-1] == "data: [DONE]"
+        _wait_served_again(alice, offline)
+
+
+def _wait_served_again(client: httpx.Client, offline: LLM) -> None:
+    """Requests succeed again once Ray has replaced the replica (those sent to the dead one first fail)."""
+    expected = _expected(offline, None, PROMPTS[1])
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        body = {"model": BASE_MODEL, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}
+        response = client.post("/v1/completions", json=body)
+        if response.status_code == 200 and response.json()["choices"][0]["token_ids"] == expected:
+            _replica_stats(timeout_s=180)     # and Ray has started a replica in place of the dead one
+            return
+        time.sleep(0.5)
+    raise AssertionError("requests did not succeed again after the replica died")
