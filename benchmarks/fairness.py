@@ -38,7 +38,7 @@ Two engines:
                  Llama-3-8B-shaped model with random bf16 weights and PEFT adapters with random weights;
                  arrivals replayed on the wall clock: requests whose arrival time has passed are added, one
                  step runs, first tokens are timed when a step returns them. The service is read from the
-                 engine's per-tenant accounts (`Engine.snapshot().tenants`). `--device cpu` runs the same code
+                 engine's per-tenant accounts (`Engine.tenant_shares()`). `--device cpu` runs the same code
                  on slora-tiny-llama with shorter lengths (prompts [8, 64], outputs [8, 32]).
 
 --quick: a short window (the smoke test). The JSON holds the raw numbers; the tables go to stdout; in sim mode
@@ -470,7 +470,7 @@ class Replay:
 
     def __post_init__(self) -> None:
         self.preemptions_seen = self.engine.scheduler.num_preemptions
-        self.base = share_row(self.engine.snapshot().tenants, PAGE_SIZE)
+        self.base = share_row(self.engine.tenant_shares(), PAGE_SIZE)
 
     def add(self, index: int) -> None:
         from slora import SamplingParams
@@ -496,7 +496,7 @@ class Replay:
         if scheduler.num_preemptions != self.preemptions_seen:      # rare: walk the waiting queue once
             self.preemptions_seen = scheduler.num_preemptions
             self.backlog.reset(scheduler.waiting)
-        tokens, service = share_row(self.engine.snapshot().tenants, PAGE_SIZE)
+        tokens, service = share_row(self.engine.tenant_shares(), PAGE_SIZE)
         self.log.record(clock, tuple(n - b for n, b in zip(tokens, self.base[0])),
                         tuple(s - b for s, b in zip(service, self.base[1])), self.backlog.waiting())
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from slora.config import EngineConfig
+from slora.core.fair_share import TenantShare
 from slora.core.outputs import (
     ADAPTER_UNAVAILABLE,
     INTERNAL_ERROR,
@@ -140,6 +141,10 @@ class Engine:
     @property
     def scheduling_policy(self) -> str:
         return self.config.scheduling_policy or "fcfs"
+
+    def tenant_shares(self) -> dict[str | None, TenantShare]:
+        """Each tenant's service so far; cheap (one entry per tenant), unlike `snapshot()`, which walks the queue."""
+        return self.scheduler.shares()
 
     def set_tenant_weight(self, owner: str | None, weight: float) -> None:
         """The owner's share of the engine under the vtc policy: weight 2 gets twice a weight-1 tenant's service
@@ -309,7 +314,7 @@ class Engine:
                               adapter_pool_evictions=adapters.pool_evictions, adapters_registered=adapters.names,
                               adapters_host=adapters.on_host, adapters_pool=adapters.in_pool,
                               steps=dict(stats.steps), step_seconds=dict(stats.seconds),
-                              decode_bytes=stats.decode_bytes, tenants=scheduler.shares(), taken_at=time.time(),
+                              decode_bytes=stats.decode_bytes, tenants=self.tenant_shares(), taken_at=time.time(),
                               adapter_placements=self.adapters.placements(v for _, v in running | waiting),
                               running_adapters=running, waiting_adapters=waiting,
                               adapter_slots=self.config.max_loras or self.config.max_num_seqs,

@@ -6,7 +6,6 @@ shared by the session; the offline `LLM` with the same adapters is the reference
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,19 +16,13 @@ import httpx
 import openai
 import pytest
 from benchmark_modules import load_benchmark
+from servers import STARTUP_TIMEOUT_S, free_port, wait_healthy, write_tenants  # noqa: F401 - the tests' names
 
 from slora import LLM, SamplingParams
 
 BASE_MODEL = "slora-tiny-llama"
 TEST_ADAPTERS = ["attn-r4", "mlp-r8", "all-r16"]
 SOAK = load_benchmark("soak.py", "bench_soak")     # the chaos soak; its /metrics parser serves every test
-STARTUP_TIMEOUT_S = 600   # a loaded 2-core machine loads the model slowly; only a hang reaches it
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -75,20 +68,6 @@ class Server:
             raise
 
 
-def write_tenants(folder: Path, tenants: dict[str, dict]) -> Path:
-    """A tenants TOML in `folder`: {tenant: {"key": API key or list of keys, other fields as they are}}."""
-    from slora.api.tenants import hash_key
-    blocks = []
-    for name, fields in tenants.items():
-        keys = fields["key"] if isinstance(fields["key"], list) else [fields["key"]]
-        lines = [f"[tenants.{name}]", f"key_sha256 = {[hash_key(k) for k in keys]!r}".replace("'", '"')]
-        lines += [f"{field} = {value!r}".replace("'", '"') for field, value in fields.items() if field != "key"]
-        blocks.append("\n".join(lines))
-    path = folder / "tenants.toml"
-    path.write_text("\n\n".join(blocks) + "\n")
-    return path
-
-
 def adapter_files(adapter_root: Path, source: str) -> dict:
     """The two PEFT files of a test adapter, as the `files` of an upload."""
     folder = adapter_root / source
@@ -126,23 +105,6 @@ def start_server(log_dir: Path, *args: str, model: str | None = BASE_MODEL) -> S
         server.stop()
         raise
     return server
-
-
-def wait_healthy(url: str, process: subprocess.Popen, log_path: Path,
-                 timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    """Poll `url`/health until it answers 200; RuntimeError with the log's end if the process exits first or
-    the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server did not become healthy:\n{log_path.read_text()[-4000:]}")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ Ray cluster for the module (made here, joined by the server with --ray-address, 
 replicas' counts), the tiny model on the CPU, two tenants. Greedy outputs must equal the offline LLM's."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,46 +13,19 @@ import pytest
 
 ray = pytest.importorskip("ray")        # a guard only: `make test` installs the ray extra
 from ray import serve  # noqa: E402
+from servers import free_port, wait_healthy, write_tenants  # noqa: E402
 from tiny import make_adapters  # noqa: E402
 
 from slora import LLM, SamplingParams  # noqa: E402
 from slora.api.cluster import REPLICAS_APP  # noqa: E402
 from slora.api.replica import ReplicaStats  # noqa: E402
-from slora.api.tenants import hash_key  # noqa: E402
 
 BASE_MODEL = "slora-tiny-llama"
 NUM_REPLICAS = 2
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
+TENANTS = {name: {"key": key} for name, key in KEYS.items()}
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a distant galaxy", "Hello there"]
 MAX_TOKENS = 8
-STARTUP_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _write_tenants(folder: Path) -> Path:
-    blocks = [f'[tenants.{name}]\nkey_sha256 = ["{hash_key(key)}"]' for name, key in KEYS.items()]
-    path = folder / "tenants.toml"
-    path.write_text("\n\n".join(blocks) + "\n")
-    return path
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-6000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server did not become healthy:\n{log_path.read_text()[-6000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -88,17 +60,17 @@ def offline(adapter_root) -> LLM:
 def server(cluster, tmp_path_factory):
     """`slora serve --replicas 2` joined to the module's cluster; its URL."""
     folder = tmp_path_factory.mktemp("ingress")
-    port = _free_port()
+    port = free_port()
     log_path = folder / "server.log"
     args = ["--model", BASE_MODEL, "--host", "127.0.0.1", "--port", str(port), "--replicas", str(NUM_REPLICAS),
             "--ray-address", cluster, "--replica-gpus", "0", "--replica-cpus", "0.5",
-            "--tenants", str(_write_tenants(folder)), "--adapter-store", str(folder / "store")]
+            "--tenants", str(write_tenants(folder, TENANTS)), "--adapter-store", str(folder / "store")]
     with open(log_path, "w") as log:
         process = subprocess.Popen([sys.executable, "-m", "slora.cli", "serve", *args], stdout=log,
                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, process, log_path)
+        wait_healthy(url, process, log_path)
         yield url
     finally:
         process.send_signal(signal.SIGTERM)
