@@ -33,11 +33,10 @@ from slora.api.adapter_files import (
     write_upload,
 )
 from slora.api.adapter_store import AdapterStore, StoredAdapter, utc_now
-from slora.api.async_engine import AsyncEngine, EngineUnavailable
+from slora.api.async_engine import AsyncEngine, EngineUnavailable, ServedEngine
 from slora.api.errors import APIError, adapter_not_found, bad_request, over_byte_quota, unavailable
 from slora.api.metrics import ServerMetrics
 from slora.api.tenants import Tenant, TenantDirectory
-from slora.engine import Engine
 from slora.execution.adapter_manager import PreparedAdapter, UnknownAdapterError
 
 logger = logging.getLogger(__name__)
@@ -145,7 +144,7 @@ class AdapterService:
 
     # ---- list ---------------------------------------------------------------------------------------------
     async def list_adapters(self, tenant: Tenant) -> list[dict[str, Any]]:
-        def command(engine: Engine) -> list[dict[str, Any]]:
+        def command(engine: ServedEngine) -> list[dict[str, Any]]:
             if tenant.is_admin:
                 return [self._describe(engine, e, tenant) for e in engine.adapters.all_entries()]
             described = [self._describe(engine, e, tenant) for e in engine.adapters.visible_to(tenant.namespace)]
@@ -155,7 +154,7 @@ class AdapterService:
             return described
         return await self._call(command)
 
-    def _describe(self, engine: Engine, entry: AdapterEntry, viewer: Tenant | None) -> dict[str, Any]:
+    def _describe(self, engine: ServedEngine, entry: AdapterEntry, viewer: Tenant | None) -> dict[str, Any]:
         """One adapter as the routes show it (engine thread). A tenant sees the residency of a version it
         has not used as a fresh load's, not as others' use of the same weights made it (an admin sees all)."""
         isolated = viewer is not None and not viewer.is_admin
@@ -318,7 +317,7 @@ class AdapterService:
                 shutil.rmtree(prepared.path, ignore_errors=True)
             raise unavailable(f"the engine is {exc}; retry later") from None
 
-    def _register_now(self, engine: Engine, name: str, prepared: PreparedAdapter, namespace: str | None,
+    def _register_now(self, engine: ServedEngine, name: str, prepared: PreparedAdapter, namespace: str | None,
                       public: bool, origin: Origin, loaded_at: str, viewer: Tenant | None,
                       checked: bool) -> Registration:
         """On the engine thread, so that two concurrent loads cannot both take the last free name or bytes."""
@@ -357,21 +356,21 @@ class AdapterService:
             await self._call(lambda engine: self._unregister(engine, name, namespace))
             raise insufficient_storage("the adapter could not be recorded in the adapter store", exc) from None
 
-    def _unregister(self, engine: Engine, name: str, namespace: str | None) -> None:
+    def _unregister(self, engine: ServedEngine, name: str, namespace: str | None) -> None:
         engine.adapters.unload(name, owner=namespace)
         self._loaded.pop((namespace, name), None)
 
-    async def _call(self, command: Callable[[Engine], T]) -> T:
+    async def _call(self, command: Callable[[ServedEngine], T]) -> T:
         try:
             return await self.engine.call(command)
         except EngineUnavailable as exc:
             raise unavailable(f"the engine is {exc}; retry later") from None
 
-    def _check_room(self, engine: Engine, namespace: str | None, name: str, new_bytes: int) -> None:
+    def _check_room(self, engine: ServedEngine, namespace: str | None, name: str, new_bytes: int) -> None:
         self._check_quota(engine, namespace, name)
         self._check_bytes(engine, namespace, name, new_bytes)
 
-    def _check_quota(self, engine: Engine, namespace: str | None, name: str) -> None:
+    def _check_quota(self, engine: ServedEngine, namespace: str | None, name: str) -> None:
         """The namespace's tenant may hold at most `max_adapters` names; replacing one of them is allowed."""
         owner = self.tenants.get(namespace) if namespace is not None else None
         if owner is None or owner.max_adapters is None:
@@ -382,7 +381,7 @@ class AdapterService:
                            f"{held}: unload one before loading {name!r}", code="adapter_quota_exceeded",
                            param="name")
 
-    def _check_bytes(self, engine: Engine, namespace: str | None, name: str, new_bytes: int) -> None:
+    def _check_bytes(self, engine: ServedEngine, namespace: str | None, name: str, new_bytes: int) -> None:
         """The namespace's adapter files, with `new_bytes` more under `name` (whose present version's files
         no longer count, unless another name keeps them), must fit its byte quota."""
         quota = self.byte_quota(namespace)
@@ -404,7 +403,7 @@ class AdapterService:
         then pages are freed and an uploaded folder is deleted."""
         namespace = self.namespace_for(tenant, owner)
 
-        def command(engine: Engine) -> dict[str, Any]:
+        def command(engine: ServedEngine) -> dict[str, Any]:
             target = namespace
             if tenant.is_admin and owner is None:
                 # An admin may unload a public adapter (possibly the built-in demos) by its plain name.

@@ -17,7 +17,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from slora.api.adapter_files import UploadedFile
-from slora.api.async_engine import EngineSource
+from slora.api.async_engine import EngineSource, ServedEngine
 from slora.api.context import ServerContext
 from slora.api.docs_page import install_docs
 from slora.api.errors import (
@@ -39,7 +39,6 @@ from slora.api.settings import ServerSettings
 from slora.api.tenant_routes import add_tenant_routes
 from slora.api.tenants import Tenant, TenantDirectory
 from slora.api.tokenizer_routes import add_tokenizer_routes
-from slora.engine import Engine
 
 logger = logging.getLogger(__name__)
 UPLOAD_ROUTE = "/v1/adapters"
@@ -173,7 +172,7 @@ def _form_bool(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on")
 
 
-def create_app(engine: Engine | EngineSource, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: ServedEngine | EngineSource, settings: ServerSettings | None = None) -> FastAPI:
     """The HTTP service over `engine` (an Engine, or a function that builds one on the engine thread, so
     that the server answers 503 while the model loads)."""
     settings = settings or ServerSettings()
@@ -271,7 +270,7 @@ def _add_model_routes(app: FastAPI, ctx: ServerContext, caller: Any) -> None:
         assert info is not None, "require_engine() refuses the request before the engine is up"
         namespace = tenant.namespace
 
-        def visible(engine: Engine) -> list[tuple[str, str, bool]]:
+        def visible(engine: ServedEngine) -> list[tuple[str, str, bool]]:
             entries = sorted(engine.adapters.visible_to(namespace), key=lambda e: (e.owner != namespace, e.name))
             seen: dict[str, tuple[str, str, bool]] = {}
             for e in entries:                     # one's own adapter hides a public one of the same name

@@ -18,20 +18,55 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from slora.config import EngineConfig
 from slora.core.outputs import EngineSnapshot, RequestOutput
-from slora.engine import Engine
-from slora.execution.adapter_manager import PreparedAdapter
+from slora.execution.adapter_manager import AdapterManager, PreparedAdapter
+from slora.models.config import ModelConfig
 from slora.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from slora.sampling.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_PENDING_OUTPUTS = 16     # a request stream's outputs kept between two reads
-EngineSource = Engine | Callable[[], Engine]
+
+
+class ServedEngine(Protocol):
+    """What AsyncEngine drives on its thread and the server reads there, between steps: slora.engine.Engine in
+    this process, or slora.api.cluster_engine.ClusterEngine in front of engine replicas."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    model_name: str
+    tokenizer: "PreTrainedTokenizerBase | None"
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    adapters: AdapterManager
+
+    @property
+    def scheduling_policy(self) -> str: ...
+
+    def set_tenant_weight(self, owner: str | None, weight: float) -> None: ...
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    adapter: str | None = None, owner: str | None = None, stream: bool = True,
+                    grammar: "CompiledGrammar | None" = None, priority: int = 0) -> None: ...
+
+    def abort(self, request_id: str) -> RequestOutput | None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def snapshot(self) -> EngineSnapshot: ...
+
+
+EngineSource = ServedEngine | Callable[[], ServedEngine]
 
 
 class EngineState(enum.Enum):
@@ -100,7 +135,7 @@ class AsyncEngine:
         self._source = source
         self._idle_poll_s = idle_poll_s
         self._snapshot_interval_s = snapshot_interval_s
-        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], concurrent.futures.Future]] = \
+        self._commands: queue.SimpleQueue[tuple[Callable[[ServedEngine], Any], concurrent.futures.Future]] = \
             queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
@@ -110,7 +145,7 @@ class AsyncEngine:
         self._abort_scheduled = False
         self.state = EngineState.STARTING
         self.info: EngineInfo | None = None
-        self._engine: Engine | None = None          # touched on the engine thread only, except prepare_adapter
+        self._engine: ServedEngine | None = None          # touched on the engine thread only, except prepare_adapter
         self.snapshot: EngineSnapshot | None = None
         self.busy_since: float | None = None          # monotonic start of the step or command in progress
         self.start_error: str | None = None           # why the engine could not be built (FAILED at start)
@@ -169,7 +204,7 @@ class AsyncEngine:
         return len(self._streams)
 
     # ---- requests (event loop) -------------------------------------------------------------------------
-    async def call(self, command: Callable[[Engine], T]) -> T:
+    async def call(self, command: Callable[[ServedEngine], T]) -> T:
         """Run `command(engine)` on the engine thread between two steps and return its result."""
         return await asyncio.wrap_future(self._submit(command))
 
@@ -211,7 +246,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
 
     # ---- engine thread ---------------------------------------------------------------------------------
-    def _submit(self, command: Callable[[Engine], T]) -> concurrent.futures.Future:
+    def _submit(self, command: Callable[[ServedEngine], T]) -> concurrent.futures.Future:
         if self._stop.is_set() or self.state in (EngineState.STOPPED, EngineState.FAILED):
             raise EngineUnavailable(self.state.value)
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -232,7 +267,7 @@ class AsyncEngine:
         finally:
             self._fail_commands()
 
-    def _build(self) -> Engine | None:
+    def _build(self) -> ServedEngine | None:
         try:
             engine = self._source() if callable(self._source) else self._source
             tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
@@ -256,7 +291,7 @@ class AsyncEngine:
         self.start_error = reason
         self.state = EngineState.FAILED
 
-    def _serve(self, engine: Engine) -> None:
+    def _serve(self, engine: ServedEngine) -> None:
         while not self._stop.is_set():
             ran_commands = self._run_commands(engine, block=not engine.has_unfinished())
             if engine.has_unfinished():
@@ -267,7 +302,7 @@ class AsyncEngine:
                     self._deliver(outputs)
             self._publish(engine, force=ran_commands or not engine.has_unfinished())
 
-    def _run_commands(self, engine: Engine, block: bool) -> bool:
+    def _run_commands(self, engine: ServedEngine, block: bool) -> bool:
         try:
             batch = [self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()]
         except queue.Empty:
@@ -289,12 +324,12 @@ class AsyncEngine:
                 self.busy_since = None
         return True
 
-    def _abort_on_engine(self, engine: Engine, request_id: str) -> None:
+    def _abort_on_engine(self, engine: ServedEngine, request_id: str) -> None:
         output = engine.abort(request_id)
         if output is not None:
             self._deliver([output])
 
-    def _publish(self, engine: Engine, force: bool = False) -> None:
+    def _publish(self, engine: ServedEngine, force: bool = False) -> None:
         # pool_stats() walks every page, so it is taken at most every snapshot_interval_s while busy.
         now = time.monotonic()
         if force or now - self._last_snapshot >= self._snapshot_interval_s:

@@ -18,13 +18,21 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from slora.api.replica import ReplicaRequest
+from slora.api.replica import PUBLISH_INTERVAL_S, ReplicaRequest
 from slora.config import EngineConfig
-from slora.core.outputs import INTERNAL_ERROR, CompletionOutput, EngineSnapshot, RequestError, RequestOutput
+from slora.core.outputs import (
+    INTERNAL_ERROR,
+    AdapterPlacement,
+    CompletionOutput,
+    EngineSnapshot,
+    RequestError,
+    RequestOutput,
+)
 from slora.core.page_pool import PageAllocator
+from slora.core.scheduler import check_fits
 from slora.execution.adapter_manager import AdapterFormat, AdapterManager
 from slora.execution.model_runner import PoolShape
 from slora.models.builtin import resolve_model
@@ -43,9 +51,8 @@ IDLE_STEP_WAIT_S = 0.005
 # Longest a stream may stay silent before its request fails: a replica that died or hangs ends its requests
 # with an error instead of leaving them waiting. Generous: a request queued behind a replica's batch is silent.
 STREAM_STALL_TIMEOUT_S = 120.0
-# The catalog's pool of a CUDA configuration, whose real size only a replica's profiling knows: large enough
-# never to refuse what a replica takes; each replica refuses what its own pool cannot hold.
-CATALOG_PAGES_CUDA = 1 << 16
+# A replica that stopped posting its snapshot (dead, removed) leaves the ingress's /metrics after this long.
+REPLICA_SNAPSHOT_MAX_AGE_S = 5 * PUBLISH_INTERVAL_S
 
 
 @dataclass(frozen=True)
@@ -68,21 +75,11 @@ class _Flight:
     latest: RequestOutput | None = None
 
 
-def catalog_pages(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The catalog's pool size: the replicas' on the CPU (the same sizing rule), a bound on CUDA."""
-    if config.num_pages is not None:
-        return config.num_pages
-    if config.device != "cpu":
-        return CATALOG_PAGES_CUDA
-    cfg = model_config
-    page_bytes = cfg.num_layers * 2 * config.page_size * cfg.num_kv_heads * cfg.head_dim * config.torch_dtype.itemsize
-    return max(1, int(config.pool_gib * 2 ** 30) // page_bytes)
-
-
-def build_catalog(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> AdapterManager:
-    """An AdapterManager with the replicas' adapter format, over a pool that is only bookkeeping."""
+def build_catalog(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                  num_pages: int) -> AdapterManager:
+    """An AdapterManager with the replicas' adapter format, over a pool of the replicas' size (`num_pages`,
+    as a replica reports it) that is only bookkeeping: adapters too large for a replica are refused here."""
     shapes = build_model(model_config, "meta").lora_targets()       # shapes from the config, no weights
-    num_pages = catalog_pages(config, model_config)
     shape = PoolShape(model_config.num_layers, num_pages, config.page_size, model_config.num_kv_heads,
                       model_config.head_dim)
     adapter_format = AdapterFormat(shapes, config.max_lora_rank, shape.page_elems, config.torch_dtype)
@@ -90,6 +87,17 @@ def build_catalog(config: EngineConfig, model_config: ModelConfig, max_model_len
     # No host tier: the catalog never computes, so it keeps no packed copies (a quarter of the ingress's
     # memory by default otherwise); its adapters' residency reads "disk" here, the replicas hold the copies.
     return AdapterManager(PageAllocator(num_pages, config.page_size), adapter_format, 0, usable)
+
+
+def in_catalog_names(snapshot: EngineSnapshot, catalog: dict[str, AdapterPlacement]) -> EngineSnapshot:
+    """A replica's snapshot with its adapters under the cluster's names: a replica knows each version by the
+    version alone, the catalog by the names and namespaces the tenants gave it. A version the catalog no
+    longer names (unloaded, still running) keeps no name, and is not shown."""
+    def placed(version: str, placement: AdapterPlacement) -> AdapterPlacement:
+        known = catalog.get(version)
+        return replace(placement, names=known.names if known else (),
+                       used_by=known.used_by if known else frozenset())
+    return replace(snapshot, adapter_placements={v: placed(v, p) for v, p in snapshot.adapter_placements.items()})
 
 
 def error_output(flight: _Flight, error: RequestError) -> RequestOutput:
@@ -112,7 +120,10 @@ class ClusterEngine:
     because ray is not imported where this module is). Every method but the stream tasks runs on AsyncEngine's
     thread; the streams run on an event loop of their own, and hand outputs over through a queue."""
 
-    def __init__(self, config: EngineConfig, handle: Any, stall_timeout_s: float = STREAM_STALL_TIMEOUT_S) -> None:
+    def __init__(self, config: EngineConfig, handle: Any, *, pool_pages: int, board: Any = None,
+                 stall_timeout_s: float = STREAM_STALL_TIMEOUT_S) -> None:
+        """`pool_pages`: a replica's pool size (replicas are alike); `board`: the replicas' SnapshotBoard (Ray's
+        ActorHandle), read for /metrics, or None."""
         self.config = config
         source = resolve_model(config.model)
         self.model_config = load_model_config(source.folder)
@@ -121,7 +132,7 @@ class ClusterEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.tokenizer)
-        self.adapters = build_catalog(config, self.model_config, self.max_model_len)
+        self.adapters = build_catalog(config, self.model_config, self.max_model_len, pool_pages)
         self.adapters.load_demos(source.demo_adapters)     # the replicas' demo adapters, by the same folders
         self.requests: dict[str, _Flight] = {}
         self.tenant_weights: dict[str | None, float] = {}
@@ -131,6 +142,9 @@ class ClusterEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="slora-cluster-streams", daemon=True)
         self._thread.start()
+        self._replicas: dict[str, EngineSnapshot] = {}     # replaced whole by the board's reader: no lock
+        if board is not None:
+            asyncio.run_coroutine_threadsafe(self._read_board(board), self._loop)
 
     # ---- facts AsyncEngine reads --------------------------------------------------------------------
     @property
@@ -157,7 +171,12 @@ class ClusterEngine:
         if priority and self.scheduling_policy == "fcfs":
             raise ValueError("a request's priority needs the priority or vtc scheduling policy; this engine "
                              "schedules first come, first served")
-        version = None if adapter is None else self.adapters.resolve(adapter, owner).version
+        ref = None if adapter is None else self.adapters.resolve(adapter, owner)
+        # Each replica would refuse what its pool cannot hold; refused here, the client gets a 400, not an error
+        # event after its response has started.
+        check_fits(self.config.scheduler_config(0, self.max_model_len), self.adapters.allocator.num_pages,
+                   len(prompt_token_ids), ref.num_pages if ref else 0)
+        version = None if ref is None else ref.version
         request = self._replica_request(request_id, prompt_token_ids, params, version, owner, priority)
         if version is not None:       # its folder stays on disk until the request ends, as in Engine
             self.adapters.acquire(version)
@@ -239,16 +258,29 @@ class ClusterEngine:
         finally:                  # cancelled, failed or stalled: the replica stops computing it
             responses.cancel()
 
+    async def _read_board(self, board: Any) -> None:
+        """Keep the replicas' latest snapshots, read from their board every PUBLISH_INTERVAL_S."""
+        while True:
+            try:
+                self._replicas = await board.fresh.remote(REPLICA_SNAPSHOT_MAX_AGE_S)
+            except Exception as exc:    # Ray's errors: the board is gone (undeploy); metrics only
+                logger.warning("could not read the replicas' snapshots: %s", exc)
+                self._replicas = {}
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
+
     # ---- introspection ------------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
-        """The ingress's counters: requests in flight and the catalog; the replicas' own are not gathered."""
-        counts = self.adapters.counts()
+        """The ingress's counters (requests in flight, the catalog) and its replicas' snapshots, their adapters
+        under the catalog's names."""
+        counts, replicas = self.adapters.counts(), self._replicas
+        catalog = self.adapters.placements({v for snap in replicas.values() for v in snap.adapter_placements})
         return EngineSnapshot(pool=self.adapters.allocator.stats().as_dict(), sequences_running=len(self.requests),
                               sequences_waiting=0, requests=len(self.requests), preemptions=0,
                               adapter_pool_loads=0, adapter_pool_evictions=0, adapters_registered=counts.names,
                               adapters_host=counts.on_host, adapters_pool=0, steps={}, step_seconds={},
                               decode_bytes=0, taken_at=time.time(),
-                              adapter_load_seconds=self.adapters.load_times.counted())
+                              adapter_load_seconds=self.adapters.load_times.counted(),
+                              replicas={rid: in_catalog_names(snap, catalog) for rid, snap in replicas.items()})
 
     def close(self) -> None:
         """Stop the streams' loop (their requests are aborted by AsyncEngine's shutdown first)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from slora.api.adapter_admin import AdapterService
 from slora.api.adapter_store import AdapterStore, StoredAdapter
-from slora.api.async_engine import AsyncEngine, EngineSource, EngineState
+from slora.api.async_engine import AsyncEngine, EngineSource, EngineState, ServedEngine
 from slora.api.errors import (
     APIError,
     unavailable,
@@ -19,7 +19,6 @@ from slora.api.serving import GenerationService
 from slora.api.settings import ServerSettings
 from slora.api.tenants import TenantDirectory, load_tenants
 from slora.api.tokenizer_pool import Tokenization
-from slora.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class ServerContext:
         await self.adapters.restore(self.stored)
         self.starting = None
 
-    def _apply_weights(self, engine: Engine) -> None:
+    def _apply_weights(self, engine: ServedEngine) -> None:
         """Each tenant's weight from the tenants file: its share of the engine under the vtc policy."""
         for tenant in self.tenants.tenants.values():
             engine.set_tenant_weight(tenant.id, tenant.weight)

@@ -47,9 +47,9 @@ class SnapshotCollector(Collector):
         self.latest: Scrape | None = None      # set by ServerMetrics.render just before it collects
 
     def collect(self) -> Iterator[Metric]:
-        if self.latest is not None:
-            yield from snapshot_families(self.latest.snapshot)
-            yield from router_families(self.latest)
+        scrape = self.latest
+        if scrape is not None:
+            yield from replica_families(scrape) if scrape.snapshot.replicas else engine_families(scrape)
 
 
 class ServerMetrics:
@@ -95,6 +95,23 @@ class ServerMetrics:
         snap = engine.snapshot
         self.snapshot.latest = None if snap is None else Scrape(snap, viewer, model_name)
         return generate_latest(self.registry).decode()
+
+
+def engine_families(scrape: Scrape) -> list[Metric]:
+    return [*snapshot_families(scrape.snapshot), *router_families(scrape)]
+
+
+def replica_families(scrape: Scrape) -> list[Metric]:
+    """A cluster ingress's engine series: each replica's, with a `replica` label (Ray's replica tag), one family
+    per name. The adapter names are the catalog's, shown as the scrape's reader may see them."""
+    merged: dict[str, Metric] = {}
+    for replica_id, snap in sorted(scrape.snapshot.replicas.items()):
+        for family in engine_families(scrape._replace(snapshot=snap)):
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                         family.unit))
+            into.samples.extend(sample._replace(labels={**sample.labels, "replica": replica_id})
+                                for sample in family.samples)
+    return list(merged.values())
 
 
 def tenant_families(snap: EngineSnapshot) -> list[Metric]:

@@ -10,11 +10,15 @@ replica runs one engine (AsyncEngine) and makes a version known on its first req
 multiplexed loader, which registers it as a public adapter named by the version; when Ray evicts it (LRU over
 `max_adapters` versions) the name is dropped, its running requests finish, and the engine's tiers free it.
 
+Each replica also posts its engine's snapshot to the cluster's SnapshotBoard (a small named Ray actor) every
+PUBLISH_INTERVAL_S, from which the ingress's /metrics gives every replica's series with a `replica` label.
+
 Ray is imported inside functions only: a server without replicas never imports it.
 """
 import asyncio
 import contextvars
-import os
+import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -23,9 +27,11 @@ from typing import Any
 
 from slora.api.async_engine import AsyncEngine, EngineState, EngineUnavailable
 from slora.config import EngineConfig
-from slora.core.outputs import RequestOutput
+from slora.core.outputs import EngineSnapshot, RequestOutput
 from slora.engine import Engine
 from slora.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # Versions a replica keeps registered before Ray evicts the least recently used. Not Ray's default of 3: a
 # registered version costs only its packed copy in the host tier, which is LRU by bytes itself
@@ -37,6 +43,43 @@ DEFAULT_MAX_ADAPTERS = 1024
 DEFAULT_MAX_ONGOING_REQUESTS = 256
 STALL_TIMEOUT_S = 60.0              # a step or command running longer makes the replica unhealthy
 READY_POLL_S = 0.01
+# How long Ray lets a replica being removed (scale-down, redeploy) finish its requests before it stops it.
+# Generous: a long generation on a loaded replica takes minutes, and a drained replica takes no new ones.
+DEFAULT_DRAIN_TIMEOUT_S = 300.0
+PUBLISH_INTERVAL_S = 1.0            # how often a replica posts its engine snapshot to the board
+BOARD_NAMESPACE = "slora"           # the Ray namespace of the boards (detached actors, one per application)
+
+
+def board_name(app_name: str) -> str:
+    """The SnapshotBoard of the Ray Serve application `app_name` (its replicas post there)."""
+    return f"slora-snapshots:{app_name}"
+
+
+class SnapshotBoard:
+    """The latest engine snapshot of each replica, as they post them (a Ray actor: `board(app_name)`). A replica
+    that stops posting (dead, removed) leaves the board's answers after `max_age_s`."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, tuple[float, EngineSnapshot]] = {}
+
+    def post(self, replica_id: str, snapshot: EngineSnapshot) -> None:
+        self._latest[replica_id] = (time.monotonic(), snapshot)
+
+    def fresh(self, max_age_s: float) -> dict[str, EngineSnapshot]:
+        """The snapshots posted within `max_age_s`; older ones are dropped."""
+        now = time.monotonic()
+        self._latest = {rid: item for rid, item in self._latest.items() if now - item[0] <= max_age_s}
+        return {rid: snapshot for rid, (_, snapshot) in self._latest.items()}
+
+
+def board(app_name: str) -> Any:
+    """The application's board: made on first use by whoever asks first (the ingress or a replica), detached so
+    that it outlives a replica that made it; `undeploy` removes it. Ray's ActorHandle (typed Any)."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(SnapshotBoard)
+    return actor.options(name=board_name(app_name), namespace=BOARD_NAMESPACE, lifetime="detached",
+                         get_if_exists=True).remote()
 
 
 @dataclass(frozen=True)
@@ -59,9 +102,10 @@ class ReplicaRequest:
 
 @dataclass(frozen=True)
 class ReplicaStats:
-    """What one replica did with adapters (tests, and later metrics)."""
+    """What one replica did with adapters (tests and benchmarks; /metrics reads the engine's snapshots)."""
 
-    replica_id: str
+    replica_id: str                      # Ray's replica tag, the `replica` label of the ingress's /metrics
+    actor_name: str                      # its Ray actor (in Ray's "serve" namespace): ray.kill takes it down
     loads: dict[str, int]                # version -> times the multiplexed loader registered it here
     evictions: dict[str, int]            # version -> times Ray evicted it here
     requests: dict[str, int]             # version -> requests on it served here
@@ -70,6 +114,7 @@ class ReplicaStats:
     running: int                         # requests in the engine now
     engine_steps: int                    # steps the engine has run
     engine_versions: tuple[str, ...]     # versions the engine knows now, on any tier
+    pool_loads: int                      # adapter versions the engine copied into its pool
 
 
 class _RegisteredAdapter:
@@ -100,7 +145,10 @@ class EngineReplica:
         self._engine = AsyncEngine(Engine(config))
         self._started = False
         self._stall_timeout_s = stall_timeout_s
-        self._replica_id = f"{os.uname().nodename}:{os.getpid()}"
+        context = serve.get_replica_context()
+        self._replica_id, self._app_name = context.replica_tag, context.app_name
+        self._tasks: set[asyncio.Task] = set()
+        self._read_from: dict[str, str] = {}            # version -> the folder the engine reads it back from
         self._loads: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter()
         self._requests: Counter[str] = Counter()
@@ -110,6 +158,14 @@ class EngineReplica:
         # Ray's loader takes the model id only; the folder of the request whose load it is travels beside it.
         self._folder: contextvars.ContextVar[str] = contextvars.ContextVar(f"slora-adapter-folder-{id(self)}")
         self._adapter = serve.multiplexed(max_num_models_per_replica=max_adapters)(self._loader())
+        # Ray runs the constructor on the replica's event loop: the engine starts (and posts its snapshots)
+        # before the first request.
+        self._spawn(self._ready())
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)          # held until done: the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
 
     def _loader(self) -> Callable[[str], Awaitable[_RegisteredAdapter]]:
         """The load function for serve.multiplexed. A plain function, not a bound method: Ray keeps its
@@ -157,6 +213,9 @@ class EngineReplica:
                              f"routed with multiplexed model id {routed!r}")
         self._folder.set(folder)
         await self._adapter(version)
+        if self._read_from.get(version) != folder:    # registered from a folder since deleted (an unload and
+            await self._engine.call(lambda engine: engine.adapters.read_back_from(version, Path(folder)))
+            self._read_from[version] = folder         # upload again): read back from this request's copy
 
     def _count(self, version: str | None) -> None:
         if version is None:
@@ -175,12 +234,14 @@ class EngineReplica:
             raise ValueError(f"adapter folder {folder!r} holds version {prepared.version!r}, not the version "
                              f"{version!r} requested: its files changed")
         await self._engine.call(lambda engine: engine.adapters.register(version, prepared, owner=None, public=True))
+        self._read_from[version] = folder
         self._loads[version] += 1
         return _RegisteredAdapter(version, self._unregister)
 
     async def _unregister(self, version: str) -> None:
         """Drop the version's name; requests running on it keep it until they finish."""
         self._evictions[version] += 1
+        self._read_from.pop(version, None)
         try:
             await self._engine.call(lambda engine: engine.adapters.unload(version, owner=None))
         except EngineUnavailable:      # the engine is gone, and its adapters with it
@@ -192,8 +253,23 @@ class EngineReplica:
         if not self._started:
             self._started = True
             self._engine.start()
+            self._spawn(self._post_snapshots())
         while self._engine.state is EngineState.STARTING:
             await asyncio.sleep(READY_POLL_S)
+
+    async def _post_snapshots(self) -> None:
+        """Post the engine's latest snapshot to the application's board every PUBLISH_INTERVAL_S. Metrics
+        only: a failed post is logged, and the board is looked up again (made anew if it was removed)."""
+        posts_to = board(self._app_name)
+        while True:
+            snapshot = self._engine.snapshot
+            if snapshot is not None:
+                try:
+                    await posts_to.post.remote(self._replica_id, snapshot)
+                except Exception as exc:     # Ray's errors: the board's actor died or was removed
+                    logger.warning("replica %s could not post its snapshot: %s", self._replica_id, exc)
+                    posts_to = board(self._app_name)
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
 
     async def check_health(self) -> None:
         """Ray's health check: raise unless the engine loop is alive and making progress."""
@@ -202,23 +278,71 @@ class EngineReplica:
         if not healthy:
             raise EngineUnavailable(f"the engine is not serving: {why}")
 
-    async def load_count(self) -> ReplicaStats:
+    async def pool_pages(self) -> int:
+        """Pages in this replica's unified pool: the ingress checks requests against it."""
         await self._ready()
-        running, steps, versions = await self._engine.call(lambda engine: (
-            len(engine.requests), sum(engine.snapshot().steps.values()), tuple(sorted(engine.adapters.versions))))
-        return ReplicaStats(self._replica_id, dict(self._loads), dict(self._evictions), dict(self._requests),
-                            self._base_requests, self._abandoned, running, steps, versions)
+        return await self._engine.call(lambda engine: engine.snapshot().pool["total_pages"])
+
+    async def load_count(self) -> ReplicaStats:
+        import ray
+
+        await self._ready()
+        snapshot = await self._engine.call(lambda engine: engine.snapshot())
+        versions = await self._engine.call(lambda engine: tuple(sorted(engine.adapters.versions)))
+        return ReplicaStats(self._replica_id, ray.get_runtime_context().get_actor_name() or "", dict(self._loads),
+                            dict(self._evictions), dict(self._requests), self._base_requests, self._abandoned,
+                            snapshot.requests, sum(snapshot.steps.values()), versions, snapshot.adapter_pool_loads)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Autoscaling:
+    """Ray Serve's autoscaling of the replicas: between `min_replicas` and `max_replicas`, aiming at
+    `target_ongoing_requests` per replica. The delays are Ray's defaults: a replica is added after the load has
+    stayed above target for `upscale_delay_s`, removed (drained first) after it stayed below for
+    `downscale_delay_s`; the load is averaged over `look_back_period_s`."""
+
+    min_replicas: int
+    max_replicas: int
+    target_ongoing_requests: float
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    look_back_period_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"autoscaling needs 0 <= min <= max and max >= 1, got min {self.min_replicas} and "
+                             f"max {self.max_replicas}")
+        if not self.target_ongoing_requests > 0:
+            raise ValueError(f"the autoscaling target must be positive, got {self.target_ongoing_requests}")
+
+
+def autoscaling_config(autoscaling: Autoscaling, initial_replicas: int) -> dict[str, Any]:
+    """Ray's autoscaling_config, starting at `initial_replicas` (kept within the bounds)."""
+    initial = min(max(initial_replicas, autoscaling.min_replicas), autoscaling.max_replicas)
+    return {"min_replicas": autoscaling.min_replicas, "max_replicas": autoscaling.max_replicas,
+            "initial_replicas": initial, "target_ongoing_requests": autoscaling.target_ongoing_requests,
+            "upscale_delay_s": autoscaling.upscale_delay_s, "downscale_delay_s": autoscaling.downscale_delay_s,
+            "look_back_period_s": autoscaling.look_back_period_s}
 
 
 def replica_app(config: EngineConfig, num_replicas: int, *, num_gpus: float, num_cpus: float,
                 max_adapters: int = DEFAULT_MAX_ADAPTERS,
-                max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS) -> Any:
-    """The Ray Serve application of `num_replicas` engines; `serve.run(app, name=..., route_prefix=None)`
-    starts it. Returns Ray's Application (typed Any: ray is not imported where this module is)."""
+                max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS,
+                autoscaling: Autoscaling | None = None,
+                drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> Any:
+    """The Ray Serve application of `num_replicas` engines (with `autoscaling`: the number it starts with);
+    `serve.run(app, name=..., route_prefix=None)` starts it. A replica removed by a scale-down or an update
+    takes no new requests and finishes those it has, for up to `drain_timeout_s`. Returns Ray's Application
+    (typed Any: ray is not imported where this module is)."""
     from ray import serve
 
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-    deployment = serve.deployment(num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
-                                  ray_actor_options={"num_gpus": num_gpus, "num_cpus": num_cpus})(EngineReplica)
+    if not drain_timeout_s > 0:
+        raise ValueError(f"drain_timeout_s must be positive, got {drain_timeout_s}")
+    scaling: dict[str, Any] = {"num_replicas": num_replicas} if autoscaling is None else \
+        {"autoscaling_config": autoscaling_config(autoscaling, num_replicas)}
+    deployment = serve.deployment(max_ongoing_requests=max_ongoing_requests,
+                                  ray_actor_options={"num_gpus": num_gpus, "num_cpus": num_cpus},
+                                  graceful_shutdown_timeout_s=drain_timeout_s, **scaling)(EngineReplica)
     return deployment.bind(config, max_adapters)

@@ -12,7 +12,9 @@ from slora.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from slora.api.cluster import ClusterOptions
+    from slora.api.replica import Autoscaling
     from slora.api.settings import ServerSettings
+    from slora.config import EngineConfig
 
 
 def _config_fields(cls: type, skip: frozenset[str]) -> list[tuple[dataclasses.Field, type]]:
@@ -254,6 +256,16 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                           help="the Ray cluster to join (default: start one of this process's own)")
     replicas.add_argument("--replica-gpus", type=float, default=1.0, help="GPUs per replica (default: %(default)s)")
     replicas.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (default: %(default)s)")
+    replicas.add_argument("--autoscale-min", type=int, default=None, metavar="N",
+                          help="let Ray Serve scale the replicas between --autoscale-min and --autoscale-max, "
+                               "from --replicas (both needed)")
+    replicas.add_argument("--autoscale-max", type=int, default=None, metavar="N", help="see --autoscale-min")
+    replicas.add_argument("--autoscale-target", type=float, default=None, metavar="REQUESTS",
+                          help="ongoing requests per replica that autoscaling aims at (default: --max-num-seqs, "
+                               "a full batch)")
+    replicas.add_argument("--replica-drain-timeout", type=float, default=300.0, metavar="S",
+                          help="seconds a replica being removed (scale-down, redeploy) may take to finish its "
+                               "requests; it takes no new ones (default: %(default)s)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on; one that is not loopback (0.0.0.0: every interface) needs "
                             "--tenants or --allow-unauthenticated (default: %(default)s)")
@@ -316,11 +328,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from slora.config import EngineConfig
 
     settings = serve_settings(args)
-    cluster = _cluster_options(args)
     if settings.tenants_file is not None:        # fail fast on a bad tenants file, before loading the model
         from slora.api.tenants import load_tenants
         load_tenants(settings.tenants_file)
     config = EngineConfig(**engine_kwargs(args))
+    cluster = _cluster_options(args, config)
     if settings.tenants_file is not None and config.scheduling_policy is None:
         config.scheduling_policy = "vtc"         # tenants share the engine fairly unless told otherwise
     check_model(config.model, config.load_format, "--lora-modules")    # before the port is bound
@@ -329,17 +341,33 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(settings, config, cluster)
 
 
-def _cluster_options(args: argparse.Namespace) -> "ClusterOptions | None":
+def _cluster_options(args: argparse.Namespace, config: "EngineConfig") -> "ClusterOptions | None":
     """The replicas of --replicas, or None for one engine in this process."""
     if args.replicas is None:
-        if args.ray_address is not None:
-            raise ValueError("--ray-address needs --replicas")
+        given = [flag for flag in ("ray_address", "autoscale_min", "autoscale_max", "autoscale_target")
+                 if getattr(args, flag) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --replicas")
         return None
     import importlib.util
     if importlib.util.find_spec("ray") is None:
         raise ValueError("--replicas needs Ray: install slora's ray extra (pip install 'slora[ray]')")
     from slora.api.cluster import ClusterOptions
-    return ClusterOptions(args.replicas, args.ray_address, args.replica_gpus, args.replica_cpus)
+    return ClusterOptions(args.replicas, args.ray_address, args.replica_gpus, args.replica_cpus,
+                          _autoscaling(args, config), args.replica_drain_timeout)
+
+
+def _autoscaling(args: argparse.Namespace, config: "EngineConfig") -> "Autoscaling | None":
+    if args.autoscale_min is None and args.autoscale_max is None:
+        if args.autoscale_target is not None:
+            raise ValueError("--autoscale-target needs --autoscale-min and --autoscale-max")
+        return None
+    if args.autoscale_min is None or args.autoscale_max is None:
+        raise ValueError("autoscaling needs both --autoscale-min and --autoscale-max")
+    from slora.api.replica import Autoscaling
+    return Autoscaling(min_replicas=args.autoscale_min, max_replicas=args.autoscale_max,
+                       target_ongoing_requests=config.max_num_seqs if args.autoscale_target is None
+                       else args.autoscale_target)
 
 
 def run_generate(args: argparse.Namespace) -> int:

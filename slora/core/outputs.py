@@ -136,3 +136,6 @@ class EngineSnapshot:
     adapter_slots: int = 0           # distinct adapters one batch may run: max_loras, else max_num_seqs
     pinned_adapter_pages: int = 0    # pool pages of adapters that running sequences use (nothing reclaims them)
     adapter_load_seconds: DurationCounts = field(default_factory=DurationCounts)   # versions into host memory
+    # A cluster's ingress: its replicas' latest snapshots by replica id, their adapters under the cluster's names
+    # (an engine's own is empty).
+    replicas: dict[str, "EngineSnapshot"] = field(default_factory=dict)

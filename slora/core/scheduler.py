@@ -117,6 +117,14 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
+def check_fits(config: SchedulerConfig, num_pages: int, prompt_len: int, adapter_pages: int) -> None:
+    """A prompt (and its adapter's pages) that a pool of `num_pages` could ever hold: ValueError if not."""
+    pages = -(-(prompt_len + 1) // config.page_size) + adapter_pages
+    usable = config.usable_pages(num_pages)
+    if pages > usable:
+        raise ValueError(f"the request needs {pages} pages but the pool has only {usable} usable")
+
+
 @dataclass
 class Scheduler:
     config: SchedulerConfig
@@ -150,9 +158,7 @@ class Scheduler:
 
     def check_fits(self, prompt_len: int, adapter: AdapterRef | None) -> None:
         """A prompt (and its adapter) that the pool could ever hold: ValueError if not."""
-        pages = -(-(prompt_len + 1) // self.config.page_size) + (adapter.num_pages if adapter else 0)
-        if pages > self.usable_pages:
-            raise ValueError(f"the request needs {pages} pages but the pool has only {self.usable_pages} usable")
+        check_fits(self.config, self.allocator.num_pages, prompt_len, adapter.num_pages if adapter else 0)
 
     def check_priority(self, priority: int) -> None:
         """A priority the policy can honour: ValueError if not."""

@@ -283,6 +283,14 @@ class AdapterManager(AdapterResidency):
         elif not stored.owns_files:
             stored.path, stored.owns_files, stored.files_namespace = folder, True, namespace
 
+    def read_back_from(self, version: str, folder: Path) -> None:
+        """Read the version back from `folder`, a folder of the same content, from now on: the one it was
+        registered from may be gone (a cluster's replica, whose upload was unloaded and made again). A version
+        read back from a folder of the engine's own keeps it; an unknown version is ignored."""
+        stored = self.versions.get(version)
+        if stored is not None and not stored.owns_files:
+            stored.path = folder
+
     # ---- requests -----------------------------------------------------------------------------------
     def resolve(self, name: str, owner: str | None) -> AdapterRef:
         """The version a request on `name` runs: the caller's own adapter of that name, else a public one."""

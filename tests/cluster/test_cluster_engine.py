@@ -9,7 +9,14 @@ import pytest
 from slora.api.cluster_engine import ClusterEngine
 from slora.api.replica import ReplicaRequest
 from slora.config import EngineConfig
-from slora.core.outputs import INTERNAL_ERROR, CompletionOutput, RequestOutput
+from slora.core.outputs import (
+    INTERNAL_ERROR,
+    AdapterName,
+    AdapterPlacement,
+    CompletionOutput,
+    EngineSnapshot,
+    RequestOutput,
+)
 from slora.execution.adapter_manager import UnknownAdapterError
 from slora.sampling.params import SamplingParams
 
@@ -74,9 +81,23 @@ def run_to_end(engine: ClusterEngine, timeout_s: float = 10.0) -> list[RequestOu
     return outputs
 
 
-def make(script: Callable[[ReplicaRequest], list], stall_timeout_s: float = 30.0) -> tuple[ClusterEngine, FakeHandle]:
+class FakeBoard:
+    """The replicas' SnapshotBoard as the ingress reads it: `await board.fresh.remote(max_age_s)`."""
+
+    def __init__(self, snapshots: dict[str, EngineSnapshot]) -> None:
+        self.snapshots = snapshots
+        self.fresh = self
+
+    async def remote(self, max_age_s: float) -> dict[str, EngineSnapshot]:
+        return dict(self.snapshots)
+
+
+def make(script: Callable[[ReplicaRequest], list], stall_timeout_s: float = 30.0, pool_pages: int = 4096,
+         board: FakeBoard | None = None) -> tuple[ClusterEngine, FakeHandle]:
     handle = FakeHandle(script)
-    return ClusterEngine(EngineConfig(model=BASE_MODEL), handle, stall_timeout_s), handle
+    engine = ClusterEngine(EngineConfig(model=BASE_MODEL), handle, pool_pages=pool_pages, board=board,
+                           stall_timeout_s=stall_timeout_s)
+    return engine, handle
 
 
 def test_a_request_streams_its_replicas_outputs():
@@ -151,10 +172,56 @@ def test_the_catalog_keeps_no_packed_copies():
     assert engine.adapters.versions and engine.adapters.host_bytes == 0
 
 
+def test_a_prompt_too_long_for_a_replicas_pool_is_refused_at_the_ingress():
+    engine, handle = make(lambda r: [output(r, [1], True)], pool_pages=8)     # 8 pages of 16 tokens
+    with pytest.raises(ValueError, match="pages but the pool has only"):
+        engine.add_request("long", list(range(5, 200)), PARAMS)
+    engine.add_request("short", [5, 6, 7], PARAMS)
+    run_to_end(engine)
+    assert [request.request_id for _, request in handle.sent] == ["short"]
+
+
+def replica_snapshot(placements: dict[str, AdapterPlacement], running: int) -> EngineSnapshot:
+    return EngineSnapshot(pool={"total_pages": 64}, sequences_running=running, sequences_waiting=0, requests=running,
+                          preemptions=0, adapter_pool_loads=1, adapter_pool_evictions=0, adapters_registered=1,
+                          adapters_host=1, adapters_pool=1, steps={}, step_seconds={}, decode_bytes=0,
+                          adapter_placements=placements)
+
+
+def test_the_replicas_snapshots_come_with_the_catalogs_names():
+    board = FakeBoard({})
+    engine, _ = make(lambda r: [], board=board)
+    name = next(entry.name for entry in engine.adapters.all_entries())      # a demo adapter of the tiny model
+    version = engine.adapters.resolve(name, None).version
+    # A replica knows each version by the version alone, as a public name of no owner.
+    as_replica = AdapterPlacement(True, True, False, (AdapterName(version, None, True),), frozenset({None}))
+    board.snapshots = {"r1": replica_snapshot({version: as_replica, "gone": as_replica}, running=2),
+                       "r2": replica_snapshot({}, running=0)}
+    deadline = time.monotonic() + 10
+    while len(replicas := engine.snapshot().replicas) < 2:
+        assert time.monotonic() < deadline, "the board was not read"
+        time.sleep(0.05)
+    placed = replicas["r1"].adapter_placements
+    assert placed[version].names == (AdapterName(name, None, True),) and placed[version].in_pool
+    assert placed["gone"].names == ()          # a version the catalog no longer names is shown under none
+    assert replicas["r1"].sequences_running == 2 and replicas["r2"].sequences_running == 0
+    board.snapshots = {"r2": board.snapshots["r2"]}          # r1 stopped posting: the board drops it
+    while "r1" in engine.snapshot().replicas:
+        assert time.monotonic() < deadline + 10, "a replica gone from the board stayed"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--ray-address", "127.0.0.1:6379"], "--ray-address needs --replicas"),
     (["--replicas", "0"], "--replicas must be >= 1"),
     (["--replicas", "2", "--replica-gpus", "-1"], "must be >= 0"),
+    (["--autoscale-min", "1", "--autoscale-max", "2"], "--autoscale-min needs --replicas"),
+    (["--replicas", "2", "--autoscale-min", "1"], "needs both --autoscale-min and --autoscale-max"),
+    (["--replicas", "2", "--autoscale-min", "3", "--autoscale-max", "2"], "0 <= min <= max"),
+    (["--replicas", "2", "--autoscale-target", "4"], "--autoscale-target needs --autoscale-min"),
+    (["--replicas", "2", "--autoscale-min", "1", "--autoscale-max", "2", "--autoscale-target", "0"],
+     "target must be positive"),
+    (["--replicas", "2", "--replica-drain-timeout", "0"], "--replica-drain-timeout must be positive"),
 ])
 def test_replica_flags_are_checked_before_anything_starts(flags, message, capsys):
     from slora.cli import main

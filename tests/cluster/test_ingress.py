@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")        # a guard only: `make test` installs the ray extra
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from ray import serve  # noqa: E402
 from servers import free_port, wait_healthy, write_tenants  # noqa: E402
 from tiny import make_adapters  # noqa: E402
@@ -173,28 +175,97 @@ def test_a_client_that_leaves_stops_its_request_on_the_replica(server):
         time.sleep(0.2)
 
 
-def _kill_running_replica() -> None:
-    """SIGKILL the process of the replica running a request: it dies as a crashed replica does."""
+def test_reuploaded_adapter_is_served_after_an_unload(server, adapter_root, offline):
+    """The replicas hold the version from its first upload's folder, deleted by the unload; they read the new one."""
+    with _http(server, "alice") as alice:
+        first = _upload(alice, adapter_root, "mlp-r8", "again")
+        assert _completion(alice, "again", PROMPTS[3]) == _expected(offline, "mlp-r8", PROMPTS[3])
+        assert alice.delete("/v1/adapters/again").status_code == 200
+        assert alice.post("/v1/completions", json={"model": "again", "prompt": "hi"}).status_code == 404
+        second = _upload(alice, adapter_root, "mlp-r8", "again")
+        assert second["version"] == first["version"]
+        assert [_completion(alice, "again", p) for p in PROMPTS] == [_expected(offline, "mlp-r8", p) for p in PROMPTS]
+
+
+class Scrape:
+    def __init__(self, text: str) -> None:
+        self.families = {family.name: family for family in text_string_to_metric_families(text)}
+
+    def by_replica(self, name: str) -> dict[str, float]:
+        return {s.labels["replica"]: s.value for s in self.families[name].samples}
+
+    def adapter_names(self) -> set[str]:
+        return {s.labels["adapter_name"] for s in self.families["vllm:lora_adapter_loaded"].samples}
+
+
+def _scrape(client: httpx.Client) -> Scrape:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    return Scrape(response.text)
+
+
+def test_metrics_give_each_replicas_series(server, adapter_root):
+    with _http(server, "alice") as alice, _http(server, "bob") as bob:
+        _upload(alice, adapter_root, "attn-r4", "scraped")
+        _completion(alice, "scraped", PROMPTS[0])
+        replicas = set(_replica_stats())
+        deadline = time.monotonic() + 20
+        while set((scrape := _scrape(alice)).by_replica("vllm:num_requests_running")) != replicas:
+            assert time.monotonic() < deadline, "the replicas' series did not reach the ingress"
+            time.sleep(0.5)
+        assert set(scrape.by_replica("vllm:kv_cache_usage_perc")) == replicas
+        assert set(scrape.by_replica("slora_pool_capacity_pages")) == replicas
+        assert "scraped" in scrape.adapter_names()          # alice's own adapter, under the name she gave it
+        assert "scraped" not in _scrape(bob).adapter_names()
+        lines = _stream_lines(bob, 1500)                      # the series move while a request runs
+        assert '"choices"' in next(lines)
+        while sum(_scrape(bob).by_replica("vllm:num_requests_running").values()) < 1:
+            assert time.monotonic() < deadline + 20, "no replica's running count moved"
+            time.sleep(0.3)
+        lines.close()
+
+
+def _kill_busy_replica() -> ReplicaStats:
+    """ray.kill the actor of a replica running a request, as a crashed replica dies; its stats before."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         busy = [s for s in _replica_stats().values() if s.running > 0]
         if busy:
-            os.kill(int(busy[0].replica_id.rsplit(":", 1)[1]), signal.SIGKILL)
-            return
+            ray.kill(ray.get_actor(busy[0].actor_name, namespace="serve"))
+            return busy[0]
         time.sleep(0.1)
-    raise AssertionError("no replica ran the request")
+    raise AssertionError("no replica ran the requests")
 
 
-def test_a_replica_that_dies_mid_stream_ends_it_with_an_error(server, offline):
+def _streams_on_both_replicas(client: httpx.Client, max_tokens: int) -> list[tuple[threading.Thread, list[str]]]:
+    """Long streams started one by one until both replicas run some (Ray routes base requests by load);
+    each read to its end on a thread of its own, its lines kept."""
+    streams: list[tuple[threading.Thread, list[str]]] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda kept=lines: kept.extend(_stream_lines(client, max_tokens)))
+        reader.start()
+        streams.append((reader, lines))
+        time.sleep(0.3)
+        if all(s.running > 0 for s in _replica_stats().values()):
+            return streams
+    raise AssertionError("the streams did not reach both replicas")
+
+
+def test_a_replica_killed_mid_stream_ends_only_its_streams(server, offline):
     with _http(server, "alice") as alice:
-        lines = _stream_lines(alice, 1500)
-        assert '"choices"' in next(lines)
-        _kill_running_replica()
+        streams = _streams_on_both_replicas(alice, 1500)
+        killed = _kill_busy_replica()
         began = time.monotonic()
-        rest = list(lines)
-        assert time.monotonic() - began < 60, "the stream ended long after its replica died"
-        assert any('"error"' in line for line in rest), rest[-3:]
-        assert rest[-1] == "data: [DONE]"
+        for reader, _ in streams:
+            reader.join(timeout=90)
+        assert time.monotonic() - began < 90 and not any(reader.is_alive() for reader, _ in streams), \
+            "a stream went on long after its replica died"
+        failed = [lines for _, lines in streams if any('"error"' in line for line in lines)]
+        assert all(lines[-1] == "data: [DONE]" for _, lines in streams)
+        # The killed replica's streams ended with an error event; those on the other replica ran to the end.
+        assert 0 < len(failed) <= killed.running < len(streams), [s[-2:] for _, s in streams]
         _wait_served_again(alice, offline)
 
 

@@ -1,7 +1,10 @@
 """Engine replicas on Ray Serve (slora.api.replica), driven through a DeploymentHandle as the ingress will drive
 them: one local Ray cluster for the module, two replicas of the tiny model on the CPU, eight adapters routed by
 their version id as Ray's multiplexed model id. Greedy outputs must equal the offline LLM's, token for token."""
+import asyncio
+import concurrent.futures
 import shutil
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,7 +18,7 @@ from ray import serve  # noqa: E402
 from tiny import edit_weights, random_prompts  # noqa: E402
 
 from slora import LLM, RequestOutput, SamplingParams  # noqa: E402
-from slora.api.replica import ReplicaRequest, ReplicaStats, replica_app  # noqa: E402
+from slora.api.replica import Autoscaling, ReplicaRequest, ReplicaStats, replica_app  # noqa: E402
 from slora.config import EngineConfig  # noqa: E402
 
 BASE_MODEL = "slora-tiny-llama"
@@ -226,3 +229,82 @@ def test_request_abandoned_by_its_consumer_is_aborted(small_replica, adapters: A
         time.sleep(0.2)
     # Ended by the abort, not by running out its tokens: far fewer steps than one per token.
     assert stats.running == 0 and stats.abandoned == 1 and stats.engine_steps < max_tokens // 4, stats
+
+
+@pytest.fixture(scope="module")
+def streams_loop():
+    """An event loop on a thread of its own, from which the tests stream as the ingress does (Ray's autoscaler
+    counts the ongoing requests of async streams; a stream iterated synchronously on a thread is not counted)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+
+
+def _stream_all(loop, handle, requests: list[ReplicaRequest]) -> dict[str, concurrent.futures.Future]:
+    """Each request streamed on the loop; a future of all its outputs."""
+    async def collect(r: ReplicaRequest) -> list[RequestOutput]:
+        return [output async for output in submit(handle, r)]
+    return {r.request_id: asyncio.run_coroutine_threadsafe(collect(r), loop) for r in requests}
+
+
+def _running_replicas(app_name: str) -> int:
+    deployment = serve.status().applications[app_name].deployments["EngineReplica"]
+    return deployment.replica_states.get("RUNNING", 0)
+
+
+def _wait(condition, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.25)
+
+
+def _ran_to_the_end(streams: dict[str, concurrent.futures.Future], max_tokens: int) -> None:
+    for request_id, stream in streams.items():
+        outputs = stream.result(timeout=180)
+        assert outputs and outputs[-1].finished and len(outputs[-1].token_ids) == max_tokens, (request_id, outputs[-1:])
+
+
+LONG = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
+
+
+def test_a_removed_replica_finishes_its_requests_first(cluster, streams_loop):
+    name = "slora-drain"
+    deploy = lambda count: serve.run(replica_app(EngineConfig(model=BASE_MODEL), count, num_gpus=0, num_cpus=0.1,
+                                                 drain_timeout_s=120), name=name, route_prefix=None)
+    handle = deploy(2)
+    try:
+        prompts = random_prompts([6] * 8, seed=41)
+        streams: dict[str, concurrent.futures.Future] = {}
+        for i, prompt in enumerate(prompts):      # one by one until both replicas run some (routed by load)
+            streams |= _stream_all(streams_loop, handle, [request(f"drain-{i}", prompt, None, params=LONG)])
+            time.sleep(0.2)
+            if i and all(s.running for s in replica_stats(handle, 2)):
+                break
+        assert all(s.running for s in replica_stats(handle, 2)), "the requests did not reach both replicas"
+        deploy(1)                                 # one replica goes: drained first
+        _ran_to_the_end(streams, LONG.max_tokens)
+        _wait(lambda: _running_replicas(name) == 1, "one replica left", 60)
+    finally:
+        serve.delete(name)
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(cluster, streams_loop):
+    name = "slora-autoscale"
+    scaling = Autoscaling(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
+                          downscale_delay_s=2.0, look_back_period_s=1.0)
+    handle = serve.run(replica_app(EngineConfig(model=BASE_MODEL), 1, num_gpus=0, num_cpus=0.1,
+                                   autoscaling=scaling), name=name, route_prefix=None)
+    try:
+        assert _running_replicas(name) == 1
+        prompts = random_prompts([6] * 4, seed=43)
+        streams = _stream_all(streams_loop, handle,
+                              [request(f"scale-{i}", p, None, params=LONG) for i, p in enumerate(prompts)])
+        _wait(lambda: _running_replicas(name) == 2, "a second replica under load", 60)
+        _ran_to_the_end(streams, LONG.max_tokens)
+        _wait(lambda: _running_replicas(name) == 1, "back to one replica once idle", 60)
+    finally:
+        serve.delete(name)

@@ -148,3 +148,25 @@ def test_steps_with_every_request_waiting_on_a_disk_read_wait_for_it_instead_of_
     while engine.has_unfinished() and time.monotonic() < deadline:
         engine.step()
     assert not engine.has_unfinished() and llm.pool_stats()["kv_pages"] == 0
+
+
+def test_a_version_read_back_from_another_folder_of_the_same_content(tiny_llama, tmp_path):
+    """A cluster's replica registered a version from a folder since deleted; told of a copy, it reads that."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    shutil.copytree(tiny_llama.adapters["all-r16"], first)
+    shutil.copytree(first, second)
+    llm = host_cache_for_one_large_adapter(tiny_llama)
+    engine = llm.engine
+    version = llm.load_adapter("moved", str(first))
+    llm.load_adapter("rs-pattern", str(tiny_llama.adapters["rs-pattern"]))
+    assert engine.adapters.versions[version].tier == "disk"
+    shutil.rmtree(first)
+    engine.adapters.read_back_from(version, second)
+    engine.adapters.read_back_from("unknown-version", second)          # ignored
+    prompt = random_prompts([9], seed=33)
+    reference = LLM(str(tiny_llama.model_dir), num_pages=256)
+    reference.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
+    expected = reference.generate(prompt, GREEDY, adapters=["all-r16"])[0].token_ids
+    assert llm.generate(prompt, GREEDY, adapters=["moved"])[0].token_ids == expected
+    assert engine.adapters.num_reloads == 1
+    engine.check()
