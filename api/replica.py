@@ -115,6 +115,7 @@ class ReplicaStats:
     engine_steps: int                    # steps the engine has run
     engine_versions: tuple[str, ...]     # versions the engine knows now, on any tier
     pool_loads: int                      # adapter versions the engine copied into its pool
+    reloads: int                         # versions read back from disk after their host copy was dropped
 
 
 class _RegisteredAdapter:
@@ -288,10 +289,12 @@ class EngineReplica:
 
         await self._ready()
         snapshot = await self._engine.call(lambda engine: engine.snapshot())
-        versions = await self._engine.call(lambda engine: tuple(sorted(engine.adapters.versions)))
+        versions, reloads = await self._engine.call(
+            lambda engine: (tuple(sorted(engine.adapters.versions)), engine.adapters.num_reloads))
         return ReplicaStats(self._replica_id, ray.get_runtime_context().get_actor_name() or "", dict(self._loads),
                             dict(self._evictions), dict(self._requests), self._base_requests, self._abandoned,
-                            snapshot.requests, sum(snapshot.steps.values()), versions, snapshot.adapter_pool_loads)
+                            snapshot.requests, sum(snapshot.steps.values()), versions, snapshot.adapter_pool_loads,
+                            reloads)
 
 
 @dataclass(frozen=True, kw_only=True)
