@@ -9,19 +9,21 @@ pool holds, served in one invocation three ways:
 Trace: --requests requests, Poisson arrivals at --rate req/s; each asks for the base model (--base-share) or for
 one of --adapters adapters (rank 8 on q/k/v/o) with Zipf popularity (adapter i with weight 1 / i^--alpha);
 prompts and outputs uniform in [16, 64] tokens, seeded. Each replica's pool holds --pool-adapters adapters
-beside a full batch's KV, and its host tier as many packed copies; the trace's adapters are 3x that by default.
+beside the KV of a full batch of average requests, and its host tier as many packed copies; the trace's adapters
+are 3x that by default. --quick: 20 requests, affinity and load only (the smoke test).
 
-Reported per mode: adapter loads, summed over replicas: `pool_loads`, versions copied into a pool, and
-`disk_reads`, versions read from disk, checked and packed (a replica's first use, and every read back after its
-host copy was dropped), generated tokens per second from the first arrival to
-the last finish, and TTFT p50/p99 from arrival to the first output through the handle. The goal: at least 3x
+Reported per mode: adapter loads, summed over replicas: `pool_loads`, versions copied into a pool;
+`registrations`, versions a replica took on (its first use of each); `disk_reads`, versions read from disk,
+checked and packed (the registrations, and every read back after a host copy was dropped); generated tokens
+per second from the first arrival to the last finish; TTFT p50/p99 from arrival to the first output through
+the handle. The goal: at least 3x
 fewer loads and a lower TTFT p99 with affinity than by load, and no throughput lost against one replica.
 
 The CPU run (the default) serves slora-tiny-llama, replicas of --replica-cpus each. A GPU run (two replicas of
 --replica-gpus 0.45 on one GPU) needs Ray on the GPU machine.
 
     python benchmarks/replicas.py [--device cpu|cuda] [--quick] [--requests N] [--rate R] [--adapters A]
-                                  [--pool-adapters K] [--out FILE]
+                                  [--pool-adapters K] [--ray-address ADDR] [--out FILE]
 """
 from __future__ import annotations
 
@@ -90,11 +92,12 @@ def make_trace(args: argparse.Namespace, vocab: int) -> list[TraceRequest]:
 
 
 def engine_config(setup: ModelSetup, folders: list[Path], pool_adapters: int, device: str) -> EngineConfig:
-    """Each replica's pool: `pool_adapters` adapters beside a full batch's KV; its host tier as many copies."""
+    """Each replica's pool: `pool_adapters` adapters beside the KV of a full batch of average requests (more
+    would stay resident in the pages such a batch leaves free); its host tier as many copies."""
     probe = EngineConfig(model=str(setup.folder), device=device, max_num_seqs=MAX_NUM_SEQS)
     model_config = load_model_config(setup.folder)
     packed = build_catalog(probe, model_config, setup.context, 1 << 16).prepare(folders[0]).packed
-    kv_pages = MAX_NUM_SEQS * (-(-2 * LENGTHS[1] // probe.page_size) + 1)
+    kv_pages = MAX_NUM_SEQS * (-(-(LENGTHS[0] + LENGTHS[1]) // probe.page_size) + 1)
     num_pages = pool_adapters * packed.num_pages + kv_pages
     host_gib = pool_adapters * packed.num_bytes / 2 ** 30
     return EngineConfig(model=str(setup.folder), device=device, max_num_seqs=MAX_NUM_SEQS, num_pages=num_pages,
@@ -156,6 +159,7 @@ def run_mode(mode: str, config: EngineConfig, trace: list[TraceRequest], version
     ttfts = np.array([r["ttft"] for r in results])
     span = max(r["end"] for r in results) - trace[0].arrival
     row = {"mode": mode, "replicas": len(stats), "pool_loads": sum(s.pool_loads for s in stats),
+           "registrations": sum(sum(s.loads.values()) for s in stats),
            "disk_reads": sum(sum(s.loads.values()) + s.reloads for s in stats),
            "gen_tok_s": sum(r["tokens"] for r in results) / span,
            "ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p99_s": float(np.percentile(ttfts, 99))}
@@ -178,11 +182,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-ongoing", type=int, default=DEFAULT_MAX_ONGOING_REQUESTS,
                         help="requests Ray lets one replica hold; past it, Ray sends an adapter's requests to a "
                              "replica without it (default: slora's)")
+    parser.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster (its Serve started) instead of starting one of the run's own")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.pool_adapters = 60, 2
+        args.requests, args.rate, args.pool_adapters = 20, 20.0, 2
     args.adapters = args.adapters or 3 * args.pool_adapters
     args.replica_gpus = args.replica_gpus if args.replica_gpus is not None else (0.0 if args.device == "cpu" else 0.45)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -196,17 +202,22 @@ def main(argv: list[str] | None = None) -> None:
         catalog = build_catalog(config, load_model_config(setup.folder), setup.context, 1 << 16)
         versions = [(catalog.prepare(folder).version, str(folder)) for folder in folders]
         trace = make_trace(args, setup.vocab_size)
-        ray.init(include_dashboard=False, log_to_driver=False)
-        serve.start(proxy_location="Disabled")
+        if args.ray_address is None:
+            ray.init(include_dashboard=False, log_to_driver=False)
+            serve.start(proxy_location="Disabled")
+        else:
+            ray.init(address=args.ray_address, log_to_driver=False)
         try:
-            rows = [run_mode(mode, config, trace, versions, args) for mode in MODES]
+            rows = [run_mode(mode, config, trace, versions, args) for mode in (MODES[:2] if args.quick else MODES)]
         finally:
-            serve.shutdown()
+            if args.ray_address is None:      # a joined cluster's Serve is its owner's
+                serve.shutdown()
             ray.shutdown()
     print_table(rows)
     by_mode = {row["mode"]: row for row in rows}
+    single = by_mode.get("single")
     summary = {"load_ratio": by_mode["load"]["pool_loads"] / max(1, by_mode["affinity"]["pool_loads"]),
-               "throughput_vs_single": by_mode["affinity"]["gen_tok_s"] / by_mode["single"]["gen_tok_s"]}
+               "throughput_vs_single": by_mode["affinity"]["gen_tok_s"] / single["gen_tok_s"] if single else None}
     print(json.dumps(summary))  # noqa: T201 - the script's output
     out = args.out or default_out("replicas", args.device)
     engine = {"num_pages": config.num_pages, "max_num_seqs": MAX_NUM_SEQS,

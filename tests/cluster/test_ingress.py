@@ -1,6 +1,6 @@
-"""`slora serve --replicas 2`: the single server's API in front of two engine replicas on Ray Serve. One local
-Ray cluster for the module (made here, joined by the server with --ray-address, so that the test can read the
-replicas' counts), the tiny model on the CPU, two tenants. Greedy outputs must equal the offline LLM's."""
+"""`slora serve --replicas 2`: the single server's API in front of two engine replicas on Ray Serve. The
+package's local Ray cluster (conftest.py), joined by the server with --ray-address, so that the test can read the
+replicas' counts; the tiny model on the CPU, two tenants. Greedy outputs must equal the offline LLM's."""
 import os
 import signal
 import subprocess
@@ -28,18 +28,6 @@ KEYS = {"alice": "key-alice", "bob": "key-bob"}
 TENANTS = {name: {"key": key} for name, key in KEYS.items()}
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a distant galaxy", "Hello there"]
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """One local Ray cluster with Serve and no HTTP proxy; its address, for the server to join."""
-    ray.init(address="local", num_cpus=3, include_dashboard=False, object_store_memory=200 * 2 ** 20)
-    try:
-        serve.start(proxy_location="Disabled")
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Engine replicas on Ray Serve (slora.api.replica), driven through a DeploymentHandle as the ingress will drive
-them: one local Ray cluster for the module, two replicas of the tiny model on the CPU, eight adapters routed by
+them: the package's local Ray cluster (conftest.py), two replicas of the tiny model on the CPU, eight adapters routed by
 their version id as Ray's multiplexed model id. Greedy outputs must equal the offline LLM's, token for token."""
 import asyncio
 import concurrent.futures
@@ -29,6 +29,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 # The replicas push the versions they hold to the controller every 0.1 s, which passes them on to the
 # handle's router; a version's next requests follow it once the router has them.
 ROUTING_SETTLE_S = 1.0
+REPLICAS_APP = "slora-replicas"
 
 
 @dataclass(frozen=True)
@@ -78,22 +79,10 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, offline: LLM) -> Adapters
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """One local Ray cluster (2 CPUs) with Serve but no HTTP proxy; shut down at the end of the module."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 2 ** 20)
-    try:
-        serve.start(proxy_location="Disabled")
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def replicas(cluster):
     """Two engine replicas of the tiny model; the handle the ingress would hold."""
     app = replica_app(EngineConfig(model=BASE_MODEL), NUM_REPLICAS, num_gpus=0, num_cpus=0.5, max_adapters=1024)
-    return serve.run(app, name="slora-replicas", route_prefix=None)
+    return serve.run(app, name=REPLICAS_APP, route_prefix=None)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +235,11 @@ def streams_loop():
 def _stream_all(loop, handle, requests: list[ReplicaRequest]) -> dict[str, concurrent.futures.Future]:
     """Each request streamed on the loop; a future of all its outputs."""
     async def collect(r: ReplicaRequest) -> list[RequestOutput]:
-        return [output async for output in submit(handle, r)]
+        responses = submit(handle, r)
+        try:
+            return [output async for output in responses]
+        finally:          # cancelled: the replica stops computing it, as the ingress's streams do
+            responses.cancel()
     return {r.request_id: asyncio.run_coroutine_threadsafe(collect(r), loop) for r in requests}
 
 
@@ -268,28 +261,23 @@ def _ran_to_the_end(streams: dict[str, concurrent.futures.Future], max_tokens: i
         assert outputs and outputs[-1].finished and len(outputs[-1].token_ids) == max_tokens, (request_id, outputs[-1:])
 
 
-LONG = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
 
 
-def test_a_removed_replica_finishes_its_requests_first(cluster, streams_loop):
-    name = "slora-drain"
-    deploy = lambda count: serve.run(replica_app(EngineConfig(model=BASE_MODEL), count, num_gpus=0, num_cpus=0.1,
-                                                 drain_timeout_s=120), name=name, route_prefix=None)
-    handle = deploy(2)
-    try:
-        prompts = random_prompts([6] * 8, seed=41)
-        streams: dict[str, concurrent.futures.Future] = {}
-        for i, prompt in enumerate(prompts):      # one by one until both replicas run some (routed by load)
-            streams |= _stream_all(streams_loop, handle, [request(f"drain-{i}", prompt, None, params=LONG)])
-            time.sleep(0.2)
-            if i and all(s.running for s in replica_stats(handle, 2)):
-                break
-        assert all(s.running for s in replica_stats(handle, 2)), "the requests did not reach both replicas"
-        deploy(1)                                 # one replica goes: drained first
-        _ran_to_the_end(streams, LONG.max_tokens)
-        _wait(lambda: _running_replicas(name) == 1, "one replica left", 60)
-    finally:
-        serve.delete(name)
+def test_a_removed_replica_finishes_its_requests_first(replicas, streams_loop):
+    """The module's two replicas, updated to one (the last test of them): the one removed drains first."""
+    prompts = random_prompts([6] * 8, seed=41)
+    streams: dict[str, concurrent.futures.Future] = {}
+    for i, prompt in enumerate(prompts):      # one by one until both replicas run some (routed by load)
+        streams |= _stream_all(streams_loop, replicas, [request(f"drain-{i}", prompt, None, params=LONG)])
+        time.sleep(0.1)
+        if i and all(s.running for s in replica_stats(replicas, 2)):
+            break
+    assert all(s.running for s in replica_stats(replicas, 2)), "the requests did not reach both replicas"
+    serve.run(replica_app(EngineConfig(model=BASE_MODEL), 1, num_gpus=0, num_cpus=0.5, max_adapters=1024),
+              name=REPLICAS_APP, route_prefix=None)
+    _ran_to_the_end(streams, LONG.max_tokens)
+    _wait(lambda: _running_replicas(REPLICAS_APP) == 1, "one replica left", 60)
 
 
 def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(cluster, streams_loop):
@@ -301,10 +289,16 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(cluster, str
     try:
         assert _running_replicas(name) == 1
         prompts = random_prompts([6] * 4, seed=43)
+        # Long enough to outlast the second replica's start (the load must hold until Ray has added it); then
+        # the streams are cancelled, which ends the load at once.
+        load = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
         streams = _stream_all(streams_loop, handle,
-                              [request(f"scale-{i}", p, None, params=LONG) for i, p in enumerate(prompts)])
+                              [request(f"scale-{i}", p, None, params=load) for i, p in enumerate(prompts)])
         _wait(lambda: _running_replicas(name) == 2, "a second replica under load", 60)
-        _ran_to_the_end(streams, LONG.max_tokens)
+        assert not any(stream.done() for stream in streams.values()), "the load ended before the second replica"
+        for stream in streams.values():
+            stream.cancel()
         _wait(lambda: _running_replicas(name) == 1, "back to one replica once idle", 60)
+        _wait(lambda: not replica_stats(handle, 1)[0].running, "the cancelled streams stopped", 30)
     finally:
         serve.delete(name)
