@@ -227,3 +227,17 @@ def test_replica_flags_are_checked_before_anything_starts(flags, message, capsys
     from slora.cli import main
     assert main(["serve", "--model", BASE_MODEL, "--port", "1", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_single_server_never_imports_ray():
+    """Without --replicas the app, its engine and the CLI run without Ray (not even imported)."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "from slora.api.app import create_app\nfrom slora.api.settings import ServerSettings\n"
+            "from slora.cli import main\nfrom slora.config import EngineConfig\nfrom slora.engine import Engine\n"
+            f"create_app(Engine(EngineConfig(model={BASE_MODEL!r})), ServerSettings())\n"
+            "print('ray' in sys.modules, 'ray.serve' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "False"]
