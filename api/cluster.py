@@ -48,7 +48,7 @@ class ClusterOptions:
 def cluster_engine(config: EngineConfig, handle: Any, app_name: str = REPLICAS_APP) -> ClusterEngine:
     """The ingress's engine over the replicas behind `handle` (a replica tells their pool's size); their
     snapshots read from the application's board. Runs on AsyncEngine's thread: it may block."""
-    pool_pages = handle.options(method_name="pool_pages").remote().result()
+    pool_pages = handle.pool_pages.remote().result()
     return ClusterEngine(config, handle, pool_pages=pool_pages, board=board(app_name))
 
 

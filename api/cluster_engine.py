@@ -133,6 +133,7 @@ class ClusterEngine:
                                  self.model_config.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.tokenizer)
         self.adapters = build_catalog(config, self.model_config, self.max_model_len, pool_pages)
+        self._scheduler_config = config.scheduler_config(0, self.max_model_len)     # the replicas' admission rules
         self.adapters.load_demos(source.demo_adapters)     # the replicas' demo adapters, by the same folders
         self.requests: dict[str, _Flight] = {}
         self.tenant_weights: dict[str | None, float] = {}
@@ -174,8 +175,8 @@ class ClusterEngine:
         ref = None if adapter is None else self.adapters.resolve(adapter, owner)
         # Each replica would refuse what its pool cannot hold; refused here, the client gets a 400, not an error
         # event after its response has started.
-        check_fits(self.config.scheduler_config(0, self.max_model_len), self.adapters.allocator.num_pages,
-                   len(prompt_token_ids), ref.num_pages if ref else 0)
+        check_fits(self._scheduler_config, self.adapters.allocator.num_pages, len(prompt_token_ids),
+                   ref.num_pages if ref else 0)
         version = None if ref is None else ref.version
         request = self._replica_request(request_id, prompt_token_ids, params, version, owner, priority)
         if version is not None:       # its folder stays on disk until the request ends, as in Engine

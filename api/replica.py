@@ -138,6 +138,7 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig, max_adapters: int = DEFAULT_MAX_ADAPTERS,
                  stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
+        import ray
         from ray import serve
 
         if max_adapters < 1:
@@ -148,6 +149,7 @@ class EngineReplica:
         self._stall_timeout_s = stall_timeout_s
         context = serve.get_replica_context()
         self._replica_id, self._app_name = context.replica_tag, context.app_name
+        self._actor_name = ray.get_runtime_context().get_actor_name() or ""
         self._tasks: set[asyncio.Task] = set()
         self._read_from: dict[str, str] = {}            # version -> the folder the engine reads it back from
         self._loads: Counter[str] = Counter()
@@ -285,16 +287,12 @@ class EngineReplica:
         return await self._engine.call(lambda engine: engine.snapshot().pool["total_pages"])
 
     async def load_count(self) -> ReplicaStats:
-        import ray
-
         await self._ready()
-        snapshot = await self._engine.call(lambda engine: engine.snapshot())
-        versions, reloads = await self._engine.call(
-            lambda engine: (tuple(sorted(engine.adapters.versions)), engine.adapters.num_reloads))
-        return ReplicaStats(self._replica_id, ray.get_runtime_context().get_actor_name() or "", dict(self._loads),
-                            dict(self._evictions), dict(self._requests), self._base_requests, self._abandoned,
-                            snapshot.requests, sum(snapshot.steps.values()), versions, snapshot.adapter_pool_loads,
-                            reloads)
+        snapshot, versions, reloads = await self._engine.call(lambda engine: (
+            engine.snapshot(), tuple(sorted(engine.adapters.versions)), engine.adapters.num_reloads))
+        return ReplicaStats(self._replica_id, self._actor_name, dict(self._loads), dict(self._evictions),
+                            dict(self._requests), self._base_requests, self._abandoned, snapshot.requests,
+                            sum(snapshot.steps.values()), versions, snapshot.adapter_pool_loads, reloads)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,14 @@ def host_cache_for_one_large_adapter(setup) -> LLM:
     return LLM(str(setup.model_dir), num_pages=256, adapter_host_cache_gib=300 * 1024 / 2 ** 30)
 
 
+def reference_tokens(setup, prompts: list[list[int]], adapters: list[str]) -> list[list[int]]:
+    """Greedy tokens of an engine whose pool and host cache hold every adapter, each prompt on its adapter."""
+    reference = LLM(str(setup.model_dir), num_pages=256)
+    for name in dict.fromkeys(adapters):
+        reference.load_adapter(name, str(setup.adapters[name]))
+    return [output.token_ids for output in reference.generate(prompts, GREEDY, adapters=adapters)]
+
+
 def test_host_cache_is_lru_by_bytes_and_adapters_come_back_from_disk(tiny_llama):
     llm = host_cache_for_one_large_adapter(tiny_llama)
     engine = llm.engine
@@ -27,9 +35,7 @@ def test_host_cache_is_lru_by_bytes_and_adapters_come_back_from_disk(tiny_llama)
     assert engine.adapters.versions[second].tier == "host"
     assert engine.adapters.host_bytes <= engine.adapters.host_cache_bytes
     prompt = random_prompts([14], seed=30)
-    reference = LLM(str(tiny_llama.model_dir), num_pages=256)
-    reference.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
-    expected = reference.generate(prompt, GREEDY, adapters=["all-r16"])[0].token_ids
+    [expected] = reference_tokens(tiny_llama, prompt, ["all-r16"])
     assert llm.generate(prompt, GREEDY, adapters=["all-r16"])[0].token_ids == expected
     assert engine.adapters.num_reloads == 1
     engine.check()
@@ -64,11 +70,8 @@ def test_an_adapter_read_from_disk_does_not_delay_requests_of_others(tiny_llama)
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id] = out.token_ids
-    reference = LLM(str(tiny_llama.model_dir), num_pages=256)
-    for name in ("all-r16", "mlp-r8"):
-        reference.load_adapter(name, str(tiny_llama.adapters[name]))
-    expected = reference.generate(prompts, GREEDY, adapters=["all-r16", "mlp-r8"])
-    assert [tokens["needs-disk"], tokens["resident"]] == [o.token_ids for o in expected]
+    expected = reference_tokens(tiny_llama, prompts, ["all-r16", "mlp-r8"])
+    assert [tokens["needs-disk"], tokens["resident"]] == expected
     engine.check()
 
 
@@ -164,9 +167,7 @@ def test_a_version_read_back_from_another_folder_of_the_same_content(tiny_llama,
     engine.adapters.read_back_from(version, second)
     engine.adapters.read_back_from("unknown-version", second)          # ignored
     prompt = random_prompts([9], seed=33)
-    reference = LLM(str(tiny_llama.model_dir), num_pages=256)
-    reference.load_adapter("all-r16", str(tiny_llama.adapters["all-r16"]))
-    expected = reference.generate(prompt, GREEDY, adapters=["all-r16"])[0].token_ids
+    [expected] = reference_tokens(tiny_llama, prompt, ["all-r16"])
     assert llm.generate(prompt, GREEDY, adapters=["moved"])[0].token_ids == expected
     assert engine.adapters.num_reloads == 1
     engine.check()
