@@ -40,6 +40,9 @@ class PackedAdapter:
     version: str
     descriptor: AdapterDescriptor
     pages: torch.Tensor
+    # Under tensor parallelism, the pages of ranks 1, 2, ...: their parts of the adapter, in the same layout
+    # (`pages` is rank 0's part).
+    rank_pages: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_pages(self) -> int:
@@ -47,7 +50,7 @@ class PackedAdapter:
 
     @property
     def num_bytes(self) -> int:
-        return self.pages.numel() * self.pages.element_size()
+        return sum(pages.numel() * pages.element_size() for pages in (self.pages, *self.rank_pages))
 
 
 def buffer_layout(adapter: LoadedAdapter, shapes: TargetShapes) -> tuple[AdapterDescriptor, int]:
@@ -65,11 +68,13 @@ def buffer_layout(adapter: LoadedAdapter, shapes: TargetShapes) -> tuple[Adapter
             if lora is None:
                 continue
             in_features, out_features = shapes.features(module)
+            # The table's rank is A's (what the shrink reads). B has as many rows, except in a fully sharded
+            # tensor-parallel part of a column-parallel module, whose B keeps every rank (slora.adapters.sharding).
             ranks[layer, m], scalings[layer, m] = lora.rank, lora.scaling
             a_offsets[layer, m] = cursor
             cursor += lora.rank * align_up(in_features)
             b_offsets[layer, m] = cursor
-            cursor += lora.rank * align_up(out_features)
+            cursor += lora.lora_b.shape[1] * align_up(out_features)
         longest = max(longest, cursor)
     return AdapterDescriptor(ranks, a_offsets, b_offsets, scalings), longest
 

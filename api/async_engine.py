@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from slora.config import EngineConfig
 from slora.core.outputs import EngineSnapshot, RequestOutput
 from slora.execution.adapter_manager import AdapterManager, PreparedAdapter
+from slora.execution.tensor_parallel import TensorParallelError
 from slora.models.config import ModelConfig
 from slora.sampling.params import SamplingParams
 
@@ -64,6 +65,10 @@ class ServedEngine(Protocol):
     def step(self) -> list[RequestOutput]: ...
 
     def snapshot(self) -> EngineSnapshot: ...
+
+    def check_alive(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 EngineSource = ServedEngine | Callable[[], ServedEngine]
@@ -260,12 +265,19 @@ class AsyncEngine:
             return
         try:
             self._serve(engine)
+        except TensorParallelError as exc:      # a rank ended: the message names it, a traceback adds nothing
+            logger.error("the engine stopped: %s; the server stops serving", exc)
+            self._fail_loop()
         except Exception:          # a failed step leaves the engine in an unknown state: stop serving
             logger.exception("the engine loop failed; the server stops serving")
-            self.state = EngineState.FAILED
-            self._notify_failure()
+            self._fail_loop()
         finally:
             self._fail_commands()
+            engine.close()
+
+    def _fail_loop(self) -> None:
+        self.state = EngineState.FAILED
+        self._notify_failure()
 
     def _build(self) -> ServedEngine | None:
         try:
@@ -293,6 +305,7 @@ class AsyncEngine:
 
     def _serve(self, engine: ServedEngine) -> None:
         while not self._stop.is_set():
+            engine.check_alive()              # between steps too: an idle server with a rank gone says so
             ran_commands = self._run_commands(engine, block=not engine.has_unfinished())
             if engine.has_unfinished():
                 self.busy_since = time.monotonic()

@@ -34,7 +34,7 @@ from slora.core.outputs import (
 from slora.core.page_pool import PageAllocator
 from slora.core.scheduler import check_fits
 from slora.execution.adapter_manager import AdapterFormat, AdapterManager
-from slora.execution.model_runner import PoolShape
+from slora.execution.pool_memory import PoolShape
 from slora.models.builtin import resolve_model
 from slora.models.config import ModelConfig, load_model_config
 from slora.models.registry import build_model
@@ -81,7 +81,8 @@ def build_catalog(config: EngineConfig, model_config: ModelConfig, max_model_len
     as a replica reports it) that is only bookkeeping: adapters too large for a replica are refused here."""
     shapes = build_model(model_config, "meta").lora_targets()       # shapes from the config, no weights
     shape = PoolShape(model_config.num_layers, num_pages, config.page_size, model_config.num_kv_heads,
-                      model_config.head_dim)
+                      model_config.head_dim, config.torch_dtype, config.torch_kv_cache_dtype,
+                      config.kv_cache_skip_layers)
     adapter_format = AdapterFormat(shapes, config.max_lora_rank, shape.page_elems, config.torch_dtype)
     usable = config.scheduler_config(0, max_model_len).usable_pages(num_pages)
     # No host tier: the catalog never computes, so it keeps no packed copies (a quarter of the ingress's
@@ -168,7 +169,7 @@ class ClusterEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         # The engine's own checks, here too: refused before the client's response starts, as on one engine.
         check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
-                      self.config.max_num_seqs)
+                      self.config.max_num_seqs, self.config.max_beam_width)
         if priority and self.scheduling_policy == "fcfs":
             raise ValueError("a request's priority needs the priority or vtc scheduling policy; this engine "
                              "schedules first come, first served")
@@ -270,6 +271,9 @@ class ClusterEngine:
             await asyncio.sleep(PUBLISH_INTERVAL_S)
 
     # ---- introspection ------------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        """Nothing to check here: Ray Serve watches and replaces the replicas."""
+
     def snapshot(self) -> EngineSnapshot:
         """The ingress's counters (requests in flight, the catalog) and its replicas' snapshots, their adapters
         under the catalog's names."""

@@ -51,6 +51,9 @@ MAX_DOCUMENTS = 256
 MAX_DOCUMENT_FIELDS = 64
 MAX_TEMPLATE_KWARGS = 64
 MAX_METADATA = 16                           # OpenAI's bounds on metadata: 16 pairs, 64-char keys, 512-char values
+# Beam search divides a score by length ** length_penalty: past this, long beams' powers overflow a float (the
+# search would fail), and useful values lie near 1 anyway.
+MAX_LENGTH_PENALTY = 10.0
 
 
 def _valid_unicode(value: Any) -> Any:  # noqa: ANN401 - the raw JSON value, checked before its type

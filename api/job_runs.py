@@ -17,6 +17,8 @@ from slora.execution.adapter_manager import UnknownAdapterError
 logger = logging.getLogger(__name__)
 # Words of an engine refusal (ValueError from add_request) of the request's structured output, not its prompt.
 _STRUCTURE_WORDS = re.compile(r"schema|regex|regular expression|grammar|json|choice|structured", re.IGNORECASE)
+# Words of an engine refusal of the request's sequences per prompt (a beam width, n or best_of), not its prompt.
+_SAMPLES_WORDS = re.compile(r"max_beam_width|max_num_seqs")
 # Whether the adapter resolver loaded an adapter of that name for the tenant (GenerationService.resolved).
 Resolved = Callable[[Tenant, str], Awaitable[bool]]
 
@@ -122,8 +124,11 @@ class JobRunner:
 
 
 def _refused_param(job: Job, exc: ValueError) -> str:
-    """The field an engine refusal of the job is about: its structured output when the message speaks of one
-    (the engine could not compile it), else the field SamplingParams names, else the prompt."""
+    """The field an engine refusal of the job is about: n or best_of when it has too many sequences per prompt,
+    its structured output when the message speaks of one (the engine could not compile it), else the field
+    SamplingParams names, else the prompt."""
+    if _SAMPLES_WORDS.search(str(exc)):
+        return job.samples_param
     if job.structured_param is not None and _STRUCTURE_WORDS.search(str(exc)):
         return job.structured_param
     return param_named(exc) or job.prompt_param

@@ -61,6 +61,7 @@ class Job:
     prompt_logprobs: int | None = None         # vLLM's prompt_logprobs in the answer
     tokens_as_ids: bool = False                # tokens in logprobs as "token_id:<id>"
     structured_param: str | None = None        # the field that asked for a structured output
+    samples_param: str = "n"                   # the field that gave the sequences per prompt (n or best_of)
     grammar: "CompiledGrammar | None" = None   # that structured output, compiled
     prompt_param: str = "prompt"
     sent_tokens: dict[tuple[int, int], int] = field(default_factory=dict)   # streamed tokens per choice

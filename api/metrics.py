@@ -146,6 +146,9 @@ def snapshot_families(snap: EngineSnapshot) -> list[Metric]:
     return [
         pages,
         GaugeMetricFamily("slora_pool_capacity_pages", "Pages in the unified pool.", value=pool.get("total_pages", 0)),
+        GaugeMetricFamily("slora_kv_token_capacity", "Tokens the pool's pages not holding adapter weights can hold "
+                          "(free, live and cached KV): twice as many with an FP8 cache.",
+                          value=pool.get("kv_token_capacity", 0)),
         GaugeMetricFamily("slora_sequences_running", "Sequences in the running batch.", value=snap.sequences_running),
         GaugeMetricFamily("slora_sequences_waiting", "Sequences waiting to be scheduled.",
                           value=snap.sequences_waiting),

@@ -34,6 +34,7 @@ from slora.api.field_types import (
     INT64_MAX,
     INT64_MIN,
     MAX_DOCUMENTS,
+    MAX_LENGTH_PENALTY,
     MAX_MESSAGES,
     MAX_N,
     MAX_PATH_CHARS,
@@ -63,6 +64,7 @@ from slora.api.field_types import (
 )
 from slora.api.schema_rules import (
     at_most_one,
+    beam_search_rules,
     forced_tool_choice,
     given,
     implies,
@@ -123,9 +125,11 @@ class SamplingRequest(Tolerant):
     n: int = Field(1, ge=1, le=MAX_N, description="At most the server's --max-n; the prompts times n (or best_of) at "
                                                   "most its --max-choices.")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="That many samples run; the n with the highest "
-                                                                  "cumulative logprob are returned. At least n, at "
-                                                                  "most the server's --max-n; with stream, at most "
-                                                                  "n.")
+                                                                  "cumulative logprob are returned. With "
+                                                                  "use_beam_search: the beam width, at most the "
+                                                                  "server's --max-beam-width. At least n, at most "
+                                                                  "the server's --max-n; with stream, at most n "
+                                                                  "unless use_beam_search.")
     stop: Stop | None = Field(None, description="At most the server's --max-stop-sequences sequences of at most "
                                                 "--max-stop-length characters.")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
@@ -167,8 +171,17 @@ class SamplingRequest(Tolerant):
                                              not_supported("true")] = True
     include_stop_str_in_output: Annotated[Literal[False], Field(description=NEUTRAL_ONLY),
                                           not_supported("false")] = False
-    use_beam_search: Annotated[Literal[False], Field(description=NEUTRAL_ONLY), not_supported("false")] = False
-    length_penalty: Annotated[float, Field(ge=1, le=1, description=NEUTRAL_ONLY), not_supported("1")] = 1.0
+    use_beam_search: bool | None = Field(False, description=(
+        "vLLM: a beam search of width best_of (default: n); the n best beams are the choices, streamed whole when "
+        "the search ends. Not with temperature other than 0 or 1, top_p, top_k, min_p, penalties, logit_bias, "
+        "stop, min_tokens or a structured output."))
+    length_penalty: float | None = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False,
+                                         description="Only with use_beam_search: a finished beam scores its "
+                                                     "cumulative logprob over its length to this power; above 0 "
+                                                     "favours longer beams.")
+    early_stopping: bool | Literal["never"] | None = Field(False, description=(
+        "Only with use_beam_search, as transformers': true ends the search once best_of (or n) beams have "
+        "finished; false once no running beam is likely to beat them; \"never\" once none can."))
     allowed_token_ids: Annotated[list[TokenId] | None, Field(max_length=0, description=NEUTRAL_ONLY),
                                  not_supported("an empty list or null")] = None
     bad_words: Annotated[list[str] | None, Field(max_length=0, description=NEUTRAL_ONLY),
@@ -197,8 +210,10 @@ class SamplingRequest(Tolerant):
 
     @classmethod
     def generation_rules(cls) -> list[dict[str, Any]]:
-        """Rules checked only before generating (GenerationService's structured-output check)."""
-        return [at_most_one(cls.structured_sources(), f"At most one structured output: {STRUCTURED_FIELDS}")]
+        """Rules checked only before generating (GenerationService's structured-output check, SamplingParams'
+        checks of beam search)."""
+        return [at_most_one(cls.structured_sources(), f"At most one structured output: {STRUCTURED_FIELDS}"),
+                *beam_search_rules(cls.structured_sources())]
 
     @classmethod
     def structured_sources(cls) -> list[dict[str, Any]]:

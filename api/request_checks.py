@@ -75,7 +75,8 @@ def _check_prompt_fits(longest: int, context: int, prompt_only: bool, prompt_par
 def _check_streaming(body: SamplingRequest) -> None:
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
-    if body.stream and body.best_of is not None and body.best_of > body.n:
+    # A beam search's width (best_of) may exceed n: its beams are known only at its end anyway, and streamed then.
+    if body.stream and not body.use_beam_search and body.best_of is not None and body.best_of > body.n:
         raise bad_request("best_of greater than n is not supported with stream=true (the best samples are "
                           "known only at the end)", param="best_of")
     if body.stream and body.prompt_logprobs is not None:

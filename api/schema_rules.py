@@ -56,6 +56,29 @@ def tool_rules() -> list[dict[str, Any]]:
                     "(or functions)")]
 
 
+def beam_search_rules(structured_sources: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """SamplingParams' checks of beam search: its fields only with it, and what it does not combine with (given
+    at other than its neutral value): sampling controls, penalties, logit_bias, stop strings, min_tokens, a
+    structured output (`structured_sources`), and an answer of no tokens."""
+    beam_search = given("use_beam_search", {"const": True})
+    neutral = {"temperature": [0, 1], "top_p": [1], "top_k": [0, -1], "min_p": [0], "presence_penalty": [0],
+               "frequency_penalty": [0], "repetition_penalty": [1], "min_tokens": [0]}
+    # max_completion_tokens wins over max_tokens: max_tokens 0 counts only without it.
+    no_tokens = [given("max_completion_tokens", {"const": 0}),
+                 {"allOf": [given("max_tokens", {"const": 0}), {"not": given("max_completion_tokens")}]}]
+    excluded = [*(given(field, {"not": {"enum": [None, *values]}}) for field, values in neutral.items()),
+                given("logit_bias", {"type": "object", "minProperties": 1}),
+                given("stop", {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}),
+                *structured_sources, *no_tokens]
+    tuning = [given("length_penalty", {"not": {"enum": [None, 1]}}),
+              given("early_stopping", {"not": {"enum": [None, False]}})]
+    return [implies({"anyOf": tuning}, beam_search, "length_penalty and early_stopping only with use_beam_search "
+                                                    "true"),
+            never_both(beam_search, {"anyOf": excluded},
+                       "use_beam_search true takes no temperature other than 0 or 1, top_p, top_k, min_p, "
+                       "penalties, logit_bias, stop, min_tokens or structured output, and max_tokens at least 1")]
+
+
 def prompt_form_rules(schema: JsonDict) -> None:
     """json_schema_extra of /tokenize's prompt form: a body with messages is the chat form."""
     schema["allOf"] = [{"description": "Without messages: a body with messages is the chat form",

@@ -145,7 +145,7 @@ class GenerationService:
              prompt_logprobs: int | None = None) -> Job:
         structured_param, structured = structured_output(body)
         limit = self.checks.max_tokens(prompts, max_tokens, prompt_param, self._info.max_model_len)
-        params = to_sampling_params(body, limit, logprobs, prompt_logprobs, structured)
+        params = to_sampling_params(body, limit, logprobs, prompt_logprobs, structured, structured_param)
         adapter = self.adapter_of(body.model)
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
@@ -158,6 +158,7 @@ class GenerationService:
         job.prompt_logprobs = body.prompt_logprobs
         job.tokens_as_ids = bool(body.return_tokens_as_token_ids)
         job.structured_param = structured_param
+        job.samples_param = "best_of" if body.best_of is not None else "n"
         job.prompt_param = prompt_param
         job.reserved_tokens = job.token_reservation(max_tokens is not None)
         return job

@@ -48,7 +48,8 @@ from slora.core.sequence import AdapterRef, BlockTable, Sequence
 from slora.execution.cuda_graphs import GraphLimits
 from slora.execution.in_flight import HostCopy
 from slora.execution.lora_backend import LoraLaunchPolicy
-from slora.execution.model_runner import ModelRunner, PoolShape
+from slora.execution.model_runner import ModelRunner
+from slora.execution.pool_memory import PoolShape
 from slora.kernels.layout import cdiv
 from slora.models.builtin import DEFAULT_MODEL, resolve_model
 from slora.models.config import parse_model_config
@@ -131,14 +132,13 @@ def make_runner(max_batch: int, num_adapters: int, page_size: int = 16, max_lora
     cfg = parse_model_config(LLAMA3_8B)
     model = random_model(cfg, torch.bfloat16, torch.device("cuda"))
     descriptor, elems = rank16_descriptor(RANK)
-    page_elems = 2 * page_size * cfg.num_kv_heads * cfg.head_dim
-    adapter_pages = -(-elems // page_elems)
+    template = PoolShape(cfg.num_layers, 0, page_size, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+    adapter_pages = -(-elems // template.page_elems)
     kv_pages = max_batch * (CONTEXT // page_size + 1)
-    shape = PoolShape(cfg.num_layers, kv_pages + num_adapters * adapter_pages, page_size, cfg.num_kv_heads,
-                      cfg.head_dim)
+    shape = template.with_pages(kv_pages + num_adapters * adapter_pages)
     limits = GraphLimits(max_batch, CONTEXT // page_size + 1, adapter_pages, RANK, cfg.num_layers, len(PROJECTIONS),
                          max_loras, few_adapters=few_adapters, lora_side_stream=side_stream)
-    runner = ModelRunner(model, shape, torch.bfloat16, torch.device("cuda"), limits, pdl=pdl, lora_policy=lora_policy)
+    runner = ModelRunner(model, shape, torch.device("cuda"), limits, pdl=pdl, lora_policy=lora_policy)
     return runner, descriptor, adapter_pages
 
 
@@ -165,7 +165,8 @@ def place_adapters(runner: ModelRunner, allocator: PageAllocator, count: int,
     adapters = []
     for i in range(count):
         pages = allocator.allocate_adapter(f"adapter-{i}", adapter_pages)
-        runner.pool[:, pages].normal_(0.0, 0.01)
+        for weights in runner.memory.views.weights:                         # [pages, page_elems] per layer
+            weights[pages] = torch.randn(len(pages), weights.shape[1], device="cuda", dtype=weights.dtype) * 0.01
         adapters.append((f"adapter-{i}", pages))
     return adapters
 

@@ -17,6 +17,7 @@
 #   step_host           step_host.py ($STEP_HOST_ARGS, e.g. "--overlapped --fine-phases")
 #   serving             serving.py ($SERVING_ARGS, e.g. "--rates 4,16")
 #   fairness            fairness.py --engine gpu: one four-tenant trace served fcfs then vtc (about 3 minutes)
+#   tensor_parallel     tensor_parallel.py: 1, 2 and 4 ranks as the GPUs allow, both adapter schemes
 #   serving_switches    serving.py with overlapped scheduling and graphed mixed steps on, then off, alternated
 #                       for $SERVING_ROUNDS rounds (default 2)
 #   *_before            engine_throughput_before, serving_before, step_host_before: the same over the tree that
@@ -92,6 +93,8 @@ has step_host && run step_host python benchmarks/step_host.py "${quick[@]}" --de
 # shellcheck disable=SC2086
 has serving && run serving python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} --out "$OUT/serving.json"
 has fairness && run fairness python benchmarks/fairness.py --engine gpu "${quick[@]}" --out "$OUT/fairness.json"
+has tensor_parallel && run tensor_parallel python benchmarks/tensor_parallel.py --device cuda \
+  --out "$OUT/tensor_parallel.json"
 # Overlapped scheduling and graphed mixed steps off (the synchronous engine, eager mixed steps) against the
 # defaults, alternated for $SERVING_ROUNDS rounds on one machine; $SERVING_ARGS as above.
 if has serving_switches; then

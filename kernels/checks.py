@@ -22,7 +22,7 @@ def check_adapter_span(pages: int, page_elems: int, what: str) -> None:
 
 def check_query_and_pool(query: Tensor, kv_pool: Tensor, page_size: int, num_kv_heads: int,
                          query_shape: str) -> None:
-    """query `[rows, num_heads, head_dim]` and one layer of the pool `[num_pages, page_elems]` as KV."""
+    """query `[rows, num_heads, head_dim]` and one layer of the pool as KV (check_kv_pool)."""
     if query.dim() != 3:
         raise ValueError(f"query must be [{query_shape}, num_heads, head_dim], got shape {tuple(query.shape)}")
     _, num_heads, head_dim = query.shape
@@ -40,16 +40,51 @@ def check_query_and_pool(query: Tensor, kv_pool: Tensor, page_size: int, num_kv_
 
 
 def check_kv_pool(kv_pool: Tensor, page_size: int, num_kv_heads: int, head_dim: int) -> None:
-    """One layer of the pool `[num_pages, page_elems]` as pages of K and V, each `[page_size, num_kv_heads,
-    head_dim]`, contiguous."""
+    """One layer of the pool as pages of K and V, each `[page_size, num_kv_heads, head_dim]`: `[num_pages,
+    page_elems]` contiguous, or the page view `[num_pages, 2, page_size, num_kv_heads, head_dim]` whose last
+    three dims are contiguous (its page and K/V strides are free: a layer may keep its Ks and its Vs in two
+    halves of its memory). 8-bit floats only as float8_e4m3fn (the FP8 cache, check_kv_scales)."""
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
-    page_elems = 2 * page_size * num_kv_heads * head_dim
-    if kv_pool.dim() != 2 or kv_pool.shape[1] != page_elems:
-        raise ValueError(f"kv_pool must be [num_pages, page_elems = 2 * page_size * num_kv_heads * head_dim = "
-                         f"{page_elems}], got shape {tuple(kv_pool.shape)}")
-    if not kv_pool.is_contiguous():
-        raise ValueError("kv_pool must be contiguous")
+    if kv_pool.dim() == 5:
+        _check_kv_page_view(kv_pool, page_size, num_kv_heads, head_dim)
+    else:
+        page_elems = 2 * page_size * num_kv_heads * head_dim
+        if kv_pool.dim() != 2 or kv_pool.shape[1] != page_elems:
+            raise ValueError(f"kv_pool must be [num_pages, page_elems = 2 * page_size * num_kv_heads * head_dim = "
+                             f"{page_elems}] or [num_pages, 2, page_size, num_kv_heads, head_dim], got shape "
+                             f"{tuple(kv_pool.shape)}")
+        if not kv_pool.is_contiguous():
+            raise ValueError("kv_pool must be contiguous")
+    if kv_pool.element_size() == 1 and kv_pool.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"an 8-bit kv_pool must be float8_e4m3fn, got {kv_pool.dtype}")
+
+
+def _check_kv_page_view(kv_pool: Tensor, page_size: int, num_kv_heads: int, head_dim: int) -> None:
+    want = (2, page_size, num_kv_heads, head_dim)
+    if tuple(kv_pool.shape[1:]) != want:
+        raise ValueError(f"a 5-d kv_pool must be [num_pages, 2, page_size, num_kv_heads, head_dim] = "
+                         f"[num_pages, {', '.join(map(str, want))}], got shape {tuple(kv_pool.shape)}")
+    if kv_pool.stride()[2:] != (num_kv_heads * head_dim, head_dim, 1):
+        raise ValueError(f"a 5-d kv_pool must be contiguous in its last three dims (page_size, num_kv_heads, "
+                         f"head_dim), got strides {kv_pool.stride()}")
+
+
+def check_kv_scales(kv_pool: Tensor, kv_scales: Tensor | None, num_kv_heads: int) -> None:
+    """An FP8 (float8_e4m3fn) kv_pool comes with its scales, float32 `[2, num_kv_heads]` (K's, then V's)
+    contiguous on the pool's device; any other pool comes without."""
+    if kv_pool.dtype != torch.float8_e4m3fn:
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales are for an FP8 (float8_e4m3fn) kv_pool, got a {kv_pool.dtype} kv_pool")
+        return
+    if kv_scales is None:
+        raise ValueError("an FP8 (float8_e4m3fn) kv_pool needs kv_scales, float32 [2, num_kv_heads]")
+    if tuple(kv_scales.shape) != (2, num_kv_heads) or kv_scales.dtype != torch.float32:
+        raise ValueError(f"kv_scales must be float32 [2, num_kv_heads={num_kv_heads}], got {kv_scales.dtype} of "
+                         f"shape {tuple(kv_scales.shape)}")
+    if not kv_scales.is_contiguous():
+        raise ValueError("kv_scales must be contiguous")
+    check_one_device(kv_pool=kv_pool, kv_scales=kv_scales)
 
 
 def check_int_tensors(**tensors: Tensor) -> None:

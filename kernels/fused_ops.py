@@ -10,21 +10,29 @@ the LoRA can be computed beside the base GEMM (`lora_expand(add=False)`) and add
 launch of its own. Each kernel replaces a chain of small torch ops by one launch; to give the same
 numbers, every kernel computes in float32 but rounds to the input dtype wherever a torch op of the
 reference would produce a tensor of that dtype.
+
+The rotary kernel's store into an FP8 pool (float8_e4m3fn, with per-KV-head scales) divides by the scale
+(IEEE-rounded, as torch divides), clamps to +-448 and rounds to E4M3 in float32 before converting: the
+conversion then only meets exactly representable values, which every backend converts alike (the Triton
+interpreter rounds inexact ones wrongly, e.g. 1.9427 to 1.0).
 """
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from slora.kernels.checks import check_kv_pool, check_one_device, is_power_of_two
+from slora.kernels.checks import check_kv_pool, check_kv_scales, check_one_device, is_power_of_two
 from slora.kernels.layout import cdiv, next_power_of_2
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
-from slora.kernels.reference import PagedKV
+from slora.kernels.reference import FP8_MAX, PagedKV, kv_page_view
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KV_POOL_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
 MAX_HIDDEN = 16384             # rms_norm holds a whole row in registers
 SILU_BLOCK = 1024              # columns of silu_and_mul per program
 ROTARY_BLOCK_ELEMS = 2048      # about this many qkv elements per rotary program
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_FLOAT32_SIGN = tl.constexpr(-(2 ** 31))   # the sign bit of a float32, as an int32
 
 
 @triton.jit
@@ -60,17 +68,20 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * hidden + cols, (weight * normed).to(dtype), mask=mask)
 
 
-@triton.jit
+# The FP8 scales' alignment is not specialised: each layer passes its row of the model's [layers, 2, kv_heads]
+# scales, 16-byte aligned or not, and the kernel loads one scale per head.
+@triton.jit(do_not_specialize=["scales_ptr"])
 def _rotary_qk_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, delta_ptr, slots_ptr, pool_ptr, kv_locations_ptr,
-    stride_qkv, stride_cos, stride_sin, stride_d, num_heads, covered_heads, page_elems,
+    qkv_ptr, cos_ptr, sin_ptr, delta_ptr, slots_ptr, pool_ptr, kv_locations_ptr, scales_ptr,
+    stride_qkv, stride_cos, stride_sin, stride_d, num_heads, covered_heads, page_stride, v_offset,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr, HAS_DELTA: tl.constexpr,
-    HAS_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HAS_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QUANTIZE: tl.constexpr,
 ):
     # Program (token, head block): rotates BLOCK_H heads [BLOCK_H, HEAD_DIM] of the q and k columns (q heads
     # then k heads, num_heads + NUM_KV_HEADS in all) in place, as two halves [BLOCK_H, HALF]. The programs
     # cover `covered_heads` heads: with a delta or HAS_KV, v's heads too, which are not rotated; with a delta
-    # they get it added in place. HAS_KV: the k and v heads are stored into the token's location in the pool too.
+    # they get it added in place. HAS_KV: the k and v heads are stored into the token's location in the pool too,
+    # quantized by the heads' scales (scales_ptr, [2, NUM_KV_HEADS]) when QUANTIZE (an FP8 pool).
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -104,28 +115,54 @@ def _rotary_qk_kernel(
     tl.store(first, out1, mask=written)
     tl.store(first + HALF, out2, mask=written)
     if HAS_KV:
-        _store_to_page(pool_ptr, location, heads - num_heads, dims, out1, out2, mask, page_elems, PAGE_SIZE,
-                       NUM_KV_HEADS, HEAD_DIM)
+        _store_to_page(pool_ptr, scales_ptr, location, heads - num_heads, dims, out1, out2, mask, page_stride,
+                       v_offset, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, QUANTIZE)
 
 
 @triton.jit
-def _store_to_page(pool_ptr, location, kv_heads, dims, half1, half2, mask, page_elems, PAGE_SIZE: tl.constexpr,
-                   NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _store_to_page(pool_ptr, scales_ptr, location, kv_heads, dims, half1, half2, mask, page_stride, v_offset,
+                   PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   QUANTIZE: tl.constexpr):
     # Heads [BLOCK_H] numbered from the first k head (k heads, then v heads; others masked) of one token,
     # both halves [BLOCK_H, HALF] (in qkv's dtype, as the reference stores them), into its location; a negative
-    # location (a padding token) stores nothing. A page is [2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM], K then V;
-    # int64 because a layer of a large pool may hold more than 2**31 elements.
+    # location (a padding token) stores nothing. A page is [2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM] viewed with
+    # `page_stride` elements from one page to the next and `v_offset` from its K to its V; int64 because a
+    # layer of a large pool may hold more than 2**31 elements. QUANTIZE: divided by the head's scale and
+    # rounded to E4M3 (an FP8 pool); the scales [2, NUM_KV_HEADS] are numbered as kv_heads are.
     HALF: tl.constexpr = HEAD_DIM // 2
     is_v = kv_heads >= NUM_KV_HEADS
     head = tl.where(is_v, kv_heads - NUM_KV_HEADS, kv_heads)
-    row = (location // PAGE_SIZE) * page_elems + (location % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
-    base = row + tl.where(is_v, PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM, 0) + head * HEAD_DIM    # [BLOCK_H]
+    row = (location // PAGE_SIZE) * page_stride + (location % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
+    base = row + tl.where(is_v, v_offset, 0) + head * HEAD_DIM                      # [BLOCK_H]
     dst = pool_ptr + base[:, None] + dims[None, :]
     stores = (kv_heads >= 0) & ((tl.zeros_like(kv_heads) + location) >= 0)   # the location, as a tensor
     keep = mask & stores[:, None]
     elem = pool_ptr.dtype.element_ty
+    if QUANTIZE:
+        scale = tl.load(scales_ptr + kv_heads, mask=stores & (kv_heads < 2 * NUM_KV_HEADS), other=1.0)[:, None]
+        half1 = _quantize_e4m3(half1.to(tl.float32), scale)
+        half2 = _quantize_e4m3(half2.to(tl.float32), scale)
     tl.store(dst, half1.to(elem), mask=keep)
     tl.store(dst + HALF, half2.to(elem), mask=keep)
+
+
+@triton.jit
+def _quantize_e4m3(x, scale):
+    # x / scale (float32, IEEE-rounded like torch's division) clamped to +-FP8_MAX and rounded to the nearest
+    # E4M3 value, ties to even, still in float32: E4M3 has 3 mantissa bits, so the values around |y| in
+    # [2**e, 2**(e + 1)) are 2**(e - 3) apart, and 2**-9 apart below its smallest normal 2**-6. Adding and
+    # subtracting 1.5 * 2**23 rounds |y| / spacing (< 16) to an integer in float32's own rounding (to
+    # nearest even). The sign bit is put back afterwards: -0.0, and negatives that round to zero, become
+    # E4M3's negative zero, as torch's conversion gives.
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX), _FP8_MAX)
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    spacing_exp = tl.maximum(exponent, -6) - 3                                    # in [-9, 5]
+    spacing = ((spacing_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - spacing_exp) << 23).to(tl.float32, bitcast=True)          # exact: both powers of two
+    magic = 12582912.0                                                            # 1.5 * 2**23
+    rounded = ((tl.abs(y) * inverse + magic) - magic) * spacing
+    return (rounded.to(tl.int32, bitcast=True) | (bits & _FLOAT32_SIGN)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -265,7 +302,7 @@ def _check_rotary_inputs(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, 
 
 
 def _check_paged_kv(qkv: Tensor, kv: PagedKV, num_kv_heads: int, head_dim: int) -> None:
-    kv_pool, kv_locations, page_size = kv
+    kv_pool, kv_locations, page_size, kv_scales = kv
     if num_kv_heads == 0:
         raise ValueError("kv stores k and v heads: num_kv_heads must be positive with kv")
     check_kv_pool(kv_pool, page_size, num_kv_heads, head_dim)
@@ -274,8 +311,21 @@ def _check_paged_kv(qkv: Tensor, kv: PagedKV, num_kv_heads: int, head_dim: int) 
                          f"{kv_locations.dtype} of shape {tuple(kv_locations.shape)}")
     if not kv_locations.is_contiguous():
         raise ValueError("kv_locations must be contiguous")
-    _check_float_dtype("kv_pool", kv_pool)
+    if kv_pool.dtype not in KV_POOL_DTYPES:
+        raise ValueError(f"kv_pool must be float16, bfloat16, float32 or float8_e4m3fn, got {kv_pool.dtype}")
+    check_kv_scales(kv_pool, kv_scales, num_kv_heads)
     check_one_device(qkv=qkv, kv_pool=kv_pool, kv_locations=kv_locations)
+
+
+def _store_args(qkv: Tensor, kv: PagedKV | None,
+                num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor, int, int, int]:
+    """(pool, kv_locations, scales, page stride, K-to-V offset, page_size) of the rotary kernel's store; without
+    kv, qkv and zeros stand in (the kernel reads none of them)."""
+    if kv is None:
+        return qkv, qkv, qkv, 0, 0, 1
+    pages = kv_page_view(kv.kv_pool, kv.page_size, num_kv_heads)   # [num_pages, 2, page_size, kv_heads, head_dim]
+    scales = pages if kv.kv_scales is None else kv.kv_scales
+    return pages, kv.kv_locations, scales, pages.stride(0), pages.stride(1), kv.page_size
 
 
 def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -286,7 +336,9 @@ def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
     untouched. num_heads 0: qkv holds k and v alone; num_kv_heads 0: q alone. delta: added to all of q, k
     and v first in the rows of tokens with an adapter (the module's note), so the v columns then hold
     v + delta. kv: every token's k (rotated) and v are also written into its location in the pool, a negative
-    location skipped, in the same launch."""
+    location skipped, in the same launch; its pool is `[num_pages, page_elems]` contiguous or the page view
+    `[num_pages, 2, page_size, num_kv_heads, head_dim]` with free page and K/V strides, and an FP8 one
+    (float8_e4m3fn, with kv.kv_scales) gets them quantized as `slora.kernels.reference.store_kv` does."""
     _check_rotary_inputs(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     _check_delta("qkv", qkv, delta, token_slots)
     if kv is not None:
@@ -300,13 +352,14 @@ def rotary_qk_(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
     heads = rot_heads if delta is None and kv is None else rot_heads + num_kv_heads
     block_h = min(next_power_of_2(heads), max(1, ROTARY_BLOCK_ELEMS // head_dim))
     delta, slots, stride_d = _delta_args(qkv, delta, token_slots)
-    pool, kv_locations, page_size = (qkv, qkv, 1) if kv is None else kv
+    pool, kv_locations, scales, page_stride, v_offset, page_size = _store_args(qkv, kv, num_kv_heads)
     # No FMA: the reference rounds x * cos before adding rot * sin (this matters in float32).
     _rotary_qk_kernel[(tokens, cdiv(heads, block_h))](
-        qkv, cos, sin, delta, slots, pool, kv_locations,
-        qkv.stride(0), cos.stride(0), sin.stride(0), stride_d, num_heads, heads, pool.shape[1],
+        qkv, cos, sin, delta, slots, pool, kv_locations, scales,
+        qkv.stride(0), cos.stride(0), sin.stride(0), stride_d, num_heads, heads, page_stride, v_offset,
         HEAD_DIM=head_dim, BLOCK_H=block_h, USE_PDL=pdl, HAS_DELTA=token_slots is not None,
         HAS_KV=kv is not None, PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads,
+        QUANTIZE=kv is not None and kv.kv_scales is not None,
         num_warps=4, enable_fp_fusion=False, **launch_options(pdl),
     )
 

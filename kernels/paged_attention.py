@@ -12,6 +12,11 @@ arguments. Design:
   (batch, heads, number of splits): nothing reads device memory on the host, and the launch can be
   captured in a CUDA graph.
 - Softmax is computed in base 2 with `scale * log2(e)` folded into the scores.
+- A page is addressed by the pool's page stride and its V by the K/V stride (`kv_page_view`'s strides), so
+  the page view of a layer whose Ks and Vs lie in two halves of its memory is read as a contiguous pool is.
+- An FP8 cache (`kv_scales`): K and V tiles are converted to the query's dtype in registers (exact: every
+  E4M3 value is a float16 and a bfloat16); the program's K scale is folded into the score scale and its V
+  scale multiplies the normalised output (attention is linear in V), so the merge of splits is unchanged.
 - `pdl` (programmatic dependent launch, `slora.kernels.pdl`): the context lengths are read before waiting
   for the previous kernel (the rotary kernel storing the K/V), the query, block tables and pool after.
 """
@@ -22,9 +27,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
+from slora.kernels.checks import check_int_tensors, check_kv_scales, check_one_device, check_query_and_pool
 from slora.kernels.layout import next_power_of_2
 from slora.kernels.pdl import check_pdl_supported, launch_options, pdl_start, pdl_wait
+from slora.kernels.reference import kv_page_view
 
 _LOG2E = 1.4426950408889634
 # Below this many context tokens per split, the merge costs more than the parallelism brings.
@@ -46,23 +52,27 @@ def _split_chunk(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 # The block-table width is not specialised (on == 1 or % 16 == 0): the decode graphs fix it, but the decode
-# rows of eager mixed steps bring any width, and each would compile a variant in the middle of serving.
-@triton.jit(do_not_specialize=["stride_btb"])
+# rows of eager mixed steps bring any width, and each would compile a variant in the middle of serving. Nor
+# the alignment of the scales (a layer's row of the model's [layers, 2, kv_heads] scales): two scalar loads.
+@triton.jit(do_not_specialize=["stride_btb", "scales_ptr"])
 def _paged_decode_kernel(
-    q_ptr, kv_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, bt_ptr, ctx_ptr, out_ptr, part_out_ptr, part_lse_ptr, scales_ptr,
     scale_log2,
     stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-    page_elems,
+    page_stride, v_offset,
     PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, SCALED: tl.constexpr,
 ):
+    # page_stride, v_offset: elements from one page to the next and from a page's K to its V (int64 products:
+    # a layer may hold more than 2**31 elements). SCALED: an FP8 cache, scales_ptr its [2, NUM_KV_HEADS] scales.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     pdl_start(USE_PDL)
     ctx_len = tl.load(ctx_ptr + seq)
     pdl_wait(USE_PDL)
+    score_scale, v_scale = _kv_head_scales(scales_ptr, kv_head, scale_log2, NUM_KV_HEADS, SCALED)
     chunk = _split_chunk(ctx_len, NUM_SPLITS, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, ctx_len)
@@ -82,15 +92,15 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
     token_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
-    v_shift: tl.constexpr = PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM   # V follows K in a page
+    v_ptr = kv_ptr + v_offset                                # the V of page 0, once, outside the loop
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         page = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        base = page * page_elems + (pos % PAGE_SIZE) * token_stride + kv_head * HEAD_DIM   # [BLOCK_N]
+        base = page * page_stride + (pos % PAGE_SIZE) * token_stride + kv_head * HEAD_DIM   # [BLOCK_N]
         k = tl.load(kv_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(kv_ptr + base[:, None] + v_shift + dims[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
+        v = tl.load(v_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * score_scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -101,6 +111,8 @@ def _paged_decode_kernel(
 
     # l_i == 0 only for an empty context (a padding row): write zeros, not NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SCALED:
+        out = out * v_scale
     if NUM_SPLITS == 1:
         out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -109,6 +121,14 @@ def _paged_decode_kernel(
         lse_idx = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split   # [GROUP_PAD]
         tl.store(part_lse_ptr + lse_idx, m_i + tl.log2(l_i), mask=row_mask)
         tl.store(part_out_ptr + lse_idx[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
+
+
+@triton.jit
+def _kv_head_scales(scales_ptr, kv_head, scale_log2, NUM_KV_HEADS: tl.constexpr, SCALED: tl.constexpr):
+    # (score scale, V scale) of one KV head: with an FP8 cache its K scale folds into the scores' scale.
+    if SCALED:
+        return scale_log2 * tl.load(scales_ptr + kv_head), tl.load(scales_ptr + NUM_KV_HEADS + kv_head)
+    return scale_log2, 1.0
 
 
 @triton.jit
@@ -140,8 +160,9 @@ def _merge_splits_kernel(
 
 
 def _check_inputs(query: Tensor, kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor,
-                  page_size: int, num_kv_heads: int) -> None:
+                  page_size: int, num_kv_heads: int, kv_scales: Tensor | None) -> None:
     check_query_and_pool(query, kv_pool, page_size, num_kv_heads, "batch")
+    check_kv_scales(kv_pool, kv_scales, num_kv_heads)
     batch = query.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must be [batch={batch}, max_blocks], got shape {tuple(block_tables.shape)}")
@@ -172,20 +193,23 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, multi
 
 
 def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor,
-                    page_size: int, num_kv_heads: int, scale: float, *,
+                    page_size: int, num_kv_heads: int, scale: float, *, kv_scales: Tensor | None = None,
                     max_context_len: int | None = None, num_splits: int | None = None,
                     out: Tensor | None = None, pdl: bool = False) -> Tensor:
     """Decode attention: query `[batch, num_heads, head_dim]`, one token per sequence, attending to the
     `context_lens[b]` tokens of `block_tables[b]` (its own token included). Returns `[batch, num_heads,
-    head_dim]` (written into `out` when given). A sequence with context length 0 gets zeros.
+    head_dim]` (written into `out` when given). A sequence with context length 0 gets zeros. kv_pool:
+    `[num_pages, page_elems]` contiguous or the page view `[num_pages, 2, page_size, num_kv_heads, head_dim]`
+    (`slora.kernels.reference.kv_page_view`) with free page and K/V strides.
 
+    kv_scales: float32 `[2, num_kv_heads]` (K's, then V's), given exactly when kv_pool is float8_e4m3fn.
     max_context_len: an upper bound on `context_lens` used only to choose the number of splits; defaults
         to `block_tables.shape[1] * page_size`, so the host never reads device memory.
     num_splits: force the number of context splits (1 = no split, no merge kernel).
     pdl: launch with programmatic dependent launch: context_lens is read before waiting for earlier
         kernels, so it must not come from any that may still run (slora.kernels.pdl).
     """
-    _check_inputs(query, kv_pool, block_tables, context_lens, page_size, num_kv_heads)
+    _check_inputs(query, kv_pool, block_tables, context_lens, page_size, num_kv_heads, kv_scales)
     check_pdl_supported(pdl, query.device)
     batch, num_heads, head_dim = query.shape
     if out is None:
@@ -207,14 +231,16 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
     else:
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    pages = kv_page_view(kv_pool, page_size, num_kv_heads)   # [num_pages, 2, page_size, num_kv_heads, head_dim]
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        query, kv_pool, block_tables, context_lens, out, part_out, part_lse,
+        query, pages, block_tables, context_lens, out, part_out, part_lse,
+        out if kv_scales is None else kv_scales,                # unused by the kernel without scales
         scale * _LOG2E,
         query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        kv_pool.shape[1],
+        pages.stride(0), pages.stride(1),
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", USE_PDL=pdl, SCALED=kv_scales is not None,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch_options(pdl),
     )
     if num_splits > 1:

@@ -17,6 +17,12 @@ arguments. Design:
   the cached prefix through the block table: the pages of one sequence lie anywhere in a pool of many
   gigabytes. Its programs run the query blocks last to first, so the blocks that see the most keys start
   first and the short ones fill the tail.
+- Pages are addressed by the pool's page stride and V by its K/V stride (`kv_page_view`'s strides), so the
+  page view of a layer whose Ks and Vs lie in two halves of its memory is read as a contiguous pool is.
+- An FP8 cache (`kv_scales`, `_prefill_kernel` only): K and V tiles are converted to the query's dtype in
+  registers, the head's K scale folds into the score scale and its V scale multiplies the accumulated output.
+  new_kv is refused with it: the caller's 16-bit new keys would not be the quantized ones that later steps
+  read back, so the new tokens are read from the pool like the prefix.
 """
 from typing import NamedTuple
 
@@ -26,7 +32,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from slora.kernels.checks import check_int_tensors, check_one_device, check_query_and_pool
+from slora.kernels.checks import check_int_tensors, check_kv_scales, check_one_device, check_query_and_pool
+from slora.kernels.reference import kv_page_view
 
 _LOG2E = 1.4426950408889634
 
@@ -94,27 +101,28 @@ def _update(q, k, v, keep, m_i, l_i, acc, scale_log2, MASKED: tl.constexpr, DOT_
 
 
 @triton.jit
-def _paged_keys(kv_head_ptr, bt_row, pos, valid, page_elems, PAGE_SIZE: tl.constexpr,
+def _paged_keys(k_head_ptr, v_head_ptr, bt_row, pos, valid, page_stride, PAGE_SIZE: tl.constexpr,
                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # K and V [BLOCK_N, HEAD_DIM] of positions `pos` of one sequence and KV head, through its block table.
+    # K and V [BLOCK_N, HEAD_DIM] of positions `pos` of one sequence and KV head, through its block table;
+    # k_head_ptr, v_head_ptr: that head's K and V in page 0.
     dims = tl.arange(0, HEAD_DIM)
     page = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    base = page * page_elems + (pos % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM)          # [BLOCK_N]
-    k = tl.load(kv_head_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(kv_head_ptr + base[:, None] + PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM + dims[None, :],
-                mask=valid[:, None], other=0.0)                                       # V follows K
+    base = page * page_stride + (pos % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM)          # [BLOCK_N]
+    k = tl.load(k_head_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_head_ptr + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
     return k, v
 
 
 @triton.jit
-def _attend_paged(q, q_pos, kv_head_ptr, bt_row, start, end, kv_end, page_elems, scale_log2, m_i, l_i, acc,
-                  PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _attend_paged(q, q_pos, k_head_ptr, v_head_ptr, bt_row, start, end, kv_end, page_stride, scale_log2, m_i,
+                  l_i, acc, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Keys start .. end (blocks of BLOCK_N, positions below kv_end) through the block table.
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
-        k, v = _paged_keys(kv_head_ptr, bt_row, pos, valid, page_elems, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        k, v = _paged_keys(k_head_ptr, v_head_ptr, bt_row, pos, valid, page_stride, PAGE_SIZE, NUM_KV_HEADS,
+                           HEAD_DIM)
         keep = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
         m_i, l_i, acc = _update(q, k, v, keep, m_i, l_i, acc, scale_log2, CAUSAL, DOT_PRECISION)
     return m_i, l_i, acc
@@ -148,14 +156,16 @@ def _attend_new(q, rows, k_desc, v_desc, kv_head, q_start, q_len, start, end, sc
 
 # Ints that change from step to step are not specialised (on == 1 or % 16 == 0), nor the tables' alignment
 # (a mixed step passes them from its first prefill row on): each new combination would compile the kernel
-# again in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "stride_btb", "bt_ptr", "start_loc_ptr", "ctx_ptr"])
+# again in the middle of serving. Nor the FP8 scales' alignment (a layer's row of the model's scales).
+@triton.jit(do_not_specialize=["num_seqs", "stride_btb", "bt_ptr", "start_loc_ptr", "ctx_ptr", "scales_ptr"])
 def _prefill_kernel(
-    q_ptr, kv_ptr, bt_ptr, start_loc_ptr, ctx_ptr, out_ptr,
-    scale_log2, num_seqs, stride_qt, stride_qh, stride_btb, stride_ot, stride_oh, page_elems,
+    q_ptr, kv_ptr, bt_ptr, start_loc_ptr, ctx_ptr, out_ptr, scales_ptr,
+    scale_log2, num_seqs, stride_qt, stride_qh, stride_btb, stride_ot, stride_oh, page_stride, v_offset,
     PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
 ):
+    # page_stride, v_offset: elements from one page to the next and from a page's K to its V. SCALED: an FP8
+    # cache, scales_ptr its [2, NUM_KV_HEADS] scales (K's, then V's).
     head = tl.program_id(1)
     seq, q_start, q_len, m_first = _locate(start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_M)
     if m_first >= q_len:
@@ -175,16 +185,23 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
-    kv_head_ptr = kv_ptr + (head // GROUP) * HEAD_DIM
+    kv_head = head // GROUP
+    k_head_ptr = kv_ptr + kv_head * HEAD_DIM
+    v_head_ptr = k_head_ptr + v_offset
+    score_scale = scale_log2
+    if SCALED:
+        score_scale = scale_log2 * tl.load(scales_ptr + kv_head)
     kv_end = tl.minimum(prefix + m_first + BLOCK_M, ctx_len)   # one past the block's last query position
     # Keys before the block's first query position need no causal mask; the rest (the diagonal) do.
     unmasked_end = (prefix + m_first) // BLOCK_N * BLOCK_N
-    m_i, l_i, acc = _attend_paged(q, q_pos, kv_head_ptr, bt_row, 0, unmasked_end, kv_end, page_elems,
-                                  scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+    m_i, l_i, acc = _attend_paged(q, q_pos, k_head_ptr, v_head_ptr, bt_row, 0, unmasked_end, kv_end, page_stride,
+                                  score_scale, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
                                   False, DOT_PRECISION)
-    m_i, l_i, acc = _attend_paged(q, q_pos, kv_head_ptr, bt_row, unmasked_end, kv_end, kv_end, page_elems,
-                                  scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
-                                  True, DOT_PRECISION)
+    m_i, l_i, acc = _attend_paged(q, q_pos, k_head_ptr, v_head_ptr, bt_row, unmasked_end, kv_end, kv_end,
+                                  page_stride, score_scale, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                  BLOCK_N, True, DOT_PRECISION)
+    if SCALED:
+        acc = acc * tl.load(scales_ptr + NUM_KV_HEADS + kv_head)   # attention is linear in V
     _store_rows(out_ptr, tokens, head, acc, l_i, row_mask, stride_ot, stride_oh, HEAD_DIM)
 
 
@@ -200,7 +217,7 @@ def _store_rows(out_ptr, tokens, head, acc, l_i, row_mask, stride_ot, stride_oh,
 @triton.jit(do_not_specialize=["num_seqs", "stride_btb", "bt_ptr", "start_loc_ptr", "ctx_ptr"])
 def _prefill_new_kv_kernel(
     q_desc, k_desc, v_desc, kv_ptr, bt_ptr, start_loc_ptr, ctx_ptr, out_ptr,
-    scale_log2, num_seqs, stride_btb, stride_ot, stride_oh, page_elems,
+    scale_log2, num_seqs, stride_btb, stride_ot, stride_oh, page_stride, v_offset,
     PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -220,8 +237,9 @@ def _prefill_new_kv_kernel(
     # The cached prefix through the block table (every query follows it: only its end is masked), then the
     # step's own keys from its key and value rows, the causal mask on the diagonal only.
     bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
-    m_i, l_i, acc = _attend_paged(q, prefix + rows, kv_ptr + kv_head * HEAD_DIM, bt_row, 0, prefix, prefix,
-                                  page_elems, scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
+    k_head_ptr = kv_ptr + kv_head * HEAD_DIM
+    m_i, l_i, acc = _attend_paged(q, prefix + rows, k_head_ptr, k_head_ptr + v_offset, bt_row, 0, prefix, prefix,
+                                  page_stride, scale_log2, m_i, l_i, acc, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
                                   BLOCK_N, True, DOT_PRECISION)
     diagonal = m_first // BLOCK_N * BLOCK_N
     m_i, l_i, acc = _attend_new(q, rows, k_desc, v_desc, kv_head, q_start, q_len, 0, diagonal, scale_log2,
@@ -234,8 +252,9 @@ def _prefill_new_kv_kernel(
 
 
 def _check_inputs(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_start_loc: Tensor,
-                  context_lens: Tensor, page_size: int, num_kv_heads: int) -> None:
+                  context_lens: Tensor, page_size: int, num_kv_heads: int, kv_scales: Tensor | None) -> None:
     check_query_and_pool(query, kv_pool, page_size, num_kv_heads, "total_new_tokens")
+    check_kv_scales(kv_pool, kv_scales, num_kv_heads)
     num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
     if num_seqs < 0:
         raise ValueError(f"context_lens must be [num_seqs], got shape {tuple(context_lens.shape)}")
@@ -277,6 +296,9 @@ def default_launch(query: Tensor, num_seqs: int, new_kv: bool = False) -> Prefil
 
 
 def _check_new_kv(query: Tensor, kv_pool: Tensor, num_kv_heads: int, key: Tensor, value: Tensor) -> None:
+    if kv_pool.dtype == torch.float8_e4m3fn:
+        raise ValueError("new_kv cannot go with an FP8 kv_pool: the new tokens' keys and values must be read "
+                         "back from the pool, quantized as later steps will read them (omit new_kv)")
     want = (query.shape[0], num_kv_heads, query.shape[2])
     for name, tensor in (("key", key), ("value", value)):
         if tuple(tensor.shape) != want:
@@ -303,8 +325,8 @@ def _rows_descriptor(tensor: Tensor, block: int) -> TensorDescriptor:
 
 def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_start_loc: Tensor,
                       context_lens: Tensor, page_size: int, num_kv_heads: int, scale: float, *,
-                      out: Tensor | None = None, launch: PrefillLaunch | None = None,
-                      new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                      kv_scales: Tensor | None = None, out: Tensor | None = None,
+                      launch: PrefillLaunch | None = None, new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Causal attention of the new tokens of many sequences over a paged cache that may hold a prefix.
 
     query: `[total_new_tokens, num_heads, head_dim]`, sequence `s` owning rows
@@ -314,8 +336,12 @@ def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, quer
     when given). launch: how the kernel is cut (default_launch when None). new_kv: the new tokens' keys and
     values `[total_new_tokens, num_kv_heads, head_dim]` each (the values stored in the cache), read from
     there instead of through the block tables; only a cached prefix is then read from the pool. With it,
-    query, key and value start 16-byte aligned, with token and head strides of whole 16-byte units."""
-    _check_inputs(query, kv_pool, block_tables, query_start_loc, context_lens, page_size, num_kv_heads)
+    query, key and value start 16-byte aligned, with token and head strides of whole 16-byte units.
+
+    kv_pool: `[num_pages, page_elems]` contiguous or the page view `[num_pages, 2, page_size, num_kv_heads,
+    head_dim]` (`slora.kernels.reference.kv_page_view`) with free page and K/V strides. kv_scales: float32
+    `[2, num_kv_heads]` (K's, then V's), given exactly when kv_pool is float8_e4m3fn; new_kv is refused then."""
+    _check_inputs(query, kv_pool, block_tables, query_start_loc, context_lens, page_size, num_kv_heads, kv_scales)
     if launch is not None:
         _check_launch(launch)
     if new_kv is not None:
@@ -330,20 +356,22 @@ def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, quer
         return out
     launch = launch or default_launch(query, num_seqs, new_kv is not None)
     grid = (total // launch.block_m + num_seqs, num_heads)
+    pages = kv_page_view(kv_pool, page_size, num_kv_heads)   # [num_pages, 2, page_size, num_kv_heads, head_dim]
     common = dict(PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                   GROUP=num_heads // num_kv_heads, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
                   DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
                   num_warps=launch.num_warps, num_stages=launch.num_stages)
     if new_kv is None:
         _prefill_kernel[grid](
-            query, kv_pool, block_tables, query_start_loc, context_lens, out, scale * _LOG2E, num_seqs,
-            query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-            kv_pool.shape[1], **common)
+            query, pages, block_tables, query_start_loc, context_lens, out,
+            out if kv_scales is None else kv_scales,            # unused by the kernel without scales
+            scale * _LOG2E, num_seqs, query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0),
+            out.stride(1), pages.stride(0), pages.stride(1), SCALED=kv_scales is not None, **common)
     else:
         key, value = new_kv
         _prefill_new_kv_kernel[grid](
             _rows_descriptor(query, launch.block_m), _rows_descriptor(key, launch.block_n),
-            _rows_descriptor(value, launch.block_n), kv_pool, block_tables, query_start_loc, context_lens, out,
-            scale * _LOG2E, num_seqs, block_tables.stride(0), out.stride(0), out.stride(1), kv_pool.shape[1],
-            **common)
+            _rows_descriptor(value, launch.block_n), pages, block_tables, query_start_loc, context_lens, out,
+            scale * _LOG2E, num_seqs, block_tables.stride(0), out.stride(0), out.stride(1), pages.stride(0),
+            pages.stride(1), **common)
     return out

@@ -3,8 +3,13 @@
 These run on any device and define the semantics that the Triton kernels must match. The CPU engine
 uses them directly. Conventions:
 
-- `kv_pool` is one layer of the unified pool, `[num_pages, page_elems]`; as KV a page is viewed as
-  `[2, page_size, num_kv_heads, head_dim]` (K then V).
+- `kv_pool` is one layer of the unified pool as KV, `[num_pages, page_elems]` (a page viewed as `[2, page_size,
+  num_kv_heads, head_dim]`, K then V), or already that view, `[num_pages, 2, page_size, num_kv_heads,
+  head_dim]`, whose first two strides are free (a layer kept in 16 bits beside an FP8 cache holds its Ks and
+  its Vs in two halves of its memory).
+- An FP8 cache (`float8_e4m3fn`) comes with `kv_scales` `[2, num_kv_heads]` float32, K's then V's: a stored
+  value times its head's scale is the real one. Storing divides by the scale and rounds to nearest even,
+  clamped to E4M3's largest finite value, 448.
 - A sequence's `block_table` row lists its pages; token position `i` is on page `block_table[i // page_size]`,
   offset `i % page_size`. `kv_locations` holds each token.s pool location `page * page_size + offset`.
 - LoRA weights are read through per-adapter `page_tables` (rows of page ids): element `e` of an
@@ -20,31 +25,59 @@ from torch import Tensor
 
 from slora.kernels.layout import align_up
 
+FP8_MAX = 448.0      # float8_e4m3fn's largest finite value
+
+
+def quantize_fp8(x: Tensor, scale: Tensor) -> Tensor:
+    """x (any float dtype) over `scale` (broadcast against x), rounded to float8_e4m3fn, clamped to +-448."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
 
 def kv_page_view(kv_pool: Tensor, page_size: int, num_kv_heads: int) -> Tensor:
-    """View one layer of the pool as KV pages: [num_pages, 2, page_size, num_kv_heads, head_dim]."""
+    """View one layer of the pool as KV pages: [num_pages, 2, page_size, num_kv_heads, head_dim] (a 5-d
+    kv_pool is that view already)."""
+    if kv_pool.dim() == 5:
+        return kv_pool
     num_pages, page_elems = kv_pool.shape
     head_dim = page_elems // (2 * page_size * num_kv_heads)
     assert 2 * page_size * num_kv_heads * head_dim == page_elems, "page_elems does not match the KV shape"
     return kv_pool.view(num_pages, 2, page_size, num_kv_heads, head_dim)
 
 
+class KVCache(NamedTuple):
+    """One layer's KV pages in the cache dtype, and their scales when it is FP8."""
+    pages: Tensor                     # [num_pages, 2, page_size, num_kv_heads, head_dim]
+    scales: Tensor | None = None      # [2, num_kv_heads] float32
+
+
 class PagedKV(NamedTuple):
-    """Where a step's new K/V rows go: one layer of the pool and each token's location in it."""
-    kv_pool: Tensor          # [num_pages, page_elems]
+    """Where a step's new K/V rows go: one layer of the pool, each token's location in it, and the layer's
+    scales when its cache is FP8."""
+    kv_pool: Tensor          # [num_pages, page_elems] or [num_pages, 2, page_size, num_kv_heads, head_dim]
     kv_locations: Tensor     # [tokens] int32 or int64; negative: a padding token, not stored
     page_size: int
+    kv_scales: Tensor | None = None   # [2, num_kv_heads] float32: an FP8 cache's
 
 
-def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, kv_locations: Tensor, page_size: int) -> None:
-    """Write key/value `[tokens, num_kv_heads, head_dim]` into their locations in `kv_pool`. A negative
-    location (a padding token) is skipped."""
+def stored_kv(x: Tensor, dtype: torch.dtype, scales: Tensor | None) -> Tensor:
+    """x `[tokens, num_kv_heads, head_dim]` as the cache holds it: in its dtype, quantized by the heads' scales
+    `[num_kv_heads]` when it is FP8."""
+    if scales is None:
+        return x.to(dtype)
+    return quantize_fp8(x, scales[None, :, None])
+
+
+def store_kv(key: Tensor, value: Tensor, kv_pool: Tensor, kv_locations: Tensor, page_size: int,
+             kv_scales: Tensor | None = None) -> None:
+    """Write key/value `[tokens, num_kv_heads, head_dim]` into their locations in `kv_pool` (quantized by
+    `kv_scales` into an FP8 cache). A negative location (a padding token) is skipped."""
     pages = kv_page_view(kv_pool, page_size, key.shape[1])
     keep = kv_locations >= 0  # without this, location -1 would silently overwrite the last page
     kv_locations = kv_locations.long()[keep]
     page_ids, offsets = kv_locations // page_size, kv_locations % page_size
-    pages[page_ids, 0, offsets] = key[keep].to(kv_pool.dtype)
-    pages[page_ids, 1, offsets] = value[keep].to(kv_pool.dtype)
+    k_scales, v_scales = (None, None) if kv_scales is None else kv_scales
+    pages[page_ids, 0, offsets] = stored_kv(key[keep], pages.dtype, k_scales)
+    pages[page_ids, 1, offsets] = stored_kv(value[keep], pages.dtype, v_scales)
 
 
 def _attend(query: Tensor, key: Tensor, value: Tensor, scale: float, query_positions: Tensor,
@@ -67,8 +100,9 @@ def _attend(query: Tensor, key: Tensor, value: Tensor, scale: float, query_posit
 
 
 def _gather_batch_kv(kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor, page_size: int,
-                     num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """K and V `[seqs, max_ctx, kv_heads, head_dim]` of every sequence, and which slots exist."""
+                     num_kv_heads: int, kv_scales: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """K and V `[seqs, max_ctx, kv_heads, head_dim]` of every sequence (float32, dequantized, when the cache
+    is FP8), and which slots exist."""
     pages = kv_page_view(kv_pool, page_size, num_kv_heads)
     max_ctx = int(context_lens.max())
     positions = torch.arange(max_ctx, device=kv_pool.device)
@@ -76,22 +110,26 @@ def _gather_batch_kv(kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor
     page_cols = (positions // page_size).clamp(max=block_tables.shape[1] - 1)
     page_ids = block_tables.long()[:, page_cols] * valid                       # padded slots read page 0
     offsets = (positions % page_size).expand_as(page_ids)
-    return pages[page_ids, 0, offsets], pages[page_ids, 1, offsets], valid
+    key, value = pages[page_ids, 0, offsets], pages[page_ids, 1, offsets]
+    if kv_scales is None:
+        return key, value, valid
+    return key.float() * kv_scales[0, :, None], value.float() * kv_scales[1, :, None], valid
 
 
 def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor,
-                    page_size: int, num_kv_heads: int, scale: float) -> Tensor:
+                    page_size: int, num_kv_heads: int, scale: float, kv_scales: Tensor | None = None) -> Tensor:
     """Decode attention: query `[batch, num_heads, head_dim]`, one token per sequence, attending to
     the `context_lens[b]` tokens of its block table (its own token included). Returns the same shape."""
     if query.shape[0] == 0:
         return torch.empty_like(query)                                           # as the kernel: no sequence
-    key, value, valid = _gather_batch_kv(kv_pool, block_tables, context_lens, page_size, num_kv_heads)
+    key, value, valid = _gather_batch_kv(kv_pool, block_tables, context_lens, page_size, num_kv_heads, kv_scales)
     positions = (context_lens.long() - 1)[:, None]                               # [batch, 1]
     return _attend(query[:, None], key, value, scale, positions, valid)[:, 0].to(query.dtype)
 
 
 def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, query_start_loc: Tensor,
-                      context_lens: Tensor, page_size: int, num_kv_heads: int, scale: float) -> Tensor:
+                      context_lens: Tensor, page_size: int, num_kv_heads: int, scale: float,
+                      kv_scales: Tensor | None = None) -> Tensor:
     """Causal attention of the new tokens of many sequences over a paged cache that may hold a prefix.
 
     query: `[total_new_tokens, num_heads, head_dim]`, sequence `s` owning rows
@@ -106,7 +144,7 @@ def prefill_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, quer
     first = context_lens.long() - query_lens                                     # position of each first row
     positions = first[:, None] + torch.arange(padded.shape[1], device=query.device)[None, :]
     positions = torch.where(positions < context_lens.long()[:, None], positions, -1)   # padding sees nothing
-    key, value, valid = _gather_batch_kv(kv_pool, block_tables, context_lens, page_size, num_kv_heads)
+    key, value, valid = _gather_batch_kv(kv_pool, block_tables, context_lens, page_size, num_kv_heads, kv_scales)
     out = _attend(padded, key, value, scale, positions, valid)
     return out[seq_of_token, row_in_seq].to(query.dtype)
 

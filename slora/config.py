@@ -11,6 +11,8 @@ from slora.core.waiting import SCHEDULING_POLICIES
 
 LOAD_FORMATS = ("safetensors", "dummy")     # "dummy": random weights from config.json
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")    # auto: the model's dtype; fp8 is E4M3
+KV_SCALE_SOURCES = ("calibrate", "checkpoint", "ones")
 _FALLBACK_MEMORY_BYTES = 16 << 30      # where the OS does not say how much memory there is
 
 
@@ -58,9 +60,18 @@ class EngineConfig:
     dtype: str | None = _option(None, "float32, bfloat16 or float16 (default: float32 on the CPU, bfloat16 on "
                                       "CUDA)")
     page_size: int = _option(16, "tokens per KV page")
+    kv_cache_dtype: str = _option("auto", "the KV cache's dtype: auto (the model's) or fp8 (E4M3, scaled per layer "
+                                          "and KV head): the same memory then holds twice the tokens",
+                                  KV_CACHE_DTYPES)
+    kv_cache_dtype_skip_layers: str | None = _option(None, "with an FP8 cache, the layers whose KV keeps the model's "
+                                                           "dtype, comma-separated (e.g. 0,29)")
+    kv_cache_scales: str = _option("calibrate", "an FP8 cache's scales: calibrate (from a pass over calibration "
+                                                "prompts at start), checkpoint (the model's k_scale/v_scale "
+                                                "tensors), ones, or a JSON file of them")
     pool_gib: float = _option(0.25, "pool size on the CPU")
     num_pages: int | None = _option(None, "pool size in pages (overrides the sizing rules)")
     max_num_seqs: int = _option(64, "sequences in one batch")
+    max_beam_width: int = _option(16, "beams one beam-search request may run (each counts as a sequence)")
     max_num_batched_tokens: int | None = _option(None, "tokens in one step (default: 8192 on CUDA, as vLLM's server, "
                                                        "for GEMMs near the compute limit; 2048 on the CPU)")
     max_lora_rank: int = _option(64, "largest adapter rank taken")
@@ -88,9 +99,17 @@ class EngineConfig:
                                                     "filling its next mask) allowed per token")
     grammar_slow_tokens: int = _option(4, "tokens in a row over --grammar-token-budget-ms that end a request with "
                                           "an error naming its grammar")
+    tensor_parallel_size: int = _option(1, "ranks the model is split over (Megatron's split: heads and MLP "
+                                           "columns), one process each, one GPU each on CUDA (gloo on the CPU)")
+    fully_sharded_loras: bool = _option(False, "under tensor parallelism, split adapters as S-LoRA does (A by rank "
+                                               "on q/k/v and gate/up, with an all-gather of the shrink, and B by "
+                                               "output on o and down); by default A is whole on column-parallel "
+                                               "modules and B on row-parallel ones, and nothing more is sent")
     cuda: CudaConfig = field(default_factory=CudaConfig)
 
     def __post_init__(self) -> None:
+        if self.max_beam_width < 1:
+            raise ValueError(f"max_beam_width must be >= 1, got {self.max_beam_width}")
         if not self.grammar_token_budget_ms > 0 or self.grammar_slow_tokens < 1:
             raise ValueError("grammar_token_budget_ms must be > 0 and grammar_slow_tokens >= 1, got "
                              f"{self.grammar_token_budget_ms} and {self.grammar_slow_tokens}")
@@ -118,9 +137,50 @@ class EngineConfig:
             raise ValueError(f"swap_space_gib must be >= 0, got {self.swap_space_gib}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        self._check_kv_cache()
+        self._check_tensor_parallel()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.scheduler_config()          # the scheduler's settings, checked by their owner now, not at start
+
+    def _check_kv_cache(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scales not in KV_SCALE_SOURCES and not self.kv_cache_scales.endswith(".json"):
+            raise ValueError(f"kv_cache_scales must be one of {', '.join(KV_SCALE_SOURCES)} or a .json file, got "
+                             f"{self.kv_cache_scales!r}")
+        if self.kv_cache_skip_layers and self.torch_kv_cache_dtype is None:
+            raise ValueError("kv_cache_dtype_skip_layers keeps layers in the model's dtype beside an FP8 cache: "
+                             "set kv_cache_dtype fp8")
+        if self.kv_cache_skip_layers and self.device != "cpu" and self.dtype == "float32":
+            # A float32 skip layer's KV takes four FP8 pages' bytes, and its adapter rows are then strided, which
+            # the LoRA kernels do not read (16-bit ones take two, and their adapter rows stay contiguous).
+            raise ValueError("kv_cache_dtype_skip_layers needs 16-bit weights on CUDA (float32 runs on the CPU)")
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+        if size > 1 and self.device != "cpu" and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
+                             f"{torch.cuda.device_count()}")
+        if size > 1 and self.device.startswith("cuda:"):
+            raise ValueError("with tensor_parallel_size > 1, give device 'cuda': rank r runs on GPU r")
+
+    @property
+    def torch_kv_cache_dtype(self) -> torch.dtype | None:
+        """The cache's dtype when it is not the model's."""
+        return None if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+    @property
+    def kv_cache_skip_layers(self) -> frozenset[int]:
+        """kv_cache_dtype_skip_layers as layer indices (which the model's shape checks)."""
+        text = self.kv_cache_dtype_skip_layers or ""
+        try:
+            return frozenset(int(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise ValueError(f"kv_cache_dtype_skip_layers must be layer indices separated by commas, got "
+                             f"{text!r}") from None
 
     def scheduler_config(self, swap_pages: int = 0, max_model_len: int | None = None) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.step_tokens, self.page_size, self.watermark,

@@ -8,7 +8,7 @@ import os
 import random
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,10 +29,16 @@ from slora.core.step_stats import StepStats, StepTimer
 from slora.execution.adapter_manager import UnknownAdapterError, sequence_adapters
 from slora.execution.device_copy import select_rows, tensor_on
 from slora.execution.in_flight import ArrivingSample, Launched, ReadySample, TokensInFlight
+from slora.execution.parallel_runner import ParallelRunner
+from slora.execution.tensor_parallel import TensorParallelError
+from slora.kv_scales import kv_cache_scales
 from slora.models.builtin import resolve_model
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
+from slora.models.sharding import Shard
 from slora.models.tokenizer import eos_token_ids, load_tokenizer
+from slora.pool_parts import build_pool_parts
+from slora.sampling.beam_search import BeamGroup, BeamSettings, Proposal, propose
 from slora.sampling.engine_grammars import EngineGrammars
 from slora.sampling.params import SamplingParams
 from slora.sampling.request_state import (
@@ -44,7 +50,8 @@ from slora.sampling.request_state import (
 )
 from slora.sampling.sampler import Sampler
 from slora.sampling.stopping import append_token
-from slora.sizing import EngineSizing, build_pool_parts
+from slora.sizing import EngineSizing
+from slora.workers import Workers
 
 if TYPE_CHECKING:
     from slora.sampling.grammar import CompiledGrammar
@@ -57,21 +64,43 @@ logger = logging.getLogger(__name__)
 IDLE_STEP_WAIT_S = 0.005
 
 
+class BeamRow(NamedTuple):
+    """A completing beam: its logits row in the step, its sequence, its request and the request's group."""
+    row: int
+    seq: Sequence
+    state: RequestState
+    group: BeamGroup
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         source = resolve_model(config.model)
-        self.model = load_model(source.folder, config.torch_dtype, config.torch_device, config.load_format)
-        self.model_config: ModelConfig = self.model.config
-        self.model_name = source.served_name
-        self.tokenizer = load_tokenizer(source.folder)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_model_len,
-                                 self.model_config.max_model_len)
-        self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.tokenizer)
-        self.shapes = self.model.lora_targets()
-        self.sizing = EngineSizing(config, self.model, self.shapes, self.max_model_len)
-        # The pool's pages, shared by KV (the scheduler's) and adapter weights (the manager's).
-        self.runner, self.allocator, self.adapters, self.scheduler = build_pool_parts(self.sizing)
+        # Under tensor parallelism this engine is rank 0, and holds its part of the model (slora.workers).
+        self._workers = Workers(config) if config.tensor_parallel_size > 1 else None
+        shard = None if self._workers is None else Shard(0, config.tensor_parallel_size)
+        try:
+            self.model = load_model(source.folder, config.torch_dtype, config.torch_device, config.load_format, shard)
+            if self._workers is not None:
+                self.model.tensor_parallel = self._workers.group.tp
+            self.model_config: ModelConfig = self.model.config
+            self.model_name = source.served_name
+            self.tokenizer = load_tokenizer(source.folder)
+            self.sizing = EngineSizing.of(config, self.model, source.folder)
+            self.max_model_len = self.sizing.max_model_len
+            self.shapes = self.sizing.shapes            # the whole model's adapter layout: adapters are checked on it
+            self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.tokenizer)
+            # The pool's pages, shared by KV (the scheduler's) and adapter weights (the manager's).
+            self.runner, self.allocator, self.adapters, self.scheduler = build_pool_parts(
+                self.sizing, None if self._workers is None else self._workers.others)
+        except BaseException:
+            if self._workers is not None:          # they wait on this rank: they would wait for ever
+                self._workers.stop(timeout_s=0)
+            raise
+        if self.runner.shape.quantized:
+            self.runner.set_kv_scales(kv_cache_scales(config.kv_cache_scales, source.folder, self.model,
+                                                      self.runner.shape, config.torch_device, self.tokenizer,
+                                                      self.model_config.vocab_size, shard or Shard(0, 1)))
         self.sampler = Sampler(self.eos_token_ids)
         if config.device != "cpu":
             self.sampler.warm_up(self.model_config.vocab_size, config.torch_device)
@@ -82,7 +111,8 @@ class Engine:
         self._salt_secret = os.urandom(32)
         self.num_prompt_tokens_computed = 0   # prompt tokens that went through a forward (cache misses)
         self._seed_source = random.Random(config.seed)   # seeds of requests that give none
-        self._failed: list[str] = []          # requests failed (_fail_request) since the last step returned
+        # Requests that failed (_fail_request) or ended their beam search since the last step returned.
+        self._ended: list[str] = []
         self._tokens = TokensInFlight(pin=config.device != "cpu")
         self.requests: dict[str, RequestState] = {}
         self._seqs = SequenceMaker(self.scheduler, self.tokenizer)
@@ -118,25 +148,41 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
-                      self.config.max_num_seqs)
+                      self.config.max_num_seqs, self.config.max_beam_width)
         ref = None if adapter is None else self.adapters.resolve(adapter, owner)
         self.scheduler.check_fits(len(prompt_token_ids), ref)
         self.scheduler.check_priority(priority)
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=self._seed_source.randrange(2 ** 62))
+        settings = None if not params.use_beam_search else self._beam_settings(params, len(prompt_token_ids))
+        if settings is not None:
+            self.scheduler.check_beams_fit(len(prompt_token_ids), settings.width, settings.max_tokens, ref)
         grammars = None if params.structured is None else [self.grammars.start(params.structured, grammar)]
         if ref is not None:
             self.adapters.acquire(ref.version)
         parent = self._seqs.new(request_id, prompt_token_ids, params, ref, self.cache_salt(owner), tenant=owner,
                                 priority=priority)
-        self.requests[request_id] = RequestState(request_id, list(prompt_token_ids), [parent],
-                                                 None if ref is None else ref.version, [""], params.num_samples,
-                                                 [self._seqs.detokenizer()], stream, grammars=grammars)
+        beams = None if settings is None else BeamGroup.start(settings, parent)
+        self.requests[request_id] = RequestState(
+            request_id, list(prompt_token_ids), [parent], None if ref is None else ref.version, [""],
+            1 if beams else params.num_samples, [self._seqs.detokenizer()], stream and beams is None,
+            grammars=grammars, beams=beams, decode=self._seqs.decode)
         self.scheduler.add(parent)
 
+    def _beam_settings(self, params: SamplingParams, prompt_len: int) -> BeamSettings:
+        """A beam search's settings: it ends at max_tokens or the model's context, whichever comes first."""
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        width = params.beam_search_width
+        assert width is not None, "a beam search's params"
+        return BeamSettings(width=width, length_penalty=params.length_penalty, early_stopping=params.early_stopping,
+                            max_tokens=min(params.max_tokens, self.max_model_len - prompt_len),
+                            stop_token_ids=stops, num_logprobs=params.logprobs)
+
     def cache_salt(self, owner: str | None) -> bytes:
-        """Per-tenant salt of the prefix-cache hashes: one tenant's cached pages never serve another."""
-        return hmac.new(self._salt_secret, (owner or "").encode(), hashlib.sha256).digest()
+        """Per-tenant salt of the prefix-cache hashes: one tenant's cached pages never serve another. It covers the
+        cache dtype too: pages are shared only between caches that hold K and V alike."""
+        key = f"{self.runner.shape.cache_dtype}\0{owner or ''}".encode()
+        return hmac.new(self._salt_secret, key, hashlib.sha256).digest()
 
     @property
     def scheduling_policy(self) -> str:
@@ -161,6 +207,23 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
         return self._finalize(state)
 
+    def check_alive(self) -> None:
+        """TensorParallelError naming a tensor-parallel rank whose process has ended (an engine of one: nothing)."""
+        if self._workers is not None:
+            self._workers.check_alive()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do for an engine of one). Idempotent."""
+        workers, self._workers = self._workers, None
+        if workers is None:
+            return
+        assert isinstance(self.runner, ParallelRunner), "an engine with workers runs them"
+        try:
+            self.runner.stop()
+        except TensorParallelError as exc:       # a rank already gone: the others are stopped below
+            logger.warning("stopping the tensor-parallel ranks: %s", exc)
+        workers.stop()
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -173,6 +236,8 @@ class Engine:
         self._refresh_host_tier()
         out = self.scheduler.schedule()
         touched = self._reject(out.rejected)
+        if self._restart_beams(out.preempted):
+            out.scheduled = [item for item in out.scheduled if item.seq.status is not SequenceStatus.FINISHED]
         self.runner.move_pages(out, self.adapters.packed(v for v, _ in out.adapters_to_load))
         launched = self._launch(out.scheduled) if out.scheduled else None
         self._collect(touched)                        # the step before's, while this forward runs
@@ -180,7 +245,7 @@ class Engine:
             self._sample_step(launched)
             if not self.config.async_scheduling:
                 self._collect(touched)
-        touched.update(self._take_failed())
+        touched.update(self._take_ended())
         outputs = [self._finalize(state) for state in touched.values() if state.stream or state.finished]
         if not self.requests:
             self._collect(touched)           # rows of ended sequences only: its time is not left to the next
@@ -214,8 +279,10 @@ class Engine:
             if item.seq.status is not SequenceStatus.FINISHED:
                 self.num_prompt_tokens_computed += item.prompt_tokens
                 self.scheduler.on_computed(item.seq, item.num_tokens)
-        rows, seqs = self._sampling_rows(completing)
+        rows, seqs, beam_rows = self._sampling_rows(completing)
         self._tokens.send(seqs, *self._sample(select_rows(logits, rows), seqs), timer)
+        if beam_rows:
+            self._advance_beams(logits, beam_rows)
 
     def _collect(self, touched: dict[str, RequestState]) -> None:
         """Append the tokens of the step in flight, once they are on the host."""
@@ -257,26 +324,72 @@ class Engine:
         for seq in state.seqs:
             if seq.status is not SequenceStatus.FINISHED:
                 self.scheduler.finish(seq, "error")
-        self._failed.append(request_id)
+        self._ended.append(request_id)
 
-    def _take_failed(self) -> dict[str, RequestState]:
-        """The requests failed since the last step returned, except those aborted meanwhile."""
-        if not self._failed:                          # the common step: nothing to build
+    def _take_ended(self) -> dict[str, RequestState]:
+        """The requests failed or ended by their beam search since the last step returned, except those aborted
+        meanwhile."""
+        if not self._ended:                           # the common step: nothing to build
             return {}
-        failed, self._failed = self._failed, []
-        return {request_id: self.requests[request_id] for request_id in failed if request_id in self.requests}
+        ended, self._ended = self._ended, []
+        return {request_id: self.requests[request_id] for request_id in ended if request_id in self.requests}
 
-    def _sampling_rows(self, completing: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-        """The logits row of each sequence that samples now; forked samples share their parent's row."""
-        rows, seqs = [], []
+    def _sampling_rows(self, completing: list[Sequence]) -> tuple[list[int], list[Sequence], list[BeamRow]]:
+        """The logits row of each sequence that samples now (forked samples share their parent's row), and of
+        each beam, whose group selects its next token instead (_advance_beams)."""
+        rows, seqs, beam_rows = [], [], []
         for row, seq in enumerate(completing):
             if seq.status is SequenceStatus.FINISHED:
                 continue                               # its pending token ended it
             state = self.requests[seq.request_id]
+            if state.beams is not None:
+                beam_rows.append(BeamRow(row, seq, state, state.beams))
+                continue
             family = [seq] + (self._seqs.fork_samples(state) if state.needs_fork and seq is state.seqs[0] else [])
             rows += [row] * len(family)
             seqs += family
-        return rows, seqs
+        return rows, seqs, beam_rows
+
+    # ---- beam search --------------------------------------------------------------------------------
+    def _advance_beams(self, logits: Tensor, beam_rows: list[BeamRow]) -> None:
+        """The completing beams' rows of `logits` propose their best tokens; each group whose proposals are all
+        in selects its next beams. A group that raises fails alone."""
+        sizes = [b.group.settings.proposals_per_beam for b in beam_rows]
+        proposals = propose(select_rows(logits, [b.row for b in beam_rows]), sizes)
+        for beam_row, proposal in zip(beam_rows, proposals, strict=True):
+            try:
+                self._offer_beam(beam_row, proposal)
+            except Exception:
+                self._fail_internal(beam_row.seq, "selecting its beams")
+
+    def _offer_beam(self, beam_row: BeamRow, proposal: Proposal) -> None:
+        _, seq, state, group = beam_row
+        if state.error is not None or not group.offer(seq, proposal):
+            return
+        group.advance(self._seqs.fork, lambda beam: self.scheduler.finish(beam, "stop"))
+        if group.done:
+            self._ended.append(state.request_id)
+        else:
+            state.seqs = [beam.seq for beam in group.beams]
+
+    def _restart_beams(self, preempted: list[Sequence]) -> bool:
+        """A beam preempted takes its group back to the start: its beams end (those scheduled in this step
+        leave it) and one sequence of the prompt takes the group's place in the queue. Beam search is
+        deterministic, so it finds the same beams again, sharing pages as it forks, where recomputing or
+        swapping each beam apart would give each its own copy of the shared history. Whether any did."""
+        restarted = False
+        for seq in preempted:
+            state = self.requests.get(seq.request_id)
+            if state is None or state.beams is None or seq.status is SequenceStatus.FINISHED:
+                continue
+            for beam in state.seqs:
+                self.scheduler.finish(beam, "preempted")
+            parent = self._seqs.copy(seq)
+            state.beams = BeamGroup.start(state.beams.settings, parent)
+            state.seqs = [parent]
+            self.scheduler.restart(parent, seq.arrival)
+            restarted = True
+        return restarted
 
     def _append_tokens(self, sampled: Iterable[tuple[Sequence, int, TokenLogprob | None]],
                        touched: dict[str, RequestState]) -> None:

@@ -41,6 +41,16 @@ class LLM:
     def pool_stats(self) -> dict[str, int]:
         return self.engine.pool_stats()
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if it has any (an engine of one needs no closing)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
                  adapters: Seq[str | None] | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); one output per prompt, in order. A request the

@@ -2,57 +2,72 @@
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from pathlib import Path
 
 import torch
 
 from slora.adapters.shapes import TargetShapes
+from slora.adapters.sharding import AdapterSharding
 from slora.config import EngineConfig
-from slora.core.page_pool import PageAllocator
-from slora.core.scheduler import Scheduler
 from slora.core.step_stats import DecodeBytes
-from slora.execution.adapter_manager import AdapterFormat, AdapterManager
 from slora.execution.cuda_graphs import GraphLimits
-from slora.execution.model_runner import ModelRunner, PoolShape, profile_activation_bytes
+from slora.execution.model_runner import profile_activation_bytes
+from slora.execution.pool_memory import PoolShape
 from slora.kernels.checks import check_adapter_span
 from slora.kernels.layout import align_up
-from slora.models.registry import ServedModel
+from slora.models.config import load_model_config
+from slora.models.registry import ServedModel, build_model
+from slora.models.sharding import ROW_PARALLEL
 
 logger = logging.getLogger(__name__)
 
 
-class PoolParts(NamedTuple):
-    """The owners of the pool's pages, built to the sizes: KV pages go to the scheduler, adapter weights to
-    the adapter manager, and the runner holds the pool itself."""
-
-    runner: ModelRunner
-    allocator: PageAllocator
-    adapters: AdapterManager
-    scheduler: Scheduler
-
-
 @dataclass(frozen=True)
 class EngineSizing:
+    """The sizes of an engine (of one tensor-parallel rank's part of it, under tensor parallelism). `shapes`:
+    the whole model's adapter layout, which adapters are checked against; `sharding`: how each rank's part of
+    an adapter is cut and laid out, under tensor parallelism."""
     config: EngineConfig
     model: ServedModel
     shapes: TargetShapes
     max_model_len: int
+    sharding: AdapterSharding | None = None
+
+    @classmethod
+    def of(cls, config: EngineConfig, model: ServedModel, folder: Path) -> "EngineSizing":
+        """The sizing of `model` (loaded from `folder`, whole or a rank's part) under `config`."""
+        whole = load_model_config(folder)
+        max_model_len = min(config.max_model_len or whole.max_model_len, whole.max_model_len)
+        sharding = None
+        if config.tensor_parallel_size > 1:
+            sharding = AdapterSharding(config.tensor_parallel_size, config.fully_sharded_loras,
+                                       frozenset(ROW_PARALLEL), model.lora_targets())
+        return cls(config, model, build_model(whole, "meta").lora_targets(), max_model_len, sharding)
+
+    @property
+    def pool_shapes(self) -> TargetShapes:
+        """The adapter layout of this rank's pool: its part of every adapter."""
+        return self.shapes if self.sharding is None else self.sharding.shapes
+
+    @property
+    def template(self) -> PoolShape:
+        """The pool's shape without its number of pages."""
+        cfg, config = self.model.config, self.config
+        return PoolShape(cfg.num_layers, 0, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.torch_dtype,
+                         config.torch_kv_cache_dtype, config.kv_cache_skip_layers)
 
     @property
     def page_bytes(self) -> int:
-        cfg = self.model.config
-        elem = torch.empty((), dtype=self.config.torch_dtype).element_size()
-        return cfg.num_layers * 2 * self.config.page_size * cfg.num_kv_heads * cfg.head_dim * elem
+        """Bytes of one page over every layer."""
+        return self.template.bytes_per_page
 
     def pool_shape(self) -> PoolShape:
         """The pool's shape, sized as configured. An adapter of max_lora_rank must fit the kernels' index
         range: refused here, rather than by the LoRA kernels at the first step with adapters."""
-        cfg = self.model.config
-        template = PoolShape(cfg.num_layers, 0, self.config.page_size, cfg.num_kv_heads, cfg.head_dim)
+        template = self.template
         check_adapter_span(self.max_adapter_pages(template), template.page_elems,
                            f"an adapter of max_lora_rank={self.config.max_lora_rank} (lower it)")
-        return PoolShape(cfg.num_layers, self._num_pages(template), self.config.page_size, cfg.num_kv_heads,
-                         cfg.head_dim)
+        return template.with_pages(self._num_pages(template))
 
     def swap_pages(self) -> int:
         if self.config.preemption_mode != "swap":
@@ -67,8 +82,7 @@ class EngineSizing:
         # After the weights: a profiling prefill at the largest step measures the activations; the
         # rest of `gpu_memory_utilization` of the whole GPU becomes pages.
         tokens = min(self.config.step_tokens, self.max_model_len)
-        activations = profile_activation_bytes(self.model, template, tokens, self.config.torch_dtype,
-                                               self.config.torch_device)
+        activations = profile_activation_bytes(self.model, template, tokens, self.config.torch_device)
         free, total = torch.cuda.mem_get_info(self.config.torch_device)
         budget = total * self.config.cuda.gpu_memory_utilization - (total - free) - activations
         pages = int(budget) // self.page_bytes
@@ -82,7 +96,10 @@ class EngineSizing:
     def max_adapter_pages(self, shape: PoolShape) -> int:
         """Pool pages of the largest adapter this engine takes (max_lora_rank on every module)."""
         rank = self.config.max_lora_rank
-        elems = sum(rank * (align_up(i) + align_up(o)) for i, o in map(self.shapes.features, self.shapes.modules))
+        if self._lora_collectives:           # a fully sharded part's B keeps the rank padded to the ranks' multiple
+            rank = -(-rank // self.config.tensor_parallel_size) * self.config.tensor_parallel_size
+        shapes = self.pool_shapes
+        elems = sum(rank * (align_up(i) + align_up(o)) for i, o in map(shapes.features, shapes.modules))
         return -(-elems // shape.page_elems)
 
     def graph_limits(self, shape: PoolShape) -> GraphLimits:
@@ -92,8 +109,14 @@ class EngineSizing:
                            max_adapter_pages=self.max_adapter_pages(shape), max_lora_rank=self.config.max_lora_rank,
                            num_layers=self.shapes.num_layers, num_lora_modules=len(self.shapes.modules),
                            max_loras=self.config.max_loras, few_adapters=self.config.cuda.graph_few_adapters,
-                           lora_side_stream=self.config.cuda.lora_side_stream,
+                           lora_side_stream=self.config.cuda.lora_side_stream and not self._lora_collectives,
                            mixed_tokens=min(self.config.cuda.mixed_graph_tokens, self.config.step_tokens))
+
+    @property
+    def _lora_collectives(self) -> bool:
+        """Whether the LoRA sends messages of its own (fully sharded adapters): then it stays on the forward's
+        stream, since collectives on two streams of one graph could run in other orders on other ranks."""
+        return self.sharding is not None and self.sharding.fully_sharded
 
     def decode_bytes(self, adapter_weight_bytes: Callable[[str], int]) -> DecodeBytes:
         """What a decode step reads. A decode step reads only the batch's rows of the input embedding table,
@@ -104,19 +127,3 @@ class EngineSizing:
         untied_table = 0 if tied else embedding.numel() * embedding.element_size()
         return DecodeBytes(params - untied_table, 0 if tied else embedding.shape[1] * embedding.element_size(),
                            self.page_bytes // self.config.page_size, adapter_weight_bytes)
-
-
-def build_pool_parts(sizing: EngineSizing) -> PoolParts:
-    """The runner, the page allocator and the two owners of its pages, sized by `sizing`."""
-    config = sizing.config
-    pool_shape, swap_pages = sizing.pool_shape(), sizing.swap_pages()
-    graphs = sizing.graph_limits(pool_shape) if config.device != "cpu" and not config.cuda.enforce_eager else None
-    runner = ModelRunner(sizing.model, pool_shape, config.torch_dtype, config.torch_device, graphs, swap_pages,
-                         config.cuda.pdl)
-    allocator = PageAllocator(pool_shape.num_pages, config.page_size)
-    scheduler_config = config.scheduler_config(swap_pages, sizing.max_model_len)
-    adapter_format = AdapterFormat(sizing.shapes, config.max_lora_rank, pool_shape.page_elems, config.torch_dtype,
-                                   pin_memory=config.device != "cpu")
-    adapters = AdapterManager(allocator, adapter_format, config.adapter_host_cache_bytes,
-                              scheduler_config.usable_pages(allocator.num_pages))
-    return PoolParts(runner, allocator, adapters, Scheduler(scheduler_config, allocator, adapter_pool=adapters))

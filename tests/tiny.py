@@ -43,8 +43,9 @@ def force_lora_deltas(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from slora.execution.lora_backend import LoraStep
     init, delta = LoraStep.__init__, LoraStep.delta
     layers: list[int] = []
-    monkeypatch.setattr(LoraStep, "__init__", lambda self, tables, kernels, backend, deltas=False, side_stream=None:
-                        init(self, tables, kernels, backend, True, side_stream))
+    monkeypatch.setattr(LoraStep, "__init__",
+                        lambda self, tables, kernels, backend, deltas=False, side_stream=None, tp=None:
+                        init(self, tables, kernels, backend, True, side_stream, tp))
     monkeypatch.setattr(LoraStep, "delta", lambda self, *args: (layers.append(args[0]), delta(self, *args))[1])
     return layers
 
@@ -68,15 +69,43 @@ def random_prompts(lengths: list[int], vocab: int = 512, seed: int = 0) -> list[
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
+def fp8_kv_attention(kv_scales: torch.Tensor, skip_layers: frozenset[int] = frozenset()) -> str:
+    """Register, under a name it returns, a transformers attention that sees K and V as an FP8 cache holds them:
+    each layer's (rotated) keys and values divided by its heads' scales `kv_scales` `[layers, 2, kv_heads]`,
+    rounded to E4M3 (clamped to +-448) and multiplied back, except in `skip_layers`; then SDPA. Written apart from
+    slora's references: torch's own float8 conversion."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    def as_cached(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:     # x [batch, kv_heads, seq, head_dim]
+        scales = scales[None, :, None, None]
+        return (x / scales).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scales
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        layer = module.layer_idx
+        if layer not in skip_layers:
+            key, value = as_cached(key, kv_scales[layer, 0]), as_cached(value, kv_scales[layer, 1])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"fp8_kv_{id(attention)}"
+    AttentionInterface.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)      # else a padded row's mask would be lost
+    return name
+
+
 @torch.inference_mode()
-def oracle_greedy(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]],
-                  adapter_names: list[str | None], max_new_tokens: int) -> list[list[int]]:
+def oracle_greedy(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]], adapter_names: list[str | None],
+                  max_new_tokens: int, attention: str | None = None) -> list[list[int]]:
     """Greedy tokens from transformers + PEFT, all prompts in one left-padded batch with per-row
-    adapters through `adapter_names` (float32 on the CPU, no EOS stop)."""
+    adapters through `adapter_names` (float32 on the CPU, no EOS stop). attention: a registered attention
+    implementation to run with (fp8_kv_attention)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if attention is not None:
+        model.set_attn_implementation(attention)
     names = list(adapters)
     if names:
         model = PeftModel.from_pretrained(model, str(adapters[names[0]]), adapter_name=names[0])
@@ -89,6 +118,36 @@ def oracle_greedy(model_dir: Path, adapters: dict[str, Path], prompts: list[list
         for row, token in zip(rows, logits.argmax(-1).tolist()):
             row.append(token)
     return [row[len(p):] for row, p in zip(rows, prompts)]
+
+
+def oracle_beam_search(model_dir: Path, adapters: dict[str, Path], prompt: list[int], adapter: str | None, *,
+                       width: int, max_new_tokens: int, stop_token_ids: list[int], n: int = 1,
+                       length_penalty: float = 1.0, early_stopping: bool | str = False) -> list[list[int]]:
+    """The best n beams of transformers' beam search (+ PEFT with `adapter`), float32 on the CPU: each one's
+    generated tokens, through its stop token if one ended it. `stop_token_ids` must not be empty: transformers
+    would take the model's EOS instead."""
+    assert stop_token_ids, "transformers falls back to the model's EOS without stop tokens"
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapters[adapter]), adapter_name=adapter).eval()
+    pad = stop_token_ids[0] if stop_token_ids else 0
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             num_beams=width, num_return_sequences=n, do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=0, length_penalty=length_penalty, early_stopping=early_stopping,
+                             eos_token_id=stop_token_ids or None, pad_token_id=pad)
+    return [_through_first_stop(row[len(prompt):].tolist(), stop_token_ids) for row in out]
+
+
+def _through_first_stop(tokens: list[int], stop_token_ids: list[int]) -> list[int]:
+    """Tokens up to and including the first stop token (transformers pads a shorter beam after it)."""
+    for index, token in enumerate(tokens):
+        if token in stop_token_ids:
+            return tokens[:index + 1]
+    return tokens
 
 
 def _forward_padded(model, rows: list[list[int]], adapter_names: list[str], with_peft: bool) -> torch.Tensor:

@@ -31,8 +31,13 @@ class PoolStats:
     adapter_pages: int
     page_size: int
 
+    @property
+    def kv_token_capacity(self) -> int:
+        """Tokens the pages not holding adapter weights can hold: free, live KV and cached KV."""
+        return (self.free_pages + self.kv_pages + self.cached_pages) * self.page_size
+
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "kv_token_capacity": self.kv_token_capacity}
 
 
 class PageAllocator:

@@ -160,6 +160,13 @@ class Scheduler:
         """A prompt (and its adapter) that the pool could ever hold: ValueError if not."""
         check_fits(self.config, self.allocator.num_pages, prompt_len, adapter.num_pages if adapter else 0)
 
+    def check_beams_fit(self, prompt_len: int, width: int, max_tokens: int, adapter: AdapterRef | None) -> None:
+        """A beam search whose beams the pool could hold at once, each with its own pages past the prompt's
+        (its most): ValueError if not. One that could not would start over whenever it ran out, forever."""
+        own_pages = width * (-(-max_tokens // self.config.page_size) + 1)
+        check_fits(self.config, self.allocator.num_pages, prompt_len + own_pages * self.config.page_size,
+                   adapter.num_pages if adapter else 0)
+
     def check_priority(self, priority: int) -> None:
         """A priority the policy can honour: ValueError if not."""
         if priority and self.config.scheduling_policy == "fcfs":
@@ -186,6 +193,14 @@ class Scheduler:
         seq.arrival = next(self._arrivals)
         self.waiting.add(seq)
 
+    def restart(self, seq: Sequence, arrival: int) -> None:
+        """Queue a sequence at the front in the place of an earlier one that arrived at `arrival` (a beam
+        search starting over after a preemption), its prompt already charged to its tenant."""
+        if self.config.enable_prefix_caching:
+            self._extend_hashes(seq, len(seq.prompt_token_ids))
+        seq.status, seq.arrival, seq.num_charged_tokens = SequenceStatus.WAITING, arrival, len(seq.prompt_token_ids)
+        self.waiting.requeue(seq)
+
     # ---- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
@@ -207,8 +222,10 @@ class Scheduler:
         generated: dict[str | None, int] = {}        # tokens generated per tenant: charged once per step
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            if seq.ends_with_pending(self.config.max_model_len):
-                index += 1                  # its token in flight ends it: a step after it would be wasted
+            if seq.ends_with_pending(self.config.max_model_len) or seq.num_uncomputed == 0:
+                # Its token in flight ends it (a step after it would be wasted), or it is a beam waiting for
+                # its group's selection, which gives it its next token.
+                index += 1
                 continue
             num_tokens = min(seq.num_uncomputed, budget)
             if not self._grow(seq, seq.num_computed_tokens + num_tokens, out):
@@ -346,10 +363,12 @@ class Scheduler:
 
     def pages_to_admit(self, seq: Sequence, matched: list[int] | None = None) -> int:
         """Pages a waiting sequence needs to be admitted: its tokens not served by the cache, plus its
-        adapter if not resident."""
+        adapter if not resident, plus, for a beam search about to fork, a page for each beam's next step:
+        admitted without them, groups that all fork at once would take each other's pages and all start over."""
         adapter = seq.adapter
         adapter_pages = adapter.num_pages if adapter and not self.adapters.is_resident(adapter.version) else 0
-        return seq.pages_needed(seq.num_tokens, self.config.page_size) - len(matched or []) + adapter_pages
+        beams = self._seats(seq) if seq.params.use_beam_search else 0
+        return seq.pages_needed(seq.num_tokens, self.config.page_size) - len(matched or []) + adapter_pages + beams
 
     def _can_admit(self, seq: Sequence, matched: list[int]) -> bool:
         own = seq.adapter.version if seq.adapter else None

@@ -28,6 +28,7 @@ from slora.adapters.errors import AdapterError
 from slora.adapters.packing import AdapterDescriptor, PackedAdapter, pack_adapter
 from slora.adapters.registry import AdapterEntry, AdapterRegistry
 from slora.adapters.shapes import TargetShapes
+from slora.adapters.sharding import AdapterSharding, shard_adapter
 from slora.adapters.weights import WEIGHTS_FILE, LoadedAdapter, load_adapter
 from slora.core.adapter_residency import AdapterResidency
 from slora.core.outputs import ADAPTER_LOAD_BUCKETS, AdapterName, AdapterPlacement, DurationCounts
@@ -59,6 +60,9 @@ class AdapterFormat:
     page_elems: int
     dtype: torch.dtype
     pin_memory: bool = False          # CUDA: pinned host copies, so copies into the pool run asynchronously
+    # Under tensor parallelism: how each rank's part is cut and laid out (`shapes` stays the whole model's,
+    # which adapters are checked against).
+    sharding: AdapterSharding | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,16 @@ def _remove_folder(folder: Path | None) -> None:
         logger.info("adapter folder %s deleted", folder)
 
 
+def _packed(loaded: LoadedAdapter, fmt: AdapterFormat) -> PackedAdapter:
+    """The adapter in the pool's layout; under tensor parallelism every rank's part, in the same layout."""
+    sharding = fmt.sharding
+    if sharding is None:
+        return pack_adapter(loaded, fmt.shapes, fmt.page_elems, fmt.dtype)
+    first, *others = (pack_adapter(shard_adapter(loaded, rank, sharding), sharding.shapes, fmt.page_elems, fmt.dtype)
+                      for rank in range(sharding.size))
+    return dataclasses.replace(first, rank_pages=tuple(part.pages for part in others))
+
+
 class AdapterManager(AdapterResidency):
     """Names per tenant namespace, versions, the host tier and (as the AdapterResidency the scheduler
     asks) pool residency of every adapter."""
@@ -198,9 +212,10 @@ class AdapterManager(AdapterResidency):
         fmt = self.format
         began = time.perf_counter()
         loaded = load_adapter(path, fmt.shapes, fmt.max_lora_rank)
-        packed = pack_adapter(loaded, fmt.shapes, fmt.page_elems, fmt.dtype)
+        packed = _packed(loaded, fmt)
         if fmt.pin_memory:
-            packed = dataclasses.replace(packed, pages=packed.pages.pin_memory())
+            packed = dataclasses.replace(packed, pages=packed.pages.pin_memory(),
+                                         rank_pages=tuple(pages.pin_memory() for pages in packed.rank_pages))
         return PreparedAdapter(loaded, packed, path, folder_bytes(path), time.perf_counter() - began)
 
     def load(self, name: str, path: str | Path, owner: str | None = None, public: bool = False,

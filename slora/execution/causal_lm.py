@@ -7,7 +7,9 @@ from torch import Tensor, nn
 from slora.adapters.shapes import TargetShapes
 from slora.execution.attention_backend import AttentionBackend
 from slora.execution.lora_backend import LoraStep
+from slora.execution.pool_memory import PoolViews
 from slora.execution.step_batch import StepBatch
+from slora.execution.tensor_parallel import TensorParallel
 
 
 class CausalLM(Protocol):
@@ -17,6 +19,7 @@ class CausalLM(Protocol):
     lora_modules: tuple[str, ...]
     lora_groups: tuple[slice, ...]
     lm_head: nn.Linear
+    tensor_parallel: TensorParallel | None      # this rank's place, when the model is split over several
 
     def lora_targets(self) -> TargetShapes: ...
 
@@ -26,5 +29,5 @@ class CausalLM(Protocol):
 
     def parameters(self) -> Iterator[nn.Parameter]: ...
 
-    def __call__(self, batch: StepBatch[Tensor], pool: Tensor, attention: AttentionBackend,
+    def __call__(self, batch: StepBatch[Tensor], pool: PoolViews, attention: AttentionBackend,
                  lora: LoraStep | None = None) -> Tensor: ...

@@ -16,6 +16,7 @@ from slora.execution import step_batch
 from slora.execution.attention_backend import AttentionBackend
 from slora.execution.causal_lm import CausalLM
 from slora.execution.lora_backend import LoraBackend, LoraStep
+from slora.execution.pool_memory import PoolViews
 from slora.execution.staging import BatchViews, StagedBatch
 from slora.execution.step_batch import HostBatch, StepBatch, TokenFeed
 
@@ -76,17 +77,17 @@ class GraphLimits:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, pool: Tensor, attention: AttentionBackend, lora: LoraBackend,
+    def __init__(self, model: CausalLM, pool: PoolViews, attention: AttentionBackend, lora: LoraBackend,
                  page_size: int, limits: GraphLimits) -> None:
         self.model, self.pool, self.attention, self.lora = model, pool, attention, lora
         self.limits = limits
         largest = limits.sizes(limits.max_batch, limits.adapter_slots(limits.max_batch))
         self.staged = StagedBatch(step_batch.empty(largest, torch.device("cpu"), page_size, limits.max_lora_rank),
-                                  pool.device)
+                                  pool.weights[0].device)
         self.buckets = batch_buckets(limits.max_batch)
         # (batch size, with LoRA, few adapters) -> (graph, its inputs, its logits)
         self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, BatchViews, Tensor]] = {}
-        self.side_stream = torch.cuda.Stream(pool.device) if limits.lora_side_stream else None
+        self.side_stream = torch.cuda.Stream(pool.weights[0].device) if limits.lora_side_stream else None
 
     def batch(self, size: int, with_lora: bool, few: bool = False) -> BatchViews:
         """The StepBatch of a bucket, as views of the static buffers and of their host twins."""

@@ -10,12 +10,13 @@ decides, from the step's size, how the kernels cut it (`LoraLaunchPolicy`).
 import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from slora.execution.step_batch import StepLora
+from slora.execution.tensor_parallel import TensorParallel
 from slora.kernels import reference
 
 if TYPE_CHECKING:
@@ -82,18 +83,31 @@ class LoraKernels(Protocol):
                     add: bool = True) -> None: ...
 
 
+class GroupTables(NamedTuple):
+    """One layer's tables for a group of modules, each `[modules, slots]`."""
+    ranks: Tensor
+    gathered_ranks: Tensor      # the ranks of a gathered shrink (fully sharded tensor parallelism), else `ranks`
+    a_offsets: Tensor
+    b_offsets: Tensor
+    scalings: Tensor
+
+
 class LoraStep:
     """The LoRA of one step: its tables, the kernels to run them with, and whether the model gets deltas.
 
     deltas: each group's LoRA is computed apart as a delta, which the op reading the projection adds,
     instead of being added into the projection's output after its GEMM. side_stream (with deltas): the
-    delta is computed on it while the GEMM runs on the current stream."""
+    delta is computed on it while the GEMM runs on the current stream. tp (fully sharded tensor-parallel
+    adapters only): the ranks the shrinks are exchanged with."""
 
     def __init__(self, tables: StepLora[Tensor], kernels: LoraKernels, backend: "LoraBackend", deltas: bool = False,
-                 side_stream: torch.cuda.Stream | None = None) -> None:
+                 side_stream: torch.cuda.Stream | None = None, tp: TensorParallel | None = None) -> None:
         self.tables, self.kernels, self.deltas, self.side_stream = tables, kernels, deltas, side_stream
-        self._backend = backend
-        self._views: dict[tuple[int, int], list[tuple[Tensor, Tensor, Tensor, Tensor]]] = {}
+        self._backend, self._tp = backend, tp
+        # The ranks a gathered shrink holds (fully sharded column-parallel A: each rank's times the ranks), once a
+        # step rather than once a layer.
+        self._gathered_ranks = tables.ranks if tp is None else tables.ranks * tp.size
+        self._views: dict[tuple[int, int], list[GroupTables]] = {}
 
     @property
     def token_slots(self) -> Tensor:
@@ -105,11 +119,13 @@ class LoraStep:
         tables = dataclasses.replace(self.tables, token_slots=self.tables.token_slots[rows])
         return self._backend.step(tables, self.deltas, self.side_stream)
 
-    def apply(self, layer: int, modules: slice, x: Tensor, out: Tensor, pool: Tensor, out_sizes: list[int]) -> None:
+    def apply(self, layer: int, modules: slice, x: Tensor, out: Tensor, pool: Tensor, out_sizes: list[int],
+              row_parallel: bool = False) -> None:
         """out += LoRA(x) for the modules `modules` of layer `layer` (consecutive ones that read the same x,
-        their outputs side by side in out, `out_sizes` columns each), each token through its own adapter."""
+        their outputs side by side in out, `out_sizes` columns each), each token through its own adapter.
+        row_parallel: under tensor parallelism, x holds the rank's input features and out is its partial sum."""
         if any(self.tables.active[layer][modules]):
-            self._shrink_expand(layer, modules, x, out, pool, out_sizes, add=True)
+            self._shrink_expand(layer, modules, x, out, pool, out_sizes, add=True, row_parallel=row_parallel)
 
     def delta(self, layer: int, modules: slice, x: Tensor, pool: Tensor, out_sizes: list[int]) -> Tensor | None:
         """The LoRA of `modules` alone, `[tokens, sum(out_sizes)]` in x's dtype (the rows of tokens without
@@ -121,22 +137,32 @@ class LoraStep:
         return delta
 
     def _shrink_expand(self, layer: int, modules: slice, x: Tensor, out: Tensor, pool: Tensor,
-                       out_sizes: list[int], add: bool) -> None:
+                       out_sizes: list[int], add: bool, row_parallel: bool = False) -> None:
         t = self.tables
-        ranks, a_offsets, b_offsets, scalings = self._group_tables(modules)[layer]   # each [modules, slots]
+        ranks, gathered_ranks, a_offsets, b_offsets, scalings = self._group_tables(modules)[layer]   # [modules, slots]
         h = self.kernels.lora_shrink(x, pool, t.token_slots, t.page_tables, ranks, a_offsets, t.max_rank)
+        tp = self._tp
+        if tp is not None and row_parallel:
+            # A split by input: the ranks' shrinks are partial sums. B split by output: this rank's columns.
+            h, out, out_sizes = tp.reduce_lora(h), tp.own_columns(out), [size // tp.size for size in out_sizes]
+        elif tp is not None:
+            # A split by rank: each rank shrank to every size-th rank of the whole; B holds all of them.
+            h, ranks = tp.gather_rank_split(h, ranks.shape[0]), gathered_ranks
         self.kernels.lora_expand(out, h, pool, t.token_slots, t.page_tables, ranks, b_offsets, scalings,
                                  out_sizes, add=add)
 
-    def _group_tables(self, modules: slice) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        """Per layer, the views of the four tables for a group of modules, made once per step and group: in
-        eager steps the host bounds the step, and indexing four tables per call was a share of it."""
+    def _group_tables(self, modules: slice) -> list["GroupTables"]:
+        """Per layer, the views of the tables for a group of modules, made once per step and group: in eager
+        steps the host bounds the step, and indexing four tables per call was a share of it. The gathered
+        ranks are the ranks' own views but under fully sharded tensor parallelism."""
         assert modules.step is None, "a group is consecutive modules"
         key = (modules.start, modules.stop)
         if key not in self._views:
             t = self.tables
-            self._views[key] = list(zip(*(table[:, modules].unbind(0)
-                                          for table in (t.ranks, t.a_offsets, t.b_offsets, t.scalings))))
+            ranks, a_offsets, b_offsets, scalings = (table[:, modules].unbind(0)
+                                                     for table in (t.ranks, t.a_offsets, t.b_offsets, t.scalings))
+            gathered = ranks if self._tp is None else self._gathered_ranks[:, modules].unbind(0)
+            self._views[key] = [GroupTables(*views) for views in zip(ranks, gathered, a_offsets, b_offsets, scalings)]
         return self._views[key]
 
 
@@ -151,20 +177,24 @@ class _ReferenceKernels:
 
 
 class ReferenceLora:
-    """The torch reference kernels (CPU engines)."""
+    """The torch reference kernels (CPU engines). tp: the ranks fully sharded adapters exchange shrinks with."""
+
+    def __init__(self, tp: TensorParallel | None = None) -> None:
+        self.tp = tp
 
     def step(self, tables: StepLora[Tensor], deltas: bool = False,
              side_stream: torch.cuda.Stream | None = None) -> LoraStep:
-        return LoraStep(tables, _ReferenceKernels(), self, deltas, side_stream)
+        return LoraStep(tables, _ReferenceKernels(), self, deltas, side_stream, self.tp)
 
 
 class TritonLora:
     """The Triton kernels (CUDA engines, and CPU tests through the interpreter). Triton is imported only
-    here, when such a backend is built."""
+    here, when such a backend is built. tp: the ranks fully sharded adapters exchange shrinks with."""
 
-    def __init__(self, pdl: bool = False, policy: LoraLaunchPolicy = LoraLaunchPolicy()) -> None:
+    def __init__(self, pdl: bool = False, policy: LoraLaunchPolicy = LoraLaunchPolicy(),
+                 tp: TensorParallel | None = None) -> None:
         from slora.kernels import lora
-        self._lora, self.pdl, self.policy = lora, pdl, policy
+        self._lora, self.pdl, self.policy, self.tp = lora, pdl, policy, tp
 
     def step(self, tables: StepLora[Tensor], deltas: bool = False,
              side_stream: torch.cuda.Stream | None = None) -> LoraStep:
@@ -172,10 +202,12 @@ class TritonLora:
         previous kernel ends (pdl)."""
         tokens, slots = tables.token_slots.shape[0], tables.page_tables.shape[0]
         segments = self._lora.lora_segments(tables.token_slots, slots, self.policy.block_m(tokens, slots))
-        kernels = _TritonStepKernels(self._lora, segments, self.pdl, self.policy.accumulates(tokens, slots),
+        # Fully sharded adapters exchange whole shrinks, not the split partial sums expand adds up.
+        accumulate = self.tp is not None or self.policy.accumulates(tokens, slots)
+        kernels = _TritonStepKernels(self._lora, segments, self.pdl, accumulate,
                                      self.policy.expands_by_gemv(tokens, slots),
                                      tables.ranks.shape[0] * tables.ranks.shape[1])
-        return LoraStep(tables, kernels, self, deltas, side_stream)
+        return LoraStep(tables, kernels, self, deltas, side_stream, self.tp)
 
 
 class _TritonStepKernels:

@@ -25,8 +25,10 @@ from slora.execution.attention_backend import AttentionBackend, AttentionInputs,
 from slora.execution.causal_lm import CausalLM
 from slora.execution.cuda_graphs import GraphLimits
 from slora.execution.lora_backend import LoraBackend
+from slora.execution.pool_memory import PoolViews
 from slora.execution.staging import BatchViews, StagedBatch
 from slora.execution.step_batch import HostArrays, HostBatch, StepBatch, TokenFeed
+from slora.kernels.reference import KVCache
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as MemPool  # what torch.cuda.graph_pool_handle() returns
@@ -151,7 +153,7 @@ class BucketAttention(AttentionBackend, Protocol):
     """The attention a bucket's graph is captured with (slora.execution.attention_backend.TritonAttention): the model's,
     and its attention over a bucket's grids."""
 
-    def attend_in_graph(self, query: Tensor, kv_pool: Tensor, batch: StepBatch[Tensor], inputs: AttentionInputs,
+    def attend_in_graph(self, query: Tensor, kv_pool: KVCache, batch: StepBatch[Tensor], inputs: AttentionInputs,
                         num_kv_heads: int, scale: float, out: Tensor) -> Tensor: ...
 
 
@@ -175,13 +177,13 @@ class _BucketModelAttention:
                  out_for: Callable[[Tensor], Tensor]) -> None:
         self.attention, self.inputs, self.pdl, self.out_for = attention, inputs, attention.pdl, out_for
 
-    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: Tensor, batch: StepBatch[Tensor],
+    def attend(self, query: Tensor, new_kv: tuple[Tensor, Tensor], kv_pool: KVCache, batch: StepBatch[Tensor],
                num_kv_heads: int, scale: float, out: Tensor | None = None) -> Tensor:
         assert out is None, "the model passes no attention output buffer"
         return self.attention.attend_in_graph(query, kv_pool, batch, self.inputs, num_kv_heads, scale,
                                               self.out_for(query))
 
-    def attend_rows(self, query: Tensor, kv_pool: Tensor, rows: RowQueries, page_size: int, num_kv_heads: int,
+    def attend_rows(self, query: Tensor, kv_pool: KVCache, rows: RowQueries, page_size: int, num_kv_heads: int,
                     scale: float) -> Tensor:
         """The sampled rows' (the bucket's `seqs`: the step's, then row 0 again), found in the bucket's
         query_start_loc, which _stage_extras keeps ascending past the step."""
@@ -192,7 +194,7 @@ class MixedGraphs:
     """The graphs of every token bucket up to limits.mixed_tokens, with and without LoRA, over one set of
     static inputs sized for the largest bucket (its sequences and adapter slots as the limits bound them)."""
 
-    def __init__(self, model: CausalLM, pool: Tensor, attention: BucketAttention, lora: LoraBackend,
+    def __init__(self, model: CausalLM, pool: PoolViews, attention: BucketAttention, lora: LoraBackend,
                  page_size: int, limits: GraphLimits) -> None:
         assert limits.mixed_tokens > 0, "no mixed-step graphs without steps for them"
         self.model, self.pool, self.attention, self.lora, self.limits = model, pool, attention, lora, limits
@@ -203,7 +205,8 @@ class MixedGraphs:
         template = step_batch.empty(self._sizes(largest), torch.device("cpu"), page_size, limits.max_lora_rank)
         # One AttentionInputs region for every bucket: a bucket's are its leading [2 * seqs + 1].
         packed = torch.zeros(packed_length(self.seqs(largest)), dtype=torch.int32)
-        self.staged = StagedBatch(template, pool.device, {ATTENTION_INPUTS: packed})
+        self.device = pool.weights[0].device
+        self.staged = StagedBatch(template, self.device, {ATTENTION_INPUTS: packed})
         self.graphs: dict[tuple[int, bool], BucketGraph] = {}   # (bucket tokens, with LoRA) -> its graph
         self._attention_out: Tensor | None = None               # [largest bucket, heads, head_dim]
 
@@ -221,11 +224,11 @@ class MixedGraphs:
     def capture(self) -> None:
         """Capture every bucket, with and without LoRA, largest first, sharing one memory pool and one capture
         stream of their own: only their captures run GEMMs on it, all without cuBLAS's workspace."""
-        mempool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.pool.device)
+        mempool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
         for tokens in reversed(self.buckets):
             for with_lora in (False, True):
                 self.graphs[(tokens, with_lora)] = self._capture(tokens, with_lora, mempool, stream)
-        torch.cuda.synchronize(self.pool.device)
+        torch.cuda.synchronize(self.device)
         logger.info("captured %d mixed-step graphs for steps of up to %s tokens", len(self.graphs),
                     self.buckets[-1])
         self._drop_slow_buckets()
@@ -233,8 +236,11 @@ class MixedGraphs:
     def _drop_slow_buckets(self) -> None:
         """Time every graph's replay (over the static inputs as captured: no KV slot, no adapter) and keep
         the buckets worth keeping, with LoRA and without."""
+        tp = self.model.tensor_parallel
         for with_lora in (False, True):
             seconds = {tokens: replay_seconds(self.graphs[(tokens, with_lora)].graph) for tokens in self.buckets}
+            if tp is not None:                  # every rank keeps the same buckets: by the slowest rank's times
+                seconds = dict(zip(seconds, tp.slowest(list(seconds.values()), self.device)))
             self.usable[with_lora] = buckets_worth_keeping(seconds)
             dropped = {tokens: f"{seconds[tokens] * 1e3:.2f} ms" for tokens in self.buckets
                        if tokens not in self.usable[with_lora]}
@@ -247,7 +253,7 @@ class MixedGraphs:
         packed = self.staged.device_extra(ATTENTION_INPUTS)[:packed_length(self.seqs(tokens))]
         inputs = split_attention_inputs(packed)
         self._record(views.device, inputs)          # compiles the kernels outside the capture
-        torch.cuda.synchronize(self.pool.device)
+        torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with cublas_without_workspace(), torch.cuda.graph(graph, pool=mempool, stream=stream):
             logits = self._record(views.device, inputs)

@@ -1,7 +1,6 @@
 """Owns the pool tensor and the model; turns a scheduled step into one forward (DESIGN §3)."""
 import dataclasses
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -14,9 +13,10 @@ from slora.execution import step_batch
 from slora.execution.attention_backend import TritonAttention, backends_for
 from slora.execution.causal_lm import CausalLM
 from slora.execution.cuda_graphs import DecodeGraphs, GraphLimits
-from slora.execution.device_copy import tensor_on, to_device
+from slora.execution.device_copy import tensor_on
 from slora.execution.lora_backend import LoraLaunchPolicy, TritonLora
 from slora.execution.mixed_graphs import MixedGraphs
+from slora.execution.pool_memory import PoolMemory, PoolShape
 from slora.execution.step_batch import (
     RANK_ALIGN,
     HostBatch,
@@ -51,42 +51,30 @@ WARM_UP_STEPS = (WarmUpStep(1, 128, 1), WarmUpStep(4, 8, 4), WarmUpStep(4, 40, 4
                  WarmUpStep(5, 16, 5), WarmUpStep(1, 24, 1, decodes=2))
 
 
-@dataclass(frozen=True)
-class PoolShape:
-    num_layers: int
-    num_pages: int
-    page_size: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def page_elems(self) -> int:
-        return 2 * self.page_size * self.num_kv_heads * self.head_dim
-
-
 class ModelRunner:
-    def __init__(self, model: CausalLM, shape: PoolShape, dtype: torch.dtype, device: torch.device,
+    def __init__(self, model: CausalLM, shape: PoolShape, device: torch.device,
                  graph_limits: GraphLimits | None = None, swap_pages: int = 0, pdl: bool = True,
                  lora_policy: LoraLaunchPolicy = LoraLaunchPolicy()) -> None:
         self.model, self.shape, self.device = model, shape, device
-        self.swap_pages = swap_pages
-        self._swap: Tensor | None = None
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # On CUDA adapters are copied into the pool on a side stream, and the steps that use them wait by version;
+        # tensor-parallel ranks but 0, which know no versions, copy in stream order.
+        tp = model.tensor_parallel
+        side_copies = device.type == "cuda" and (tp is None or tp.rank == 0)
+        self._copy_stream = torch.cuda.Stream(device) if side_copies else None
         self._pending_copies: dict[str, torch.cuda.Event] = {}     # adapter version -> its copy is done
         self._lora_tables = LoraTables()
         # The unified pool: KV pages and adapter pages, page ids shared across layers.
-        self.pool = torch.zeros(shape.num_layers, shape.num_pages, shape.page_elems, dtype=dtype,
-                                device=device)  # [layers, pages, page_elems]
-        self.attention, self.lora = backends_for(device, pdl, lora_policy)
+        self.memory = PoolMemory(shape, device, swap_pages)
+        self.attention, self.lora = backends_for(device, pdl, lora_policy, model.tensor_parallel)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         if graph_limits is not None and device.type == "cuda":
-            self.graphs = DecodeGraphs(model, self.pool, self.attention, self.lora, shape.page_size,
+            self.graphs = DecodeGraphs(model, self.memory.views, self.attention, self.lora, shape.page_size,
                                        graph_limits)
             self.graphs.capture()
             if graph_limits.mixed_tokens > 0:
                 assert isinstance(self.attention, TritonAttention), "CUDA runs the Triton attention"
-                self.mixed_graphs = MixedGraphs(model, self.pool, self.attention, self.lora, shape.page_size,
+                self.mixed_graphs = MixedGraphs(model, self.memory.views, self.attention, self.lora, shape.page_size,
                                                 graph_limits)
                 self.mixed_graphs.capture()
             self.warm_up(graph_limits)
@@ -142,35 +130,37 @@ class ModelRunner:
             max_context_len=max(lengths), num_decodes=step.decodes,
             lora=dataclasses.replace(batch.lora, token_slots=(seq_of_token % step.slots).to(torch.int32))))
 
-    def move_pages(self, out: SchedulerOutput, packed: dict[str, PackedAdapter]) -> None:
-        """The step's page moves, before its forward: swap-outs first (their pages may be reused by
-        this very step), then swap-ins, copy-on-write copies and adapter loads. Pages of adapters
-        freed since the last step may be written from now on, so a copy into them that is still in
-        flight (a prefetched adapter evicted before it was used) must end first."""
+    def set_kv_scales(self, scales: Tensor) -> None:
+        """An FP8 cache's scales `[layers, 2, kv_heads]` (slora.kv_scales); graphs captured before read them too."""
+        self.memory.set_kv_scales(scales.to(self.device))
+
+    def move_pages(self, out: SchedulerOutput, packed: Mapping[str, PackedAdapter]) -> None:
+        """The step's page moves, before its forward (apply_moves), the adapters' from their host copies."""
+        self.apply_moves(out, {version: adapter.pages for version, adapter in packed.items()})
+
+    def apply_moves(self, out: SchedulerOutput, host_pages: Mapping[str, Tensor]) -> None:
+        """Swap-outs first (their pages may be reused by this very step), then swap-ins, copy-on-write copies
+        and adapter loads (`host_pages`: each loaded version's packed pages). Pages of adapters freed since the
+        last step may be written from now on, so a copy into them that is still in flight (a prefetched
+        adapter evicted before it was used) must end first."""
         self._wait_for_adapters(out.adapters_freed)
         for pages, slots in out.swap_out:
-            self.swap_space()[:, slots] = self.pool[:, pages].to("cpu", non_blocking=False)
+            self.memory.swap_out(self._index(pages), slots)
         for slots, pages in out.swap_in:
-            self.pool.index_copy_(1, self._index(pages), to_device(self.swap_space()[:, slots], self.device))
+            self.memory.swap_in(slots, self._index(pages))
         if out.copies:
             sources, targets = zip(*out.copies)
-            self.pool.index_copy_(1, self._index(targets), self.pool.index_select(1, self._index(sources)))
+            self.memory.copy_pages(self._index(sources), self._index(targets))
         for version, pages in out.adapters_to_load:
-            self.load_adapter(packed[version], pages)
+            self.load_adapter(version, host_pages[version], pages)
 
-    def swap_space(self) -> Tensor:
-        """Host pages for swapped-out KV `[layers, swap_pages, page_elems]`, made on first use."""
-        if self._swap is None:
-            shape = (self.shape.num_layers, self.swap_pages, self.shape.page_elems)
-            self._swap = torch.empty(shape, dtype=self.pool.dtype, pin_memory=self.device.type == "cuda")
-        return self._swap
-
-    def load_adapter(self, packed: PackedAdapter, pages: list[int]) -> None:
-        """Copy an adapter's packed pages from the host cache into its pool pages. On CUDA the copy runs
-        on a side stream, overlapping the forward; a forward that uses the adapter waits for it."""
+    def load_adapter(self, version: str, host_pages: Tensor, pages: list[int]) -> None:
+        """Copy an adapter's packed pages `[layers, pages, page_elems]` from the host cache into its pool pages.
+        On CUDA the copy runs on a side stream, overlapping the forward; a forward that uses the adapter waits
+        for it."""
         if self._copy_stream is None:
             index = torch.tensor(pages, dtype=torch.long, device=self.device)
-            self.pool.index_copy_(1, index, packed.pages.to(self.device, self.pool.dtype))
+            self.memory.load_weights(host_pages.to(self.device, self.shape.dtype), index)
             return
         # The pages may have held KV that forwards already queued still read: start after them.
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -178,9 +168,9 @@ class ModelRunner:
             # The index is allocated on the side stream too: made on the main stream, its memory could be
             # handed to the next step's tensors once this function returns, before the copy has read it.
             index = self._index(pages)
-            self.pool.index_copy_(1, index, packed.pages.to(self.device, self.pool.dtype, non_blocking=True))
-            self._pending_copies[packed.version] = torch.cuda.Event()
-            self._pending_copies[packed.version].record()
+            self.memory.load_weights(host_pages.to(self.device, self.shape.dtype, non_blocking=True), index)
+            self._pending_copies[version] = torch.cuda.Event()
+            self._pending_copies[version].record()
 
     def _index(self, pages: Iterable[int]) -> Tensor:
         """Page ids as an index on the pool's device, copied without waiting for the GPU."""
@@ -197,14 +187,18 @@ class ModelRunner:
         """One forward over the scheduled tokens; logits `[sampled, vocab]` of the completing sequences.
         `sampled`: the ids the step before sampled, still on the device, which pending tokens come from."""
         host = self.inputs_for(scheduled, adapters)
-        feed = step_batch.token_feed(scheduled, sampled)
-        self._wait_for_adapters(adapters)
-        bucket = self._graph_bucket(scheduled, host)
+        return self.execute(host, len(scheduled), step_batch.token_feed(scheduled, sampled), adapters)
+
+    def execute(self, host: HostBatch, num_seqs: int, feed: TokenFeed | None, versions: Iterable[str] = ()) -> Tensor:
+        """One forward of a step built on the host, over `num_seqs` sequences, through a captured graph where
+        one fits; `versions`: its adapters, whose copies into the pool it waits for."""
+        self._wait_for_adapters(versions)
+        bucket = self._graph_bucket(num_seqs, host)
         if bucket is not None:
             assert self.graphs is not None
-            return self.graphs.replay(bucket, host, len(scheduled), feed)
+            return self.graphs.replay(bucket, host, num_seqs, feed)
         if self.mixed_graphs is not None and host.max_query_len > 1:
-            bucket = self.mixed_graphs.fits(host, len(scheduled))
+            bucket = self.mixed_graphs.fits(host, num_seqs)
             if bucket is not None:
                 return self.mixed_graphs.replay(bucket, host, feed)
         return self.forward(host, feed)
@@ -218,28 +212,37 @@ class ModelRunner:
         batch = host.to(self.device)
         step_batch.feed_tokens(batch, feed)
         lora = None if batch.lora is None else self.lora.step(batch.lora)
-        return self.model(batch, self.pool, self.attention, lora)
+        return self.model(batch, self.memory.views, self.attention, lora)
 
     # ---- CUDA graphs --------------------------------------------------------------------------------
-    def _graph_bucket(self, scheduled: list[ScheduledSeq], host: HostBatch) -> int | None:
-        if self.graphs is None or host.max_query_len != 1 or len(host.sample_indices) != len(scheduled):
+    def _graph_bucket(self, num_seqs: int, host: HostBatch) -> int | None:
+        if self.graphs is None or host.max_query_len != 1 or len(host.sample_indices) != num_seqs:
             return None
-        return self.graphs.fits(host, len(scheduled))
+        return self.graphs.fits(host, num_seqs)
 
 
 @torch.inference_mode()
-def profile_activation_bytes(model: CausalLM, shape: PoolShape, num_tokens: int, dtype: torch.dtype,
-                             device: torch.device) -> int:
+def prompts_batch(prompts: list[np.ndarray], page_size: int) -> HostBatch:
+    """A prefill of whole prompts (int64 token ids each), the pages of each after the last's, from page 0."""
+    lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+    pages = -(-lengths // page_size)
+    first_page = np.concatenate([[0], np.cumsum(pages)[:-1]])
+    width = int(pages.max())
+    tables = (first_page[:, None] + np.arange(width)[None, :]).astype(np.int32)          # [seqs, width]
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    positions = np.concatenate([np.arange(n) for n in lengths])
+    seq_of_token = np.repeat(np.arange(len(prompts)), lengths)
+    locations = (first_page[seq_of_token] * page_size + positions).astype(np.int64)
+    return StepBatch(input_ids=np.concatenate(prompts).astype(np.int64), positions=positions, kv_locations=locations,
+                     block_tables=tables, query_start_loc=starts, context_lens=lengths.astype(np.int32),
+                     sample_indices=(starts[1:] - 1).astype(np.int64), page_size=page_size,
+                     max_query_len=int(lengths.max()), max_context_len=int(lengths.max()))
+
+
+def profile_activation_bytes(model: CausalLM, shape: PoolShape, num_tokens: int, device: torch.device) -> int:
     """Peak CUDA memory of one prefill of `num_tokens` tokens beyond the weights and its own KV pages."""
-    pages = -(-num_tokens // shape.page_size)
-    runner = ModelRunner(model, PoolShape(shape.num_layers, pages, shape.page_size, shape.num_kv_heads,
-                                          shape.head_dim), dtype, device)
-    positions = np.arange(num_tokens, dtype=np.int64)
-    host: HostBatch = StepBatch(
-        input_ids=np.zeros(num_tokens, dtype=np.int64), positions=positions, kv_locations=positions.copy(),
-        block_tables=np.arange(pages, dtype=np.int32)[None], query_start_loc=np.array([0, num_tokens], dtype=np.int32),
-        context_lens=np.array([num_tokens], dtype=np.int32), sample_indices=np.array([num_tokens - 1], dtype=np.int64),
-        page_size=shape.page_size, max_query_len=num_tokens, max_context_len=num_tokens)
+    runner = ModelRunner(model, shape.with_pages(-(-num_tokens // shape.page_size)), device)
+    host = prompts_batch([np.zeros(num_tokens, dtype=np.int64)], shape.page_size)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -200,6 +200,30 @@ def host_arrays(static: StepBatch[Tensor]) -> HostArrays:
     return {name: tensor.numpy() for name, tensor in tensors_of(static).items()}
 
 
+def flat_fields(host: HostBatch) -> tuple[list[int], list[np.ndarray]]:
+    """A host batch as ints and arrays in a fixed order (what tensor-parallel rank 0 sends the other ranks
+    each step; from_flat_fields is the inverse)."""
+    lora = host.lora
+    ints = [host.page_size, host.max_query_len, host.max_context_len, host.num_decodes, int(lora is not None),
+            0 if lora is None else lora.max_rank]
+    arrays = [getattr(host, spec.name) for spec in _BATCH_SPECS]
+    if lora is not None:
+        arrays += [getattr(lora, spec.name) for spec in _LORA_SPECS] + [np.array(lora.active, dtype=np.bool_)]
+    return ints, arrays
+
+
+def from_flat_fields(ints: Sequence[int], arrays: Sequence[np.ndarray]) -> HostBatch:
+    """The host batch that flat_fields flattened."""
+    page_size, max_query_len, max_context_len, num_decodes, has_lora, max_rank = ints
+    batch_arrays = dict(zip((spec.name for spec in _BATCH_SPECS), arrays))
+    lora = None
+    if has_lora:
+        lora_arrays = dict(zip((spec.name for spec in _LORA_SPECS), arrays[len(_BATCH_SPECS):]))
+        lora = StepLora(**lora_arrays, max_rank=max_rank, active=arrays[-1].tolist())
+    return StepBatch(**batch_arrays, page_size=page_size, max_query_len=max_query_len,
+                     max_context_len=max_context_len, lora=lora, num_decodes=num_decodes)
+
+
 def padded_rows(rows: Sequence[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Rows of ints (block tables' page arrays, adapter page tables) as one zero-padded `[rows, longest]`
     int32 matrix, copied row by row, and the rows' lengths."""

@@ -1,4 +1,5 @@
 """Reading a Hugging Face `config.json` of the Llama family into one validated dataclass."""
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -47,6 +48,16 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(f"num_attention_heads={self.num_heads} is not a multiple of "
                                         f"num_key_value_heads={self.num_kv_heads}")
+
+    def sharded(self, size: int) -> "ModelConfig":
+        """The part of the model one of `size` tensor-parallel ranks holds: its share of the attention heads,
+        KV heads and MLP columns (Megatron's split). Raises UnsupportedModelError if one does not divide."""
+        for name, count in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                            ("intermediate_size", self.intermediate_size)):
+            if count % size:
+                raise UnsupportedModelError(f"tensor_parallel_size={size} does not divide {name}={count}")
+        return dataclasses.replace(self, num_heads=self.num_heads // size, num_kv_heads=self.num_kv_heads // size,
+                                   intermediate_size=self.intermediate_size // size)
 
     @property
     def q_size(self) -> int:

@@ -19,7 +19,9 @@ from torch import Tensor, nn
 from slora.adapters.shapes import TargetShapes
 from slora.execution.attention_backend import AttentionBackend, RowQueries, row_queries
 from slora.execution.lora_backend import LoraStep
+from slora.execution.pool_memory import PoolViews
 from slora.execution.step_batch import StepBatch
+from slora.execution.tensor_parallel import TensorParallel
 from slora.kernels.reference import PagedKV
 from slora.models import ops
 from slora.models.config import ModelConfig
@@ -88,10 +90,10 @@ class StepContext:
     """What every layer needs in one forward: the batch, the pool, the kernels, the rotary angles; cut to some
     rows (for_rows), those rows as decode queries too."""
 
-    def __init__(self, batch: StepBatch[Tensor], pool: Tensor, attention: AttentionBackend, lora: LoraStep | None,
-                 cos: Tensor, sin: Tensor, rows: RowQueries | None = None) -> None:
+    def __init__(self, batch: StepBatch[Tensor], pool: PoolViews, attention: AttentionBackend, lora: LoraStep | None,
+                 cos: Tensor, sin: Tensor, rows: RowQueries | None = None, tp: TensorParallel | None = None) -> None:
         self.batch, self.pool, self.attention, self.lora, self.cos, self.sin = batch, pool, attention, lora, cos, sin
-        self.rows = rows
+        self.rows, self.tp = rows, tp
         self.pdl = attention.pdl
 
     def project(self, layer: int, modules: slice, x: Tensor, linear: Projection, out_sizes: list[int],
@@ -100,10 +102,12 @@ class StepContext:
         (consecutive modules reading x, outputs side by side): added into the output after the GEMM, or, when
         the step computes deltas (LoraStep.deltas), returned for the op that reads the output to add (on the
         side stream while the GEMM runs, if there is one)."""
+        if self.tp is not None and residual is not None:
+            return self._row_parallel(layer, modules, x, linear, out_sizes, residual)
         lora = self.lora
         if lora is None:
             return Projected(_linear(linear, x, residual))
-        pool = self.pool[layer]
+        pool = self.pool.weights[layer]                             # [pages, page_elems]
         if not lora.deltas:
             out = _linear(linear, x, residual)
             lora.apply(layer, modules, x, out, pool, out_sizes)
@@ -124,6 +128,20 @@ class StepContext:
         main.wait_stream(lora.side_stream)
         return Projected(out, self._delta(delta))
 
+    def _row_parallel(self, layer: int, modules: slice, x: Tensor, linear: Projection, out_sizes: list[int],
+                      residual: Tensor) -> Projected:
+        """Under tensor parallelism, o_proj and down_proj: each rank's x and weight hold its input features, so
+        its product (LoRA included) is a partial sum, which one all-reduce adds up into the residual stream. The
+        residual itself is added on rank 0 alone, so that it counts once."""
+        assert self.tp is not None, "called under tensor parallelism"
+        if self.tp.rank == 0:
+            out = _linear(linear, x, residual)
+        else:
+            out = torch.mm(x, linear.weight.t(), out=residual)            # [tokens, out]; its bias is rank 0's
+        if self.lora is not None:
+            self.lora.apply(layer, modules, x, out, self.pool.weights[layer], out_sizes, row_parallel=True)
+        return Projected(self.tp.all_reduce(out))
+
     def for_rows(self, rows: Tensor) -> "StepContext":
         """This context cut to some rows of the step (`rows` `[n]`), for the work of the last layer that only
         the sampled rows need: the LoRA and rotary angles then cover those rows alone, and no LoRA when there
@@ -131,7 +149,7 @@ class StepContext:
         layers: its tensors are read by kernels before their PDL wait (slora.kernels.pdl)."""
         lora = None if self.lora is None or rows.shape[0] == 0 else self.lora.rows(rows)
         return StepContext(self.batch, self.pool, self.attention, lora, self.cos[rows], self.sin[rows],
-                           row_queries(self.batch, rows))
+                           row_queries(self.batch, rows), self.tp)
 
     def cut(self, x: Tensor) -> Tensor:
         """The rows of x `[tokens, ...]` that this context, made by for_rows, is cut to."""
@@ -199,8 +217,8 @@ class Attention(nn.Module):
     def attend(self, x: Tensor, ctx: StepContext) -> Tensor:
         """Every token's K/V stored, and its attention output `[tokens, q_size]` (before o_proj)."""
         tokens = x.shape[0]
-        kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
-        q, k, v = self.stored_qkv(x, PagedKV(kv_pool, ctx.batch.kv_locations, ctx.batch.page_size), ctx)
+        kv_pool = ctx.pool.kv[self.layer]
+        q, k, v = self.stored_qkv(x, ctx.pool.paged_kv(self.layer, ctx.batch.kv_locations, ctx.batch.page_size), ctx)
         attn = ctx.attention.attend(q, (k, v), kv_pool, ctx.batch, self.num_kv_heads, self.scale)
         return attn.reshape(tokens, self.num_heads * self.head_dim)  # [tokens, q_size]
 
@@ -212,10 +230,10 @@ class Attention(nn.Module):
         assert rows_ctx.rows is not None, "a context cut by for_rows"
         q_part, kv_part = (linear_part(self.qkv_proj, cols) for cols in (slice(0, self.q_size),
                                                                             slice(self.q_size, None)))
-        kv_pool = ctx.pool[self.layer]                               # [pages, page_elems]
+        kv_pool = ctx.pool.kv[self.layer]
         kv = ctx.project(self.layer, LORA_KV, x, kv_part, [self.kv_size] * 2)          # [tokens, 2 * kv_size]
         ops.rotary_qk_(kv.out, ctx.cos, ctx.sin, 0, self.num_kv_heads, self.head_dim,
-                       PagedKV(kv_pool, ctx.batch.kv_locations, ctx.batch.page_size), ctx.pdl, kv.lora)
+                       ctx.pool.paged_kv(self.layer, ctx.batch.kv_locations, ctx.batch.page_size), ctx.pdl, kv.lora)
         q = rows_ctx.project(self.layer, LORA_Q, rows_ctx.cut(x), q_part, [self.q_size])   # [rows, q_size]
         ops.rotary_qk_(q.out, rows_ctx.cos, rows_ctx.sin, self.num_heads, 0, self.head_dim, None, ctx.pdl, q.lora)
         query = q.out.view(-1, self.num_heads, self.head_dim)                            # [rows, heads, head_dim]
@@ -292,6 +310,8 @@ class LlamaForCausalLM(nn.Module):
 
     lora_modules: tuple[str, ...] = LORA_MODULES
     lora_groups: tuple[slice, ...] = LORA_GROUPS
+    # Under tensor parallelism, this rank's place: its weights are its part of the model (slora.models.sharding).
+    tensor_parallel: TensorParallel | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -319,13 +339,13 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch[Tensor], pool: Tensor, attention: AttentionBackend,
+    def forward(self, batch: StepBatch[Tensor], pool: PoolViews, attention: AttentionBackend,
                 lora: LoraStep | None = None) -> Tensor:
         """Logits `[sampled, vocab]` (float32) of the rows `batch.sample_indices`; `lora`: the step's adapters
         (None: none of its tokens has one)."""
         embedded = self.model.embed_tokens(batch.input_ids)          # [tokens, hidden]
         cos, sin = self.rotary.cos_sin(batch.positions, embedded.dtype)
-        ctx = StepContext(batch, pool, attention, lora, cos, sin)
+        ctx = StepContext(batch, pool, attention, lora, cos, sin, tp=self.tensor_parallel)
         rows = batch.sample_indices
         # Past the last layer's K/V nothing reads a row that is not sampled, and in a step with prefill rows
         # that is nearly all of them (8,192 tokens, 8 sampled): its q, attention, o_proj and MLP run on the

@@ -15,6 +15,7 @@ MAX_TOP_K = 2 ** 31 - 1
 FLOAT32_MAX = 3.4028234663852886e38     # temperatures become float32 tensor elements in the sampler
 MAX_LOGPROBS = 20                       # top logprobs per position (OpenAI's bound)
 MAX_PENALTY = 2.0                       # presence / frequency penalties lie in [-2, 2] (OpenAI's bound)
+MAX_LENGTH_PENALTY = 10.0               # beam search's length penalty lies in [-10, 10]
 MAX_LOGIT_BIAS = 100.0                  # logit_bias values lie in [-100, 100] (OpenAI's bound)
 
 
@@ -27,7 +28,12 @@ class SamplingParams:
     grammar masks), as vLLM's default. `logprobs=k`: each output token's logprob and the k most likely
     tokens at its position; `prompt_logprobs=k`: the same for the prompt's tokens (its first has none).
     `best_of`: that many samples run, and the n with the highest cumulative logprob are returned.
-    `max_tokens=0` computes the prompt only (with prompt_logprobs, that is a loglikelihood)."""
+    `max_tokens=0` computes the prompt only (with prompt_logprobs, that is a loglikelihood).
+
+    `use_beam_search`: `beam_width` beams (default: best_of or n) searched as transformers' `generate(num_beams=
+    beam_width, length_penalty=..., early_stopping=...)` does; the best n finished beams are returned. It takes
+    no sampling (temperature 0 or 1, no top-p/k, min-p), penalties, logit biases, grammars, stop strings or
+    min_tokens; stop_token_ids and ignore_eos apply."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -48,6 +54,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
     best_of: int | None = None
     structured: StructuredOutput | None = None
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False    # True, False or "never", as transformers'
     # stop_token_ids as a set: the stop check asks it for every token, and a request may list 1024 ids.
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
@@ -65,6 +75,7 @@ class SamplingParams:
                  f"-1, 0 or a positive integer up to {MAX_TOP_K}", self.top_k)
         _require(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
         self._check_controls()
+        self._check_beam_search()
         self._check_seed()
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -105,10 +116,48 @@ class SamplingParams:
         _require(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
                  "None or a StructuredOutput", self.structured)
 
+    def _check_beam_search(self) -> None:
+        _require(isinstance(self.use_beam_search, bool), "use_beam_search", "a bool", self.use_beam_search)
+        # Scores divide by length ** length_penalty: beyond +-10 that power overflows a float at long lengths.
+        _require(_is_finite(self.length_penalty) and abs(self.length_penalty) <= MAX_LENGTH_PENALTY, "length_penalty",
+                 f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]", self.length_penalty)
+        stopping = self.early_stopping
+        _require(stopping is True or stopping is False or stopping == "never", "early_stopping",
+                 'True, False or "never"', stopping)
+        if not self.use_beam_search:
+            for name, default in (("beam_width", None), ("length_penalty", 1.0), ("early_stopping", False)):
+                _require(getattr(self, name) == default, name, f"{default} without use_beam_search",
+                         getattr(self, name))
+            return
+        _require(self.beam_width is None or (_is_int(self.beam_width) and self.beam_width >= self.n),
+                 "beam_width", f"None or an integer >= n={self.n}", self.beam_width)
+        _require(self.max_tokens >= 1, "max_tokens", "at least 1 with use_beam_search", self.max_tokens)
+        unsupported = [name for name, value, default in self._beam_excluded() if value != default]
+        if unsupported:
+            raise ValueError(f"use_beam_search does not support {', '.join(unsupported)}; beam search ranks "
+                             "the model's own logprobs")
+
+    def _beam_excluded(self) -> list[tuple[str, object, object]]:
+        """(field, value, the value beam search needs) of what it does not combine with."""
+        temperature = 1.0 if self.temperature in (0, 1) else self.temperature
+        return [("temperature other than 0 or 1", temperature, 1.0), ("top_p", self.top_p, 1.0),
+                ("top_k", max(self.top_k, 0), 0), ("min_p", self.min_p, 0.0),
+                ("presence_penalty", self.presence_penalty, 0.0), ("frequency_penalty", self.frequency_penalty, 0.0),
+                ("repetition_penalty", self.repetition_penalty, 1.0), ("logit_bias", self.logit_bias, {}),
+                ("structured output", self.structured, None), ("stop strings", self.stop, []),
+                ("min_tokens", self.min_tokens, 0)]
+
     @property
     def num_samples(self) -> int:
-        """Samples that run: best_of of them when given (n are returned)."""
+        """Sequences that run: the beams of a beam search (beam_width, else best_of or n), else best_of samples
+        when given (n are returned)."""
+        if self.use_beam_search:
+            return self.beam_width or self.best_of or self.n
         return self.best_of or self.n
+
+    @property
+    def beam_search_width(self) -> int | None:
+        return self.num_samples if self.use_beam_search else None
 
     @property
     def logprob_count(self) -> int | None:

@@ -14,7 +14,8 @@ from slora.core.scheduler import ScheduledSeq, Scheduler
 from slora.core.sequence import AdapterRef, Sequence, SequenceStatus
 from slora.execution.device_copy import tensor_on
 from slora.execution.step_batch import prompt_logits
-from slora.sampling.detokenizer import IncrementalDetokenizer
+from slora.sampling.beam_search import BeamGroup
+from slora.sampling.detokenizer import IncrementalDetokenizer, fast_decoder
 from slora.sampling.params import SamplingParams
 from slora.sampling.sampler import GrammarMask, token_logprobs
 
@@ -34,6 +35,9 @@ class RequestState:
     cumulative_logprobs: list[float] = field(default_factory=lambda: [0.0])
     prompt_logprobs: list[TokenLogprob | None] | None = None    # position p: the logprob of prompt token p
     grammars: list[GrammarMask] | None = None   # per sample, with SamplingParams.structured
+    # A beam search's state (its live beams are `seqs`), and how its outputs are decoded to text.
+    beams: BeamGroup | None = None
+    decode: Callable[[list[int]], str] | None = None
 
     def __post_init__(self) -> None:
         if self.seqs[0].params.prompt_logprobs is not None:
@@ -72,8 +76,12 @@ class RequestState:
         self.prompt_logprobs[first:last] = token_logprobs(logits, targets, [k] * len(targets))
 
     def output(self) -> RequestOutput:
-        samples = [self._sample_output(i, s) for i, s in enumerate(self.seqs)]
         n = self.seqs[0].params.n
+        if self.beams is not None:
+            assert self.decode is not None, "set with beams"
+            return RequestOutput(self.request_id, self.prompt_token_ids, self.beams.outputs(n, self.decode),
+                                 self.finished, self.seqs[0].num_cached_tokens, self.error, self.prompt_logprobs)
+        samples = [self._sample_output(i, s) for i, s in enumerate(self.seqs)]
         if len(samples) > n:      # best_of: the n samples of highest cumulative logprob, best first
             best = sorted(samples, key=lambda c: c.cumulative_logprob, reverse=True)[:n]
             samples = [dataclasses.replace(c, index=i) for i, c in enumerate(best)]
@@ -111,8 +119,11 @@ def record_prompt_logprobs(requests: dict[str, RequestState], scheduled: list[Sc
 
 
 def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                  max_num_seqs: int) -> None:
+                  max_num_seqs: int, max_beam_width: int) -> None:
     """A request the engine can take: ValueError naming what is wrong with it."""
+    width = params.beam_search_width
+    if width is not None and width > max_beam_width:
+        raise ValueError(f"a beam width of {width} exceeds the server's max_beam_width={max_beam_width}")
     if params.num_samples > max_num_seqs:
         raise ValueError(f"{params.num_samples} samples (n or best_of) exceed max_num_seqs={max_num_seqs}")
     check_prompt(prompt, vocab_size, max_model_len)
@@ -159,6 +170,7 @@ class SequenceMaker:
 
     def __init__(self, scheduler: Scheduler, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self._scheduler, self._tokenizer = scheduler, tokenizer
+        self._decode = None if tokenizer is None else fast_decoder(tokenizer)
         self._next_id = 0
 
     def new(self, request_id: str, prompt: list[int], params: SamplingParams, ref: AdapterRef | None,
@@ -170,15 +182,28 @@ class SequenceMaker:
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tokenizer)
 
+    def decode(self, token_ids: list[int]) -> str:
+        """A whole output's text at once (none without a tokenizer)."""
+        return "" if self._decode is None else self._decode(token_ids)
+
+    def copy(self, seq: Sequence, index: int = 0) -> Sequence:
+        """A new sequence of `seq`'s prompt, request, adapter, tenant and priority: sample `index`."""
+        return self.new(seq.request_id, seq.prompt_token_ids, seq.params, seq.adapter, seq.cache_salt,
+                        tenant=seq.tenant, priority=seq.priority, index=index)
+
+    def fork(self, parent: Sequence, index: int = 0) -> Sequence:
+        """A copy of running `parent` sharing its pages (copy-on-write), its output so far included: a forked
+        sample, or a beam taking another of its parent's continuations."""
+        child = self.copy(parent, index)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.num_cached_tokens = parent.num_cached_tokens
+        self._scheduler.fork(parent, child)
+        return child
+
     def fork_samples(self, state: RequestState) -> list[Sequence]:
         """After the first sample's prefill, the other samples start as copies sharing its pages."""
-        parent = state.seqs[0]
-        children = [self.new(state.request_id, parent.prompt_token_ids, parent.params, parent.adapter,
-                             parent.cache_salt, tenant=parent.tenant, priority=parent.priority, index=i)
-                    for i in range(1, state.num_samples)]
+        children = [self.fork(state.seqs[0], i) for i in range(1, state.num_samples)]
         for child in children:
-            child.num_cached_tokens = parent.num_cached_tokens
-            self._scheduler.fork(parent, child)
             state.seqs.append(child)
             state.add_sample(self.detokenizer())
         return children

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +19,12 @@ import openai
 import pytest
 from benchmark_modules import load_benchmark
 from servers import STARTUP_TIMEOUT_S, free_port, wait_healthy, write_tenants  # noqa: F401 - the tests' names
+from starlette.testclient import TestClient
 
 from slora import LLM, SamplingParams
+from slora.api.app import create_app
+from slora.api.settings import ServerSettings
+from slora.engine import Engine
 
 BASE_MODEL = "slora-tiny-llama"
 TEST_ADAPTERS = ["attn-r4", "mlp-r8", "all-r16"]
@@ -82,6 +88,15 @@ def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+@contextmanager
+def in_process_client(engine: Engine, settings: ServerSettings) -> Iterator[TestClient]:
+    """A TestClient over the app of `engine`, once its /health answers 200: the app loads its adapters after it
+    starts, and a request sent before then is a 503."""
+    with TestClient(create_app(engine, settings), raise_server_exceptions=False) as client:
+        wait_until(lambda: client.get("/health").status_code == 200, "the app to serve")
+        yield client
 
 
 def start_server(log_dir: Path, *args: str, model: str | None = BASE_MODEL) -> Server:

@@ -94,6 +94,8 @@ def test_unload_while_streaming_finishes_then_404_then_pages_free(server, client
     assert results[0] == (expected, "length")                       # the in-flight one finished on it
     after = server.wait_for(lambda s: s['slora_pool_pages{owner="kv"}'] == 0, what="idle")
     assert after['slora_pool_pages{owner="adapter"}'] == before - pages
+    kv_pages = sum(after[f'slora_pool_pages{{owner="{owner}"}}'] for owner in ("free", "kv", "cached"))
+    assert after["slora_kv_token_capacity"] == 16 * kv_pages          # the pages adapters do not hold, in tokens
     assert "going" not in adapters_by_name(http)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="going", prompt=PROMPT, max_tokens=2)

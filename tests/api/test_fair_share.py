@@ -121,7 +121,9 @@ def test_a_flooding_tenant_does_not_hold_back_another_under_vtc(tmp_path_factory
     finally:
         vtc_server.stop()
     assert views["scheduling_policy"] == "vtc"
-    assert p99(vtc.b_ttft) * 5 <= p99(fcfs.b_ttft), (vtc.b_ttft, fcfs.b_ttft)
+    # First come first served makes B wait behind A's whole queue (about 14 s here), vtc for one of A's requests
+    # (about 3 s): a wide margin, as a loaded machine narrows the gap.
+    assert p99(vtc.b_ttft) * 3 <= p99(fcfs.b_ttft), (vtc.b_ttft, fcfs.b_ttft)
     # At worst B waits for one of A's two running requests to end (plus a step or two of its own).
     assert p99(vtc.b_ttft) <= max(vtc.a_run_s) + 0.5, (vtc.b_ttft, vtc.a_run_s)
 

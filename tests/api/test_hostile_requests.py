@@ -11,11 +11,9 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import BASE_MODEL, assert_error_shape, start_server
+from conftest import BASE_MODEL, assert_error_shape, in_process_client, start_server
 from starlette.requests import Request
-from starlette.testclient import TestClient
 
-from slora.api.app import create_app
 from slora.api.async_engine import EngineInfo
 from slora.api.errors import APIError
 from slora.api.limits import Admission
@@ -196,7 +194,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
                 modalities=["text"]).status_code == 200
 
 
-@pytest.mark.parametrize("field,value", [("suffix", "end"), ("use_beam_search", True), ("skip_special_tokens", False),
+@pytest.mark.parametrize("field,value", [("suffix", "end"), ("skip_special_tokens", False),
                                          ("include_stop_str_in_output", True), ("allowed_token_ids", [5])])
 def test_other_values_of_unsupported_fields_are_400(http, field, value):
     error = error_of(completion(http, **{field: value}))
@@ -492,7 +490,7 @@ def failing_app(tmp_path_factory):
         return [fail(engine, out, mode["code"]) for out in outputs]
     engine.step = step
     settings = ServerSettings(adapter_store=str(tmp_path_factory.mktemp("adapter-store")))
-    with TestClient(create_app(engine, settings), raise_server_exceptions=False) as client:
+    with in_process_client(engine, settings) as client:
         yield client, mode, engine
 
 

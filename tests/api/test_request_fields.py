@@ -6,8 +6,7 @@ import json
 import logging
 
 import pytest
-from conftest import BASE_MODEL, assert_error_shape
-from starlette.testclient import TestClient
+from conftest import BASE_MODEL, assert_error_shape, in_process_client
 
 from slora.api.app import create_app
 from slora.api.settings import ServerSettings
@@ -44,7 +43,7 @@ def app(tmp_path_factory):
         return real_add(request_id, prompt, params, *args, **kwargs)
     engine.add_request = add_request
     settings = ServerSettings(adapter_store=str(tmp_path_factory.mktemp("adapter-store")))
-    with TestClient(create_app(engine, settings), raise_server_exceptions=False) as client:
+    with in_process_client(engine, settings) as client:
         yield client, records, engine
 
 
@@ -81,7 +80,8 @@ def test_every_completions_field_is_accepted_and_mapped(app):
                          repetition_penalty=1.1, min_tokens=1, ignore_eos=True, stop_token_ids=[3],
                          skip_special_tokens=True, spaces_between_special_tokens=True,
                          include_stop_str_in_output=False, add_special_tokens=True, use_beam_search=False,
-                         length_penalty=1.0, allowed_token_ids=[], bad_words=[], priority=0, request_id="abc",
+                         length_penalty=1.0, early_stopping=False, allowed_token_ids=[], bad_words=[], priority=0,
+                         request_id="abc",
                          guided_decoding_backend="xgrammar", return_tokens_as_token_ids=False,
                          truncate_prompt_tokens=100, response_format={"type": "text"}, return_token_ids=True))
     _, params = records[-1]
@@ -379,11 +379,9 @@ def test_guided_json_that_is_not_a_schema_is_400(app):
 # ---- refused by name -----------------------------------------------------------------------------------
 UNSUPPORTED = {     # field: a value slora does not implement (each field's neutral value is accepted)
     "suffix": "and then",
-    "use_beam_search": True,
     "skip_special_tokens": False,
     "spaces_between_special_tokens": False,
     "include_stop_str_in_output": True,
-    "length_penalty": 0.8,
     "allowed_token_ids": [1, 2],
     "bad_words": ["bad"],
     "logits_processors": ["x"],

@@ -7,10 +7,8 @@ import math
 
 import openai
 import pytest
-from conftest import BASE_MODEL
-from starlette.testclient import TestClient
+from conftest import BASE_MODEL, in_process_client
 
-from slora.api.app import create_app
 from slora.api.responses import LOGPROB_FLOOR, logprob_value
 from slora.api.settings import ServerSettings
 from slora.config import EngineConfig
@@ -34,7 +32,7 @@ def app(tmp_path_factory):
         return outputs
     engine.step = step
     settings = ServerSettings(adapter_store=str(tmp_path_factory.mktemp("adapter-store")))
-    with TestClient(create_app(engine, settings), raise_server_exceptions=False) as client:
+    with in_process_client(engine, settings) as client:
         yield client, finals, engine
 
 

@@ -18,7 +18,7 @@ from ray import serve  # noqa: E402
 from tiny import edit_weights, random_prompts  # noqa: E402
 
 from slora import LLM, RequestOutput, SamplingParams  # noqa: E402
-from slora.api.replica import Autoscaling, ReplicaRequest, ReplicaStats, replica_app  # noqa: E402
+from slora.api.replica import Autoscaling, ReplicaRequest, ReplicaStats, board, replica_app  # noqa: E402
 from slora.config import EngineConfig  # noqa: E402
 
 BASE_MODEL = "slora-tiny-llama"
@@ -264,16 +264,23 @@ def _ran_to_the_end(streams: dict[str, concurrent.futures.Future], max_tokens: i
 LONG = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
 
 
+def _both_replicas_running() -> bool:
+    """From the snapshots the replicas post, not from calls: Ray routes a call to the less loaded replica, so
+    while one replica runs streams and the other none, every stats call would reach the idle one."""
+    snapshots = ray.get(board(REPLICAS_APP).fresh.remote(1.0))
+    return len(snapshots) == 2 and all(s.sequences_running for s in snapshots.values())
+
+
 def test_a_removed_replica_finishes_its_requests_first(replicas, streams_loop):
     """The module's two replicas, updated to one (the last test of them): the one removed drains first."""
     prompts = random_prompts([6] * 8, seed=41)
     streams: dict[str, concurrent.futures.Future] = {}
     for i, prompt in enumerate(prompts):      # one by one until both replicas run some (routed by load)
         streams |= _stream_all(streams_loop, replicas, [request(f"drain-{i}", prompt, None, params=LONG)])
-        time.sleep(0.1)
-        if i and all(s.running for s in replica_stats(replicas, 2)):
+        time.sleep(0.3)
+        if _both_replicas_running():
             break
-    assert all(s.running for s in replica_stats(replicas, 2)), "the requests did not reach both replicas"
+    assert _both_replicas_running(), "the requests did not reach both replicas"
     serve.run(replica_app(EngineConfig(model=BASE_MODEL), 1, num_gpus=0, num_cpus=0.5, max_adapters=1024),
               name=REPLICAS_APP, route_prefix=None)
     _ran_to_the_end(streams, LONG.max_tokens)

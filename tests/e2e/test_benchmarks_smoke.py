@@ -127,6 +127,16 @@ def check_step_host_speed(stdout: str, data: Any) -> None:
     assert speed["host"]["usable_cores"] >= 1 and (speed["iterations"], speed["repeats"]) == (20, 1)
 
 
+def check_tensor_parallel(stdout: str, data: Any) -> None:
+    assert "lora_comm_pct" in stdout
+    rows = data["rows"]
+    assert {(row["tp"], row["scheme"]) for row in rows} == {(1, "-"), (2, "replicated A"), (2, "fully sharded")}
+    for row in rows:
+        assert row["gen_tok_s"] > 0 and row["tok_s"] > row["gen_tok_s"]
+        assert (row["comm_pct"] > 0) == (row["tp"] == 2)                        # the base all-reduces, profiled
+        assert (row["lora_comm_pct"] > 0) == (row["scheme"] == "fully sharded")  # only that scheme sends LoRA
+
+
 def check_soak(stdout: str, data: Any) -> None:
     assert json.loads(stdout) == data                        # the report, on stdout too
     assert data["requests"] == 60 and data["server_errors"] == [] and data["hangs"] == []
@@ -177,6 +187,24 @@ def check_fairness_sim(stdout: str, data: Any) -> None:
     assert data["summary"]["gen_tok_s_vtc_over_fcfs"] >= 0.97
 
 
+def check_kv_quality(stdout: str, data: Any) -> None:
+    assert "ppl_delta_pct" in stdout
+    rows = {row["config"]: row for row in data["rows"]}
+    assert set(rows) == {"auto", "fp8"} and rows["auto"]["token_match"] == 1.0
+    for row in rows.values():
+        assert row["ppl"] > 1 and 0 <= row["token_match"] <= 1 and 0 <= row["forced_top1"] <= 1
+    assert rows["fp8"]["kv_token_capacity"] > rows["auto"]["kv_token_capacity"] > 0
+
+
+def check_beam_memory(stdout: str, data: Any) -> None:
+    assert "saving_pct" in stdout
+    rows = {row["width"]: row for row in data["rows"]}
+    assert set(rows) == {2, 4, 6}
+    # Shared pages never exceed full copies, and wider searches share more of their history.
+    assert all(0 < r["shared_page_steps"] < r["unshared_page_steps"] for r in rows.values())
+    assert rows[2]["saving_pct"] < rows[4]["saving_pct"] < rows[6]["saving_pct"]
+
+
 class Case(NamedTuple):
     script: str
     args: tuple[str, ...]
@@ -200,6 +228,9 @@ CASES = {
     "ptx_loads": Case("ptx_loads.py", ("--quick",), check_ptx_loads),
     "fairness": Case("fairness.py", ("--quick",), check_fairness_sim),
     "fairness-engine": Case("fairness.py", ("--quick", "--engine", "gpu", "--device", "cpu"), check_fairness_run),
+    "kv_quality": Case("kv_quality.py", ("--quick",), check_kv_quality),
+    "beam_memory": Case("beam_memory.py", ("--quick",), check_beam_memory),
+    "tensor_parallel": Case("tensor_parallel.py", ("--quick",), check_tensor_parallel),
     "decode-cuda": Case("decode.py", ("--quick",), check_decode, gpu=True),
     "prefill-cuda": Case("prefill.py", ("--quick",), check_prefill, gpu=True),
     "engine_throughput-cuda": Case("engine_throughput.py", ("--quick", "--device", "cuda"), check_vllm_workloads,
@@ -229,7 +260,9 @@ def test_quick_run_prints_its_table_and_writes_its_json(name, tmp_path):
 
 
 # Scripts whose quick run is elsewhere: replicas.py joins the Ray cluster of tests/cluster.
-SMOKED_ELSEWHERE = {"replicas.py": "tests/cluster/test_replicas_benchmark.py"}
+SMOKED_ELSEWHERE = {"replicas.py": "tests/cluster/test_replicas_benchmark.py",
+                    "kv_cache.py": "tests/e2e/test_kv_cache_benchmark.py",
+                    "beam_search.py": "tests/e2e/test_beam_search_benchmark.py"}
 
 
 def test_every_script_has_a_case():

@@ -99,7 +99,7 @@ def test_seeded_sampling_is_the_same_on_cpu_and_cuda(tiny_llama):
 def test_pool_sized_from_free_memory(tiny_llama):
     llm = LLM(str(tiny_llama.model_dir), device="cuda", cuda=CudaConfig(gpu_memory_utilization=0.3))
     total = torch.cuda.get_device_properties(0).total_memory
-    pool_bytes = llm.engine.runner.pool.numel() * llm.engine.runner.pool.element_size()
+    pool_bytes = llm.engine.runner.memory.nbytes
     assert 0 < pool_bytes < 0.3 * total
     assert llm.pool_stats()["total_pages"] > 1000
 

@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct, the default model: the conversion of its packaged GGUF, greedy output token-exact
 against transformers (base) and PEFT (its demo adapters) in float32, and what each demo adapter does."""
+import contextlib
 import json
 import re
 
@@ -112,3 +113,36 @@ def test_each_demo_adapter_visibly_changes_the_answers(smollm2):
         assert set(reply) == {"answer"} and reply["answer"], reply
     assert "Cairo" in answers["What is the capital of Egypt?", "demo-pirate"]      # the pirate keeps the facts
     assert "Pacific" in json.loads(answers["What is the largest ocean on Earth?", "demo-json"])["answer"]
+
+
+@torch.inference_mode()
+def beam_oracle(peft_model, prompt_ids: list[int], adapter: str | None, width: int, n: int, max_tokens: int,
+                stops: list[int], length_penalty: float) -> list[list[int]]:
+    """transformers' beam search (+ PEFT with `adapter`, none: its adapters disabled): the n best beams'
+    tokens, through the stop token that ended one."""
+    ids = torch.tensor([prompt_ids])
+    with contextlib.ExitStack() as stack:
+        if adapter is None:
+            stack.enter_context(peft_model.disable_adapter())
+        else:
+            peft_model.set_adapter(adapter)
+        out = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                  num_beams=width, num_return_sequences=n, do_sample=False,
+                                  length_penalty=length_penalty, eos_token_id=stops, pad_token_id=stops[0])
+    rows = []
+    for row in out[:, ids.shape[1]:].tolist():
+        rows.append(row[:next((i + 1 for i, token in enumerate(row) if token in stops), len(row))])
+    return rows
+
+
+@pytest.mark.parametrize("width,n,length_penalty", [(2, 2, 1.0), (4, 2, 0.5)])
+def test_beam_search_is_token_exact_with_the_demo_adapters(smollm2, peft_model, width, n, length_penalty):
+    """The default model's own end-of-turn and EOS tokens end the beams, as the engine's stop set holds them."""
+    stops = sorted(smollm2.engine.eos_token_ids)
+    adapters = [None, "demo-pirate", "demo-json"]
+    prompt = smollm2.chat_prompt_ids(user(QUESTIONS[0]))
+    params = SamplingParams(use_beam_search=True, beam_width=width, n=n, max_tokens=12, length_penalty=length_penalty)
+    outputs = smollm2.generate([prompt] * len(adapters), params, adapters)
+    for adapter, output in zip(adapters, outputs, strict=True):
+        want = beam_oracle(peft_model, prompt, adapter, width, n, 12, stops, length_penalty)
+        assert [c.token_ids for c in output.outputs] == want, adapter

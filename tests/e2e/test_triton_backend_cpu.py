@@ -208,9 +208,9 @@ def _warm_up_run(llm: LLM, limits: GraphLimits, recorder: "VariantRecorder | Non
 
     before = generate()
     runner = llm.engine.runner
-    pool = runner.pool.clone()
+    pool = runner.memory.contents()
     runner.warm_up(limits)
-    pool_after = runner.pool.clone()
+    pool_after = runner.memory.contents()
     return WarmUpRun(llm, before, generate(), pool, pool_after)
 
 
@@ -389,7 +389,7 @@ def test_steps_through_a_buckets_recorded_forward_match_peft(tiny_llama, monkeyp
     runner.attention, runner.lora = TritonAttention(), TritonLora()
     limits = GraphLimits(max_batch=4, max_blocks=8, max_adapter_pages=64, max_lora_rank=16,
                          num_layers=runner.shape.num_layers, num_lora_modules=7, mixed_tokens=24)
-    graphs = MixedGraphs(runner.model, runner.pool, runner.attention, runner.lora, runner.shape.page_size, limits)
+    graphs = MixedGraphs(runner.model, runner.memory.views, runner.attention, runner.lora, runner.shape.page_size, limits)
     assert graphs.buckets == [16, 24]
 
     def recorded(tokens: int, with_lora: bool):

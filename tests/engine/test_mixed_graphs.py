@@ -24,6 +24,8 @@ from slora.execution.mixed_graphs import (
     split_attention_inputs,
     token_buckets,
 )
+from slora.execution.pool_memory import PoolViews
+from slora.kernels.reference import KVCache
 
 LIMITS = GraphLimits(max_batch=8, max_blocks=4, max_adapter_pages=3, max_lora_rank=16, num_layers=2,
                      num_lora_modules=7, max_loras=2, mixed_tokens=200)
@@ -116,7 +118,13 @@ def _memsets(graph: torch.cuda.CUDAGraph) -> int:
 
 def _graphs() -> MixedGraphs:
     """Graphs over a CPU pool, not captured: fits() reads only the step's host tables."""
-    return MixedGraphs(torch.nn.Module(), torch.zeros(2, 10, 8), None, None, 16, LIMITS)
+    return MixedGraphs(torch.nn.Module(), _cpu_pool(), None, None, 16, LIMITS)
+
+
+def _cpu_pool() -> PoolViews:
+    """Two layers of 10 pages of 8 elements: the graphs read only its device."""
+    layers = (torch.zeros(10, 8), torch.zeros(10, 8))
+    return PoolViews(layers, tuple(KVCache(t) for t in layers))
 
 
 def _step(tokens: int, seqs: int, width: int = 2, samples: int | None = None, slots: int = 0,
@@ -145,7 +153,7 @@ def test_the_decode_graphs_take_a_decode_step_whose_tables_fit_their_buffers():
     """The decode graphs' (slora.execution.cuda_graphs) counterpart of fits: the smallest batch bucket, unless the step's
     block table or adapter tables outgrow the bucket's static buffers."""
     limits = dataclasses.replace(LIMITS, lora_side_stream=False)      # no side stream: no CUDA needed
-    graphs = DecodeGraphs(torch.nn.Module(), torch.zeros(2, 10, 8), None, None, 16, limits)
+    graphs = DecodeGraphs(torch.nn.Module(), _cpu_pool(), None, None, 16, limits)
     assert graphs.buckets == [1, 2, 4, 8]
     assert graphs.fits(_step(3, 3), 3) == 4
     assert graphs.fits(_step(3, 3, slots=2), 3) == 4

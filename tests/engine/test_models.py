@@ -78,8 +78,7 @@ def test_half_precision_logits_track_float32(tiny_llama, dtype):
         out = llm.engine.scheduler.schedule()
         adapters = {v: (llm.engine.adapters.versions[v].descriptor, r.pages)
                     for v, r in llm.engine.adapters.resident.items()}
-        for version, pages in out.adapters_to_load:
-            llm.engine.runner.load_adapter(llm.engine.adapters.versions[version].packed, pages)
+        llm.engine.runner.move_pages(out, llm.engine.adapters.packed(v for v, _ in out.adapters_to_load))
         logits[name] = llm.engine.runner.run(out.scheduled, adapters)[0]
     similarity = torch.nn.functional.cosine_similarity(logits["float32"], logits[dtype], dim=0)
     assert similarity > 0.99

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from slora.kernels import reference
 from slora.kernels.layout import align_up
 
 
@@ -173,3 +174,21 @@ def assert_close(actual: Tensor, expected: Tensor) -> None:
     assert not torch.isnan(actual).any(), "kernel output holds NaN (read outside the valid data?)"
     torch.testing.assert_close(actual.float(), expected.float(), **tolerance(actual.dtype))
 
+
+def fp8_cache(kv_pool: Tensor, page_size: int, num_kv_heads: int, scales: str | None, halves: bool,
+           gen: torch.Generator) -> tuple[Tensor, Tensor | None]:
+    """(pool, kv_scales): kv_pool's K/V as the engine may keep them. scales "pow2" (the engine's calibrated
+    ones) or "any": quantized to FP8 by random per-head scales. halves: as the page view `[num_pages, 2,
+    page_size, num_kv_heads, head_dim]` of a layer holding every page's K, then every page's V."""
+    kv_scales = None
+    if scales == "pow2":
+        kv_scales = 2.0 ** torch.randint(-7, -2, (2, num_kv_heads), generator=gen).float()
+    elif scales == "any":
+        kv_scales = torch.rand(2, num_kv_heads, generator=gen) * 0.05 + 0.005
+    pages = reference.kv_page_view(kv_pool, page_size, num_kv_heads)   # [pages, 2, page_size, kv_heads, hd]
+    if kv_scales is not None:
+        kv_scales = kv_scales.to(kv_pool.device)
+        pages = reference.quantize_fp8(pages, kv_scales[None, :, None, :, None])
+    if halves:
+        return pages.transpose(0, 1).contiguous().transpose(0, 1), kv_scales
+    return pages.reshape(kv_pool.shape), kv_scales

@@ -10,10 +10,11 @@ from kernel_helpers import assert_close, make_generator, make_paged_kv, randn, t
 from slora.execution import step_batch
 from slora.execution.attention_backend import ReferenceAttention, TritonAttention, row_queries
 from slora.execution.step_batch import StepBatch
+from slora.kernels.reference import KVCache
 
 
 def _batch(cases: list[tuple[int, int]], page_size: int, num_decodes: int, gen: torch.Generator,
-           num_kv_heads: int, head_dim: int) -> tuple[StepBatch, torch.Tensor]:
+           num_kv_heads: int, head_dim: int) -> tuple[StepBatch, KVCache]:
     """A StepBatch of (cached prefix, new tokens) sequences over a random paged pool, and the pool."""
     lengths = [prefix + new for prefix, new in cases]
     kv = make_paged_kv(lengths, page_size, num_kv_heads, head_dim, torch.float32, gen)
@@ -25,7 +26,7 @@ def _batch(cases: list[tuple[int, int]], page_size: int, num_decodes: int, gen: 
                       query_start_loc=starts, context_lens=kv.context_lens, sample_indices=starts[1:].long() - 1,
                       page_size=page_size, max_query_len=int(new.max()), max_context_len=max(lengths),
                       num_decodes=num_decodes)
-    return batch, kv.kv_pool
+    return batch, KVCache(kv.kv_pool)
 
 
 @pytest.mark.parametrize("cases,num_decodes", [
@@ -43,7 +44,7 @@ def test_mixed_step_attention_matches_the_reference_backend(cases, num_decodes):
     # The step's own keys and values, taken out of the pool (NaN there now, but for the decode rows, whose
     # kernel reads its own token from the pool): the Triton backend reads them from new_kv, and prefixes
     # and the decode rows' contexts from the pool.
-    new_kv = take_new_kv(pool, batch.block_tables, cases, 8, 2, keep_first=num_decodes)
+    new_kv = take_new_kv(pool.pages, batch.block_tables, cases, 8, 2, keep_first=num_decodes)
     got = TritonAttention(new_kv_min_tokens=1).attend(query, new_kv, pool, batch, 2, 0.25)
     assert_close(got, want)
 
@@ -59,7 +60,7 @@ def test_a_step_below_new_kv_min_tokens_reads_its_keys_back_from_the_pages():
     nan_rows = torch.full((18, 2, 16), float("nan"))
     below = TritonAttention(new_kv_min_tokens=18).attend(query, (nan_rows, nan_rows), pool, batch, 2, 0.25)
     assert_close(below, want)
-    new_kv = take_new_kv(pool, batch.block_tables, cases, 8, 2, keep_first=1)
+    new_kv = take_new_kv(pool.pages, batch.block_tables, cases, 8, 2, keep_first=1)
     at = TritonAttention(new_kv_min_tokens=17).attend(query, new_kv, pool, batch, 2, 0.25)
     assert_close(at, want)
 
@@ -89,7 +90,7 @@ def test_attention_in_a_bucket_graph_reads_only_the_steps_rows(cases, num_decode
     # step reach the decode kernel, whose stale context lengths (40 here) it must not read.
     bucket_tokens, seqs = tokens + 13, tokens + 2
     padded_query = torch.cat([query, torch.full((bucket_tokens - tokens, 4, 16), float("nan"))])
-    stale = torch.randint(1, pool.shape[0], (seqs - count, batch.block_tables.shape[1]), generator=gen,
+    stale = torch.randint(1, pool.pages.shape[0], (seqs - count, batch.block_tables.shape[1]), generator=gen,
                           dtype=torch.int32)
     bucket = dataclasses.replace(batch, block_tables=torch.cat([batch.block_tables, stale]),
                                  context_lens=torch.cat([batch.context_lens, torch.full((seqs - count,), 40,

@@ -413,24 +413,61 @@ def test_ops_add_the_lora_delta_gpu(dtype, pdl):
 
 # --- rotary_qk_ storing the new K/V into the pool (kv=PagedKV) --------------------------------------------
 
+def _kv_scales(scales: str | None, num_kv_heads: int, gen: torch.Generator) -> Tensor | None:
+    """FP8 scales `[2, num_kv_heads]`: "pow2" (as the engine calibrates them; x / scale is exact) or "any"."""
+    if scales is None:
+        return None
+    if scales == "pow2":
+        return 2.0 ** torch.randint(-7, -2, (2, num_kv_heads), generator=gen).float()
+    return torch.rand(2, num_kv_heads, generator=gen) * 0.05 + 0.005
+
+
 def _paged_kv_case(tokens: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                   pool_dtype: torch.dtype, gen: torch.Generator, device: str = "cpu") -> PagedKV:
+                   pool_dtype: torch.dtype, gen: torch.Generator, device: str = "cpu", scales: str | None = None,
+                   halves: bool = False) -> PagedKV:
     """A random pool (so a value not written stays visibly old) and distinct random slots, about a fifth of
-    them negative (padding tokens, skipped)."""
-    pool = randn((num_pages, 2 * page_size * num_kv_heads * head_dim), pool_dtype, gen, "cpu")
+    them negative (padding tokens, skipped). scales: an FP8 pool's (_kv_scales). halves: the pool as the page
+    view `[num_pages, 2, page_size, num_kv_heads, head_dim]` of a layer holding every page's K, then every V."""
+    pool = randn((num_pages, 2 * page_size * num_kv_heads * head_dim), pool_dtype, gen, "cpu").to(device)
     slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens]
     slots[torch.rand(tokens, generator=gen) < 0.2] = -1
-    return PagedKV(pool.to(device), slots.to(torch.int32).to(device), page_size)
+    kv_scales = _kv_scales(scales, num_kv_heads, gen)
+    if halves:
+        pool = reference.kv_page_view(pool, page_size, num_kv_heads).transpose(0, 1).contiguous().transpose(0, 1)
+    return PagedKV(pool, slots.to(torch.int32).to(device), page_size,
+                   None if kv_scales is None else kv_scales.to(device))
+
+
+def _e4m3_order(codes: Tensor) -> Tensor:
+    """float8_e4m3fn codes (as uint8) numbered in the order of their values, both zeros 0: adjacent values
+    differ by 1."""
+    magnitude = (codes & 0x7F).int()
+    return torch.where(codes >= 0x80, -magnitude, magnitude)
+
+
+def _assert_pools_match(got: Tensor, want: Tensor, exact: bool = True) -> None:
+    """Equal pools; FP8 ones compared by their bytes, or (exact=False) at most one rounding step apart."""
+    if got.dtype != torch.float8_e4m3fn:
+        assert torch.equal(got, want)
+        return
+    got_codes, want_codes = got.view(torch.uint8), want.view(torch.uint8)
+    if exact:
+        assert torch.equal(got_codes, want_codes), f"{int((got_codes != want_codes).sum())} FP8 values differ"
+        return
+    steps = (_e4m3_order(got_codes) - _e4m3_order(want_codes)).abs()
+    assert steps.max().item() <= 1, f"{int((steps > 1).sum())} FP8 values more than one rounding step away"
 
 
 def _check_rotary_store(heads: tuple[int, int, int], dtype: torch.dtype, page_size: int, seed: int,
                         pool_dtype: torch.dtype | None = None, with_delta: bool = False, device: str = "cpu",
-                        pdl: bool = False, tokens: int = 13) -> None:
-    """The kernel's qkv and pool against the reference's (rotary, then store_kv of the rotated k and of v)."""
+                        pdl: bool = False, tokens: int = 13, scales: str | None = None, halves: bool = False) -> None:
+    """The kernel's qkv and pool against the reference's (rotary, then store_kv of the rotated k and of v).
+    scales, halves: an FP8 pool's scales and the pool's layout (_paged_kv_case); with scales "any" the FP8
+    values may be one rounding step apart."""
     wide, qkv, cos, sin = _rotary_case(tokens, *heads, dtype, seed=seed, device=device)
     gen = make_generator(seed + 1)
     kv = _paged_kv_case(tokens, 2 * tokens // page_size + 3, page_size, heads[1], heads[2], pool_dtype or dtype,
-                        gen, device)
+                        gen, device, scales, halves)
     delta, slots = _delta_case(qkv, gen) if with_delta else (None, None)
     expected, expected_pool = wide.clone(), kv.kv_pool.clone()
     start = qkv.storage_offset() - wide.storage_offset()
@@ -438,7 +475,7 @@ def _check_rotary_store(heads: tuple[int, int, int], dtype: torch.dtype, page_si
                          kv._replace(kv_pool=expected_pool))
     rotary_qk_(qkv, cos, sin, *heads, delta=delta, token_slots=slots, kv=kv, pdl=pdl)
     assert torch.equal(wide, expected)
-    assert torch.equal(kv.kv_pool, expected_pool)
+    _assert_pools_match(kv.kv_pool, expected_pool, exact=scales != "any")
 
 
 def test_reference_rotary_stores_the_rotated_keys_and_the_values():
@@ -485,6 +522,52 @@ def test_rotary_qk_stores_kv_of_k_and_v_alone(dtype, with_delta):
     _check_rotary_store((0, 2, 16), dtype, 8, seed=47, with_delta=with_delta)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("scales", ["pow2", "any"])
+def test_rotary_qk_stores_kv_into_an_fp8_pool(dtype, scales):
+    # Scales of 2**-7 .. 2**-3 over rotated keys of up to about 8: some saturate at 448.
+    _check_rotary_store((4, 2, 16), dtype, 8, seed=50, pool_dtype=torch.float8_e4m3fn, scales=scales)
+
+
+def test_rotary_qk_stores_kv_into_an_fp8_pool_across_head_blocks(monkeypatch):
+    # Two heads per program: the k and v heads (and their scales) in the last two programs, with a delta.
+    monkeypatch.setattr(fused_ops, "ROTARY_BLOCK_ELEMS", 32)
+    _check_rotary_store((4, 2, 16), torch.float16, 8, seed=51, pool_dtype=torch.float8_e4m3fn, scales="pow2",
+                        with_delta=True)
+
+
+@pytest.mark.parametrize("pool_dtype,scales", [(torch.float16, None), (torch.float8_e4m3fn, "pow2")])
+def test_rotary_qk_stores_kv_into_k_and_v_halves(pool_dtype, scales):
+    _check_rotary_store((4, 2, 16), torch.float16, 8, seed=52, pool_dtype=pool_dtype, scales=scales, halves=True)
+
+
+def _check_fp8_rounding(device: str) -> None:
+    """Keys and values on every rounding tie of E4M3 (to even), on its values, past 448 (saturated), below its
+    smallest subnormal, and zeros of both signs: stored as torch's conversion stores them. cos 1 and sin 0
+    leave the keys as they are."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[~codes.isnan()].sort().values                                     # 254 finite values
+    ties = (values[1:] + values[:-1]) / 2
+    extremes = torch.tensor([449.0, 463.9, 464.0, 1e6, 1e30, 2.0 ** -10, 2.0 ** -11, 0.0, -0.0])
+    special = torch.cat([ties, values, extremes, -ties, -extremes])
+    special = torch.cat([special, torch.zeros(-len(special) % 64)])                # [tokens * 2 * 32]
+    tokens = len(special) // 64
+    kv_scales = torch.tensor([[0.25, 2.0], [0.125, 1.0]], device=device)            # [2, 2]: K's, V's
+    # qkv [tokens, (k heads, v heads) 2 * 2 * 16]: each head holds the values times its scale.
+    qkv = (special.to(device).view(tokens, 4, 16) * kv_scales.flatten()[None, :, None]).flatten(1)
+    cos, sin = torch.ones(tokens, 16, device=device), torch.zeros(tokens, 16, device=device)
+    kv = PagedKV(torch.zeros(tokens // 8 + 1, 2 * 8 * 2 * 16, dtype=torch.float8_e4m3fn, device=device),
+                 torch.arange(tokens, dtype=torch.int32, device=device), 8, kv_scales)
+    expected_pool = kv.kv_pool.clone()
+    reference.rotary_qk_(qkv.clone(), cos, sin, 0, 2, 16, kv=kv._replace(kv_pool=expected_pool))
+    rotary_qk_(qkv, cos, sin, 0, 2, 16, kv=kv)
+    _assert_pools_match(kv.kv_pool, expected_pool)
+
+
+def test_rotary_qk_rounds_to_fp8_as_torch_does():
+    _check_fp8_rounding("cpu")
+
+
 def test_rotary_qk_of_q_alone_has_nothing_to_store():
     _, qkv, cos, sin = _rotary_case(4, 4, 0, 16, torch.float32, seed=48)
     kv = PagedKV(torch.zeros(2, 0), torch.zeros(4, dtype=torch.int32), 8)
@@ -514,6 +597,9 @@ def test_rotary_qk_stores_kv_with_int64_slots_and_no_tokens():
     (lambda kv: kv._replace(kv_pool=torch.stack([kv.kv_pool] * 2, 2)[:, :, 0]), "kv_pool must be contiguous"),
     (lambda kv: kv._replace(kv_pool=kv.kv_pool.long()), "kv_pool must be float16"),
     (lambda kv: kv._replace(kv_pool=_meta(kv.kv_pool)), "one device"),
+    (lambda kv: kv._replace(kv_pool=kv.kv_pool.view(-1, 2, 8, 1, 16)[:, :, ::2]), "num_kv_heads, head_dim\\] = "),
+    (lambda kv: kv._replace(kv_pool=kv.kv_pool.view(-1, 2, 16, 1, 8).transpose(2, 4)), "contiguous in its last"),
+    (lambda kv: kv._replace(kv_pool=kv.kv_pool.to(torch.float8_e5m2)), "must be float8_e4m3fn"),
 ])
 def test_rotary_qk_rejects_a_bad_pool(change, match):
     _, qkv, cos, sin = _rotary_case(4, 4, 1, 16, torch.float32, seed=47)
@@ -531,3 +617,24 @@ def test_rotary_qk_stores_kv_gpu(dtype, page_size, with_delta):
     pdl = has_pdl()
     _check_rotary_store((32, 8, 128), dtype, page_size, seed=49, with_delta=with_delta, device="cuda", pdl=pdl,
                         tokens=3000)
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("pool_dtype,scales,halves", [(torch.float8_e4m3fn, "pow2", False),
+                                                      (torch.float8_e4m3fn, "any", False),
+                                                      (None, None, True), (torch.float8_e4m3fn, "pow2", True)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rotary_qk_stores_kv_gpu_fp8_and_halves(dtype, pool_dtype, scales, halves):
+    if scales and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 (e4m3) conversions need compute capability 8.9")
+    _check_rotary_store((32, 8, 128), dtype, 16, seed=53, pool_dtype=pool_dtype, with_delta=True, device="cuda",
+                        pdl=has_pdl(), tokens=3000, scales=scales, halves=halves)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rotary_qk_rounds_to_fp8_as_torch_does_gpu():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 (e4m3) conversions need compute capability 8.9")
+    _check_fp8_rounding("cuda")

@@ -1,7 +1,7 @@
 """paged_attention (Triton decode) against the torch reference."""
 import pytest
 import torch
-from kernel_helpers import assert_close, make_generator, make_paged_kv, randn
+from kernel_helpers import assert_close, fp8_cache, make_generator, make_paged_kv, randn
 
 from slora.kernels import reference
 from slora.kernels.paged_attention import choose_num_splits, paged_attention
@@ -12,17 +12,20 @@ def _lengths(page_size: int) -> list[int]:
     return [1, page_size, page_size + 1, 2 * page_size - 1, 3 * page_size + 5]
 
 
-def _run(lengths, page_size, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", **kwargs):
+def _run(lengths, page_size, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", scales=None,
+         halves=False, **kwargs):
+    """(kernel, reference); scales, halves: the cache's FP8 scales and layout (fp8_cache)."""
     gen = make_generator(seed)
     kv = make_paged_kv(lengths, page_size, num_kv_heads, head_dim, dtype, gen, device)
     # The query as a head slice of a wider fused qkv row, as the engine passes it.
     qkv = randn((len(lengths), num_heads + 2, head_dim), dtype, gen, device)
     query = qkv[:, :num_heads]
     scale = head_dim ** -0.5
-    got = paged_attention(query, kv.kv_pool, kv.block_tables, kv.context_lens, page_size, num_kv_heads, scale,
-                          **kwargs)
-    want = reference.paged_attention(query, kv.kv_pool, kv.block_tables, kv.context_lens, page_size,
-                                     num_kv_heads, scale)
+    kv_pool, kv_scales = fp8_cache(kv.kv_pool, page_size, num_kv_heads, scales, halves, gen)
+    got = paged_attention(query, kv_pool, kv.block_tables, kv.context_lens, page_size, num_kv_heads, scale,
+                          kv_scales=kv_scales, **kwargs)
+    want = reference.paged_attention(query, kv_pool, kv.block_tables, kv.context_lens, page_size,
+                                     num_kv_heads, scale, kv_scales)
     return got, want
 
 
@@ -33,6 +36,21 @@ def _run(lengths, page_size, num_heads, num_kv_heads, head_dim, dtype, seed, dev
 def test_paged_attention_matches_reference(dtype, page_size, num_heads, num_kv_heads, num_splits):
     got, want = _run(_lengths(page_size), page_size, num_heads, num_kv_heads, 32, dtype,
                      seed=page_size + num_heads, num_splits=num_splits)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scales", ["pow2", "any"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_fp8_cache_matches_reference(dtype, scales, num_splits):
+    # 4 heads over 2 KV heads of different scales; contexts of up to 4 pages, split 3 ways too.
+    got, want = _run(_lengths(8), 8, 4, 2, 32, dtype, seed=20 + num_splits, scales=scales, num_splits=num_splits)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype,scales,num_splits", [(torch.float16, None, 3), (torch.float32, "pow2", 1)])
+def test_paged_attention_reads_k_and_v_halves(dtype, scales, num_splits):
+    got, want = _run(_lengths(8), 8, 4, 2, 32, dtype, seed=30, scales=scales, halves=True, num_splits=num_splits)
     assert_close(got, want)
 
 
@@ -89,6 +107,8 @@ def _bad(q, kv, **changes):
     (lambda q, kv: {"query": q.transpose(1, 2).contiguous().transpose(1, 2)}, "stride 1"),
     (lambda q, kv: {"query": q[:, :, :12], "kv_pool": kv.kv_pool[:, :2 * 8 * 2 * 12]}, "power of two"),
     (lambda q, kv: {"num_splits": 0}, "num_splits"),
+    (lambda q, kv: {"kv_pool": kv.kv_pool.view(-1, 2, 8, 2, 16)[:, :, :4]}, "num_kv_heads, head_dim\\] = "),
+    (lambda q, kv: {"kv_pool": kv.kv_pool.view(-1, 2, 2, 8, 16).transpose(2, 3)}, "contiguous in its last three"),
 ])
 def test_paged_attention_rejects_bad_input(changes, match):
     gen = make_generator(9)
@@ -107,6 +127,21 @@ def test_paged_attention_gpu(dtype, page_size, num_splits):
     gen = make_generator(page_size)
     lengths = [1, page_size, page_size + 1, 4096, 4095, 1000] + torch.randint(1, 4097, (10,), generator=gen).tolist()
     got, want = _run(lengths, page_size, 32, 8, 128, dtype, seed=page_size, device="cuda", num_splits=num_splits)
+    assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scales,halves", [("pow2", False), ("any", False), (None, True), ("pow2", True)])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_paged_attention_gpu_fp8_and_halves(dtype, scales, halves, num_splits):
+    if scales and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 (e4m3) conversions need compute capability 8.9")
+    gen = make_generator(17)
+    lengths = [1, 16, 17, 4096, 4095, 1000] + torch.randint(1, 4097, (10,), generator=gen).tolist()
+    got, want = _run(lengths, 16, 32, 8, 128, dtype, seed=18, device="cuda", scales=scales, halves=halves,
+                     num_splits=num_splits)
     assert_close(got, want)
 
 

@@ -1,7 +1,7 @@
 """prefill_attention (Triton) against the torch reference."""
 import pytest
 import torch
-from kernel_helpers import assert_close, make_generator, make_paged_kv, randn, take_new_kv
+from kernel_helpers import assert_close, fp8_cache, make_generator, make_paged_kv, randn, take_new_kv
 
 from slora.kernels import reference
 from slora.kernels.prefill_attention import PrefillLaunch, prefill_attention
@@ -15,9 +15,10 @@ def _cases(page_size: int) -> list[tuple[int, int]]:
 
 
 def _run(cases, page_size, num_heads, num_kv_heads, head_dim, dtype, seed, device="cpu", out=None, launch=None,
-         new_kv=False):
+         new_kv=False, scales=None, halves=False):
     """(kernel, reference) over random sequences of (cached prefix, new tokens); new_kv: the kernel reads the
-    new tokens' K/V from tensors of their own, their pool copies NaN."""
+    new tokens' K/V from tensors of their own, their pool copies NaN. scales, halves: the cache's FP8 scales
+    and layout (fp8_cache)."""
     gen = make_generator(seed)
     lengths = [prefix + new for prefix, new in cases]
     kv = make_paged_kv(lengths, page_size, num_kv_heads, head_dim, dtype, gen, device)
@@ -25,11 +26,12 @@ def _run(cases, page_size, num_heads, num_kv_heads, head_dim, dtype, seed, devic
     start_loc = torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]).to(torch.int32).to(device)
     query = randn((int(new.sum()), num_heads, head_dim), dtype, gen, device)
     scale = head_dim ** -0.5
-    want = reference.prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens,
-                                       page_size, num_kv_heads, scale)
-    taken = take_new_kv(kv.kv_pool, kv.block_tables, cases, page_size, num_kv_heads) if new_kv else None
-    got = prefill_attention(query, kv.kv_pool, kv.block_tables, start_loc, kv.context_lens, page_size,
-                            num_kv_heads, scale, out=out, launch=launch, new_kv=taken)
+    kv_pool, kv_scales = fp8_cache(kv.kv_pool, page_size, num_kv_heads, scales, halves, gen)
+    want = reference.prefill_attention(query, kv_pool, kv.block_tables, start_loc, kv.context_lens,
+                                       page_size, num_kv_heads, scale, kv_scales)
+    taken = take_new_kv(kv_pool, kv.block_tables, cases, page_size, num_kv_heads) if new_kv else None
+    got = prefill_attention(query, kv_pool, kv.block_tables, start_loc, kv.context_lens, page_size,
+                            num_kv_heads, scale, kv_scales=kv_scales, out=out, launch=launch, new_kv=taken)
     return got, want
 
 
@@ -40,6 +42,21 @@ def _run(cases, page_size, num_heads, num_kv_heads, head_dim, dtype, seed, devic
 def test_prefill_attention_matches_reference(dtype, page_size, num_heads, num_kv_heads, new_kv):
     got, want = _run(_cases(page_size), page_size, num_heads, num_kv_heads, 32, dtype, seed=page_size,
                      new_kv=new_kv)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scales", ["pow2", "any"])
+def test_prefill_attention_fp8_cache_matches_reference(dtype, scales):
+    # 4 heads over 2 KV heads of different scales; cached prefixes and new tokens over several pages.
+    got, want = _run(_cases(8), 8, 4, 2, 32, dtype, seed=20, scales=scales)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype,scales,new_kv", [(torch.float16, None, False), (torch.float16, None, True),
+                                                 (torch.float32, "any", False)])
+def test_prefill_attention_reads_k_and_v_halves(dtype, scales, new_kv):
+    got, want = _run(_cases(8), 8, 4, 2, 32, dtype, seed=21, scales=scales, halves=True, new_kv=new_kv)
     assert_close(got, want)
 
 
@@ -184,6 +201,20 @@ def test_prefill_attention_rejects_bad_input(changes, match):
 def test_prefill_attention_gpu(dtype, page_size, new_kv):
     cases = [(0, 1), (0, page_size), (page_size, page_size + 1), (0, 2048), (1000, 777), (3000, 1096), (17, 300)]
     got, want = _run(cases, page_size, 32, 8, 128, dtype, seed=page_size, device="cuda", new_kv=new_kv)
+    assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scales,halves,new_kv", [("pow2", False, False), ("any", False, False),
+                                                  (None, True, False), (None, True, True), ("pow2", True, False)])
+def test_prefill_attention_gpu_fp8_and_halves(dtype, scales, halves, new_kv):
+    if scales and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 (e4m3) conversions need compute capability 8.9")
+    cases = [(0, 1), (0, 16), (16, 17), (0, 2048), (1000, 777), (3000, 1096), (17, 300)]
+    got, want = _run(cases, 16, 32, 8, 128, dtype, seed=22, device="cuda", new_kv=new_kv, scales=scales,
+                     halves=halves)
     assert_close(got, want)
 
 
