@@ -18,6 +18,12 @@
 #   serving             serving.py ($SERVING_ARGS, e.g. "--rates 4,16")
 #   fairness            fairness.py --engine gpu: one four-tenant trace served fcfs then vtc (about 3 minutes)
 #   tensor_parallel     tensor_parallel.py: 1, 2 and 4 ranks as the GPUs allow, both adapter schemes
+#   kv_cache            kv_cache.py --system slora, a BF16 cache then an FP8 one
+#   beam_search         beam_search.py --system slora
+#   kv_cache_vllm       kv_cache.py --system vllm, the cache dtypes of $VLLM_KV_DTYPES (default "fp8"); needs
+#   beam_search_vllm    beam_search.py --system vllm; both need vLLM unpacked in $VLLM_SITE (default
+#                       /tmp/vllm-site, ../shared/vllm/README.md). Each kv_cache or beam_search step also writes
+#                       the table of the runs under $OUT so far.
 #   serving_switches    serving.py with overlapped scheduling and graphed mixed steps on, then off, alternated
 #                       for $SERVING_ROUNDS rounds (default 2)
 #   *_before            engine_throughput_before, serving_before, step_host_before: the same over the tree that
@@ -95,6 +101,34 @@ has serving && run serving python benchmarks/serving.py --device cuda ${SERVING_
 has fairness && run fairness python benchmarks/fairness.py --engine gpu "${quick[@]}" --out "$OUT/fairness.json"
 has tensor_parallel && run tensor_parallel python benchmarks/tensor_parallel.py --device cuda \
   --out "$OUT/tensor_parallel.json"
+# The side-by-side benchmarks: one engine per process, vLLM's under its own PYTHONPATH, one model folder for both.
+MODELS="${MODELS:-/tmp/slora-bench-models}"
+vllm=(env PYTHONPATH="${VLLM_SITE:-/tmp/vllm-site}" VLLM_USE_FLASHINFER_SAMPLER=0 python)
+if has kv_cache || has kv_cache_vllm; then
+  python benchmarks/kv_cache.py --write-model "$MODELS/kv_cache" || exit 1
+  if has kv_cache; then
+    for dtype in auto fp8; do
+      run "kv_cache_slora_$dtype" python benchmarks/kv_cache.py --system slora --kv-cache-dtype "$dtype" \
+        --model-dir "$MODELS/kv_cache" --out "$OUT/kv_cache_slora_$dtype.json"
+    done
+  fi
+  if has kv_cache_vllm; then
+    for dtype in ${VLLM_KV_DTYPES:-fp8}; do
+      run "kv_cache_vllm_$dtype" "${vllm[@]}" benchmarks/kv_cache.py --system vllm --kv-cache-dtype "$dtype" \
+        --model-dir "$MODELS/kv_cache" --out "$OUT/kv_cache_vllm_$dtype.json"
+    done
+  fi
+  run kv_cache_table python benchmarks/kv_cache.py --table "$OUT"/kv_cache_*_*.json --out "$OUT/kv_cache.json"
+fi
+if has beam_search || has beam_search_vllm; then
+  python benchmarks/beam_search.py --write-model "$MODELS/beam_search" || exit 1
+  has beam_search && run beam_search_slora python benchmarks/beam_search.py --system slora \
+    --model-dir "$MODELS/beam_search" --out "$OUT/beam_search_slora.json"
+  has beam_search_vllm && run beam_search_vllm "${vllm[@]}" benchmarks/beam_search.py --system vllm \
+    --model-dir "$MODELS/beam_search" --out "$OUT/beam_search_vllm.json"
+  run beam_search_table python benchmarks/beam_search.py --table "$OUT"/beam_search_*.json \
+    --out "$OUT/beam_search.json"
+fi
 # Overlapped scheduling and graphed mixed steps off (the synchronous engine, eager mixed steps) against the
 # defaults, alternated for $SERVING_ROUNDS rounds on one machine; $SERVING_ARGS as above.
 if has serving_switches; then
