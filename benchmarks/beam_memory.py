@@ -10,7 +10,13 @@ pool holds them) are set against the pages they would hold as full copies (`unsh
 tables); the saving is 1 - sum(shared) / sum(unshared) over all steps of all requests, the share of
 page-time that sharing saves. Kwon et al. (vLLM) measured 37.6-55.2% for beam search on Alpaca.
 
+--model runs the same measure on the engine with a real model (the default, SmolLM2-135M-Instruct, unless
+named), on the GPU when there is one: instruction prompts through its chat template, each beam search capped at
+an Alpaca-like output length and ended by the model's EOS as transformers would; after every engine step, the
+running beams of each request are counted as above. Prefix caching is off, so only a group's own sharing counts.
+
     python benchmarks/beam_memory.py [--requests 500] [--widths 2,4,6] [--quick]
+    python benchmarks/beam_memory.py --model [NAME] [--requests 200] [--widths 2,4,6]
 """
 from __future__ import annotations
 
@@ -21,12 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from common import default_out, print_table, write_json
 
 from slora.config import EngineConfig
 from slora.core.page_pool import PageAllocator
 from slora.core.scheduler import Scheduler
 from slora.core.sequence import Sequence
+from slora.models.builtin import DEFAULT_MODEL
 from slora.sampling.beam_search import BeamGroup, BeamSettings, Proposal
 from slora.sampling.params import SamplingParams
 from slora.sampling.request_state import SequenceMaker
@@ -79,6 +87,73 @@ def _end(scheduler: Scheduler, seq: Sequence) -> None:
     scheduler.finish(seq, "stop")
 
 
+# Instructions for the real model: every template with every topic, in a seeded order.
+TEMPLATES = ("Explain how {} works.", "Write a short poem about {}.", "Give three facts about {}.",
+             "Describe {} to a child.", "What are the pros and cons of {}?", "Summarize the history of {}.",
+             "Write a tweet about {}.", "List some uses of {}.")
+TOPICS = ("bees", "the moon", "bread", "rain", "volcanoes", "chess", "bicycles", "coffee", "the internet",
+          "glaciers", "jazz", "solar panels", "paper", "trains", "tea", "whales", "maps", "clocks", "soap",
+          "gardens", "batteries", "bridges", "cheese", "kites", "rivers", "vaccines", "libraries", "salt",
+          "owls", "music theory")
+
+
+def instructions(count: int, rng: np.random.Generator) -> list[str]:
+    pool = [template.format(topic) for template in TEMPLATES for topic in TOPICS]
+    return [pool[i] for i in rng.permutation(len(pool))[:count]]
+
+
+class GroupPages:
+    """Wraps an engine's step: after each, the running beams of every beam-search request, their distinct
+    pages (as the pool holds them) and the sum of their block tables (as full copies)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.shared = self.unshared = 0
+        engine, step = llm.engine, llm.engine.step
+
+        def counted_step() -> Any:
+            outputs = step()
+            self._count(engine.scheduler.running)
+            return outputs
+        engine.step = counted_step
+
+    def _count(self, running: list[Sequence]) -> None:
+        groups: dict[str, list[list[int]]] = {}
+        for seq in running:
+            if seq.params.use_beam_search:
+                groups.setdefault(seq.request_id, []).append(list(seq.block_table))
+        for tables in groups.values():
+            self.shared += len({page for table in tables for page in table})
+            self.unshared += sum(len(table) for table in tables)
+
+
+def run_model(model: str, device: str, requests: int, widths: list[int]) -> list[dict[str, Any]]:
+    """The measure on the engine with a real model (see the module's doc)."""
+    from slora import LLM
+
+    llm = LLM(model, device=device, page_size=PAGE_SIZE, enable_prefix_caching=False, max_beam_width=max(widths))
+    rows = []
+    for width in widths:
+        rng = np.random.default_rng(SEED)
+        output_lens = [o for _, o in alpaca_like(requests, rng)]
+        prompts = [llm.chat_prompt_ids([{"role": "user", "content": text}]) for text in instructions(requests, rng)]
+        pages = GroupPages(llm)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, [SamplingParams(use_beam_search=True, beam_width=width, max_tokens=n)
+                                         for n in output_lens])
+        rows.append(_row(width, requests, pages.shared, pages.unshared, [len(p) for p in prompts],
+                         [len(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start))
+    llm.close()
+    return rows
+
+
+def _row(width: int, requests: int, shared: int, unshared: int, prompt_lens: list[int], output_lens: list[int],
+         seconds: float) -> dict[str, Any]:
+    log.info("width %d: %.1f%% saved", width, 100 * (1 - shared / unshared))
+    return {"width": width, "requests": requests, "shared_page_steps": shared, "unshared_page_steps": unshared,
+            "saving_pct": 100 * (1 - shared / unshared), "mean_prompt": float(np.mean(prompt_lens)),
+            "mean_output": float(np.mean(output_lens)), "seconds": seconds}
+
+
 def run(requests: int, widths: list[int], peak: float) -> list[dict[str, Any]]:
     rows = []
     for width in widths:
@@ -87,12 +162,8 @@ def run(requests: int, widths: list[int], peak: float) -> list[dict[str, Any]]:
         start = time.perf_counter()
         totals = [search(p, o, width, rng, peak) for p, o in lengths]
         shared, unshared = (sum(column) for column in zip(*totals, strict=True))
-        rows.append({"width": width, "requests": requests, "shared_page_steps": shared,
-                     "unshared_page_steps": unshared, "saving_pct": 100 * (1 - shared / unshared),
-                     "mean_prompt": float(np.mean([p for p, _ in lengths])),
-                     "mean_output": float(np.mean([o for _, o in lengths])),
-                     "seconds": time.perf_counter() - start})
-        log.info("width %d: %.1f%% saved", width, rows[-1]["saving_pct"])
+        rows.append(_row(width, requests, shared, unshared, [p for p, _ in lengths], [o for _, o in lengths],
+                         time.perf_counter() - start))
     return rows
 
 
@@ -101,16 +172,26 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--widths", default="2,4,6")
     parser.add_argument("--peak", type=float, default=2.0, help="scale of the synthetic logits")
+    parser.add_argument("--model", nargs="?", const=DEFAULT_MODEL, default=None,
+                        help=f"measure on the engine with this model (default {DEFAULT_MODEL})")
     parser.add_argument("--quick", action="store_true", help="20 requests (the smoke test)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     requests = 20 if args.quick else args.requests
-    rows = run(requests, [int(w) for w in args.widths.split(",")], args.peak)
+    widths = [int(w) for w in args.widths.split(",")]
+    device = "cuda" if args.model and torch.cuda.is_available() else "cpu"
+    if args.model:
+        rows = run_model(args.model, device, requests, widths)
+        setup = {"model": args.model, "device": device}
+    else:
+        rows = run(requests, widths, args.peak)
+        setup = {"vocab": VOCAB, "peak": args.peak}
     print_table(rows)
-    write_json(Path(args.out) if args.out else default_out("beam_memory", "cpu"),
-               {"benchmark": "beam_memory", "quick": args.quick, "page_size": PAGE_SIZE, "vocab": VOCAB,
-                "peak": args.peak, "seed": SEED, "rows": rows})
+    name = "beam_memory_model" if args.model else "beam_memory"
+    write_json(Path(args.out) if args.out else default_out(name, device),
+               {"benchmark": name, "quick": args.quick, "page_size": PAGE_SIZE, "seed": SEED, **setup,
+                "rows": rows})
 
 
 if __name__ == "__main__":

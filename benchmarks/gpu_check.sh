@@ -20,6 +20,7 @@
 #   tensor_parallel     tensor_parallel.py: 1, 2 and 4 ranks as the GPUs allow, both adapter schemes
 #   kv_cache            kv_cache.py --system slora, a BF16 cache then an FP8 one
 #   beam_search         beam_search.py --system slora
+#   beam_memory         beam_memory.py --model: the KV memory sharing saves a beam search of the default model
 #   kv_cache_vllm       kv_cache.py --system vllm, the cache dtypes of $VLLM_KV_DTYPES (default "fp8"); needs
 #   beam_search_vllm    beam_search.py --system vllm; both need vLLM unpacked in $VLLM_SITE (default
 #                       /tmp/vllm-site, ../shared/vllm/README.md). Each kv_cache or beam_search step also writes
@@ -99,6 +100,7 @@ has step_host && run step_host python benchmarks/step_host.py "${quick[@]}" --de
 # shellcheck disable=SC2086
 has serving && run serving python benchmarks/serving.py --device cuda ${SERVING_ARGS:-} --out "$OUT/serving.json"
 has fairness && run fairness python benchmarks/fairness.py --engine gpu "${quick[@]}" --out "$OUT/fairness.json"
+has beam_memory && run beam_memory_model python benchmarks/beam_memory.py --model --out "$OUT/beam_memory_model.json"
 has tensor_parallel && run tensor_parallel python benchmarks/tensor_parallel.py --device cuda \
   --out "$OUT/tensor_parallel.json"
 # The side-by-side benchmarks: one engine per process, vLLM's under its own PYTHONPATH, one model folder for both.
