@@ -174,11 +174,11 @@ def main() -> None:
     parser.add_argument("--peak", type=float, default=2.0, help="scale of the synthetic logits")
     parser.add_argument("--model", nargs="?", const=DEFAULT_MODEL, default=None,
                         help=f"measure on the engine with this model (default {DEFAULT_MODEL})")
-    parser.add_argument("--quick", action="store_true", help="20 requests (the smoke test)")
+    parser.add_argument("--quick", action="store_true", help="20 requests, 3 with --model (the smoke tests)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    requests = 20 if args.quick else args.requests
+    requests = (3 if args.model else 20) if args.quick else args.requests
     widths = [int(w) for w in args.widths.split(",")]
     device = "cuda" if args.model and torch.cuda.is_available() else "cpu"
     if args.model:

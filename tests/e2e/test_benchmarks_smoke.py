@@ -205,6 +205,15 @@ def check_beam_memory(stdout: str, data: Any) -> None:
     assert rows[2]["saving_pct"] < rows[4]["saving_pct"] < rows[6]["saving_pct"]
 
 
+def check_beam_memory_model(stdout: str, data: Any) -> None:
+    """The default model's beams on the engine: the saving is measured from its pages, not drawn."""
+    assert data["model"] and data["device"] == "cpu"
+    [row] = data["rows"]
+    assert row["width"] == 4 and row["requests"] == 3 and row["mean_output"] > 0
+    assert 0 < row["shared_page_steps"] < row["unshared_page_steps"]
+    assert row["saving_pct"] > 0
+
+
 class Case(NamedTuple):
     script: str
     args: tuple[str, ...]
@@ -230,6 +239,7 @@ CASES = {
     "fairness-engine": Case("fairness.py", ("--quick", "--engine", "gpu", "--device", "cpu"), check_fairness_run),
     "kv_quality": Case("kv_quality.py", ("--quick",), check_kv_quality),
     "beam_memory": Case("beam_memory.py", ("--quick",), check_beam_memory),
+    "beam_memory-model": Case("beam_memory.py", ("--model", "--quick", "--widths", "4"), check_beam_memory_model),
     "tensor_parallel": Case("tensor_parallel.py", ("--quick",), check_tensor_parallel),
     "decode-cuda": Case("decode.py", ("--quick",), check_decode, gpu=True),
     "prefill-cuda": Case("prefill.py", ("--quick",), check_prefill, gpu=True),
