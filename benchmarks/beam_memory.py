@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import default_out, print_table, write_json
+from common import after_each_step, default_out, print_table, write_json
 
 from slora.config import EngineConfig
 from slora.core.page_pool import PageAllocator
@@ -108,17 +108,11 @@ class GroupPages:
 
     def __init__(self, llm: Any) -> None:
         self.shared = self.unshared = 0
-        engine, step = llm.engine, llm.engine.step
+        after_each_step(llm, self._count)
 
-        def counted_step() -> Any:
-            outputs = step()
-            self._count(engine.scheduler.running)
-            return outputs
-        engine.step = counted_step
-
-    def _count(self, running: list[Sequence]) -> None:
+    def _count(self, engine: Any) -> None:
         groups: dict[str, list[list[int]]] = {}
-        for seq in running:
+        for seq in engine.scheduler.running:
             if seq.params.use_beam_search:
                 groups.setdefault(seq.request_id, []).append(list(seq.block_table))
         for tables in groups.values():

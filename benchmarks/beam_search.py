@@ -135,26 +135,20 @@ class SloraEngine:
     system = "slora"
 
     def __init__(self, model: str, kwargs: dict[str, Any]) -> None:
+        from common import after_each_step
+
         from slora import LLM
 
         self.llm = LLM(model, **kwargs)
         self.cuda = self.llm.config.device != "cpu"
         self.peak_running = self.peak_kv_pages = self.preemptions_before = 0
-        self._watch_steps()
+        after_each_step(self.llm, self._note_peaks)
 
-    def _watch_steps(self) -> None:
-        """Each engine step ends by noting the sequences running and the KV pages held: the peaks of a call.
-        pool_stats is O(1), so sampling it every step costs nothing measurable."""
-        engine = self.llm.engine
-        step = engine.step
-
-        def watched_step() -> Any:
-            outputs = step()
-            self.peak_running = max(self.peak_running, len(engine.scheduler.running))
-            self.peak_kv_pages = max(self.peak_kv_pages, int(engine.pool_stats()["kv_pages"]))
-            return outputs
-
-        engine.step = watched_step
+    def _note_peaks(self, engine: Any) -> None:
+        """The sequences running and the KV pages held after a step: the peaks of a call. pool_stats is O(1),
+        so sampling it every step costs nothing measurable."""
+        self.peak_running = max(self.peak_running, len(engine.scheduler.running))
+        self.peak_kv_pages = max(self.peak_kv_pages, int(engine.pool_stats()["kv_pages"]))
 
     def beam_search(self, prompts: list[list[int]], width: int, max_tokens: int) -> list[int]:
         from slora import SamplingParams

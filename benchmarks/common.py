@@ -266,6 +266,19 @@ def make_prompts(trace: list[Request], vocab_size: int, seed: int) -> list[list[
     return [torch.randint(3, high, (r.prompt_len,), generator=generator).tolist() for r in trace]
 
 
+def after_each_step(llm: Any, note: Callable[[Any], None]) -> None:
+    """Wrap an slora LLM's engine step: after each, `note(engine)` reads what it needs (the running sequences,
+    pool_stats), so a script watches peaks without a hook in the engine."""
+    engine = llm.engine
+    step = engine.step
+
+    def watched_step() -> Any:
+        outputs = step()
+        note(engine)
+        return outputs
+    engine.step = watched_step
+
+
 # ---- host-side calls timed in a loop (step_host.py --host-speed) -----------------------------------------------
 class CallTiming(NamedTuple):
     """How a host-side unit is timed: `iterations` calls a run, the best of `repeats` runs."""

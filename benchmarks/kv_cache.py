@@ -189,25 +189,19 @@ class SloraEngine:
     system = "slora"
 
     def __init__(self, model: str, kwargs: dict[str, Any]) -> None:
+        from common import after_each_step
+
         from slora import LLM
 
         self.llm = LLM(model, **kwargs)
         self.cuda = self.llm.config.device != "cpu"
         self.peak_running = 0
         self.preemptions_before = 0
-        self._count_running()
+        after_each_step(self.llm, self._note_running)
 
-    def _count_running(self) -> None:
-        """Each engine step ends by noting how many sequences run: the peak of a generate call."""
-        engine = self.llm.engine
-        step = engine.step
-
-        def counted_step() -> Any:
-            outputs = step()
-            self.peak_running = max(self.peak_running, len(engine.scheduler.running))
-            return outputs
-
-        engine.step = counted_step
+    def _note_running(self, engine: Any) -> None:
+        """How many sequences run after a step: the peak of a generate call."""
+        self.peak_running = max(self.peak_running, len(engine.scheduler.running))
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         from slora import SamplingParams
