@@ -90,6 +90,18 @@ def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def record_requests(engine: Engine) -> list:
+    """A list that gets (prompt ids, SamplingParams) of every request the engine is given from now on."""
+    records: list = []
+    real_add = engine.add_request
+
+    def add_request(request_id, prompt, params, *args, **kwargs):
+        records.append((list(prompt), params))
+        return real_add(request_id, prompt, params, *args, **kwargs)
+    engine.add_request = add_request
+    return records
+
+
 @contextmanager
 def in_process_client(engine: Engine, settings: ServerSettings) -> Iterator[TestClient]:
     """A TestClient over the app of `engine`, once its /health answers 200: the app loads its adapters after it

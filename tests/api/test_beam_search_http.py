@@ -5,7 +5,7 @@ max_concurrent. In-process (TestClient) over a real tiny engine, whose add_reque
 import json
 
 import pytest
-from conftest import BASE_MODEL, assert_error_shape, chat_ids, in_process_client
+from conftest import BASE_MODEL, assert_error_shape, chat_ids, in_process_client, record_requests
 from servers import write_tenants
 
 from slora import SamplingParams
@@ -33,13 +33,7 @@ def app(tmp_path_factory):
                                      "small": {"key": KEYS["small"], "max_concurrent": SMALL_MAX_CONCURRENT,
                                                "max_queued": 8}})
     engine = Engine(EngineConfig(TINY_MODEL, num_pages=64, max_beam_width=MAX_BEAM_WIDTH))
-    records: list = []
-    real_add = engine.add_request
-
-    def add_request(request_id, prompt, params, *args, **kwargs):
-        records.append((list(prompt), params))
-        return real_add(request_id, prompt, params, *args, **kwargs)
-    engine.add_request = add_request
+    records = record_requests(engine)
     settings = ServerSettings(tenants_file=str(tenants), adapter_store=str(folder / "adapter-store"))
     with in_process_client(engine, settings) as client:
         yield client, records

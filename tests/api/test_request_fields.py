@@ -6,7 +6,7 @@ import json
 import logging
 
 import pytest
-from conftest import BASE_MODEL, assert_error_shape, in_process_client
+from conftest import BASE_MODEL, assert_error_shape, in_process_client, record_requests
 
 from slora.api.app import create_app
 from slora.api.settings import ServerSettings
@@ -35,13 +35,7 @@ def app(tmp_path_factory):
     """(client, records, engine): records gets (prompt ids, SamplingParams) of every engine request."""
     engine = Engine(EngineConfig(TINY_MODEL, num_pages=64))
     engine.tokenizer.chat_template = TEMPLATE
-    records: list = []
-    real_add = engine.add_request
-
-    def add_request(request_id, prompt, params, *args, **kwargs):
-        records.append((list(prompt), params))
-        return real_add(request_id, prompt, params, *args, **kwargs)
-    engine.add_request = add_request
+    records = record_requests(engine)
     settings = ServerSettings(adapter_store=str(tmp_path_factory.mktemp("adapter-store")))
     with in_process_client(engine, settings) as client:
         yield client, records, engine
