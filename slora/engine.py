@@ -24,7 +24,7 @@ from slora.core.outputs import (
     TokenLogprob,
 )
 from slora.core.scheduler import ScheduledSeq
-from slora.core.sequence import Sequence, SequenceStatus
+from slora.core.sequence import AdapterRef, Sequence, SequenceStatus
 from slora.core.step_stats import StepStats, StepTimer
 from slora.execution.adapter_manager import UnknownAdapterError, sequence_adapters
 from slora.execution.device_copy import select_rows, tensor_on
@@ -145,18 +145,9 @@ class Engine:
         ends, and unless a stop string needs it the text is decoded then, not token by token. `grammar`:
         `params.structured` compiled already (a server compiles off this thread); without it, compiled here.
         `priority`: lower is admitted first among the owner's requests (not under the fcfs policy)."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
-                      self.config.max_num_seqs, self.config.max_beam_width)
-        ref = None if adapter is None else self.adapters.resolve(adapter, owner)
-        self.scheduler.check_fits(len(prompt_token_ids), ref)
-        self.scheduler.check_priority(priority)
+        ref, settings = self._admit(request_id, prompt_token_ids, params, adapter, owner, priority)
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=self._seed_source.randrange(2 ** 62))
-        settings = None if not params.use_beam_search else self._beam_settings(params, len(prompt_token_ids))
-        if settings is not None:
-            self.scheduler.check_beams_fit(len(prompt_token_ids), settings.width, settings.max_tokens, ref)
         grammars = None if params.structured is None else [self.grammars.start(params.structured, grammar)]
         if ref is not None:
             self.adapters.acquire(ref.version)
@@ -168,6 +159,23 @@ class Engine:
             1 if beams else params.num_samples, [self._seqs.detokenizer()], stream and beams is None,
             grammars=grammars, beams=beams, decode=self._seqs.decode)
         self.scheduler.add(parent)
+
+    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
+               owner: str | None, priority: int) -> tuple[AdapterRef | None, BeamSettings | None]:
+        """Every check that can refuse a request, before anything changes: the adapter it resolves to, and its
+        beam search's settings if it is one."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
+                      self.config.max_num_seqs, self.config.max_beam_width)
+        ref = None if adapter is None else self.adapters.resolve(adapter, owner)
+        self.scheduler.check_fits(len(prompt_token_ids), ref)
+        self.scheduler.check_priority(priority)
+        if not params.use_beam_search:
+            return ref, None
+        settings = self._beam_settings(params, len(prompt_token_ids))
+        self.scheduler.check_beams_fit(len(prompt_token_ids), settings.width, settings.max_tokens, ref)
+        return ref, settings
 
     def _beam_settings(self, params: SamplingParams, prompt_len: int) -> BeamSettings:
         """A beam search's settings: it ends at max_tokens or the model's context, whichever comes first."""
