@@ -32,7 +32,7 @@ from slora.execution.in_flight import ArrivingSample, Launched, ReadySample, Tok
 from slora.execution.parallel_runner import ParallelRunner
 from slora.execution.tensor_parallel import TensorParallelError
 from slora.kv_scales import kv_cache_scales
-from slora.models.builtin import resolve_model
+from slora.models.builtin import ModelSource, resolve_model
 from slora.models.config import ModelConfig
 from slora.models.loader import load_model
 from slora.models.sharding import Shard
@@ -80,19 +80,7 @@ class Engine:
         self._workers = Workers(config) if config.tensor_parallel_size > 1 else None
         shard = None if self._workers is None else Shard(0, config.tensor_parallel_size)
         try:
-            self.model = load_model(source.folder, config.torch_dtype, config.torch_device, config.load_format, shard)
-            if self._workers is not None:
-                self.model.tensor_parallel = self._workers.group.tp
-            self.model_config: ModelConfig = self.model.config
-            self.model_name = source.served_name
-            self.tokenizer = load_tokenizer(source.folder)
-            self.sizing = EngineSizing.of(config, self.model, source.folder)
-            self.max_model_len = self.sizing.max_model_len
-            self.shapes = self.sizing.shapes            # the whole model's adapter layout: adapters are checked on it
-            self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.tokenizer)
-            # The pool's pages, shared by KV (the scheduler's) and adapter weights (the manager's).
-            self.runner, self.allocator, self.adapters, self.scheduler = build_pool_parts(
-                self.sizing, None if self._workers is None else self._workers.others)
+            self._build_parts(source, shard)
         except BaseException:
             if self._workers is not None:          # they wait on this rank: they would wait for ever
                 self._workers.stop(timeout_s=0)
@@ -117,6 +105,23 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._seqs = SequenceMaker(self.scheduler, self.tokenizer)
         self.adapters.load_demos(source.demo_adapters)
+
+    def _build_parts(self, source: ModelSource, shard: Shard | None) -> None:
+        """The model (this rank's part of it), its tokenizer and sizing, and the pool's owners."""
+        config = self.config
+        self.model = load_model(source.folder, config.torch_dtype, config.torch_device, config.load_format, shard)
+        if self._workers is not None:
+            self.model.tensor_parallel = self._workers.group.tp
+        self.model_config: ModelConfig = self.model.config
+        self.model_name = source.served_name
+        self.tokenizer = load_tokenizer(source.folder)
+        self.sizing = EngineSizing.of(config, self.model, source.folder)
+        self.max_model_len = self.sizing.max_model_len
+        self.shapes = self.sizing.shapes            # the whole model's adapter layout: adapters are checked on it
+        self.eos_token_ids = eos_token_ids(self.model_config.eos_token_ids, self.tokenizer)
+        # The pool's pages, shared by KV (the scheduler's) and adapter weights (the manager's).
+        self.runner, self.allocator, self.adapters, self.scheduler = build_pool_parts(
+            self.sizing, None if self._workers is None else self._workers.others)
 
     # ---- adapters -----------------------------------------------------------------------------------
     def _refresh_host_tier(self) -> None:
