@@ -51,13 +51,13 @@ generate: install
 bench-quick: install
 	$(PY) benchmarks/engine_throughput.py --quick --workloads smollm2_peft
 
-# On a machine with a GPU (through the device tool): install offline, GPU tests, GPU benchmarks.
+# On a machine with a GPU (a copy of the tree there): install offline, GPU tests, GPU benchmarks.
 gpu-check:
 	bash benchmarks/gpu_check.sh
 
 # The GPU machine has no registry access and no fastapi, uvicorn, prometheus_client, fastapi-offline or xgrammar:
 # fetch them here (Python 3.12 wheels; the machine's own torch, transformers and numpy stay)
-# into .device-vendor, carry that folder with the device tool, and gpu_check.sh puts it on PYTHONPATH.
+# into .device-vendor, copy that folder over with the tree, and gpu_check.sh puts it on PYTHONPATH.
 DEVICE_PY ?= 3.12
 device-vendor:
 	rm -rf .device-vendor .device-wheels
@@ -73,7 +73,7 @@ device-vendor:
 	rm -rf .device-wheels
 
 # Another commit's tree, for a before/after pair in one GPU command: `make device-before REV=<commit>`, then
-# carry .device-before with the device tool; gpu_check.sh's `engine_throughput_before` step runs there.
+# copy .device-before over with the tree; gpu_check.sh's `engine_throughput_before` step runs there.
 # BEFORE_DIR=.device-<name> extracts a second one, for a command that compares three trees.
 REV ?= HEAD
 BEFORE_DIR ?= .device-before

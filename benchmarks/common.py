@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from workloads import Request
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# The H200's measured device-to-device copy rate (../shared/ENVIRONMENT.md), the roofline's bandwidth.
+# The H200's measured device-to-device copy rate, the roofline's bandwidth.
 COPY_BANDWIDTH = 4.24e12
 log = logging.getLogger("benchmarks")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make gpu-check`: on a machine with CUDA (the device tool runs it over a copy of the tree). Installs the
+# `make gpu-check`: on a machine with CUDA (over a copy of the tree, with no registry). Installs the
 # project offline, runs the GPU tests, then the picked benchmarks; results go under $OUT (default:
 # benchmarks/results/gpu). QUICK=1: small sizes. PEFT=0: skip the PEFT comparison of decode.py.
 #
@@ -23,14 +23,14 @@
 #   beam_memory         beam_memory.py --model: the KV memory sharing saves a beam search of the default model
 #   kv_cache_vllm       kv_cache.py --system vllm, the cache dtypes of $VLLM_KV_DTYPES (default "fp8"); needs
 #   beam_search_vllm    beam_search.py --system vllm; both need vLLM unpacked in $VLLM_SITE (default
-#                       /tmp/vllm-site, ../shared/vllm/README.md). Each kv_cache or beam_search step also writes
-#                       the table of the runs under $OUT so far.
+#                       /tmp/vllm-site: vLLM 0.26.0 and the packages it imports, unpacked offline). Each
+#                       kv_cache or beam_search step also writes the table of the runs under $OUT so far.
 #   serving_switches    serving.py with overlapped scheduling and graphed mixed steps on, then off, alternated
 #                       for $SERVING_ROUNDS rounds (default 2)
 #   *_before            engine_throughput_before, serving_before, step_host_before: the same over the tree that
 #                       `make device-before REV=<commit>` extracted into .device-before (carried along), before
 #                       this tree's runs, for a before/after pair in one command
-# At most 8 files come back from the device tool: pick steps to fit, or pack $OUT into one archive.
+# Few files may come back from a remote machine: pick steps to fit, or pack $OUT into one archive.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu}"
