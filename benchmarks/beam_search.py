@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kv_cache import (
+    SloraLLM,
     joined,
     machine_kind_of,
     machines_of,
@@ -131,23 +132,15 @@ class Built:
     version: str | None
 
 
-class SloraEngine:
-    system = "slora"
-
+class SloraEngine(SloraLLM):
     def __init__(self, model: str, kwargs: dict[str, Any]) -> None:
-        from common import after_each_step
+        self.peak_kv_pages = 0
+        super().__init__(model, kwargs)
 
-        from slora import LLM
-
-        self.llm = LLM(model, **kwargs)
-        self.cuda = self.llm.config.device != "cpu"
-        self.peak_running = self.peak_kv_pages = self.preemptions_before = 0
-        after_each_step(self.llm, self._note_peaks)
-
-    def _note_peaks(self, engine: Any) -> None:
-        """The sequences running and the KV pages held after a step: the peaks of a call. pool_stats is O(1),
-        so sampling it every step costs nothing measurable."""
-        self.peak_running = max(self.peak_running, len(engine.scheduler.running))
+    def _note(self, engine: Any) -> None:
+        """Also the KV pages held after a step: pool_stats is O(1), so sampling it every step costs nothing
+        measurable."""
+        super()._note(engine)
         self.peak_kv_pages = max(self.peak_kv_pages, int(engine.pool_stats()["kv_pages"]))
 
     def beam_search(self, prompts: list[list[int]], width: int, max_tokens: int) -> list[int]:
@@ -155,11 +148,6 @@ class SloraEngine:
 
         params = SamplingParams(use_beam_search=True, beam_width=width, n=1, max_tokens=max_tokens, ignore_eos=True)
         return [len(output.outputs[0].token_ids) for output in self.llm.generate(prompts, params)]
-
-    def synchronize(self) -> None:
-        if self.cuda:
-            import torch
-            torch.cuda.synchronize()
 
     def reset_counters(self) -> None:
         self.peak_running = self.peak_kv_pages = 0

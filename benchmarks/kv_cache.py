@@ -185,7 +185,9 @@ class Built:
     version: str | None
 
 
-class SloraEngine:
+class SloraLLM:
+    """slora's offline LLM as a side-by-side script drives it (beam_search.py's too): built once, its steps
+    watched (`_note`, after each), synchronized before a clock reads."""
     system = "slora"
 
     def __init__(self, model: str, kwargs: dict[str, Any]) -> None:
@@ -197,11 +199,19 @@ class SloraEngine:
         self.cuda = self.llm.config.device != "cpu"
         self.peak_running = 0
         self.preemptions_before = 0
-        after_each_step(self.llm, self._note_running)
+        after_each_step(self.llm, self._note)
 
-    def _note_running(self, engine: Any) -> None:
-        """How many sequences run after a step: the peak of a generate call."""
+    def _note(self, engine: Any) -> None:
+        """How many sequences run after a step: the peak of a call."""
         self.peak_running = max(self.peak_running, len(engine.scheduler.running))
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize()
+
+
+class SloraEngine(SloraLLM):
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[int]:
         from slora import SamplingParams
@@ -212,11 +222,6 @@ class SloraEngine:
         engine.step_stats = StepStats()
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         return [len(output.outputs[0].token_ids) for output in self.llm.generate(prompts, params)]
-
-    def synchronize(self) -> None:
-        if self.cuda:
-            import torch
-            torch.cuda.synchronize()
 
     def capacity_tokens(self) -> int | None:
         return int(self.llm.pool_stats()["kv_token_capacity"])
