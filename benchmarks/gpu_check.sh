@@ -56,7 +56,7 @@ python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 [ -d .device-vendor ] && export PYTHONPATH="$PWD/.device-vendor${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import slora.kernels, slora.adapters" || { echo "slora is not importable after install"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-has tests && run gpu_tests python -m pytest -m gpu -q -rs -x tests/kernels tests/e2e tests/engine
+has tests && run gpu_tests python -m pytest -m gpu -q -rs tests/kernels tests/e2e tests/engine
 has kernels && run kernel_bench python benchmarks/kernel_bench.py "${quick[@]}" --out "$OUT/kernel_bench.json"
 has sweep && run lora_sweep python benchmarks/kernel_bench.py --lora-sweep --out "$OUT/lora_sweep.json"
 has gemv && run lora_gemv_sweep python benchmarks/kernel_bench.py --lora-gemv-sweep --out "$OUT/lora_gemv_sweep.json"
