@@ -297,7 +297,8 @@ class Scheduler:
         if budget <= 0 or not self.waiting:
             return budget
         skipped: list[Sequence] = []           # taken and not admitted: they go back, keeping their places
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = self._seats_taken()
+        while self.waiting and budget > 0 and seats < self.config.max_num_seqs:
             seq = self.waiting.pop()
             if seq.adapter is not None and not self.adapters.ready(seq.adapter.version):
                 skipped.append(seq)           # its adapter is still loading: others go ahead
@@ -308,7 +309,7 @@ class Scheduler:
                 if seq.max_loras_waits > self.config.max_loras_patience:
                     break                     # ...but not forever: everything newer waits behind it now
                 continue
-            if len(self.running) + self._seats(seq) > self.config.max_num_seqs:
+            if seats + self._seats(seq) > self.config.max_num_seqs:
                 skipped.append(seq)
                 break
             matched = self._prefix_match(seq)
@@ -318,6 +319,7 @@ class Scheduler:
                     continue
                 skipped.append(seq)
                 break
+            seats += self._seats(seq)
             budget -= self._admit(seq, matched, budget, out)       # pins its adapter: max_loras counts it
         self.waiting.put_back(skipped)
         return budget
@@ -332,6 +334,11 @@ class Scheduler:
         if adapter is None or limit is None:
             return True
         return self.adapters.is_pinned(adapter.version) or self.adapters.num_pinned < limit
+
+    def _seats_taken(self) -> int:
+        """Places in the running set that its sequences hold, counting the samples or beams of a request still
+        in its prompt: they fork once its first token is out, and max_num_seqs bounds them from the start."""
+        return sum(map(self._seats, self.running))
 
     @staticmethod
     def _seats(seq: Sequence) -> int:

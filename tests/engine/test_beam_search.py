@@ -129,6 +129,24 @@ def test_forked_beams_share_their_history_pages(tiny_llama, setup):
     assert engine.pool_stats()["kv_pages"] == 0
 
 
+def test_beams_never_run_past_max_num_seqs(tiny_llama, setup):
+    """Four searches of width 4 under max_num_seqs=8: two groups run at a time, the others wait, and each
+    still equals the oracle's."""
+    prompts, stops = setup
+    llm = tiny_llm(tiny_llama, max_num_seqs=8, max_beam_width=4)
+    params = beam(4, stops, 1)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    peak, finished = 0, {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        peak = max(peak, len(engine.scheduler.running))
+    assert peak == 8
+    for i, prompt in enumerate(prompts):
+        assert [list(c.token_ids) for c in finished[str(i)].outputs] == oracle(tiny_llama, prompt, None, params)
+
+
 @pytest.mark.parametrize("mode,adapters,num_pages", [
     ("recompute", [None] * 4, 20),
     ("swap", [None] * 4, 20),

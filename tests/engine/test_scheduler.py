@@ -216,6 +216,18 @@ def test_a_request_of_n_samples_takes_n_running_slots():
     assert next(iter(scheduler.waiting)) is parent
 
 
+def test_requests_still_in_their_prompts_hold_every_seat_of_their_samples():
+    """Two requests of n=4 in their prompts hold 8 seats, not 2: a third waits, so that once all fork the
+    running set stays within max_num_seqs."""
+    scheduler = make_scheduler(256, max_num_seqs=8)
+    parents = [Sequence(i, f"r{i}", [1] * 4, SamplingParams(max_tokens=4, n=4), None) for i in range(3)]
+    for parent in parents:
+        scheduler.add(parent)
+    out = scheduler.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [0, 1]
+    assert next(iter(scheduler.waiting)) is parents[2]
+
+
 @pytest.mark.parametrize("start,end", [(0, 3), (2, 6), (4, 7), (5, 6), (0, 7), (6, 6)])
 def test_tokens_between_equals_a_slice_of_all_tokens(start, end):
     s = Sequence(0, "r", [10, 11, 12, 13, 14], SamplingParams(max_tokens=4))
