@@ -83,8 +83,8 @@ class EngineSizing:
         # rest of `gpu_memory_utilization` of the whole GPU becomes pages.
         tokens = min(self.config.step_tokens, self.max_model_len)
         activations = profile_activation_bytes(self.model, template, tokens, self.config.torch_device)
-        free, total = torch.cuda.mem_get_info(self.config.torch_device)
-        budget = total * self.config.cuda.gpu_memory_utilization - (total - free) - activations
+        total = torch.cuda.get_device_properties(self.config.torch_device).total_memory
+        budget = total * self.config.cuda.gpu_memory_utilization - held_bytes(self.config.torch_device) - activations
         pages = int(budget) // self.page_bytes
         if pages < 1:
             raise ValueError("no GPU memory is left for the pool: raise gpu_memory_utilization or use a "
@@ -127,3 +127,13 @@ class EngineSizing:
         untied_table = 0 if tied else embedding.numel() * embedding.element_size()
         return DecodeBytes(params - untied_table, 0 if tied else embedding.shape[1] * embedding.element_size(),
                            self.page_bytes // self.config.page_size, adapter_weight_bytes)
+
+
+def held_bytes(device: torch.device) -> int:
+    """GPU memory held by this process and any other, less what torch's caching allocator has freed and keeps:
+    loading leaves such copies behind (a model drawn in float32 then cast, the projections before fusing, the
+    activations' profile), and counting them as held left an 8B model's pool 16 GiB short of vLLM's."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    kept_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return total - free - kept_free
