@@ -8,8 +8,10 @@ vLLM 0.26.0 (`kv_cache_dtype="fp8"` in both).
 
 Decode is measured apart from prefill the same way for both systems (neither exposes the other's step timers):
 for each context C, 256 prompts of C random token ids with max_tokens=1 (T1: their prefill), then 256 other
-prompts of C tokens with max_tokens=1+D (T2; D = --decode-tokens, 64 by default): decode tok/s = 256*D/(T2-T1),
-and the second run's generated tok/s = 256*(1+D)/T2. Prompts come from a seed per context and run, the same
+prompts of C tokens with max_tokens=1+D (T2; D = --decode-tokens, 128 by default): decode tok/s = 256*D/(T2-T1),
+and the second run's generated tok/s = 256*(1+D)/T2. A step's 8,192 prompt tokens admit 8,192 / C sequences and
+each runs D + 1 steps, so at most (8,192 / C) * (D + 1) run at once: D = 128 lets that reach what an FP8 cache
+fits on an 80 GB card at both contexts (D = 64 held a 4,096-token run to 130 sequences). Prompts come from a seed per context and run, the same
 for both systems, so no run reuses another's. One engine per (system, cache dtype), built once, serves both
 contexts (max_model_len = the longest context + D + 1, max_num_seqs 256, max_num_batched_tokens 8,192 for both);
 a warm-up (a few short requests, then a few at each context), uncounted, runs before the timed runs.
@@ -88,7 +90,7 @@ class Plan:
                              f"{MODEL_POSITIONS} positions")
 
 
-FULL = Plan(contexts=(4096, 8192), num_seqs=256, decode_tokens=64, warm_up_seqs=8, max_batched_tokens=8192,
+FULL = Plan(contexts=(4096, 8192), num_seqs=256, decode_tokens=128, warm_up_seqs=8, max_batched_tokens=8192,
             gpu_memory_utilization=0.9)
 QUICK = Plan(contexts=(64, 128), num_seqs=4, decode_tokens=4, warm_up_seqs=2, max_batched_tokens=2048,
              gpu_memory_utilization=0.9)
