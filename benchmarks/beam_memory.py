@@ -12,8 +12,9 @@ page-time that sharing saves. Kwon et al. (vLLM) measured 37.6-55.2% for beam se
 
 --model runs the same measure on the engine with a real model (the default, SmolLM2-135M-Instruct, unless
 named), on the GPU when there is one: instruction prompts through its chat template, each beam search capped at
-an Alpaca-like output length and ended by the model's EOS as transformers would; after every engine step, the
-running beams of each request are counted as above. Prefix caching is off, so only a group's own sharing counts.
+an Alpaca-like output length and ended by the model's EOS as transformers would; after every schedule (the tables
+the step's forward reads), the running beams of each request are counted as above. Prefix caching is off, so
+only a group's own sharing counts.
 
     python benchmarks/beam_memory.py [--requests 500] [--widths 2,4,6] [--quick]
     python benchmarks/beam_memory.py --model [NAME] [--requests 200] [--widths 2,4,6]
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import after_each_step, default_out, print_table, write_json
+from common import default_out, print_table, write_json
 
 from slora.config import EngineConfig
 from slora.core.page_pool import PageAllocator
@@ -103,38 +104,51 @@ def instructions(count: int, rng: np.random.Generator) -> list[str]:
 
 
 class GroupPages:
-    """Wraps an engine's step: after each, the running beams of every beam-search request, their distinct
-    pages (as the pool holds them) and the sum of their block tables (as full copies)."""
+    """Wraps a scheduler's schedule: after each, the running beams of every beam-search request, their distinct
+    pages (as the pool holds them) and the sum of their block tables (as full copies). Counted there, the
+    tables are those the step's forward reads, as in the simulator: the forks of the last selection have copied
+    their shared partial last pages, and a beam past a full page has its next one. (After a step, the new forks
+    would still share the partial pages that the next schedule copies.)"""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, scheduler: Any) -> None:
         self.shared = self.unshared = 0
-        after_each_step(llm, self._count)
+        self._scheduler, self._schedule = scheduler, scheduler.schedule
+        scheduler.schedule = self._counted
 
-    def _count(self, engine: Any) -> None:
+    def take(self) -> tuple[int, int]:
+        """(shared, unshared) page-steps so far, the counts starting over."""
+        counts, self.shared, self.unshared = (self.shared, self.unshared), 0, 0
+        return counts
+
+    def _counted(self) -> Any:
+        out = self._schedule()
         groups: dict[str, list[list[int]]] = {}
-        for seq in engine.scheduler.running:
+        for seq in self._scheduler.running:
             if seq.params.use_beam_search:
                 groups.setdefault(seq.request_id, []).append(list(seq.block_table))
         for tables in groups.values():
             self.shared += len({page for table in tables for page in table})
             self.unshared += sum(len(table) for table in tables)
+        return out
 
 
 def run_model(model: str, device: str, requests: int, widths: list[int]) -> list[dict[str, Any]]:
     """The measure on the engine with a real model (see the module's doc)."""
     from slora import LLM
 
-    llm = LLM(model, device=device, page_size=PAGE_SIZE, enable_prefix_caching=False, max_beam_width=max(widths))
+    # Synchronous steps: an overlapped schedule runs before the last step's selection has forked its beams.
+    llm = LLM(model, device=device, page_size=PAGE_SIZE, enable_prefix_caching=False, max_beam_width=max(widths),
+              async_scheduling=False)
+    pages = GroupPages(llm.engine.scheduler)
     rows = []
     for width in widths:
         rng = np.random.default_rng(SEED)
         output_lens = [o for _, o in alpaca_like(requests, rng)]
         prompts = [llm.chat_prompt_ids([{"role": "user", "content": text}]) for text in instructions(requests, rng)]
-        pages = GroupPages(llm)
         start = time.perf_counter()
         outputs = llm.generate(prompts, [SamplingParams(use_beam_search=True, beam_width=width, max_tokens=n)
                                          for n in output_lens])
-        rows.append(_row(width, requests, pages.shared, pages.unshared, [len(p) for p in prompts],
+        rows.append(_row(width, requests, *pages.take(), [len(p) for p in prompts],
                          [len(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start))
     llm.close()
     return rows

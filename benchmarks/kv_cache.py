@@ -6,21 +6,21 @@ vLLM 0.26.0 (`kv_cache_dtype="fp8"` in both).
   decode     where the cache dominates: a Llama-3-8B-shaped model with random bf16 weights, 256 sequences at
              4,096 and at 8,192 tokens of context, no adapter, prefix cache off, greedy, `ignore_eos`
 
-Decode is measured apart from prefill the same way for both systems (neither exposes the other's step timers):
-for each context C, 256 prompts of C random token ids with max_tokens=1 (T1: their prefill), then 256 other
-prompts of C tokens with max_tokens=1+D (T2; D = --decode-tokens, 128 by default): decode tok/s = 256*D/(T2-T1),
-and the second run's generated tok/s = 256*(1+D)/T2. A step's 8,192 prompt tokens admit 8,192 / C sequences and
-each runs D + 1 steps, so at most (8,192 / C) * (D + 1) run at once: D = 128 lets that reach what an FP8 cache
-fits on an 80 GB card at both contexts (D = 64 held a 4,096-token run to 130 sequences). Prompts come from a seed per context and run, the same
-for both systems, so no run reuses another's. One engine per (system, cache dtype), built once, serves both
-contexts (max_model_len = the longest context + D + 1, max_num_seqs 256, max_num_batched_tokens 8,192 for both);
-a warm-up (a few short requests, then a few at each context), uncounted, runs before the timed runs.
-`seqs_fit` = min(256, capacity // (C + D)): the sequences whose pages fit at once; slora also gives the peak
-number it ran at once, and its preemptions. The roofline of a decode step at that concurrency: bytes = the
-weights a step reads + the running sequences' KV (2 * layers * kv_heads * head_dim * bytes per element a token,
-at the mean context C + D/2), over the HBM bandwidth of the device's name (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
-The model folder's config.json is Llama-3-8B's with max_position_embeddings 16,384, so that 8,192-token prompts
-fit; slora calibrates its FP8 scales at start (--kv-cache-scales, the default "calibrate"), vLLM uses 1.0.
+Decode is measured apart from prefill the same way for both systems (neither exposes the other's step timers): for
+each context C, 256 prompts of C random token ids with max_tokens=1 (T1: their prefill), then 256 other prompts of
+C tokens with max_tokens=1+D (T2; D = --decode-tokens, 128 by default): decode tok/s = 256*D/(T2-T1), and the
+second run's generated tok/s = 256*(1+D)/T2. A step's 8,192 prompt tokens admit 8,192 / C sequences and each runs D
++ 1 steps, so at most (8,192 / C) * (D + 1) run at once: D = 128 lets that reach what an FP8 cache fits on an 80 GB
+card at both contexts (D = 64 held a 4,096-token run to 130 sequences). Prompts come from a seed per context and
+run, the same for both systems, so no run reuses another's. One engine per (system, cache dtype), built once,
+serves both contexts (max_model_len = the longest context + D + 1, max_num_seqs 256, max_num_batched_tokens 8,192
+for both); a warm-up (a few short requests, then a few at each context), uncounted, runs before the timed runs.
+`seqs_fit` = min(256, capacity // (C + D)): the sequences whose pages fit at once; slora also gives the peak number
+it ran at once, and its preemptions. The roofline of a decode step at that concurrency: bytes = the weights a step
+reads + the running sequences' KV (2 * layers * kv_heads * head_dim * bytes per element a token, at the mean
+context C + D/2), over the HBM bandwidth of the device's name (H100 SXM 3.35 TB/s, H200 4.8 TB/s). The model
+folder's config.json is Llama-3-8B's with max_position_embeddings 16,384, so that 8,192-token prompts fit; slora
+calibrates its FP8 scales at start (--kv-cache-scales, the default "calibrate"), vLLM uses 1.0.
 
 One (system, dtype) per process, each writing its JSON; the vLLM mode imports only vLLM, torch and the standard
 library (run it under vLLM's PYTHONPATH); --table combines the JSONs:
