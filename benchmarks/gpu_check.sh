@@ -6,6 +6,7 @@
 # STEPS picks steps (default "tests kernels sweep decode full profile peft"):
 #   tests               pytest -m gpu over tests/kernels, tests/e2e and tests/engine
 #   kernels sweep gemv  kernel_bench.py: the kernels; --lora-sweep; --lora-gemv-sweep
+#   decode_sweep        kernel_bench.py --decode-sweep: decode attention, bf16 and FP8 caches, other launches
 #   decode full serial  decode.py; --graph-few-adapters 0; --no-lora-side-stream
 #   mixed profile peft  decode.py --mixed; --profile; --vs-peft
 #   prefill             prefill.py: one prefill layer's kernels at 8,192 tokens
@@ -73,6 +74,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 has tests && run gpu_tests python -m pytest -m gpu -q -rs tests/kernels tests/e2e tests/engine
 has kernels && run kernel_bench python benchmarks/kernel_bench.py "${quick[@]}" --out "$OUT/kernel_bench.json"
 has sweep && run lora_sweep python benchmarks/kernel_bench.py --lora-sweep --out "$OUT/lora_sweep.json"
+has decode_sweep && run decode_sweep python benchmarks/kernel_bench.py --decode-sweep --out "$OUT/decode_sweep.json"
 has gemv && run lora_gemv_sweep python benchmarks/kernel_bench.py --lora-gemv-sweep --out "$OUT/lora_gemv_sweep.json"
 has decode && run decode python benchmarks/decode.py "${quick[@]}" --out "$OUT/decode.json"
 has full && run decode_full python benchmarks/decode.py "${quick[@]}" --graph-few-adapters 0 \

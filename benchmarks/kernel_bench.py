@@ -12,9 +12,11 @@ On a CUDA GPU:
 Prints one table and writes JSON (default results/<machine kind>/kernel_bench.json). Without CUDA it stops with
 a message, unless --quick, which times the torch references at tiny sizes on the CPU. --lora-sweep times
 only the LoRA layer under other launch choices (PDL, 64-token blocks, split partial sums, 16 splits, each
-kernel alone); --lora-gemv-sweep the one-token expand against the default one.
+kernel alone); --lora-gemv-sweep the one-token expand against the default one; --decode-sweep decode attention
+over bf16 and FP8 caches under other tokens per iteration, warps and stages.
 
-    python benchmarks/kernel_bench.py [--out PATH] [--seed N] [--quick | --lora-sweep | --lora-gemv-sweep]
+    python benchmarks/kernel_bench.py [--out PATH] [--seed N] [--quick | --lora-sweep | --lora-gemv-sweep |
+        --decode-sweep]
 """
 import argparse
 import json
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from common import (
@@ -41,6 +44,9 @@ from common import (
 from torch import Tensor
 
 from slora.kernels import reference
+
+if TYPE_CHECKING:                     # the kernels import Triton: the CPU mode (--quick) never loads them
+    from slora.kernels.paged_attention import DecodeLaunch
 
 
 @dataclass
@@ -79,40 +85,64 @@ def _bandwidth(row: Row) -> Row:
 
 def _random_kv(batch: int, ctx: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-    """A pool with `batch` sequences of `ctx` tokens on randomly permuted pages."""
+    """A pool (of `dtype`: float8_e4m3fn for an FP8 cache) with `batch` sequences of `ctx` tokens on randomly
+    permuted pages."""
     blocks = math.ceil(ctx / page_size)
     num_pages = batch * blocks + 1
-    pool = torch.randn(num_pages, 2 * page_size * kv_heads * head_dim, device="cuda", dtype=dtype)
+    pool = torch.randn(num_pages, 2 * page_size * kv_heads * head_dim, device="cuda").to(dtype)
     perm = torch.randperm(num_pages - 1, generator=gen).add_(1).to(torch.int32)
     tables = perm[:batch * blocks].view(batch, blocks).cuda()
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     return pool, tables, lens
 
 
-def bench_decode(batch: int, ctx: int, gen: torch.Generator, num_splits: int | None = None) -> Row:
+def bench_decode(batch: int, ctx: int, gen: torch.Generator, num_splits: int | None = None, *,
+                 kv_dtype: torch.dtype = torch.bfloat16, launch: "DecodeLaunch | None" = None) -> Row:
+    """Decode attention over a bf16 or FP8 cache (scales of 1.0: the kernel's work does not depend on them);
+    `launch`: a DecodeLaunch other than the default."""
     from slora.kernels.paged_attention import (
         _multiprocessors,
         choose_num_splits,
+        default_launch,
         paged_attention,
     )
     heads, kv_heads, head_dim, page_size, dtype = 32, 8, 128, 16, torch.bfloat16
-    pool, tables, lens = _random_kv(batch, ctx, page_size, kv_heads, head_dim, dtype, gen)
+    pool, tables, lens = _random_kv(batch, ctx, page_size, kv_heads, head_dim, kv_dtype, gen)
+    scales = torch.ones(2, kv_heads, device="cuda") if kv_dtype.itemsize == 1 else None
     query = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
     out = torch.empty_like(query)
     splits = num_splits or choose_num_splits(batch, kv_heads, ctx, _multiprocessors(query.device))
+    launch = launch or default_launch(head_dim)
 
     def run():
-        paged_attention(query, pool, tables, lens, page_size, kv_heads, head_dim ** -0.5, num_splits=splits,
-                        max_context_len=ctx, out=out)
+        paged_attention(query, pool, tables, lens, page_size, kv_heads, head_dim ** -0.5, kv_scales=scales,
+                        num_splits=splits, max_context_len=ctx, out=out, launch=launch)
 
     run()
-    want = reference.paged_attention(query[:2], pool, tables[:2], lens[:2], page_size, kv_heads, head_dim ** -0.5)
+    want = reference.paged_attention(query[:2], pool, tables[:2], lens[:2], page_size, kv_heads, head_dim ** -0.5,
+                                     kv_scales=scales)
     err = (out[:2].float() - want.float()).abs().max().item()
-    kv_bytes = batch * ctx * kv_heads * head_dim * 2 * dtype.itemsize
+    kv_bytes = batch * ctx * kv_heads * head_dim * 2 * kv_dtype.itemsize
     io_bytes = 2 * query.numel() * dtype.itemsize + tables.numel() * 4
-    return _bandwidth(Row("paged_attention decode", f"batch {batch} ctx {ctx} 32q/8kv hd128 bf16 ps16 "
-                          f"splits {splits}", time_us(run), graph_time_us(run), kv_bytes + io_bytes,
-                          extra={"num_splits": splits, "max_abs_err_vs_reference": err}))
+    cache = "fp8" if scales is not None else "bf16"
+    knobs = f"block {launch.block_n} warps {launch.num_warps} stages {launch.num_stages}"
+    return _bandwidth(Row("paged_attention decode", f"batch {batch} ctx {ctx} 32q/8kv hd128 {cache} ps16 "
+                          f"splits {splits} {knobs}", time_us(run), graph_time_us(run), kv_bytes + io_bytes,
+                          extra={"num_splits": splits, "max_abs_err_vs_reference": err, "cache": cache,
+                                 **asdict(launch)}))
+
+
+def decode_sweep(gen: torch.Generator) -> list[Row]:
+    """Decode attention at batch 64 x 4,096 tokens (unsplit) and batch 8 x 16,384 (split), a bf16 and an FP8
+    cache, under other launch choices: a 1-byte cache reads half the bytes a loop iteration, so it may want
+    more tokens an iteration or more stages than a 2-byte one."""
+    from slora.kernels.paged_attention import DecodeLaunch
+
+    launches = [DecodeLaunch(block_n=n, num_warps=w, num_stages=st)
+                for n in (32, 64, 128) for w, st in ((4, 3), (4, 4), (8, 3))]
+    return [bench_decode(batch, ctx, gen, kv_dtype=dtype, launch=launch)
+            for batch, ctx in ((64, 4096), (8, 16384))
+            for dtype in (torch.bfloat16, torch.float8_e4m3fn) for launch in launches]
 
 
 def bench_prefill(num_seqs: int, seq_len: int, gen: torch.Generator) -> Row:
@@ -269,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-sweep", action="store_true", help="only the LoRA layer, under other launch choices")
     parser.add_argument("--lora-gemv-sweep", action="store_true",
                         help="only the LoRA layer: the one-token expand kernel against the default one")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="only decode attention, bf16 and FP8 caches, under other launch choices")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -282,9 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         rows, device = lora_sweep(gen), torch.cuda.get_device_name()
     elif args.lora_gemv_sweep:
         rows, device = lora_gemv_sweep(gen), torch.cuda.get_device_name()
+    elif args.decode_sweep:
+        rows, device = decode_sweep(gen), torch.cuda.get_device_name()
     else:
         device = torch.cuda.get_device_name()
         rows = [bench_decode(64, 4096, gen), bench_decode(64, 4096, gen, num_splits=4),
+                bench_decode(64, 4096, gen, kv_dtype=torch.float8_e4m3fn),
                 bench_decode(1, 32768, gen), bench_decode(1, 32768, gen, num_splits=1),
                 bench_prefill(8, 1024, gen),
                 bench_lora(64, 64, 16, gen), bench_lora(64, 64, 16, gen, knobs=LoraKnobs(expand_gemv=True)),

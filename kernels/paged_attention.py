@@ -21,6 +21,7 @@ arguments. Design:
   for the previous kernel (the rotary kernel storing the K/V), the query, block tables and pool after.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,10 +39,26 @@ _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 # Programs in flight we aim for, per multiprocessor, before splitting stops paying.
 _PROGRAMS_PER_SM = 4
-# Launch parameters of the decode kernel (context tokens per iteration, warps, pipeline stages).
-_BLOCK_N = 64
-_NUM_WARPS = 4
-_NUM_STAGES = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeLaunch:
+    """How the decode kernel is launched: context tokens a loop iteration reads (a power of two >= 16), warps
+    and pipeline stages. The default suits head_dim <= 128 (past it, 32 tokens); `benchmarks/kernel_bench.py
+    --decode-sweep` times others."""
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {self}")
+
+
+def default_launch(head_dim: int) -> DecodeLaunch:
+    return DecodeLaunch() if head_dim <= 128 else DecodeLaunch(block_n=32)
 
 
 @triton.jit
@@ -195,7 +212,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, multi
 def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, context_lens: Tensor,
                     page_size: int, num_kv_heads: int, scale: float, *, kv_scales: Tensor | None = None,
                     max_context_len: int | None = None, num_splits: int | None = None,
-                    out: Tensor | None = None, pdl: bool = False) -> Tensor:
+                    out: Tensor | None = None, pdl: bool = False, launch: DecodeLaunch | None = None) -> Tensor:
     """Decode attention: query `[batch, num_heads, head_dim]`, one token per sequence, attending to the
     `context_lens[b]` tokens of `block_tables[b]` (its own token included). Returns `[batch, num_heads,
     head_dim]` (written into `out` when given). A sequence with context length 0 gets zeros. kv_pool:
@@ -208,6 +225,7 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
     num_splits: force the number of context splits (1 = no split, no merge kernel).
     pdl: launch with programmatic dependent launch: context_lens is read before waiting for earlier
         kernels, so it must not come from any that may still run (slora.kernels.pdl).
+    launch: the decode kernel's launch parameters (default: `default_launch(head_dim)`).
     """
     _check_inputs(query, kv_pool, block_tables, context_lens, page_size, num_kv_heads, kv_scales)
     check_pdl_supported(pdl, query.device)
@@ -225,7 +243,8 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     group = num_heads // num_kv_heads
-    block_n = _BLOCK_N if head_dim <= 128 else _BLOCK_N // 2
+    launch = launch or default_launch(head_dim)
+    block_n = launch.block_n
     if num_splits == 1:
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     else:
@@ -241,7 +260,7 @@ def paged_attention(query: Tensor, kv_pool: Tensor, block_tables: Tensor, contex
         PAGE_SIZE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", USE_PDL=pdl, SCALED=kv_scales is not None,
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch_options(pdl),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **launch_options(pdl),
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](

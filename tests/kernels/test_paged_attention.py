@@ -4,7 +4,7 @@ import torch
 from kernel_helpers import assert_close, fp8_cache, make_generator, make_paged_kv, randn
 
 from slora.kernels import reference
-from slora.kernels.paged_attention import choose_num_splits, paged_attention
+from slora.kernels.paged_attention import DecodeLaunch, choose_num_splits, paged_attention
 
 
 def _lengths(page_size: int) -> list[int]:
@@ -58,6 +58,24 @@ def test_paged_attention_reads_k_and_v_halves(dtype, scales, num_splits):
 def test_paged_attention_head_dims_and_default_splits(head_dim):
     got, want = _run([5, 40, 17], 16, 4, 2, head_dim, torch.float32, seed=head_dim)
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("block_n", [16, 128])
+@pytest.mark.parametrize("scales,num_splits", [(None, 1), (None, 3), ("pow2", 1), ("any", 3)])
+def test_paged_attention_other_launches_match_reference(block_n, scales, num_splits):
+    """Tokens per loop iteration below a page and past every context (the sweep's range), bf16-like half and
+    FP8 caches, split and not: each split's share of a context is a multiple of block_n."""
+    got, want = _run(_lengths(16), 16, 8, 2, 32, torch.float16, seed=block_n + num_splits, scales=scales,
+                     num_splits=num_splits, launch=DecodeLaunch(block_n=block_n, num_stages=2))
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"block_n": 48}, "power of two"), ({"block_n": 8}, "power of two"),
+    ({"num_warps": 3}, "num_warps"), ({"num_stages": 0}, "num_stages")])
+def test_decode_launch_refuses_what_the_kernel_cannot_run(options, match):
+    with pytest.raises(ValueError, match=match):
+        DecodeLaunch(**options)
 
 
 def test_paged_attention_more_splits_than_tokens_and_out_argument():
