@@ -330,18 +330,24 @@ METHOD = ("per (prompt length P, width k): a warm-up call of a few requests, unc
 
 # ---- the combined table -----------------------------------------------------------------------------------------
 def load_runs(paths: list[Path]) -> dict[str, dict[str, Any]]:
-    """The runs' JSONs by system, in SYSTEMS order; a later file replaces an earlier one of the same system, and a
-    file that is not a run of this script is skipped."""
+    """The runs' JSONs by system, in SYSTEMS order, a file that is not a run of this script skipped. Runs of one
+    system merge (a long plan may run as several, each over some widths or prompt lengths): the later file's
+    fields, and its row wherever two measured the same (prompt length, width)."""
     runs: dict[str, dict[str, Any]] = {}
     for path in paths:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or data.get("benchmark") != "beam_search" or data.get("system") not in SYSTEMS:
             logger.warning("%s is not a beam_search run: skipped", path)
             continue
-        if data["system"] in runs:
-            logger.warning("%s replaces an earlier %s run", path, data["system"])
-        runs[data["system"]] = data
+        earlier = runs.get(data["system"], {"rows": []})
+        runs[data["system"]] = {**data, "rows": merged_rows(earlier["rows"], data["rows"])}
     return {system: runs[system] for system in SYSTEMS if system in runs}
+
+
+def merged_rows(earlier: list[dict[str, Any]], later: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Both runs' rows by (prompt length, width), the later's where both have one."""
+    by_point = {(row["prompt_len"], row["width"]): row for row in [*earlier, *later]}
+    return [by_point[point] for point in sorted(by_point)]
 
 
 def row_at(run: dict[str, Any] | None, prompt_len: int, width: int) -> dict[str, Any]:

@@ -24,7 +24,8 @@
 #   beam_memory         beam_memory.py --model: the KV memory sharing saves a beam search of the default model
 #                       (its package: `make device-model` cuts it in three parts, one carried per command)
 #   kv_cache_vllm       kv_cache.py --system vllm, the cache dtypes of $VLLM_KV_DTYPES (default "fp8"); needs
-#   beam_search_vllm    beam_search.py --system vllm; both need vLLM unpacked in $VLLM_SITE (default
+#   beam_search_vllm    beam_search.py --system vllm ($BEAM_SEARCH_ARGS and $BEAM_SEARCH_TAG for both beam
+#                       steps: part of the plan, into tagged files); both need vLLM unpacked in $VLLM_SITE (default
 #                       /tmp/vllm-site: vLLM 0.26.0 and the packages it imports, unpacked offline). Each
 #                       kv_cache or beam_search step also writes the table of the runs under $OUT so far.
 #   serving_switches    serving.py with overlapped scheduling and graphed mixed steps on, then off, alternated
@@ -140,10 +141,15 @@ if has kv_cache || has kv_cache_vllm; then
 fi
 if has beam_search || has beam_search_vllm; then
   python benchmarks/beam_search.py --write-model "$MODELS/beam_search" || exit 1
-  has beam_search && run beam_search_slora python benchmarks/beam_search.py --system slora \
-    --model-dir "$MODELS/beam_search" --out "$OUT/beam_search_slora.json"
-  has beam_search_vllm && run beam_search_vllm "${vllm[@]}" benchmarks/beam_search.py --system vllm \
-    --model-dir "$MODELS/beam_search" --out "$OUT/beam_search_vllm.json"
+  # $BEAM_SEARCH_ARGS (e.g. "--widths 64 --prompt-lens 128") runs part of the plan, into files tagged
+  # $BEAM_SEARCH_TAG; the table merges every part of a system.
+  # shellcheck disable=SC2086
+  has beam_search && run "beam_search_slora${BEAM_SEARCH_TAG:-}" python benchmarks/beam_search.py --system slora \
+    --model-dir "$MODELS/beam_search" ${BEAM_SEARCH_ARGS:-} --out "$OUT/beam_search_slora${BEAM_SEARCH_TAG:-}.json"
+  # shellcheck disable=SC2086
+  has beam_search_vllm && run "beam_search_vllm${BEAM_SEARCH_TAG:-}" "${vllm[@]}" benchmarks/beam_search.py \
+    --system vllm --model-dir "$MODELS/beam_search" ${BEAM_SEARCH_ARGS:-} \
+    --out "$OUT/beam_search_vllm${BEAM_SEARCH_TAG:-}.json"
   run beam_search_table python benchmarks/beam_search.py --table "$OUT"/beam_search_*.json \
     --out "$OUT/beam_search.json"
 fi

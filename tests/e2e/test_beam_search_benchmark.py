@@ -127,6 +127,21 @@ def test_goals_by_width():
     assert beam_search.table_rows({"slora": run})[0]["met"] is None         # no vLLM run: not judged
 
 
+def test_runs_of_one_system_merge_by_point(tmp_path):
+    """A plan run in parts: the table has every point either part measured, the later part's where both did."""
+    beam_search = load_benchmark("beam_search.py", "beam_search_benchmark")
+    first = {"benchmark": "beam_search", "system": "vllm", "version": "a",
+             "rows": [{"prompt_len": 128, "width": w, "req_s": 1.0} for w in (4, 16)]}
+    second = {**first, "version": "b", "rows": [{"prompt_len": 128, "width": w, "req_s": 2.0} for w in (16, 64)]}
+    paths = []
+    for name, run in (("first", first), ("second", second)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(run))
+    merged = beam_search.load_runs(paths)["vllm"]
+    assert merged["version"] == "b"
+    assert [(row["width"], row["req_s"]) for row in merged["rows"]] == [(4, 1.0), (16, 2.0), (64, 2.0)]
+
+
 def test_the_stand_in_tokenizer_loads(tmp_path):
     """vLLM's beam search reads eos_token_id and decodes the final beams: the stand-in must give both."""
     transformers = pytest.importorskip("transformers")
