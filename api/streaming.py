@@ -67,6 +67,10 @@ class EventStreamResponse(StreamingResponse):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for event in self._events:
                 await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                # Neither a queued event nor a send into an unpaused transport suspends: without a yield here,
+                # a backlog of events would hold the loop, and the disconnect watcher (and the transport's
+                # connection_lost) would run only after every event of a finished request was written.
+                await asyncio.sleep(0)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:          # uvicorn raises ClientDisconnected (an OSError) on a closed connection
             return False
