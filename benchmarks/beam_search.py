@@ -1,12 +1,13 @@
 """Beam-search throughput, slora's engine-level beam search against vLLM 0.26.0's `LLM.beam_search`.
 
-The workload: a Llama-3-8B-shaped model with random bf16 weights; prompts of 128 and of 1,024 random token ids;
-128 new tokens (ignore_eos, no stop); beam widths 4, 16 and 64, one best beam returned (n=1). For each (prompt
-length, width): a warm-up call of a few requests (uncounted), then one timed call of R requests (16 by default),
-each a beam search over its own prompt. Prompts come from a seed per (prompt length, width, phase), the same for
-both systems, so no call meets prompts that an earlier one cached. Reported: requests/s, beam tokens/s
-(R * width * max_tokens / seconds, the tokens the beams decoded) and seconds; for slora also the preemptions, the
-peak number of sequences (beams) running at once and the peak KV pages in use (sampled after every engine step).
+The workload: a Llama-3-8B-shaped model with random bf16 weights; prompts of 128 and of 1,024 random token ids; 128
+new tokens (ignore_eos, no stop); beam widths 4, 16 and 64, one best beam returned (n=1). For each (prompt length,
+width): a warm-up call of a few requests (uncounted), then one timed call of R requests (16 by default), each a beam
+search over its own prompt. Prompts come from a seed per (prompt length, width, phase), the same for both systems,
+so no call meets prompts that an earlier one cached. Reported: requests/s, beam tokens/s (R * width * max_tokens /
+seconds, the tokens the beams decoded) and seconds; for slora also the preemptions, the peak number of sequences
+(beams) running at once and the peak KV pages in use (running beams sampled after every engine step, pages after
+every schedule).
 
   slora   `LLM(..., max_beam_width=<widest>).generate(prompts, SamplingParams(use_beam_search=True, beam_width=k,
           n=1, max_tokens=T, ignore_eos=True))`; each beam counts as a sequence of max_num_seqs
@@ -136,12 +137,17 @@ class SloraEngine(SloraLLM):
     def __init__(self, model: str, kwargs: dict[str, Any]) -> None:
         self.peak_kv_pages = 0
         super().__init__(model, kwargs)
+        engine = self.llm.engine
+        schedule = engine.scheduler.schedule
 
-    def _note(self, engine: Any) -> None:
-        """Also the KV pages held after a step: pool_stats is O(1), so sampling it every step costs nothing
-        measurable."""
-        super()._note(engine)
-        self.peak_kv_pages = max(self.peak_kv_pages, int(engine.pool_stats()["kv_pages"]))
+        def schedule_and_note() -> Any:
+            """Also the KV pages held once a step is scheduled, as its forward reads them (after a step, the
+            last selection's forks still share the partial pages the next schedule copies). pool_stats is
+            O(1), so sampling it every step costs nothing measurable."""
+            out = schedule()
+            self.peak_kv_pages = max(self.peak_kv_pages, int(engine.pool_stats()["kv_pages"]))
+            return out
+        engine.scheduler.schedule = schedule_and_note
 
     def beam_search(self, prompts: list[list[int]], width: int, max_tokens: int) -> list[int]:
         from slora import SamplingParams
@@ -325,7 +331,7 @@ def measure(args: argparse.Namespace, plan: Plan, built: Built, start: float) ->
 METHOD = ("per (prompt length P, width k): a warm-up call of a few requests, uncounted, then one timed call of R "
           "requests, each a beam search (n=1, ignore_eos, no stop) of max_tokens T over its own P random token ids "
           "(seeded per P, k and phase; the same for both systems); req_s = R / seconds, beam_tok_s = R*k*T / "
-          "seconds; slora's peaks sampled after every engine step of the timed call")
+          "seconds; slora's peaks sampled in every engine step of the timed call (pages once it is scheduled)")
 
 
 # ---- the combined table -----------------------------------------------------------------------------------------
