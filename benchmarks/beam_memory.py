@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import default_out, print_table, write_json
+from common import after_each_schedule, default_out, print_table, write_json
 
 from slora.config import EngineConfig
 from slora.core.page_pool import PageAllocator
@@ -104,32 +104,27 @@ def instructions(count: int, rng: np.random.Generator) -> list[str]:
 
 
 class GroupPages:
-    """Wraps a scheduler's schedule: after each, the running beams of every beam-search request, their distinct
-    pages (as the pool holds them) and the sum of their block tables (as full copies). Counted there, the
-    tables are those the step's forward reads, as in the simulator: the forks of the last selection have copied
-    their shared partial last pages, and a beam past a full page has its next one. (After a step, the new forks
-    would still share the partial pages that the next schedule copies.)"""
+    """Counts, after each schedule (`after_each_schedule`: the tables the step's forward reads, as in the
+    simulator), the running beams of every beam-search request: their distinct pages (as the pool holds them)
+    and the sum of their block tables (as full copies)."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, llm: Any) -> None:
         self.shared = self.unshared = 0
-        self._scheduler, self._schedule = scheduler, scheduler.schedule
-        scheduler.schedule = self._counted
+        after_each_schedule(llm, self._count)
 
     def take(self) -> tuple[int, int]:
         """(shared, unshared) page-steps so far, the counts starting over."""
         counts, self.shared, self.unshared = (self.shared, self.unshared), 0, 0
         return counts
 
-    def _counted(self) -> Any:
-        out = self._schedule()
+    def _count(self, engine: Any) -> None:
         groups: dict[str, list[list[int]]] = {}
-        for seq in self._scheduler.running:
+        for seq in engine.scheduler.running:
             if seq.params.use_beam_search:
                 groups.setdefault(seq.request_id, []).append(list(seq.block_table))
         for tables in groups.values():
             self.shared += len({page for table in tables for page in table})
             self.unshared += sum(len(table) for table in tables)
-        return out
 
 
 def run_model(model: str, device: str, requests: int, widths: list[int]) -> list[dict[str, Any]]:
@@ -139,7 +134,7 @@ def run_model(model: str, device: str, requests: int, widths: list[int]) -> list
     # Synchronous steps: an overlapped schedule runs before the last step's selection has forked its beams.
     llm = LLM(model, device=device, page_size=PAGE_SIZE, enable_prefix_caching=False, max_beam_width=max(widths),
               async_scheduling=False)
-    pages = GroupPages(llm.engine.scheduler)
+    pages = GroupPages(llm)
     rows = []
     for width in widths:
         rng = np.random.default_rng(SEED)

@@ -135,19 +135,16 @@ class Built:
 
 class SloraEngine(SloraLLM):
     def __init__(self, model: str, kwargs: dict[str, Any]) -> None:
+        from common import after_each_schedule
+
         self.peak_kv_pages = 0
         super().__init__(model, kwargs)
-        engine = self.llm.engine
-        schedule = engine.scheduler.schedule
+        after_each_schedule(self.llm, self._note_pages)
 
-        def schedule_and_note() -> Any:
-            """Also the KV pages held once a step is scheduled, as its forward reads them (after a step, the
-            last selection's forks still share the partial pages the next schedule copies). pool_stats is
-            O(1), so sampling it every step costs nothing measurable."""
-            out = schedule()
-            self.peak_kv_pages = max(self.peak_kv_pages, int(engine.pool_stats()["kv_pages"]))
-            return out
-        engine.scheduler.schedule = schedule_and_note
+    def _note_pages(self, engine: Any) -> None:
+        """The KV pages held once a step is scheduled, its peak. pool_stats is O(1), so sampling it every step
+        costs nothing measurable."""
+        self.peak_kv_pages = max(self.peak_kv_pages, int(engine.pool_stats()["kv_pages"]))
 
     def beam_search(self, prompts: list[list[int]], width: int, max_tokens: int) -> list[int]:
         from slora import SamplingParams

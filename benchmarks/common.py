@@ -279,6 +279,20 @@ def after_each_step(llm: Any, note: Callable[[Any], None]) -> None:
     engine.step = watched_step
 
 
+def after_each_schedule(llm: Any, note: Callable[[Any], None]) -> None:
+    """Wrap an slora LLM's scheduler: after each schedule, `note(engine)` reads what the step's forward will
+    read (block tables once forks have copied their shared partial pages, the KV pages held at the step's peak).
+    After a step, the last selection's forks would still share pages that the next schedule copies."""
+    engine = llm.engine
+    schedule = engine.scheduler.schedule
+
+    def watched_schedule() -> Any:
+        out = schedule()
+        note(engine)
+        return out
+    engine.scheduler.schedule = watched_schedule
+
+
 # ---- host-side calls timed in a loop (step_host.py --host-speed) -----------------------------------------------
 class CallTiming(NamedTuple):
     """How a host-side unit is timed: `iterations` calls a run, the best of `repeats` runs."""

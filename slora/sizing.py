@@ -130,9 +130,10 @@ class EngineSizing:
 
 
 def held_bytes(device: torch.device) -> int:
-    """GPU memory held by this process and any other, less what torch's caching allocator has freed and keeps:
-    loading leaves such copies behind (a model drawn in float32 then cast, the projections before fusing, the
-    activations' profile), and counting them as held left an 8B model's pool 16 GiB short of vLLM's."""
+    """GPU memory held by this process and any other, less what torch's caching allocator has freed and keeps
+    (the cache is emptied first; what stays is partly used segments). Loading leaves freed blocks behind (copies
+    such as a model drawn in float32 then cast, the projections before fusing, the activations' profile), which
+    `mem_get_info` counts as used: an 8B model on an H100 got a 38.75 GiB pool where vLLM had about 55 GiB."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     kept_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

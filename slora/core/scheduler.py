@@ -294,7 +294,8 @@ class Scheduler:
     # ---- admission ----------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests within `budget` tokens; the budget left."""
-        if budget <= 0 or not self.waiting:
+        # Full by count alone (a saturated server's every step): no need to walk the running set for seats.
+        if budget <= 0 or not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return budget
         skipped: list[Sequence] = []           # taken and not admitted: they go back, keeping their places
         seats = self._seats_taken()
