@@ -124,7 +124,7 @@ class ClusterEngine:
     def __init__(self, config: EngineConfig, handle: Any, *, pool_pages: int, board: Any = None,
                  stall_timeout_s: float = STREAM_STALL_TIMEOUT_S) -> None:
         """`pool_pages`: a replica's pool size (replicas are alike); `board`: the replicas' SnapshotBoard (Ray's
-        ActorHandle), read for /metrics, or None."""
+        ActorHandle), read for /metrics and told of aborted requests, or None."""
         self.config = config
         source = resolve_model(config.model)
         self.model_config = load_model_config(source.folder)
@@ -145,6 +145,7 @@ class ClusterEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="slora-cluster-streams", daemon=True)
         self._thread.start()
         self._replicas: dict[str, EngineSnapshot] = {}     # replaced whole by the board's reader: no lock
+        self._board = board
         if board is not None:
             asyncio.run_coroutine_threadsafe(self._read_board(board), self._loop)
 
@@ -251,14 +252,27 @@ class ClusterEngine:
         if request.adapter_version is not None:
             options["multiplexed_model_id"] = request.adapter_version
         responses = self._handle.options(**options).remote(request)
+        ended = False
         try:
             while True:
                 try:
                     yield await asyncio.wait_for(responses.__anext__(), self._stall_timeout_s)
                 except StopAsyncIteration:
+                    ended = True
                     return
         finally:                  # cancelled, failed or stalled: the replica stops computing it
-            responses.cancel()
+            if not ended:
+                responses.cancel()          # at once, but best effort (replica.py says when it is lost)
+                self._post_abort(request.request_id)
+
+    def _post_abort(self, request_id: str) -> None:
+        """Tell the replicas through their board: the one running the request aborts it at its next post."""
+        if self._board is None:
+            return
+        try:
+            self._board.abort.remote(request_id)      # not awaited: a lost post leaves Ray's cancel alone
+        except Exception as exc:        # Ray's errors: the board's actor is gone (undeploy)
+            logger.warning("could not post the abort of request %s to the replicas' board: %s", request_id, exc)
 
     async def _read_board(self, board: Any) -> None:
         """Keep the replicas' latest snapshots, read from their board every PUBLISH_INTERVAL_S."""

@@ -13,6 +13,12 @@ multiplexed loader, which registers it as a public adapter named by the version;
 Each replica also posts its engine's snapshot to the cluster's SnapshotBoard (a small named Ray actor) every
 PUBLISH_INTERVAL_S, from which the ingress's /metrics gives every replica's series with a `replica` label.
 
+A request whose client leaves is stopped two ways. The ingress cancels its stream, which Ray turns into a
+CancelledError inside `generate`, within milliseconds. That is best effort: a cancel that lands while Ray's
+executor reports an output (not inside the user generator) leaves the generator suspended, and the engine
+runs the request to its end. So the ingress also posts the request id to the board, and each replica reads
+the ids posted since its last snapshot in the answer to its next post and aborts those it runs.
+
 Ray is imported inside functions only: a server without replicas never imports it.
 """
 import asyncio
@@ -47,6 +53,7 @@ READY_POLL_S = 0.01
 # Generous: a long generation on a loaded replica takes minutes, and a drained replica takes no new ones.
 DEFAULT_DRAIN_TIMEOUT_S = 300.0
 PUBLISH_INTERVAL_S = 1.0            # how often a replica posts its engine snapshot to the board
+ABORTED_KEPT_S = 60.0               # how long the board keeps an aborted id for replicas yet to post
 BOARD_NAMESPACE = "slora"           # the Ray namespace of the boards (detached actors, one per application)
 
 
@@ -57,13 +64,23 @@ def board_name(app_name: str) -> str:
 
 class SnapshotBoard:
     """The latest engine snapshot of each replica, as they post them (a Ray actor: `board(app_name)`). A replica
-    that stops posting (dead, removed) leaves the board's answers after `max_age_s`."""
+    that stops posting (dead, removed) leaves the board's answers after `max_age_s`. It also carries the ids of
+    requests the ingress aborted, to every replica, in the answer to its next post."""
 
     def __init__(self) -> None:
         self._latest: dict[str, tuple[float, EngineSnapshot]] = {}
+        self._aborted: dict[str, float] = {}        # request id -> when the ingress aborted it
 
-    def post(self, replica_id: str, snapshot: EngineSnapshot) -> None:
-        self._latest[replica_id] = (time.monotonic(), snapshot)
+    def post(self, replica_id: str, snapshot: EngineSnapshot) -> list[str]:
+        """Keep the snapshot; the ids aborted since this replica's previous post (all kept ones on its first)."""
+        now = time.monotonic()
+        previous = self._latest.get(replica_id, (now - ABORTED_KEPT_S, None))[0]
+        self._latest[replica_id] = (now, snapshot)
+        self._aborted = {rid: at for rid, at in self._aborted.items() if now - at <= ABORTED_KEPT_S}
+        return [rid for rid, at in self._aborted.items() if at >= previous]
+
+    def abort(self, request_id: str) -> None:
+        self._aborted[request_id] = time.monotonic()
 
     def fresh(self, max_age_s: float) -> dict[str, EngineSnapshot]:
         """The snapshots posted within `max_age_s`; older ones are dropped."""
@@ -157,6 +174,7 @@ class EngineReplica:
         self._requests: Counter[str] = Counter()
         self._base_requests = 0
         self._abandoned = 0
+        self._running: set[str] = set()                 # ids of the requests `generate` streams now
         self._weights: dict[str | None, float] = {}     # the tenants' weights the engine has now
         # Ray's loader takes the model id only; the folder of the request whose load it is travels beside it.
         self._folder: contextvars.ContextVar[str] = contextvars.ContextVar(f"slora-adapter-folder-{id(self)}")
@@ -190,13 +208,23 @@ class EngineReplica:
         stream = await self._engine.generate(request.request_id, list(request.prompt_token_ids), request.params,
                                              request.adapter_version, request.owner, priority=request.priority)
         self._count(request.adapter_version)
+        self._running.add(request.request_id)
         try:
             async for output in stream:
                 yield output
         finally:               # the consumer went away (closed, cancelled) before the end: stop computing it
-            if not stream.finished:
-                self._abandoned += 1
-                self._engine.abort(request.request_id)
+            if stream.finished:
+                self._running.discard(request.request_id)
+            else:
+                self._abandon(request.request_id)
+
+    def _abandon(self, request_id: str) -> None:
+        """Abort a request this replica streams, once, whichever way its end was asked for (the stream's
+        cancellation, or the board). The stream is sent its final output, so a generator still driven ends."""
+        if request_id in self._running:
+            self._running.discard(request_id)
+            self._abandoned += 1
+            self._engine.abort(request_id, notify=True)
 
     async def _weigh(self, owner: str | None, weight: float | None) -> None:
         """The owner's weight as the ingress knows it; sent with every request, applied when it changes."""
@@ -261,14 +289,16 @@ class EngineReplica:
             await asyncio.sleep(READY_POLL_S)
 
     async def _post_snapshots(self) -> None:
-        """Post the engine's latest snapshot to the application's board every PUBLISH_INTERVAL_S. Metrics
-        only: a failed post is logged, and the board is looked up again (made anew if it was removed)."""
+        """Post the engine's latest snapshot to the application's board every PUBLISH_INTERVAL_S, and abort the
+        requests the board says the ingress aborted. A failed post is logged, and the board is looked up again
+        (made anew if it was removed)."""
         posts_to = board(self._app_name)
         while True:
             snapshot = self._engine.snapshot
             if snapshot is not None:
                 try:
-                    await posts_to.post.remote(self._replica_id, snapshot)
+                    for request_id in await posts_to.post.remote(self._replica_id, snapshot):
+                        self._abandon(request_id)
                 except Exception as exc:     # Ray's errors: the board's actor died or was removed
                     logger.warning("replica %s could not post its snapshot: %s", self._replica_id, exc)
                     posts_to = board(self._app_name)

@@ -3,6 +3,7 @@ the tiny model's config; requests resolve there, stream, abort, and fail alone w
 import asyncio
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 
@@ -82,13 +83,16 @@ def run_to_end(engine: ClusterEngine, timeout_s: float = 10.0) -> list[RequestOu
 
 
 class FakeBoard:
-    """The replicas' SnapshotBoard as the ingress reads it: `await board.fresh.remote(max_age_s)`."""
+    """The replicas' SnapshotBoard as the ingress uses it: `await board.fresh.remote(max_age_s)` and
+    `board.abort.remote(request_id)`."""
 
     def __init__(self, snapshots: dict[str, EngineSnapshot]) -> None:
         self.snapshots = snapshots
-        self.fresh = self
+        self.aborted: list[str] = []
+        self.fresh = SimpleNamespace(remote=self._fresh)
+        self.abort = SimpleNamespace(remote=self.aborted.append)
 
-    async def remote(self, max_age_s: float) -> dict[str, EngineSnapshot]:
+    async def _fresh(self, max_age_s: float) -> dict[str, EngineSnapshot]:
         return dict(self.snapshots)
 
 
@@ -101,11 +105,13 @@ def make(script: Callable[[ReplicaRequest], list], stall_timeout_s: float = 30.0
 
 
 def test_a_request_streams_its_replicas_outputs():
-    engine, handle = make(lambda r: [output(r, [1], False), output(r, [1, 2], True)])
+    board = FakeBoard({})
+    engine, handle = make(lambda r: [output(r, [1], False), output(r, [1, 2], True)], board=board)
     engine.add_request("a", [5, 6, 7], PARAMS)
     outputs = run_to_end(engine)
     assert [o.token_ids for o in outputs] == [[1], [1, 2]] and outputs[-1].finished
     assert handle.sent[0][0] == {"stream": True, "method_name": "generate"}
+    assert not handle.streams[0].cancelled and board.aborted == []      # it ended: nothing to stop
 
 
 def test_an_adapter_is_routed_by_its_version_with_its_folder():
@@ -130,8 +136,9 @@ def test_unknown_adapters_and_bad_requests_are_refused_at_the_ingress():
     assert not handle.sent and not engine.has_unfinished()
 
 
-def test_abort_cancels_the_stream_and_returns_the_final_output():
-    engine, handle = make(lambda r: [output(r, [1], False), 30.0, output(r, [1, 2], True)])
+def test_abort_cancels_the_stream_posts_it_to_the_board_and_returns_the_final_output():
+    board = FakeBoard({})
+    engine, handle = make(lambda r: [output(r, [1], False), 30.0, output(r, [1, 2], True)], board=board)
     engine.add_request("a", [5], PARAMS)
     while not engine.step():
         pass
@@ -139,21 +146,24 @@ def test_abort_cancels_the_stream_and_returns_the_final_output():
     assert aborted is not None and aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished()
     deadline = time.monotonic() + 5
-    while not handle.streams[0].cancelled:
-        assert time.monotonic() < deadline, "the stream was not cancelled"
+    while not (handle.streams[0].cancelled and board.aborted):
+        assert time.monotonic() < deadline, "the stream was not cancelled, or the board not told"
         time.sleep(0.01)
+    assert board.aborted == ["a"]        # the replicas' second way to hear of it, should Ray's cancel be lost
 
 
 @pytest.mark.parametrize("failure", ["error", "stall"])
 def test_a_broken_stream_ends_its_request_with_an_error(failure):
     def script(r: ReplicaRequest) -> list:
         return [output(r, [1], False), RuntimeError("actor died") if failure == "error" else 30.0]
-    engine, _ = make(script, stall_timeout_s=0.5)
+    board = FakeBoard({})
+    engine, _ = make(script, stall_timeout_s=0.5, board=board)
     engine.add_request("a", [5], PARAMS)
     outputs = run_to_end(engine)
     final = outputs[-1]
     assert final.finished and final.error is not None and final.error.code == INTERNAL_ERROR
     assert final.token_ids == [1] and final.outputs[0].finish_reason == "error"
+    assert board.aborted == ["a"]        # a stalled replica may still be computing it
 
 
 def test_a_tenants_weight_travels_with_its_requests():

@@ -30,6 +30,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 # handle's router; a version's next requests follow it once the router has them.
 ROUTING_SETTLE_S = 1.0
 REPLICAS_APP = "slora-replicas"
+SMALL_APP = "slora-two-adapters"
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def replicas(cluster):
 def small_replica(cluster):
     """One replica that keeps two versions at most: Ray evicts the least recently used."""
     app = replica_app(EngineConfig(model=BASE_MODEL), 1, num_gpus=0, num_cpus=0.5, max_adapters=2)
-    return serve.run(app, name="slora-two-adapters", route_prefix=None)
+    return serve.run(app, name=SMALL_APP, route_prefix=None)
 
 
 def submit(handle, request: ReplicaRequest):
@@ -218,6 +219,20 @@ def test_request_abandoned_by_its_consumer_is_aborted(small_replica, adapters: A
         time.sleep(0.2)
     # Ended by the abort, not by running out its tokens: far fewer steps than one per token.
     assert stats.running == 0 and stats.abandoned == 1 and stats.engine_steps < max_tokens // 4, stats
+
+
+def test_request_aborted_on_the_board_stops_though_its_stream_is_not_cancelled(small_replica) -> None:
+    """The ingress posts every abort to the board too: Ray's cancel is best effort, and a lost one (a stream
+    never cancelled, here) would leave the replica generating for nobody."""
+    max_tokens = 2000
+    before = replica_stats(small_replica, 1)[0].abandoned
+    long = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = iter(submit(small_replica, request("on-the-board", [5, 6, 7, 8], None, params=long)))
+    assert not next(outputs).finished
+    ray.get(board(SMALL_APP).abort.remote("on-the-board"))
+    last = list(outputs)[-1]
+    assert last.finished and last.outputs[0].finish_reason == "abort" and len(last.token_ids) < max_tokens, last
+    assert replica_stats(small_replica, 1)[0].abandoned == before + 1
 
 
 @pytest.fixture(scope="module")
