@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from slora.api.replica import PUBLISH_INTERVAL_S, ReplicaRequest
 from slora.config import EngineConfig
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from slora.sampling.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 # As Engine.step: the longest a step with nothing new waits, so a request arriving meanwhile waits no longer.
 IDLE_STEP_WAIT_S = 0.005
 # Longest a stream may stay silent before its request fails: a replica that died or hangs ends its requests
@@ -114,6 +115,20 @@ def _final_output(flight: _Flight, reason: str, error: RequestError | None = Non
                                 s.cumulative_logprob) for s in samples]
     return RequestOutput(flight.request_id, flight.prompt_token_ids, outputs, finished=True,
                          num_cached_tokens=latest.num_cached_tokens if latest is not None else 0, error=error)
+
+
+async def _next_within(outputs: AsyncIterator[T], timeout_s: float) -> T:
+    """The iterator's next item, or TimeoutError after `timeout_s`. Not `asyncio.wait_for`: before Python 3.12
+    it returns the item and swallows a cancellation that arrives just as the item does (CPython gh-86296), so an
+    aborted request's stream went on to its end, and its replica with it."""
+    step = asyncio.ensure_future(outputs.__anext__())
+    try:
+        done, _ = await asyncio.wait({step}, timeout=timeout_s)
+    finally:
+        step.cancel()           # cancelled (the request was aborted) or timed out; a no-op when it is done
+    if not done:
+        raise TimeoutError(f"no output in {timeout_s:g} s")
+    return step.result()
 
 
 class ClusterEngine:
@@ -256,13 +271,13 @@ class ClusterEngine:
         try:
             while True:
                 try:
-                    yield await asyncio.wait_for(responses.__anext__(), self._stall_timeout_s)
+                    yield await _next_within(responses, self._stall_timeout_s)
                 except StopAsyncIteration:
                     ended = True
                     return
         finally:                  # cancelled, failed or stalled: the replica stops computing it
             if not ended:
-                responses.cancel()          # at once, but best effort (replica.py says when it is lost)
+                responses.cancel()          # at once, but best effort, as Ray documents it
                 self._post_abort(request.request_id)
 
     def _post_abort(self, request_id: str) -> None:

@@ -14,10 +14,9 @@ Each replica also posts its engine's snapshot to the cluster's SnapshotBoard (a 
 PUBLISH_INTERVAL_S, from which the ingress's /metrics gives every replica's series with a `replica` label.
 
 A request whose client leaves is stopped two ways. The ingress cancels its stream, which Ray turns into a
-CancelledError inside `generate`, within milliseconds. That is best effort: a cancel that lands while Ray's
-executor reports an output (not inside the user generator) leaves the generator suspended, and the engine
-runs the request to its end. So the ingress also posts the request id to the board, and each replica reads
-the ids posted since its last snapshot in the answer to its next post and aborts those it runs.
+CancelledError inside `generate` within milliseconds; Ray documents that as best effort. So the ingress also
+posts the request id to the board, and each replica reads the ids posted since its last snapshot in the answer
+to its next post and aborts those it runs.
 
 Ray is imported inside functions only: a server without replicas never imports it.
 """

@@ -1,6 +1,7 @@
 """ClusterEngine without Ray: a fake DeploymentHandle whose streams the tests script. The catalog is built from
 the tiny model's config; requests resolve there, stream, abort, and fail alone when their stream breaks."""
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -33,7 +34,7 @@ def output(request: ReplicaRequest, tokens: list[int], finished: bool) -> Reques
 class FakeStream:
     """What `handle.options(stream=True).remote(...)` returns: an async iterator that can be cancelled."""
 
-    def __init__(self, script: Callable[[ReplicaRequest], list[RequestOutput | BaseException | float]],
+    def __init__(self, script: Callable[[ReplicaRequest], list[RequestOutput | BaseException | float | Callable]],
                  request: ReplicaRequest) -> None:
         self.items = script(request)
         self.cancelled = False
@@ -49,6 +50,9 @@ class FakeStream:
                 continue
             if isinstance(item, BaseException):
                 raise item
+            if callable(item):                  # something that happens as the next output arrives
+                item()
+                continue
             return item
         raise StopAsyncIteration
 
@@ -150,6 +154,28 @@ def test_abort_cancels_the_stream_posts_it_to_the_board_and_returns_the_final_ou
         assert time.monotonic() < deadline, "the stream was not cancelled, or the board not told"
         time.sleep(0.01)
     assert board.aborted == ["a"]        # the replicas' second way to hear of it, should Ray's cancel be lost
+
+
+def test_an_abort_that_arrives_with_an_output_still_stops_the_stream():
+    """The abort lands while the next output is ready: asyncio.wait_for (Python < 3.12) returned the output and
+    dropped the cancellation, and the stream, with its replica, ran on to its end."""
+    board = FakeBoard({})
+    added = threading.Event()
+
+    def abort() -> None:          # on the streams' loop, as the next output is returned
+        assert added.wait(5), "add_request did not return"
+        engine.abort("a")
+    engine, handle = make(lambda r: [output(r, [1], False), abort,
+                                     *(output(r, [1] * k, False) for k in range(2, 200)), output(r, [1] * 200, True)],
+                          board=board)
+    engine.add_request("a", [5], PARAMS)
+    added.set()
+    deadline = time.monotonic() + 5
+    while not (handle.streams and handle.streams[0].cancelled and board.aborted):
+        assert time.monotonic() < deadline, "the aborted request's stream was neither cancelled nor stopped"
+        time.sleep(0.01)
+    assert len(handle.streams[0].items) > 150, "the stream was read on after its abort"
+    assert not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("failure", ["error", "stall"])
