@@ -28,6 +28,9 @@ KEYS = {"alice": "key-alice", "bob": "key-bob"}
 TENANTS = {name: {"key": key} for name, key in KEYS.items()}
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a distant galaxy", "Hello there"]
 MAX_TOKENS = 8
+# A replica pushes the versions it holds every 0.1 s, to Ray's controller, which passes them on to the ingress's
+# router; until then a version's requests are routed as an unknown one's. Generous for a loaded 2-core machine.
+ROUTING_SETTLE_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +115,10 @@ def _replica_stats(timeout_s: float = 10.0) -> dict[str, ReplicaStats]:
 def test_uploaded_adapter_is_served_as_offline_and_private(server, adapter_root, offline):
     with _http(server, "alice") as alice, _http(server, "bob") as bob:
         info = _upload(alice, adapter_root, "attn-r4", "mine")
-        assert [_completion(alice, "mine", p) for p in PROMPTS] == [_expected(offline, "attn-r4", p) for p in PROMPTS]
+        first = _completion(alice, "mine", PROMPTS[0])          # loads the version on one replica
+        time.sleep(ROUTING_SETTLE_S)
+        rest = [_completion(alice, "mine", p) for p in PROMPTS[1:]]
+        assert [first, *rest] == [_expected(offline, "attn-r4", p) for p in PROMPTS]
         assert bob.post("/v1/completions", json={"model": "mine", "prompt": "hi", "max_tokens": 2}).status_code == 404
         assert "mine" in {card["id"] for card in alice.get("/v1/models").json()["data"]}
         assert "mine" not in {card["id"] for card in bob.get("/v1/models").json()["data"]}
@@ -124,6 +130,8 @@ def test_uploaded_adapter_is_served_as_offline_and_private(server, adapter_root,
 def test_each_adapter_stays_on_one_replica(server, adapter_root, offline):
     with _http(server, "bob") as bob:
         info = _upload(bob, adapter_root, "mlp-r8", "bobs")
+        assert _completion(bob, "bobs", PROMPTS[0]) == _expected(offline, "mlp-r8", PROMPTS[0])
+        time.sleep(ROUTING_SETTLE_S)
         for prompt in PROMPTS * 2:
             assert _completion(bob, "bobs", prompt) == _expected(offline, "mlp-r8", prompt)
     loads = {rid: s.loads.get(info["version"], 0) for rid, s in _replica_stats().items()}
