@@ -343,7 +343,8 @@ class AsyncEngine:
             self._deliver([output])
 
     def _publish(self, engine: ServedEngine, force: bool = False) -> None:
-        # pool_stats() walks every page, so it is taken at most every snapshot_interval_s while busy.
+        # snapshot() walks the waiting sequences and the adapters in use, so it is taken at most every
+        # snapshot_interval_s while busy.
         now = time.monotonic()
         if force or now - self._last_snapshot >= self._snapshot_interval_s:
             self.snapshot = engine.snapshot()

@@ -269,28 +269,25 @@ def make_prompts(trace: list[Request], vocab_size: int, seed: int) -> list[list[
 def after_each_step(llm: Any, note: Callable[[Any], None]) -> None:
     """Wrap an slora LLM's engine step: after each, `note(engine)` reads what it needs (the running sequences,
     pool_stats), so a script watches peaks without a hook in the engine."""
-    engine = llm.engine
-    step = engine.step
-
-    def watched_step() -> Any:
-        outputs = step()
-        note(engine)
-        return outputs
-    engine.step = watched_step
+    _note_after(llm.engine, "step", llm.engine, note)
 
 
 def after_each_schedule(llm: Any, note: Callable[[Any], None]) -> None:
     """Wrap an slora LLM's scheduler: after each schedule, `note(engine)` reads what the step's forward will
     read (block tables once forks have copied their shared partial pages, the KV pages held at the step's peak).
     After a step, the last selection's forks would still share pages that the next schedule copies."""
-    engine = llm.engine
-    schedule = engine.scheduler.schedule
+    _note_after(llm.engine.scheduler, "schedule", llm.engine, note)
 
-    def watched_schedule() -> Any:
-        out = schedule()
+
+def _note_after(owner: Any, method: str, engine: Any, note: Callable[[Any], None]) -> None:
+    """Replace `owner.method` (no arguments) by one that calls it, then `note(engine)`."""
+    call = getattr(owner, method)
+
+    def watched() -> Any:
+        result = call()
         note(engine)
-        return out
-    engine.scheduler.schedule = watched_schedule
+        return result
+    setattr(owner, method, watched)
 
 
 # ---- host-side calls timed in a loop (step_host.py --host-speed) -----------------------------------------------
